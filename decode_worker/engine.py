@@ -1,0 +1,191 @@
+"""The decode engine: continuous batching over the paged KV cache.
+
+Other threads talk to it only through :meth:`DecodeEngine.add_request`,
+:meth:`DecodeEngine.abort` and the KV receiver's callbacks, all of which post to
+an inbox; the engine thread alone owns request state. Each :meth:`step`:
+
+    1. drain the inbox   (KV arrived -> DECODING; failures and aborts -> FINISHED)
+    2. schedule          (up to max_batch_size DECODING requests, oldest first)
+    3. run               (one batched forward, one new token per request)
+    4. postprocess       (sample, stream, retire finished requests, free their blocks)
+
+Requests join and leave at every token boundary (continuous batching, Yu et al.,
+"Orca", OSDI 2022).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.request import DecodeRequest, DecodeStatus, DecodeEventSink, ErrorEvent, FinishedEvent, TokensEvent
+from kvtransfer.tcp import TcpKVReceiver
+from model.config import ModelConfig
+from model.kv_cache import BlockPool, KVCacheSpec
+from model.llama import LlamaForCausalLM
+from model.runner import ModelRunner, StepInput
+from model.sampling import SamplingParams, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _KVArrived:
+    request_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class _KVFailed:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class DecodeEngine:
+    """Owns the decode worker's model, KV cache, block pool and KV receiver."""
+
+    def __init__(self, cfg: DecodeWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig) -> None:
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.spec = KVCacheSpec(cfg.num_blocks, model_cfg.num_layers, cfg.block_size,
+                                model_cfg.num_kv_heads, model_cfg.head_dim, cfg.torch_dtype)
+        self.runner = ModelRunner(model, self.spec)
+        self.pool = BlockPool(cfg.num_blocks)
+        self.receiver = TcpKVReceiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
+                                      io_timeout_s=cfg.kv_io_timeout_s)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, DecodeRequest] = {}   # every unfinished request (engine thread)
+        self._ids_lock = threading.Lock()
+        self._live_ids: set[str] = set()                 # ids taken, for duplicate checks from any thread
+        self.num_transferring = 0
+        self.num_decoding = 0
+
+    # ---- called from other threads -------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                    kv_timeout_s: float, emit: DecodeEventSink) -> list[int]:
+        """Pre-allocate the request's blocks and wait for its KV pages.
+
+        Blocks cover ``len(prompt_ids) + max_tokens - 1`` positions (capped at the model's
+        context), so decoding never runs out of blocks midway.
+
+        Returns:
+            The block ids the prompt's KV pages must be written into (its first blocks).
+        Raises:
+            ValueError: duplicate request id, or prompt and max_tokens beyond the context.
+            model.kv_cache.NoFreeBlocks: the pool cannot hold the request now.
+        """
+        max_ctx = self.model_cfg.max_position_embeddings
+        if len(prompt_ids) + sampling.max_tokens > max_ctx:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
+                             f"exceeds the model's context of {max_ctx} tokens")
+        with self._ids_lock:
+            if request_id in self._live_ids:
+                raise ValueError(f"request id {request_id!r} is already in use on this worker")
+            self._live_ids.add(request_id)
+        try:
+            table = self.pool.allocate(self.spec.num_blocks_for(len(prompt_ids) + sampling.max_tokens - 1))
+        except Exception:
+            self._release_id(request_id)
+            raise
+        req = DecodeRequest(request_id, list(prompt_ids), sampling, sampling.stop_ids(self.model_cfg.eos_token_ids),
+                            max_ctx, table, emit)
+        prompt_blocks = table[: self.spec.num_blocks_for(len(prompt_ids))]
+        self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
+        self.receiver.expect(request_id, prompt_blocks, kv_timeout_s,
+                             on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
+                             on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
+        return prompt_blocks
+
+    def abort(self, request_id: str) -> None:
+        """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
+        self._inbox.put(_Abort(request_id))
+
+    # ---- engine thread ---------------------------------------------------------------
+    def run_forever(self, stop: threading.Event) -> None:
+        """Step until ``stop`` is set; idle waits block on the inbox."""
+        while not stop.is_set():
+            if not self.num_decoding:
+                try:
+                    self._handle(self._inbox.get(timeout=0.05))
+                except queue.Empty:
+                    continue
+            self.step()
+        self._shutdown()
+
+    def step(self) -> None:
+        """One engine iteration: inbox, schedule, run, postprocess."""
+        self._drain_inbox()
+        batch = [r for r in self._requests.values() if r.status is DecodeStatus.DECODING][: self.cfg.max_batch_size]
+        if not batch:
+            return
+        logits = self.runner.run([StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch])
+        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
+        for req, token in zip(batch, tokens):
+            req.output_ids.append(token)
+            req.emit(TokensEvent([token]))
+            self._finish_if_done(req)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, DecodeRequest):
+            self._requests[msg.request_id] = msg
+            self.num_transferring += 1
+            return
+        req = self._requests.get(msg.request_id)
+        if req is None:
+            return  # already finished (e.g. aborted, then a late callback)
+        if isinstance(msg, _KVArrived) and req.status is DecodeStatus.TRANSFERRING:
+            self.num_transferring -= 1
+            self.num_decoding += 1
+            req.status, req.kv_ready_at = DecodeStatus.DECODING, time.monotonic()
+            req.output_ids.append(msg.first_token)  # sampled by the prefill worker (output index 0)
+            self._finish_if_done(req)
+        elif isinstance(msg, _KVFailed):
+            self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}"))
+        elif isinstance(msg, _Abort):
+            self._retire(req, None)
+
+    def _finish_if_done(self, req: DecodeRequest) -> None:
+        reason = req.finish_reason()
+        if reason is not None:
+            self._retire(req, FinishedEvent(reason, len(req.output_ids), req.kv_ready_at - req.allocated_at))
+
+    def _retire(self, req: DecodeRequest, event: FinishedEvent | ErrorEvent | None) -> None:
+        """FINISHED: free the blocks, forget the request, send the last event."""
+        if req.status is DecodeStatus.TRANSFERRING:
+            self.receiver.cancel(req.request_id)
+            self.num_transferring -= 1
+        else:
+            self.num_decoding -= 1
+        req.status = DecodeStatus.FINISHED
+        del self._requests[req.request_id]
+        self.pool.free(req.block_table)
+        self._release_id(req.request_id)
+        if event is not None:
+            req.emit(event)
+
+    def _release_id(self, request_id: str) -> None:
+        with self._ids_lock:
+            self._live_ids.discard(request_id)
+
+    def _shutdown(self) -> None:
+        self._drain_inbox()
+        for req in list(self._requests.values()):
+            self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, "decode worker shutting down"))
+        self.receiver.close()

@@ -1,0 +1,86 @@
+"""A request's life on the decode worker, and the events it streams back.
+
+::
+
+    add_request ──► TRANSFERRING ──(all KV pages + first token)──► DECODING ──► FINISHED
+       (blocks       │  waits for the prefill worker's pages          │  one token    (stop, length)
+        allocated)   │  (deadline: kv_timeout_s)                      │  per step
+                     └──(transfer failed / timed out / aborted)───────┴──► FINISHED (error / abort)
+
+Owner of the blocks in every state: the decode engine, which frees them on every
+path into FINISHED.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from model.sampling import SamplingParams
+
+
+class DecodeStatus(enum.Enum):
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New output tokens."""
+
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """The request ended normally; ``reason`` is ``"stop"`` or ``"length"``."""
+
+    reason: str
+    num_output_tokens: int
+    kv_wait_s: float
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed; the stream ends with this gRPC status."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+DecodeEventSink = Callable[[TokensEvent | FinishedEvent | ErrorEvent], None]
+
+
+@dataclass
+class DecodeRequest:
+    """Mutable state of one request on the decode worker (engine thread only)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop_ids: frozenset[int]
+    max_context: int
+    block_table: list[int]
+    emit: DecodeEventSink
+    status: DecodeStatus = DecodeStatus.TRANSFERRING
+    output_ids: list[int] = field(default_factory=list)
+    allocated_at: float = field(default_factory=time.monotonic)
+    kv_ready_at: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"`` or ``None`` (keep going) after the last output token."""
+        if self.output_ids and self.output_ids[-1] in self.stop_ids:
+            return "stop"
+        if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_context:
+            return "length"
+        return None

@@ -1,0 +1,107 @@
+"""The decode worker process: gRPC ``DecodeWorker`` service over a :class:`DecodeEngine`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+import torch
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.engine import DecodeEngine
+from decode_worker.request import ErrorEvent, FinishedEvent, TokensEvent
+from deploy.worker_process import Heartbeat, start_grpc_server
+from model.kv_cache import NoFreeBlocks
+from model.loader import load_model
+from proto import worker_pb2, worker_pb2_grpc
+from proto.convert import FINISH_REASONS, sampling_from_wire
+from router.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """Streams one request's output: ``allocated``, token deltas, ``finished``."""
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        sampling = sampling_from_wire(request.sampling)
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        try:
+            sampling.validate(self.engine.model_cfg.vocab_size)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
+        try:
+            blocks = self.engine.add_request(request.request_id, list(request.prompt_token_ids), sampling,
+                                             request.kv_timeout_s or 30.0, emit)
+        except NoFreeBlocks as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        ended = False
+        try:
+            yield worker_pb2.DecodeEvent(allocated=worker_pb2.Allocated(
+                block_ids=blocks, kv_address=self.engine.receiver.address))
+            while True:
+                ev = await events.get()
+                if isinstance(ev, TokensEvent):
+                    yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=ev.token_ids))
+                elif isinstance(ev, FinishedEvent):
+                    ended = True
+                    yield worker_pb2.DecodeEvent(finished=worker_pb2.DecodeFinished(
+                        finish_reason=FINISH_REASONS[ev.reason], num_output_tokens=ev.num_output_tokens,
+                        kv_wait_s=ev.kv_wait_s))
+                    return
+                elif isinstance(ev, ErrorEvent):
+                    ended = True
+                    await context.abort(ev.code, ev.message)
+        finally:
+            if not ended:  # cancelled by the router or the client: free the blocks
+                self.engine.abort(request.request_id)
+
+
+class DecodeWorker:
+    """A running decode worker: engine thread, gRPC server, Redis lease."""
+
+    def __init__(self, cfg: DecodeWorkerConfig) -> None:
+        torch.set_num_threads(cfg.num_threads)
+        self.cfg = cfg
+        model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
+        self.engine = DecodeEngine(cfg, model, model_cfg)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.engine.run_forever, args=(self._stop,), name="decode-engine",
+                                        daemon=True)
+        self.address = ""
+
+    def info(self) -> WorkerInfo:
+        """This worker's registry entry with its current load."""
+        e = self.engine
+        return WorkerInfo(worker_id=self.cfg.worker_id, block_size=self.cfg.block_size, role="decode", address=self.address,
+                          kv_address=e.receiver.address, num_total_blocks=e.pool.num_blocks,
+                          num_free_blocks=e.pool.num_free, num_running=e.num_decoding,
+                          num_waiting=e.num_transferring)
+
+    async def start(self) -> str:
+        """Start serving; register in Redis last, so traffic arrives only when ready. Returns ``host:port``."""
+        self._thread.start()
+        self._server, port = await start_grpc_server(
+            self.cfg.host, self.cfg.port, lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+                DecodeServicer(self.engine), s), ["pdserve.worker.v1.DecodeWorker"])
+        self.address = f"{self.cfg.host}:{port}"
+        self._heartbeat = Heartbeat(self.cfg, self.info)
+        self._heartbeat.start()
+        return self.address
+
+    async def stop(self) -> None:
+        """Deregister, stop serving, fail what is in flight, release the KV pool."""
+        self._heartbeat.stop()
+        await self._server.stop(grace=1.0)
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 5)

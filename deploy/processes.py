@@ -1,0 +1,60 @@
+"""Starting role processes as plain subprocesses (``python -m <role>``) and waiting
+until they are ready. Used by tests and benchmarks; ``pdserve up`` uses Ray."""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class RoleProcess:
+    """A started role process and the gRPC address it printed."""
+
+    name: str
+    proc: subprocess.Popen
+    address: str
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def spawn_role(module: str, flags: dict[str, object], name: str = "", timeout_s: float = 120.0,
+               env: dict[str, str] | None = None) -> RoleProcess:
+    """Run ``python -m module --flag value ...`` and wait for its ``ready host:port`` line.
+
+    Raises:
+        RuntimeError: the process exited or did not get ready within ``timeout_s`` seconds
+            (its stderr is included).
+    """
+    argv = [sys.executable, "-m", module]
+    for key, value in flags.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith("ready "):
+                return RoleProcess(name or module, proc, line.split()[1])
+            if line == "" and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    _, err = proc.communicate(timeout=5)
+    raise RuntimeError(f"{name or module} did not start: exit {proc.returncode}\n{err[-4000:]}")

@@ -1,0 +1,130 @@
+"""What every worker process shares: its base config, the gRPC server with health
+checking and reflection, the Redis lease heartbeat, and the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router.registry import WorkerInfo, WorkerLease
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_redis_url() -> str:
+    """``PDSERVE_REDIS_URL`` or the local Redis."""
+    return os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings every worker has; each role's config extends it.
+
+    Attributes:
+        model_dir: Hugging Face checkpoint directory.
+        worker_id: unique id in the cluster.
+        cluster: registry namespace in Redis (several clusters can share one Redis).
+        redis_url: the registry.
+        host: address the gRPC and KV servers bind to.
+        port: gRPC port (0 = pick a free one).
+        block_size: tokens per KV block.
+        num_blocks: blocks in this worker's KV pool.
+        dtype: weight and KV dtype name (``float32``, ``bfloat16``, ``float16``).
+        num_threads: torch intra-op threads.
+        lease_s: Redis lease; renewed every ``lease_s / 4`` seconds.
+    """
+
+    model_dir: str
+    worker_id: str
+    cluster: str = "default"
+    redis_url: str = field(default_factory=default_redis_url)
+    host: str = "127.0.0.1"
+    port: int = 0
+    block_size: int = 16
+    num_blocks: int = 512
+    dtype: str = "float32"
+    num_threads: int = 1
+    lease_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "num_blocks", "num_threads"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+class Heartbeat(threading.Thread):
+    """Renews the worker's lease with its current load until stopped; on stop, releases it."""
+
+    def __init__(self, cfg: WorkerConfig, info: Callable[[], WorkerInfo]) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self._lease = WorkerLease(cfg.redis_url, cfg.cluster, cfg.lease_s)
+        self._info, self._period, self._halt = info, cfg.lease_s / 4, threading.Event()
+        self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
+
+    def run(self) -> None:
+        while not self._halt.wait(self._period):
+            try:
+                self._lease.renew(self._info())
+            except Exception as exc:  # Redis down: keep trying, the lease lapses meanwhile
+                log.warning("lease renewal failed: %s", exc)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=2)
+        try:
+            self._lease.release(self._info().worker_id)
+        except Exception as exc:
+            log.warning("lease release failed: %s", exc)
+        self._lease.close()
+
+
+async def start_grpc_server(host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None],
+                            service_names: list[str]) -> tuple[grpc.aio.Server, int]:
+    """Start a ``grpc.aio`` server with the given servicer plus health and reflection.
+
+    Returns:
+        The server and the bound port.
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    add_servicer(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,146 @@
+"""Paged attention over the block-major KV cache: the torch path (CPU) and the
+reference that GPU kernels are tested against.
+
+Cache layout (see :mod:`model.kv_cache`)::
+
+    kv_cache[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+A step's tokens are one flat batch of ``num_tokens`` rows from ``B`` sequences
+(prefill chunks and single decode tokens mixed). :class:`AttentionMetadata`
+holds everything a layer needs, computed once per step.
+
+Algorithm: PagedAttention (Kwon et al., SOSP 2023). The torch path gathers each
+sequence's context through its block table into a padded ``[B, max_ctx]`` batch
+and runs one ``scaled_dot_product_attention`` with a causal + length mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs for a flat token batch.
+
+    Attributes:
+        positions: ``[num_tokens]`` int64, each token's position in its sequence.
+        slot_mapping: ``[num_tokens]`` int64, ``block_id * block_size + offset`` where the token's KV goes.
+        query_index: ``[B, max_q]`` int64, row of the flat batch for each (sequence, query) pair;
+            padding points at row 0 and is masked out of the result by ``query_valid``.
+        query_valid: ``[B, max_q]`` bool.
+        ctx_block: ``[B, max_ctx]`` int64, block id of each context position (0 where padded).
+        ctx_offset: ``[B, max_ctx]`` int64, offset inside the block.
+        attn_mask: ``[B, 1, max_q, max_ctx]`` bool, True where the query may attend to the key.
+        fresh_prefill: True when the step is one sequence with no earlier context,
+            so attention can run causally on the fresh K/V without reading the cache.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_index: torch.Tensor
+    query_valid: torch.Tensor
+    ctx_block: torch.Tensor
+    ctx_offset: torch.Tensor
+    attn_mask: torch.Tensor
+    fresh_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_attention_metadata(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build the metadata of a step over ``B`` sequences.
+
+    Args:
+        query_lens: new tokens of each sequence in this step (>= 1).
+        seq_lens: context length of each sequence after this step (earlier tokens + new ones).
+        block_tables: each sequence's block ids, at least ``ceil(seq_len / block_size)`` of them.
+        block_size: tokens per block.
+    Raises:
+        ValueError: inconsistent lengths or a block table too short.
+    """
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
+        raise ValueError("query_lens, seq_lens and block_tables must be non-empty and of equal length")
+    num_seqs, max_q, max_ctx = len(query_lens), max(query_lens), max(seq_lens)
+    positions, slots = [], []
+    query_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
+    ctx_block = torch.zeros(num_seqs, max_ctx, dtype=torch.long)
+    row = 0
+    for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        if not 1 <= q_len <= s_len:
+            raise ValueError(f"sequence {i}: query_len {q_len} must be in [1, seq_len={s_len}]")
+        if len(table) * block_size < s_len:
+            raise ValueError(f"sequence {i}: {len(table)} blocks cannot hold {s_len} tokens")
+        pos = range(s_len - q_len, s_len)
+        positions.extend(pos)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        query_index[i, :q_len] = torch.arange(row, row + q_len)
+        row += q_len
+        blocks = torch.tensor(table[: -(-s_len // block_size)], dtype=torch.long)
+        ctx_block[i, :s_len] = blocks.repeat_interleave(block_size)[:s_len]
+    q_lens = torch.tensor(query_lens)
+    s_lens = torch.tensor(seq_lens)
+    q_pos = (s_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]        # [B, max_q] absolute positions
+    query_valid = torch.arange(max_q)[None, :] < q_lens[:, None]
+    k_pos = torch.arange(max_ctx)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s_lens[:, None, None])
+    mask[:, :, 0] |= ~query_valid                                            # padded rows see key 0: no NaN
+    ctx_offset = (k_pos % block_size).expand(num_seqs, max_ctx).contiguous()
+    return AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_index=query_index.to(device),
+        query_valid=query_valid.to(device),
+        ctx_block=ctx_block.to(device),
+        ctx_offset=ctx_offset.to(device),
+        attn_mask=mask[:, None].to(device),
+        fresh_prefill=num_seqs == 1 and query_lens[0] == seq_lens[0],
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``k``, ``v`` (``[num_tokens, num_kv_heads, head_dim]``) of ``layer`` at their slots."""
+    block_size = kv_cache.shape[3]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    kv_cache[blocks, layer, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[blocks, layer, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def paged_attention_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Attention of a flat token batch against each sequence's paged context.
+
+    The new tokens' K/V must already be written to the cache (:func:`write_kv`).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` queries (RoPE applied).
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` the step's fresh keys and values
+            (read only on the ``fresh_prefill`` path).
+        kv_cache: the cache tensor; layer ``layer`` is read.
+        meta: the step's :class:`AttentionMetadata`.
+        scale: softmax scale, usually ``head_dim ** -0.5``.
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    """
+    if meta.fresh_prefill:  # one prompt, no earlier context: plain causal attention
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+    keys = kv_cache[meta.ctx_block, layer, 0, meta.ctx_offset].to(q.dtype)      # [B, max_ctx, Hkv, D]
+    values = kv_cache[meta.ctx_block, layer, 1, meta.ctx_offset].to(q.dtype)
+    queries = q[meta.query_index]                                                # [B, max_q, H, D]
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=meta.attn_mask, scale=scale, enable_gqa=True)                  # [B, H, max_q, D]
+    return out.transpose(1, 2)[meta.query_valid]                                 # [num_tokens, H, D]

@@ -1,0 +1,252 @@
+"""Prefill side of the TCP KV transport: streams KV pages from the local cache, zero-copy."""
+
+from __future__ import annotations
+
+import operator
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from kvtransfer.base import KVChannel, KVSender, TransferError, TransferStats
+from kvtransfer.tcp.frames import Abort, Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
+from kvtransfer.tcp.pages import PageMemory
+from model.kv_cache import KVCacheSpec
+
+_MAX_BLOCKS_PER_FRAME = 4096  # keeps a pages header (~5 bytes per id) far below the 64 KiB limit
+_REFUSAL_WAIT_S = 1.0  # how long to look for the receiver's nack after a send fails
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6host]:port"`` -> (host, port).
+
+    Raises:
+        ValueError: no port, or the port is not an integer in [1, 65535].
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"KV address must be 'host:port', got {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+class TcpKVChannel(KVChannel):
+    """One request's transfer over one TCP connection; made by :meth:`TcpKVSender.open`.
+
+    Every method closes the socket when it fails; :meth:`finish` and :meth:`abort`
+    always close it. :meth:`abort` may be called from another thread (the sender's
+    :meth:`TcpKVSender.close` does): if the owner thread is mid-I/O the connection is
+    cut instead and the owner's call raises :class:`TransferError`.
+    """
+
+    def __init__(self, sock: socket.socket, request_id: str, address: str, pages: PageMemory,
+                 io_timeout_s: float, started: float, on_close: Callable[[TcpKVChannel], None]) -> None:
+        self.request_id = request_id
+        self.address = address
+        self._sock = sock
+        self._pages = pages
+        self._spec = pages.spec
+        self._io_timeout_s = io_timeout_s
+        self._started = started
+        self._on_close = on_close
+        self._lock = threading.Lock()  # held for each I/O call
+        self._closed = False
+        self._num_pages = 0
+        self._num_bytes = 0
+
+    def send_pages(self, layer_range: tuple[int, int], src_block_ids: Sequence[int],
+                   dst_block_ids: Sequence[int]) -> None:
+        """Send ``kv_cache[src, layer_start:layer_end]`` for each source block, to land in the
+        receiver's matching destination block. An empty block list sends nothing.
+
+        Raises:
+            ValueError: bad layer range; lengths differ; source id outside ``[0, num_blocks)``;
+                destination ids negative or repeated.
+            TransferError: the channel is closed, the connection failed or timed out,
+                or the receiver refused an earlier frame.
+        """
+        ls, le, src, dst = self._check_args(layer_range, src_block_ids, dst_block_ids)
+        page_nbytes = self._spec.page_nbytes(le - ls)
+        with self._io():
+            for i in range(0, len(src), _MAX_BLOCKS_PER_FRAME):
+                src_part, dst_part = src[i:i + _MAX_BLOCKS_PER_FRAME], dst[i:i + _MAX_BLOCKS_PER_FRAME]
+                self._raise_if_refused()
+                frame = Pages(self.request_id, ls, le, tuple(dst_part), dtype_name(self._spec.dtype),
+                              (len(dst_part), *self._spec.page_shape(le - ls)), len(dst_part) * page_nbytes)
+                try:
+                    self._sock.sendall(encode(frame))
+                    for block in src_part:  # straight from the cache memory
+                        self._sock.sendall(self._pages.page(block, ls, le))
+                except OSError as e:
+                    raise self._error(f"sending pages failed: {e!r}", self._read_refusal()) from e
+                self._num_pages += len(src_part)
+                self._num_bytes += frame.nbytes
+
+    def finish(self, first_token: int) -> TransferStats:
+        """Send ``done`` with ``first_token`` and wait up to ``io_timeout_s`` for the ack. Closes.
+
+        Returns:
+            Pages and payload bytes sent, and seconds from :meth:`TcpKVSender.open` to the ack.
+        Raises:
+            TransferError: the receiver rejected the transfer (its error text is included),
+                did not answer in time, or the connection failed.
+        """
+        first_token = operator.index(first_token)
+        with self._io():
+            try:
+                self._sock.sendall(encode(Done(self.request_id, first_token)))
+            except OSError as e:
+                raise self._error(f"sending done failed: {e!r}", self._read_refusal()) from e
+            try:
+                reply = read_frame(self._sock)
+            except TimeoutError:
+                raise self._error(f"no ack within {self._io_timeout_s:g} s") from None
+            except (OSError, FrameError) as e:
+                raise self._error(f"reading the ack failed: {e!r}") from None
+            finally:
+                self._close()
+            if not isinstance(reply, Ack) or reply.request_id != self.request_id:
+                raise self._error(f"invalid reply to done: {reply!r}")
+            if not reply.ok:
+                raise self._error("receiver rejected the transfer", reply)
+            return TransferStats(self._num_pages, self._num_bytes, time.monotonic() - self._started)
+
+    def abort(self, reason: str) -> None:
+        """Send ``abort`` (best effort, never raises) and close."""
+        if not self._lock.acquire(blocking=False):  # owner thread is mid-I/O: cut it off
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        try:
+            if self._closed:
+                return
+            try:
+                self._sock.settimeout(min(self._io_timeout_s, _REFUSAL_WAIT_S))
+                self._sock.sendall(encode(Abort(self.request_id, str(reason)[:1024])))
+            except (OSError, FrameError):
+                pass
+            self._close()
+        finally:
+            self._lock.release()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_args(self, layer_range: tuple[int, int], src: Sequence[int],
+                    dst: Sequence[int]) -> tuple[int, int, list[int], list[int]]:
+        try:
+            ls, le = (operator.index(x) for x in layer_range)
+        except (TypeError, ValueError):
+            raise ValueError(f"layer_range must be (start, end) ints, got {layer_range!r}") from None
+        if not 0 <= ls < le <= self._spec.num_layers:
+            raise ValueError(f"layer_range {layer_range!r} is empty or outside [0, {self._spec.num_layers})")
+        src_ids, dst_ids = [operator.index(b) for b in src], [operator.index(b) for b in dst]
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+        if any(not 0 <= b < self._spec.num_blocks for b in src_ids):
+            raise ValueError(f"source block ids {src_ids} outside [0, {self._spec.num_blocks})")
+        if any(b < 0 for b in dst_ids) or len(set(dst_ids)) != len(dst_ids):
+            raise ValueError(f"destination block ids must be distinct and non-negative, got {dst_ids}")
+        return ls, le, src_ids, dst_ids
+
+    @contextmanager
+    def _io(self) -> Iterator[None]:
+        """Hold the channel lock, refuse a closed channel, close the channel on any error."""
+        with self._lock:
+            if self._closed:
+                raise self._error("channel is closed")
+            try:
+                yield
+            except BaseException:
+                self._close()
+                raise
+
+    def _raise_if_refused(self) -> None:
+        """The receiver only speaks early to refuse: if it has, raise with its reason."""
+        readable, _, _ = select.select([self._sock], [], [], 0)
+        if readable:
+            raise self._error("receiver refused the transfer", self._read_refusal())
+
+    def _read_refusal(self) -> Ack | None:
+        """Best effort: the nack the receiver sent before closing, if it arrives soon."""
+        try:
+            self._sock.settimeout(min(self._io_timeout_s, _REFUSAL_WAIT_S))
+            reply = read_frame(self._sock)
+        except (OSError, FrameError):
+            return None
+        return reply if isinstance(reply, Ack) else None
+
+    def _error(self, cause: str, reply: Ack | None = None) -> TransferError:
+        if reply is not None and not reply.ok:
+            cause = f"{cause}: {reply.error}"
+        return TransferError(f"KV transfer of request {self.request_id!r} to {self.address}: {cause}")
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+            self._on_close(self)
+
+
+class TcpKVSender(KVSender):
+    """Opens one TCP connection per request to a :class:`TcpKVReceiver` and sends pages of ``kv_cache``.
+
+    Args:
+        kv_cache: contiguous CPU tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+            head_dim]`` of ``spec.dtype``; only read, never copied.
+        spec: cache layout.
+        connect_timeout_s: seconds :meth:`open` waits for the connection.
+        io_timeout_s: seconds any single send or the wait for the ack may take.
+    Raises:
+        ValueError: ``kv_cache`` does not match ``spec``.
+    """
+
+    def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
+                 io_timeout_s: float = 10.0) -> None:
+        self._pages = PageMemory(kv_cache, spec)
+        self._connect_timeout_s = connect_timeout_s
+        self._io_timeout_s = io_timeout_s
+        self._channels: set[TcpKVChannel] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def open(self, request_id: str, dst_address: str) -> TcpKVChannel:
+        """Connect to ``dst_address`` ("host:port") for ``request_id``.
+
+        Raises:
+            TransferError: cannot connect within ``connect_timeout_s``, or the sender is closed.
+            ValueError: ``dst_address`` is not "host:port".
+        """
+        host, port = parse_address(dst_address)
+        started = time.monotonic()
+        try:
+            sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
+        except OSError as e:
+            raise TransferError(f"KV transfer of request {request_id!r}: cannot connect to {dst_address} "
+                                f"within {self._connect_timeout_s:g} s: {e!r}") from e
+        sock.settimeout(self._io_timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = TcpKVChannel(sock, request_id, dst_address, self._pages, self._io_timeout_s, started,
+                               self._forget)
+        with self._lock:
+            if not self._closed:
+                self._channels.add(channel)
+                return channel
+        sock.close()
+        raise TransferError(f"KV transfer of request {request_id!r}: sender is closed")
+
+    def close(self) -> None:
+        """Abort every open channel (reason "sender closed"); later :meth:`open` calls fail. Idempotent."""
+        with self._lock:
+            self._closed = True
+            channels = list(self._channels)
+        for channel in channels:
+            channel.abort("sender closed")
+
+    def _forget(self, channel: TcpKVChannel) -> None:
+        with self._lock:
+            self._channels.discard(channel)

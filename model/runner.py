@@ -1,0 +1,51 @@
+"""Runs one forward step of the model over a batch of sequences on a paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import build_attention_metadata
+from model.kv_cache import KVCacheSpec
+from model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's share of a forward step.
+
+    Attributes:
+        token_ids: the new tokens to run (a prompt, a prompt chunk, or one decode token).
+        num_computed: tokens of this sequence already in the cache before this step.
+        block_table: the sequence's block ids, enough for ``num_computed + len(token_ids)`` tokens.
+    """
+
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+
+
+class ModelRunner:
+    """Owns the KV cache tensor and runs batched forward steps on it."""
+
+    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+        self.model, self.spec, self.device = model, spec, device
+        self.kv_cache = spec.allocate(device)
+
+    def run(self, batch: list[StepInput]) -> torch.Tensor:
+        """Run the step; return ``[len(batch), vocab]`` float32 logits of each sequence's last new token.
+
+        Raises:
+            ValueError: empty batch, empty sequence or a block table too short.
+        """
+        if not batch or any(not s.token_ids for s in batch):
+            raise ValueError("a step needs at least one sequence, each with at least one token")
+        query_lens = [len(s.token_ids) for s in batch]
+        meta = build_attention_metadata(
+            query_lens, [s.num_computed + q for s, q in zip(batch, query_lens)],
+            [s.block_table for s in batch], self.spec.block_size, self.device)
+        input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.kv_cache)
+        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last_rows])

@@ -1,0 +1,92 @@
+"""Sampling parameters and the batched sampler.
+
+Randomness is reproducible and independent of batching or of which worker
+samples: the noise for output token ``i`` of a request comes from a generator
+seeded with ``mix(seed, i)``, so the prefill worker (token 0) and the decode
+worker (tokens 1..) draw from one deterministic sequence. Sampling uses the
+exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws exactly from ``p``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each output token of one request.
+
+    Attributes:
+        temperature: 0 for greedy; otherwise logits are divided by it.
+        top_k: keep the k most likely tokens; 0 keeps all.
+        top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
+        seed: seeds the request's noise (the router fills one in when the client gives none).
+        max_tokens: output tokens to generate at most (>= 1).
+        stop_token_ids: tokens that end the request (the stop token is part of the output).
+        ignore_eos: do not stop at the model's EOS tokens.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+    def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """Every token id that ends this request."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+def request_generator(seed: int, output_index: int) -> torch.Generator:
+    """The generator for output token ``output_index`` of a request seeded with ``seed``."""
+    mixed = (seed * 6364136223846793005 + (output_index + 1) * 1442695040888963407) & _MASK63
+    return torch.Generator().manual_seed(mixed)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int]) -> list[int]:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[B, vocab]`` float32.
+        params: each row's sampling parameters.
+        output_indexes: each row's index among its request's output tokens (0 = first token).
+    Returns:
+        ``B`` token ids.
+    """
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, index) in enumerate(zip(params, output_indexes)):
+        if p.temperature == 0:
+            continue
+        scaled = logits[row].float() / p.temperature
+        if 0 < p.top_k < scaled.shape[0]:
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, -math.inf)
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p   # mass before this token already enough
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        noise = torch.empty_like(probs).exponential_(generator=request_generator(p.seed, index))
+        tokens[row] = int((probs / noise).argmax())
+    return tokens

@@ -1,0 +1,63 @@
+"""Tokenizer of a Hugging Face checkpoint (``tokenizer.json``, the ``tokenizers`` library)
+and incremental detokenization for streaming text deltas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    """Encodes prompts (adding BOS as the checkpoint asks) and decodes token ids.
+
+    Raises:
+        FileNotFoundError: from the constructor when ``tokenizer.json`` is missing.
+    """
+
+    def __init__(self, model_dir: str | Path, bos_token_id: int | None) -> None:
+        model_dir = Path(model_dir)
+        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self._add_bos = bool(tok_cfg.get("add_bos_token", bos_token_id is not None)) and bos_token_id is not None
+        self.bos_token_id = bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, starting with BOS when the checkpoint adds one."""
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self._add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` with special tokens left out."""
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text deltas.
+
+    Decodes a short window of ids before the new ones so that spacing rules that
+    depend on the previous token (SentencePiece's leading ``▁``) come out right,
+    and holds back a delta that ends in an incomplete UTF-8 sequence (U+FFFD),
+    following vLLM's ``detokenize_incrementally``.
+    """
+
+    _CONTEXT = 5  # prompt tokens kept as left context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self._tok = tokenizer
+        self._ids = list(prompt_ids[-self._CONTEXT:])
+        self._prefix, self._read = 0, len(self._ids)
+
+    def push(self, new_ids: list[int]) -> str:
+        """Append output ids; return the text they complete (may be empty)."""
+        self._ids.extend(new_ids)
+        before = self._tok.decode(self._ids[self._prefix:self._read])
+        after = self._tok.decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return after[len(before):]

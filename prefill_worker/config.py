@@ -1,0 +1,29 @@
+"""Configuration of a prefill worker process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deploy.worker_process import WorkerConfig
+
+
+@dataclass(frozen=True)
+class PrefillWorkerConfig(WorkerConfig):
+    """A prefill worker: :class:`WorkerConfig` plus its batching and KV sender settings.
+
+    Attributes:
+        max_num_batched_tokens: prompt tokens run together in one step at most
+            (a longer prompt runs alone).
+        kv_connect_timeout_s: seconds to reach a decode worker's KV receiver.
+        kv_io_timeout_s: seconds a KV send or acknowledgement may stall.
+    """
+
+    max_num_batched_tokens: int = 512
+    kv_connect_timeout_s: float = 5.0
+    kv_io_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_num_batched_tokens", "kv_connect_timeout_s", "kv_io_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -1,0 +1,149 @@
+"""One request's path through the cluster, as the router drives it:
+
+    choose a decode worker D and open its stream  -> D pre-allocates blocks (``allocated``)
+    choose a prefill worker P and call Prefill    -> P runs the prompt, pushes KV + first token to D
+    stream the first token (from P's answer), then D's tokens, then ``final``
+
+Every exit path cancels what is still open, so the workers free the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from proto.convert import sampling_to_wire
+from router.config import RouterConfig
+from router.dispatch import rank_decode, rank_prefill
+from router.registry import WorkerInfo
+from router.request import RequestState, RequestTimes
+from router.validation import ValidRequest
+
+log = logging.getLogger(__name__)
+
+
+class GenerateError(Exception):
+    """Ends the client's stream with ``code`` and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class ClusterView:
+    """What the router knows when it dispatches: live workers, its own in-flight counts,
+    and a gRPC channel per worker address."""
+
+    workers: list[WorkerInfo]
+    inflight: Counter
+    channel: Callable[[str], grpc.aio.Channel]
+
+
+async def _open_decode(view: ClusterView, req: ValidRequest, internal_id: str, num_tokens: int,
+                       cfg: RouterConfig) -> tuple[WorkerInfo, grpc.aio.UnaryStreamCall, worker_pb2.Allocated]:
+    """Open a decode stream on the best decode worker that has room; returns it with its allocation."""
+    candidates = rank_decode(view.workers, view.inflight, num_tokens)
+    if not candidates:
+        if not any(w.role == "decode" for w in view.workers):
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
+    last_error = ""
+    for worker in candidates:
+        call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
+            request_id=internal_id, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
+            kv_timeout_s=cfg.kv_timeout_s))
+        try:
+            first = await asyncio.wait_for(call.read(), timeout=cfg.prefill_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            call.cancel()
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise GenerateError(exc.code(), exc.details()) from None
+            last_error = f"{worker.worker_id}: {exc.details() if isinstance(exc, grpc.aio.AioRpcError) else 'timeout'}"
+            continue
+        if first is grpc.aio.EOF or first.WhichOneof("event") != "allocated":
+            call.cancel()
+            last_error = f"{worker.worker_id}: no allocation"
+            continue
+        return worker, call, first.allocated
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if "blocks" in last_error else grpc.StatusCode.UNAVAILABLE
+    raise GenerateError(code, f"no decode worker could take the request (last: {last_error})")
+
+
+async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,
+                       times: RequestTimes) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """Drive one request through P and D, yielding the client's messages.
+
+    Raises:
+        GenerateError: no worker, no room, or a worker failed (also after tokens were streamed).
+    """
+    internal_id = uuid.uuid4().hex
+    state = RequestState.QUEUED
+    prefills = rank_prefill(view.workers, view.inflight)
+    if not prefills:
+        raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+    num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
+    decode, stream, allocated = await _open_decode(view, req, internal_id, num_tokens, cfg)
+    prefill = prefills[0]
+    view.inflight[decode.worker_id] += 1
+    view.inflight[prefill.worker_id] += 1
+    prefill_call = None
+    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids)
+    try:
+        state, times.dispatched = RequestState.PREFILLING, time.monotonic()
+        prefill_call = worker_pb2_grpc.PrefillWorkerStub(view.channel(prefill.address)).Prefill(
+            worker_pb2.PrefillRequest(request_id=internal_id, token_ids=req.prompt_ids,
+                                      sampling=sampling_to_wire(req.sampling),
+                                      dst_kv_address=allocated.kv_address, dst_block_ids=allocated.block_ids),
+            timeout=cfg.prefill_timeout_s)
+        try:
+            answer = await prefill_call
+        except grpc.aio.AioRpcError as exc:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                f"prefill worker {prefill.worker_id} failed: {exc.details()}") from None
+        finally:
+            view.inflight[prefill.worker_id] -= 1
+        state = RequestState.DECODING
+        times.token()
+        yield pdserve_pb2.GenerateResponse(text=detok.push([answer.first_token]), token_ids=[answer.first_token])
+        async for event in _decode_events(stream, decode):
+            if event.WhichOneof("event") == "tokens":
+                ids = list(event.tokens.token_ids)
+                for _ in ids:
+                    times.token()
+                yield pdserve_pb2.GenerateResponse(text=detok.push(ids), token_ids=ids)
+            elif event.WhichOneof("event") == "finished":
+                state = RequestState.FINISHED
+                fin = event.finished
+                yield pdserve_pb2.GenerateResponse(final=pdserve_pb2.Final(
+                    finish_reason=fin.finish_reason, request_id=req.request_id,
+                    usage=pdserve_pb2.Usage(prompt_tokens=len(req.prompt_ids),
+                                            completion_tokens=fin.num_output_tokens),
+                    timings=pdserve_pb2.Timings(**times.summary())))
+                return
+        raise GenerateError(grpc.StatusCode.INTERNAL, f"decode worker {decode.worker_id} ended the stream early")
+    finally:
+        view.inflight[decode.worker_id] -= 1
+        if state is not RequestState.FINISHED:  # error or client cancel: make both workers let go
+            stream.cancel()
+            if prefill_call is not None and not prefill_call.done():
+                prefill_call.cancel()
+
+
+async def _decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo):
+    try:  # read() only: grpc.aio forbids mixing it with async iteration on one call
+        while (event := await stream.read()) is not grpc.aio.EOF:
+            yield event
+    except grpc.aio.AioRpcError as exc:
+        raise GenerateError(exc.code() if exc.code() != grpc.StatusCode.CANCELLED else grpc.StatusCode.UNAVAILABLE,
+                            f"decode worker {decode.worker_id} failed mid-stream: {exc.details()}") from None

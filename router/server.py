@@ -1,0 +1,124 @@
+"""The router process: the public ``pdserve.v1.Router`` gRPC API, health and reflection.
+
+Workers are discovered only from the Redis registry (re-read every
+``registry_poll_s``); a worker whose lease lapsed is gone from the next read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from model.config import ModelConfig
+from model.tokenizer import Tokenizer
+from proto import pdserve_pb2
+from router.config import RouterConfig
+from router.generate import ClusterView, GenerateError, run_generate
+from router.registry import RegistryReader, WorkerInfo
+from router.request import RequestTimes
+from router.validation import parse_request, validate
+
+log = logging.getLogger(__name__)
+
+SERVICE = "pdserve.v1.Router"
+
+
+class Router:
+    """A running router: gRPC server, registry poller and worker channels."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
+        self.tokenizer = Tokenizer(cfg.model_dir, self.model_cfg.bos_token_id)
+        self.registry = RegistryReader(cfg.redis_url, cfg.cluster)
+        self.workers: list[WorkerInfo] = []
+        self.inflight: Counter = Counter()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.address = ""
+
+    # ---- RPCs --------------------------------------------------------------------
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
+        times = RequestTimes()
+        try:
+            req = validate(parse_request(raw), self.model_cfg, self.tokenizer, self.cfg.default_max_tokens)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not self.workers:
+            await self._refresh()
+        view = ClusterView(self.workers, self.inflight, self._channel)
+        try:
+            async for msg in run_generate(view, req, self.tokenizer, self.cfg, times):
+                yield msg
+        except GenerateError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest, context) -> pdserve_pb2.ClusterState:
+        await self._refresh()
+        now = time.time()
+        return pdserve_pb2.ClusterState(model=self.cfg.model_dir, workers=[
+            pdserve_pb2.WorkerState(
+                worker_id=w.worker_id, role=w.role, address=w.address, kv_address=w.kv_address,
+                num_running=w.num_running, num_waiting=w.num_waiting, num_queued_tokens=w.num_queued_tokens,
+                num_free_blocks=w.num_free_blocks, num_total_blocks=w.num_total_blocks,
+                lease_age_s=max(0.0, now - w.heartbeat_at), num_router_inflight=self.inflight[w.worker_id],
+                block_size=w.block_size)
+            for w in self.workers])
+
+    # ---- plumbing ----------------------------------------------------------------
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    async def _refresh(self) -> None:
+        try:
+            self.workers = await self.registry.list_workers()
+        except Exception as exc:  # Redis away: keep serving from the last known registry
+            log.warning("registry read failed: %s", exc)
+
+    async def _poll_registry(self) -> None:
+        while True:
+            await self._refresh()
+            await asyncio.sleep(self.cfg.registry_poll_s)
+
+    async def start(self) -> str:
+        """Start serving. Returns ``host:port``.
+
+        Raises:
+            RuntimeError: the port could not be bound.
+        """
+        self._server = grpc.aio.server()
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            # Generate takes raw bytes so that malformed requests get INVALID_ARGUMENT, not INTERNAL.
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.Generate, response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
+            "GetClusterState": grpc.unary_unary_rpc_method_handler(
+                self.GetClusterState, request_deserializer=pdserve_pb2.GetClusterStateRequest.FromString,
+                response_serializer=pdserve_pb2.ClusterState.SerializeToString),
+        }),))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if port == 0:
+            raise RuntimeError(f"cannot bind the router to {self.cfg.host}:{self.cfg.port}")
+        await self._server.start()
+        for name in ("", SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._poller = asyncio.create_task(self._poll_registry())
+        self.address = f"{self.cfg.host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        """Stop accepting, cancel what is in flight (workers free their blocks), close channels."""
+        self._poller.cancel()
+        await self._server.stop(grace=1.0)
+        for ch in self._channels.values():
+            await ch.close()
+        await self.registry.close()

@@ -1,0 +1,92 @@
+"""Turns a raw ``GenerateRequest`` into prompt ids and resolved sampling parameters,
+or a ``ValueError`` whose message names the problem (sent as INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import uuid
+from dataclasses import dataclass
+
+from google.protobuf import message as pb_message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from model.config import ModelConfig
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+from proto import pdserve_pb2
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request the cluster can run."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
+    """Dotted paths of every unknown field (including known numbers sent with the wrong wire type)."""
+    found = [f"{path}#{f.field_number}" for f in UnknownFieldSet(msg)]
+    for desc, value in msg.ListFields():
+        if desc.message_type is not None and not desc.is_repeated:
+            found += _unknown_fields(value, f"{path}{desc.name}.")
+    return found
+
+
+def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
+    """Parse wire bytes strictly.
+
+    Raises:
+        ValueError: undecodable bytes, or fields the schema does not have (or of the wrong type).
+    """
+    try:
+        req = pdserve_pb2.GenerateRequest.FromString(raw)
+    except pb_message.DecodeError as exc:
+        raise ValueError(f"malformed GenerateRequest: {exc}") from None
+    unknown = _unknown_fields(req)
+    if unknown:
+        raise ValueError(f"unknown fields or fields of the wrong type in GenerateRequest: {', '.join(unknown)}")
+    return req
+
+
+def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
+             default_max_tokens: int) -> ValidRequest:
+    """Check a parsed request against the model.
+
+    Raises:
+        ValueError: empty prompt, token ids outside the vocabulary, prompt plus max_tokens
+            beyond the context, or invalid sampling parameters.
+    """
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        if not req.text:
+            raise ValueError("empty prompt")
+        ids = tokenizer.encode(req.text)
+    elif kind == "token_ids":
+        ids = list(req.token_ids.ids)
+    else:
+        raise ValueError("empty prompt: set `text` or `token_ids`")
+    if not ids:
+        raise ValueError("empty prompt")
+    bad = sorted({t for t in ids if not 0 <= t < cfg.vocab_size})
+    if bad:
+        raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
+    s = req.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else secrets.randbits(63),
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+    if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
+        raise ValueError("temperature and top_p must be numbers, not NaN")
+    sampling.validate(cfg.vocab_size)
+    if len(ids) + sampling.max_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                         f"model's context of {cfg.max_position_embeddings} tokens")
+    return ValidRequest(req.request_id or uuid.uuid4().hex, ids, sampling)
