@@ -75,7 +75,10 @@ class ModelConfig:
             eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_heads = int(raw["num_attention_heads"])
-        scaling = raw.get("rope_scaling")
+        # transformers >= 5 writes `rope_parameters` (theta and scaling together); older ones
+        # write `rope_theta` and `rope_scaling`.
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -86,7 +89,7 @@ class ModelConfig:
             head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),

@@ -197,7 +197,7 @@ class TcpKVReceiver(KVReceiver):
 
     def _bind(self, conn: _Conn, frame: Frame) -> None:
         if isinstance(frame, Ack):
-            raise FrameError("unexpected ack frame from a sender")
+            raise FrameError("unexpected ack frame from a sender", frame.request_id)
         if conn.reg is None:
             conn.reg = self._registry.bind(frame.request_id, conn.sock)
         elif frame.request_id != conn.reg.request_id:
@@ -245,8 +245,10 @@ class TcpKVReceiver(KVReceiver):
             error = why
         elif reg is not None:  # ended elsewhere (cancel, deadline, close, an earlier done)
             error = f"request {reg.request_id!r} is no longer registered: {reg.ended}"
-        else:
+        elif linger:
             error = why
+        else:
+            return  # an idle connection broke: nobody to tell
         self._send(conn.sock, Ack(reg.request_id if reg else "", False, error))
         if linger:
             self._linger(conn.sock)

@@ -1,0 +1,152 @@
+"""The ``pdserve`` command: ``up``, ``generate``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from deploy import client
+from deploy.worker_process import default_redis_url
+
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models" / "tinystories-656k")
+
+DEMO_PROMPTS = [
+    "Once upon a time, there was a little dog",
+    "Lily and Ben went to the park. They saw",
+    "Tom had a red ball. One day,",
+    "The sun was shining and the birds were singing. A little girl",
+    "Sam wanted to fly like a bird, so he",
+    "Once upon a time, in a big forest, there lived a wise old owl",
+]
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=EMBEDDED_MODEL, help="Hugging Face Llama checkpoint directory")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--port", type=int, default=0, help="router port (0: any free port)")
+    p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=64)
+
+
+def _start_cluster(args: argparse.Namespace):
+    from deploy.ray_cluster import ClusterConfig, RayCluster
+    from deploy.redis_server import ensure_redis
+
+    redis_proc = ensure_redis(args.redis_url)
+    cluster = RayCluster(ClusterConfig(
+        model_dir=str(Path(args.model).resolve()), num_prefill=args.prefill, num_decode=args.decode,
+        port=args.port, ray_address=args.ray_address, redis_url=args.redis_url, block_size=args.block_size,
+        num_blocks=args.num_blocks, dtype=args.dtype, max_batch_size=args.max_batch_size))
+    try:
+        address = cluster.start()
+    except Exception:
+        if redis_proc is not None:
+            redis_proc.terminate()
+        raise
+    return cluster, address, redis_proc
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cluster, address, redis_proc = _start_cluster(args)
+    print(f"router listening on {address}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("shutting down", file=sys.stderr, flush=True)
+    cluster.stop()
+    if redis_proc is not None:
+        redis_proc.terminate()
+    return 0
+
+
+def _timings(final) -> str:
+    t = final.timings
+    return (f"TTFT {t.ttft_s * 1e3:.1f} ms, TPOT {t.tpot_s * 1e3:.2f} ms, e2e {t.e2e_s * 1e3:.1f} ms, "
+            f"{final.usage.completion_tokens} tokens, finish {client.pdserve_pb2.FinishReason.Name(final.finish_reason)}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    async def run() -> int:
+        request = client.make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                      top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        async with grpc.aio.insecure_channel(args.router) as channel:
+            try:
+                async for msg in client.stream(channel, request):
+                    sys.stdout.write(msg.text)
+                    sys.stdout.flush()
+                    if msg.HasField("final"):
+                        print()
+                        print(_timings(msg.final), file=sys.stderr)
+            except grpc.aio.AioRpcError as exc:
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    print(f"starting a cluster on Ray: {args.prefill} prefill + {args.decode} decode worker(s), model {args.model}",
+          flush=True)
+    cluster, address, redis_proc = _start_cluster(args)
+    print(f"router listening on {address}; sending {len(DEMO_PROMPTS)} prompts concurrently\n", flush=True)
+
+    async def run() -> list[client.Completion]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            return await asyncio.gather(*[
+                client.complete(channel, client.make_request(p, max_tokens=args.max_tokens, temperature=0.0))
+                for p in DEMO_PROMPTS])
+
+    try:
+        for prompt, done in zip(DEMO_PROMPTS, asyncio.run(run())):
+            print(f"\033[1m{prompt}\033[0m{done.text}")
+            print(f"    [{_timings(done.final)}]\n", flush=True)
+    finally:
+        cluster.stop()
+        if redis_proc is not None:
+            redis_proc.terminate()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="launch a router and worker pools on Ray; serve until interrupted")
+    _cluster_args(up)
+    up.set_defaults(func=cmd_up)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running router")
+    gen.add_argument("--router", required=True, help="router host:port")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="bring a cluster up on the embedded model, run a few prompts, shut down")
+    _cluster_args(demo)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.set_defaults(func=cmd_demo)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
