@@ -285,7 +285,7 @@ def test_sender_closing_mid_payload_fails_the_request(pair):
     with raw_connect(pair.rx) as s:
         s.sendall(framed(header) + b"\0" * (header["nbytes"] // 2))
     kind, rid, reason = out.wait()
-    assert (kind, rid) == ("failed", "r1") and "connection closed mid-transfer" in reason
+    assert (kind, rid) == ("failed", "r1") and "connection closed mid-transfer (0 of 6 pages received)" in reason
     out2 = pair.expect("r2")
     pair.transfer("r2")
     assert out2.wait() == ("complete", "r2", 7)
@@ -312,7 +312,8 @@ def test_stalled_transfer_fails_its_request_after_io_timeout():
         out = p.expect("r1")
         with raw_connect(p.rx) as s:
             s.sendall(framed(pages_header(p.spec)))  # header, then silence
-            assert out.wait() == ("failed", "r1", "connection timed out after 0.5 s mid-transfer")
+            reason = "connection timed out after 0.5 s mid-transfer (0 of 6 pages received)"
+            assert out.wait() == ("failed", "r1", reason)
     finally:
         p.tx.close()
         p.rx.close()
@@ -439,3 +440,16 @@ def test_callbacks_may_call_back_into_the_receiver(pair32):
     assert first.wait() == ("complete", "r1", 7)
     pair32.transfer("r2", token=8)
     assert follow_up.wait() == ("complete", "r2", 8)
+
+
+def test_receiver_may_be_closed_from_a_deadline_callback(pair32):
+    closed = threading.Event()
+
+    def on_failed(rid: str, reason: str) -> None:
+        pair32.rx.close()  # runs on the reaper thread, which close() must not join
+        closed.set()
+
+    pending = pair32.expect("pending", [4])
+    pair32.rx.expect("r1", DST, 0.2, lambda *a: None, on_failed)
+    assert closed.wait(3.0)
+    assert pending.calls == [("failed", "pending", "receiver closed")]

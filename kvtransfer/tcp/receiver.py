@@ -34,6 +34,11 @@ def _shutdown(sock: socket.socket, how: int) -> None:
         pass  # already closed or never connected
 
 
+def _progress(conn: _Conn) -> str:
+    reg = conn.reg
+    return "" if reg is None else f" ({len(reg.arrived)} of {reg.num_pages} pages received)"
+
+
 def _call(fn: Callable[..., None], *args: object) -> None:
     try:
         fn(*args)
@@ -116,8 +121,9 @@ class TcpKVReceiver(KVReceiver):
             _call(reg.on_failed, reg.request_id, reg.ended)
         for sock in conns:
             _shutdown(sock, socket.SHUT_RDWR)
-        self._accept_thread.join(timeout=1.0)
-        self._reaper.join(timeout=1.0)
+        for thread in (self._accept_thread, self._reaper):
+            if True:  # close() may run inside a reaper callback
+                thread.join(timeout=1.0)
         self._listener.close()
 
     # -- threads -------------------------------------------------------------------------------
@@ -166,9 +172,9 @@ class TcpKVReceiver(KVReceiver):
                     pass
             self._end(conn, f"bad frame: {e}", linger=True)
         except TimeoutError:
-            self._end(conn, f"connection timed out after {self._io_timeout_s:g} s mid-transfer")
+            self._end(conn, f"connection timed out after {self._io_timeout_s:g} s mid-transfer{_progress(conn)}")
         except OSError as e:  # PeerClosed included
-            self._end(conn, f"connection closed mid-transfer: {e}")
+            self._end(conn, f"connection closed mid-transfer{_progress(conn)}: {e}")
         except Exception as e:
             log.exception("KV receiver connection handler failed")
             self._end(conn, f"receiver error: {e!r}")

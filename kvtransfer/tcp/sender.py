@@ -167,8 +167,9 @@ class TcpKVChannel(KVChannel):
 
     def _raise_if_refused(self) -> None:
         """The receiver only speaks early to refuse: if it has, raise with its reason."""
-        readable, _, _ = select.select([self._sock], [], [], 0)
-        if readable:
+        poller = select.poll()  # not select.select: fds above 1024 are fine
+        poller.register(self._sock, select.POLLIN)
+        if poller.poll(0):
             raise self._error("receiver refused the transfer", self._read_refusal())
 
     def _read_refusal(self) -> Ack | None:

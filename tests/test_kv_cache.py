@@ -1,0 +1,80 @@
+"""Block pool accounting and attention metadata."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kernels.paged_attention import build_attention_metadata
+from model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
+
+
+def test_allocate_and_free_account_exactly():
+    pool = BlockPool(10)
+    a = pool.allocate(4)
+    b = pool.allocate(6)
+    assert sorted(a + b) == list(range(10)) and pool.num_free == 0
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)
+    pool.free(a)
+    assert pool.num_free == 4 and pool.num_allocated == 6
+    pool.free(b)
+    assert pool.num_free == 10 and pool.num_allocated == 0
+
+
+def test_failed_allocation_takes_nothing():
+    pool = BlockPool(5)
+    pool.allocate(3)
+    with pytest.raises(NoFreeBlocks, match="need 3 KV blocks, 2 of 5 free"):
+        pool.allocate(3)
+    assert pool.num_free == 2
+
+
+@pytest.mark.parametrize("bad", [[0, 0], [7], [99], [-1]])
+def test_double_or_foreign_free_raises_and_frees_nothing(bad):
+    pool = BlockPool(8)
+    pool.allocate(2)  # ids 0 and 1
+    with pytest.raises(ValueError):
+        pool.free(bad if bad != [0, 0] else [0, 0])
+    assert pool.num_allocated == 2
+
+
+def test_concurrent_allocations_never_hand_out_a_block_twice():
+    pool, taken, lock = BlockPool(1000), [], threading.Lock()
+
+    def grab():
+        for _ in range(50):
+            ids = pool.allocate(2)
+            with lock:
+                taken.extend(ids)
+    threads = [threading.Thread(target=grab) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(taken) == len(set(taken)) == 1000 and pool.num_free == 0
+
+
+def test_spec_sizes():
+    spec = KVCacheSpec(num_blocks=3, num_layers=2, block_size=5, num_kv_heads=1, head_dim=24, dtype=torch.bfloat16)
+    assert spec.shape == (3, 2, 2, 5, 1, 24)
+    assert spec.page_nbytes(1) == 2 * 5 * 24 * 2 and spec.block_nbytes == 2 * spec.page_nbytes(1)
+    assert [spec.num_blocks_for(n) for n in (1, 5, 6, 10, 11)] == [1, 1, 2, 2, 3]
+    cache = spec.allocate()
+    assert cache[1, 0:2].is_contiguous()  # one block's pages for a layer range are one run of bytes
+    with pytest.raises(ValueError):
+        KVCacheSpec(0, 1, 1, 1, 1)
+
+
+def test_slot_mapping_and_mask():
+    meta = build_attention_metadata([3, 1], [3, 6], [[4], [2, 9]], block_size=4)
+    assert meta.positions.tolist() == [0, 1, 2, 5]
+    assert meta.slot_mapping.tolist() == [16, 17, 18, 9 * 4 + 1]
+    assert meta.ctx_block[1].tolist() == [2, 2, 2, 2, 9, 9]
+    # sequence 0: causal over its 3 tokens; sequence 1: its one query sees all 6 positions
+    assert meta.attn_mask[0, 0, :, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert meta.attn_mask[1, 0, 0].tolist() == [True] * 6
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([1], [9], [[0, 1]], block_size=4)
