@@ -22,7 +22,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/e2e.py
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve.proto proto/worker.proto

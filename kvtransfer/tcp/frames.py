@@ -91,8 +91,8 @@ class Ack:
 
 Frame = Pages | Done | Abort | Ack
 _FIELDS: dict[str, tuple[type, dict[str, str]]] = {
-    "pages": (Pages, {"request_id": "str", "layer_start": "int", "layer_end": "int", "block_ids": "ints",
-                      "dtype": "str", "shape": "ints", "nbytes": "int"}),
+    "pages": (Pages, {"request_id": "str", "layer_start": "int", "layer_end": "int", "block_ids": "list of ints",
+                      "dtype": "str", "shape": "list of ints", "nbytes": "int"}),
     "done": (Done, {"request_id": "str", "first_token": "int"}),
     "abort": (Abort, {"request_id": "str", "reason": "str"}),
     "ack": (Ack, {"request_id": "str", "ok": "bool", "error": "str"}),
@@ -118,7 +118,7 @@ _CHECKS = {
     "str": lambda v: isinstance(v, str),
     "int": _is_int,
     "bool": lambda v: isinstance(v, bool),
-    "ints": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "list of ints": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
 }
 
 
@@ -154,7 +154,7 @@ def decode(header: Any) -> Frame:
         value = header[name]
         if not _CHECKS[check](value):
             raise FrameError(f"{kind} frame: field {name!r} must be {check}, got {_short(value)}")
-        values[name] = tuple(value) if check == "ints" else value
+        values[name] = tuple(value) if isinstance(value, list) else value
     if not values["request_id"] and kind != "ack":
         raise FrameError(f"{kind} frame: empty request_id")
     return cls(**values)

@@ -77,7 +77,8 @@ class TcpKVReceiver(KVReceiver):
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
-        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
         port = self._listener.getsockname()[1]
         self._address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"kv-accept-{port}", daemon=True)
@@ -122,7 +123,7 @@ class TcpKVReceiver(KVReceiver):
         for sock in conns:
             _shutdown(sock, socket.SHUT_RDWR)
         for thread in (self._accept_thread, self._reaper):
-            if True:  # close() may run inside a reaper callback
+            if thread is not threading.current_thread():  # close() may run inside a reaper callback
                 thread.join(timeout=1.0)
         self._listener.close()
 
