@@ -50,21 +50,35 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             yield worker_pb2.DecodeEvent(allocated=worker_pb2.Allocated(
                 block_ids=blocks, kv_address=self.engine.receiver.address))
             while True:
-                ev = await events.get()
-                if isinstance(ev, TokensEvent):
-                    yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=ev.token_ids))
-                elif isinstance(ev, FinishedEvent):
-                    ended = True
-                    yield worker_pb2.DecodeEvent(finished=worker_pb2.DecodeFinished(
-                        finish_reason=FINISH_REASONS[ev.reason], num_output_tokens=ev.num_output_tokens,
-                        kv_wait_s=ev.kv_wait_s))
-                    return
-                elif isinstance(ev, ErrorEvent):
-                    ended = True
-                    await context.abort(ev.code, ev.message)
+                pending = [await events.get()]
+                while not events.empty():  # the stream fell behind the engine: send what piled up at once
+                    pending.append(events.get_nowait())
+                for ev in _coalesce(pending):
+                    if isinstance(ev, TokensEvent):
+                        yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=ev.token_ids))
+                    elif isinstance(ev, FinishedEvent):
+                        ended = True
+                        yield worker_pb2.DecodeEvent(finished=worker_pb2.DecodeFinished(
+                            finish_reason=FINISH_REASONS[ev.reason], num_output_tokens=ev.num_output_tokens,
+                            kv_wait_s=ev.kv_wait_s))
+                        return
+                    else:
+                        ended = True
+                        await context.abort(ev.code, ev.message)
         finally:
             if not ended:  # cancelled by the router or the client: free the blocks
                 self.engine.abort(request.request_id)
+
+
+def _coalesce(events: list) -> list:
+    """Merge runs of consecutive :class:`TokensEvent` into one, keeping order."""
+    out: list = []
+    for ev in events:
+        if isinstance(ev, TokensEvent) and out and isinstance(out[-1], TokensEvent):
+            out[-1] = TokensEvent(out[-1].token_ids + ev.token_ids)
+        else:
+            out.append(ev)
+    return out
 
 
 class DecodeWorker:
