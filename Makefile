@@ -19,6 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pdserve demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -104,7 +104,8 @@ def main() -> None:
     torch.set_num_threads(1)
     redis_url = default_redis_url()
     redis_proc = ensure_redis(redis_url)
-    prompt = [1] + torch.randint(3, 2000, (args.prompt_tokens - 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    gen = torch.Generator().manual_seed(0)
+    prompt = [1] + torch.randint(3, 2000, (args.prompt_tokens - 1,), generator=gen).tolist()
     try:
         result = {
             "command": "python " + " ".join(sys.argv),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_worker.config import DecodeWorkerConfig
-from decode_worker.request import DecodeRequest, DecodeStatus, DecodeEventSink, ErrorEvent, FinishedEvent, TokensEvent
+from decode_worker.request import DecodeEventSink, DecodeRequest, DecodeStatus, ErrorEvent, FinishedEvent, TokensEvent
 from kvtransfer.tcp import TcpKVReceiver
 from model.config import ModelConfig
 from model.kv_cache import BlockPool, KVCacheSpec
@@ -57,8 +57,7 @@ class DecodeEngine:
 
     def __init__(self, cfg: DecodeWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.spec = KVCacheSpec(cfg.num_blocks, model_cfg.num_layers, cfg.block_size,
-                                model_cfg.num_kv_heads, model_cfg.head_dim, cfg.torch_dtype)
+        self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         self.runner = ModelRunner(model, self.spec)
         self.pool = BlockPool(cfg.num_blocks)
         self.receiver = TcpKVReceiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
@@ -119,8 +118,16 @@ class DecodeEngine:
                     self._handle(self._inbox.get(timeout=0.05))
                 except queue.Empty:
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug or a bad state must not hang every stream: fail the batch
+                log.exception("decode step failed; failing the running requests")
+                self._fail_decoding("decode step failed on the worker (see its log)")
         self._shutdown()
+
+    def _fail_decoding(self, message: str) -> None:
+        for req in [r for r in self._requests.values() if r.status is DecodeStatus.DECODING]:
+            self._retire(req, ErrorEvent(grpc.StatusCode.INTERNAL, message))
 
     def step(self) -> None:
         """One engine iteration: inbox, schedule, run, postprocess."""

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import grpc
 import torch
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine import DecodeEngine
-from decode_worker.request import ErrorEvent, FinishedEvent, TokensEvent
-from deploy.worker_process import Heartbeat, start_grpc_server
+from decode_worker.request import FinishedEvent, TokensEvent
+from deploy.worker_process import WorkerProcess
 from model.kv_cache import NoFreeBlocks
 from model.loader import load_model
 from proto import worker_pb2, worker_pb2_grpc
@@ -81,41 +80,22 @@ def _coalesce(events: list) -> list:
     return out
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerProcess):
     """A running decode worker: engine thread, gRPC server, Redis lease."""
+
+    service_name = "pdserve.worker.v1.DecodeWorker"
 
     def __init__(self, cfg: DecodeWorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
-        self.cfg = cfg
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
-        self.engine = DecodeEngine(cfg, model, model_cfg)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.engine.run_forever, args=(self._stop,), name="decode-engine",
-                                        daemon=True)
-        self.address = ""
+        super().__init__(cfg, DecodeEngine(cfg, model, model_cfg))
+
+    def add_servicer(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self.engine), server)
 
     def info(self) -> WorkerInfo:
-        """This worker's registry entry with its current load."""
         e = self.engine
-        return WorkerInfo(worker_id=self.cfg.worker_id, block_size=self.cfg.block_size, role="decode", address=self.address,
-                          kv_address=e.receiver.address, num_total_blocks=e.pool.num_blocks,
-                          num_free_blocks=e.pool.num_free, num_running=e.num_decoding,
-                          num_waiting=e.num_transferring)
-
-    async def start(self) -> str:
-        """Start serving; register in Redis last, so traffic arrives only when ready. Returns ``host:port``."""
-        self._thread.start()
-        self._server, port = await start_grpc_server(
-            self.cfg.host, self.cfg.port, lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-                DecodeServicer(self.engine), s), ["pdserve.worker.v1.DecodeWorker"])
-        self.address = f"{self.cfg.host}:{port}"
-        self._heartbeat = Heartbeat(self.cfg, self.info)
-        self._heartbeat.start()
-        return self.address
-
-    async def stop(self) -> None:
-        """Deregister, stop serving, fail what is in flight, release the KV pool."""
-        self._heartbeat.stop()
-        await self._server.stop(grace=1.0)
-        self._stop.set()
-        await asyncio.to_thread(self._thread.join, 5)
+        return WorkerInfo(worker_id=self.cfg.worker_id, role="decode", address=self.address,
+                          kv_address=e.receiver.address, block_size=self.cfg.block_size,
+                          num_total_blocks=e.pool.num_blocks, num_free_blocks=e.pool.num_free,
+                          num_running=e.num_decoding, num_waiting=e.num_transferring)

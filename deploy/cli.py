@@ -74,7 +74,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _timings(final) -> str:
     t = final.timings
     return (f"TTFT {t.ttft_s * 1e3:.1f} ms, TPOT {t.tpot_s * 1e3:.2f} ms, e2e {t.e2e_s * 1e3:.1f} ms, "
-            f"{final.usage.completion_tokens} tokens, finish {client.pdserve_pb2.FinishReason.Name(final.finish_reason)}")
+            f"{final.usage.completion_tokens} tokens, "
+            f"finish {client.pdserve_pb2.FinishReason.Name(final.finish_reason)}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -123,8 +123,9 @@ class RayCluster:
         cuda = torch.cuda.is_available()
         if not ray.is_initialized():
             need = cfg.cpus_per_worker * (cfg.num_prefill + cfg.num_decode) + self.ROUTER_CPUS
+            local_cpus = {"num_cpus": max(os.cpu_count() or 1, math.ceil(need))} if cfg.local else {}
             ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False, **({"num_cpus": max(os.cpu_count() or 1, math.ceil(need))} if cfg.local else {}))
+                     configure_logging=False, **local_cpus)
         common = dict(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url, host=cfg.host,
                       block_size=cfg.block_size, num_blocks=cfg.num_blocks, dtype=cfg.dtype,
                       num_threads=cfg.num_threads)

@@ -98,6 +98,51 @@ class Heartbeat(threading.Thread):
         self._lease.close()
 
 
+class WorkerProcess:
+    """A worker's running parts, started in this order: engine thread, gRPC server, and
+    last the Redis lease, so that traffic arrives only when the worker can take it.
+    Subclasses build the engine (anything with ``run_forever(stop_event)``) and say
+    which servicer to serve and what load to report."""
+
+    service_name = ""
+
+    def __init__(self, cfg: WorkerConfig, engine) -> None:
+        self.cfg, self.engine = cfg, engine
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=engine.run_forever, args=(self._halt,),
+                                        name=f"{type(self).__name__}-engine", daemon=True)
+        self.address = ""
+
+    def add_servicer(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    def info(self) -> WorkerInfo:
+        """This worker's registry entry with its current load."""
+        raise NotImplementedError
+
+    async def start(self) -> str:
+        """Start serving and register. Returns the gRPC ``host:port``.
+
+        Raises:
+            RuntimeError: the port could not be bound.
+            redis.RedisError: the registry is unreachable.
+        """
+        self._thread.start()
+        self._server, port = await start_grpc_server(self.cfg.host, self.cfg.port, self.add_servicer,
+                                                     [self.service_name])
+        self.address = f"{self.cfg.host}:{port}"
+        self._heartbeat = Heartbeat(self.cfg, self.info)
+        self._heartbeat.start()
+        return self.address
+
+    async def stop(self) -> None:
+        """Deregister, stop serving, then stop the engine (which fails what is in flight)."""
+        self._heartbeat.stop()
+        await self._server.stop(grace=1.0)
+        self._halt.set()
+        await asyncio.to_thread(self._thread.join, 5)
+
+
 async def start_grpc_server(host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None],
                             service_names: list[str]) -> tuple[grpc.aio.Server, int]:
     """Start a ``grpc.aio`` server with the given servicer plus health and reflection.

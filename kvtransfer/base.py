@@ -58,7 +58,8 @@ class KVChannel(ABC):
     """Prefill side of one request's transfer. Not thread-safe: one sender thread uses it."""
 
     @abstractmethod
-    def send_pages(self, layer_range: tuple[int, int], src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> None:
+    def send_pages(self, layer_range: tuple[int, int], src_block_ids: Sequence[int],
+                   dst_block_ids: Sequence[int]) -> None:
         """Send the KV of ``layer_range`` (start, end exclusive) of the local blocks
         ``src_block_ids`` into the receiver's blocks ``dst_block_ids`` (same length, same order).
 

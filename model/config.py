@@ -43,7 +43,8 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"config: {self.num_heads} attention heads is not a multiple of {self.num_kv_heads} KV heads")
+            raise ValueError(f"config: {self.num_heads} attention heads is not a multiple of "
+                             f"{self.num_kv_heads} KV heads")
 
     @property
     def num_queries_per_kv(self) -> int:

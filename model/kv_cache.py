@@ -53,6 +53,11 @@ class KVCacheSpec:
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be positive, got {getattr(self, name)}")
 
+    @classmethod
+    def for_model(cls, model_cfg, num_blocks: int, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
+        """The cache of a :class:`model.config.ModelConfig` with ``num_blocks`` blocks of ``block_size`` tokens."""
+        return cls(num_blocks, model_cfg.num_layers, block_size, model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
+
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the whole cache tensor."""

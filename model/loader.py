@@ -81,7 +81,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         raise ValueError(f"{model_dir}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, config implies {tuple(expected[name].shape)}")
+            raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, "
+                             f"config implies {tuple(expected[name].shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     model.rotary = RotaryEmbedding(cfg)  # its buffer was built on the meta device
     if cfg.tie_word_embeddings:

@@ -76,8 +76,7 @@ class PrefillEngine:
 
     def __init__(self, cfg: PrefillWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
-        self.spec = KVCacheSpec(cfg.num_blocks, model_cfg.num_layers, cfg.block_size,
-                                model_cfg.num_kv_heads, model_cfg.head_dim, cfg.torch_dtype)
+        self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         if self.spec.num_blocks_for(model_cfg.max_position_embeddings) > cfg.num_blocks:
             raise ValueError(f"num_blocks={cfg.num_blocks} cannot hold one prompt of the model's "
                              f"{model_cfg.max_position_embeddings}-token context")
@@ -153,8 +152,15 @@ class PrefillEngine:
         if not batch:
             return
         started = time.monotonic()
-        logits = self.runner.run([StepInput(r.token_ids, 0, t) for r, t in zip(batch, tables)])
-        firsts = sample(logits, [r.sampling for r in batch], [0] * len(batch))
+        try:
+            logits = self.runner.run([StepInput(r.token_ids, 0, t) for r, t in zip(batch, tables)])
+            firsts = sample(logits, [r.sampling for r in batch], [0] * len(batch))
+        except Exception:  # fail this batch, keep serving
+            log.exception("prefill step failed")
+            for req, table in zip(batch, tables):
+                self.pool.free(table)
+                self._deliver(req, PrefillResult(error="prefill step failed on the worker (see its log)"))
+            return
         prefill_s = time.monotonic() - started
         for req, table, token in zip(batch, tables, firsts):
             self._transfers.put(_Transfer(req, table, token, started - req.arrived_at, prefill_s))
@@ -193,7 +199,9 @@ class PrefillEngine:
                 stats = channel.finish(job.first_token)
                 result = PrefillResult(job.first_token, "", job.queue_s, job.prefill_s,
                                        time.monotonic() - started, stats.num_bytes)
-        except (TransferError, ValueError) as exc:
+        except Exception as exc:  # TransferError, or anything else: the request fails, the thread lives
+            if not isinstance(exc, TransferError):
+                log.exception("KV transfer of %s failed", req.request_id)
             if channel is not None:
                 channel.abort(str(exc))
             result = PrefillResult(error=f"KV transfer to {req.dst_kv_address} failed: {exc}")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import torch
 
-from deploy.worker_process import Heartbeat, start_grpc_server
+from deploy.worker_process import WorkerProcess
 from model.loader import load_model
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
@@ -58,41 +57,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                           num_kv_bytes=result.num_kv_bytes)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerProcess):
     """A running prefill worker: engine and sender threads, gRPC server, Redis lease."""
+
+    service_name = "pdserve.worker.v1.PrefillWorker"
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
-        self.cfg = cfg
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
-        self.engine = PrefillEngine(cfg, model, model_cfg)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.engine.run_forever, args=(self._stop,), name="prefill-engine",
-                                        daemon=True)
-        self.address = ""
+        super().__init__(cfg, PrefillEngine(cfg, model, model_cfg))
+
+    def add_servicer(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self.engine), server)
 
     def info(self) -> WorkerInfo:
-        """This worker's registry entry with its current load."""
         e = self.engine
-        return WorkerInfo(worker_id=self.cfg.worker_id, block_size=self.cfg.block_size, role="prefill", address=self.address,
-                          num_total_blocks=e.pool.num_blocks, num_free_blocks=e.pool.num_free,
-                          num_running=e.num_in_flight, num_waiting=e.num_queued,
-                          num_queued_tokens=e.num_queued_tokens)
-
-    async def start(self) -> str:
-        """Start serving; register in Redis last. Returns ``host:port``."""
-        self._thread.start()
-        self._server, port = await start_grpc_server(
-            self.cfg.host, self.cfg.port, lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-                PrefillServicer(self.engine), s), ["pdserve.worker.v1.PrefillWorker"])
-        self.address = f"{self.cfg.host}:{port}"
-        self._heartbeat = Heartbeat(self.cfg, self.info)
-        self._heartbeat.start()
-        return self.address
-
-    async def stop(self) -> None:
-        """Deregister, stop serving, fail what is queued."""
-        self._heartbeat.stop()
-        await self._server.stop(grace=1.0)
-        self._stop.set()
-        await asyncio.to_thread(self._thread.join, 5)
+        return WorkerInfo(worker_id=self.cfg.worker_id, role="prefill", address=self.address,
+                          block_size=self.cfg.block_size, num_total_blocks=e.pool.num_blocks,
+                          num_free_blocks=e.pool.num_free, num_running=e.num_in_flight,
+                          num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens)

@@ -9,13 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 
-import pytest
 import redis
 
-from deploy.redis_server import ensure_redis, redis_answers
 from deploy.ray_cluster import worker_resources
+from deploy.redis_server import ensure_redis, redis_answers
 
 PDSERVE = [sys.executable, "-m", "deploy.cli"]
 

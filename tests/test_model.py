@@ -65,8 +65,9 @@ def test_mixed_batch_equals_each_sequence_alone(model_dir):
 
 
 def test_missing_tensor_is_a_clear_error(tmp_path, awkward_model_dir):
-    from safetensors.torch import load_file, save_file
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     for f in ("config.json", "tokenizer.json"):
         shutil.copy(f"{awkward_model_dir}/{f}", tmp_path / f)

@@ -14,9 +14,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from deploy import client
 from deploy.processes import spawn_role
+from model.sampling import SamplingParams
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import sampling_to_wire
-from model.sampling import SamplingParams
 from tests.conftest import Cluster
 
 
@@ -33,9 +33,11 @@ def test_cluster_state_lists_workers_from_redis(fresh_cluster, redis_url):
 
 def test_health_and_reflection(fresh_cluster):
     async def probe(channel):
-        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Router"))
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.Router"))
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = [r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))]
+        ask = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        replies = [r async for r in stub.ServerReflectionInfo(ask)]
         return health.status, [s.name for s in replies[0].list_services_response.service]
 
     status, services = fresh_cluster.run(probe)

@@ -12,8 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.base import KVReceiver, OnComplete, OnFailed
-from kvtransfer.tcp.frames import (Abort, Ack, Done, Frame, FrameError, Pages, PeerClosed, check_pages,
-                                   encode, read_frame, recv_exact_into)
+from kvtransfer.tcp.frames import (
+    Abort,
+    Ack,
+    Done,
+    Frame,
+    FrameError,
+    Pages,
+    PeerClosed,
+    check_pages,
+    encode,
+    read_frame,
+    recv_exact_into,
+)
 from kvtransfer.tcp.pages import PageMemory
 from kvtransfer.tcp.registry import Registration, Registry
 from model.kv_cache import KVCacheSpec

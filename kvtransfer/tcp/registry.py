@@ -107,7 +107,7 @@ class Registry:
     def mark(self, reg: Registration, block_ids: Sequence[int], layer_start: int, layer_end: int) -> None:
         """Record that the pages ``block_ids x [layer_start, layer_end)`` arrived."""
         with self._cond:
-            reg.arrived.update((b, l) for b in block_ids for l in range(layer_start, layer_end))
+            reg.arrived.update((b, layer) for b in block_ids for layer in range(layer_start, layer_end))
 
     def finish(self, reg: Registration) -> tuple[bool, bool]:
         """On ``done``: take ``reg`` if still live. Returns (taken, complete); when taken
