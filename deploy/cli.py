@@ -121,6 +121,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from deploy.make_model import PRESETS, make_model, num_parameters
+
+    out = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.preset} ({num_parameters(PRESETS[args.preset]) / 1e6:.1f}M parameters, {args.dtype}) to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     _cluster_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(func=cmd_demo)
+
+    mk = sub.add_parser("make-model", help="write a seeded random-weight Llama checkpoint at a benchmark preset")
+    mk.add_argument("--preset", required=True, help="bench-80m (about 80M parameters) or bench-9m")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    mk.set_defaults(func=cmd_make_model)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -73,3 +73,18 @@ def test_up_generate_and_clean_shutdown(redis_url, model_dir):
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def test_make_model_writes_a_loadable_checkpoint(tmp_path):
+    import torch
+
+    from deploy.make_model import PRESETS, make_model, num_parameters
+    from model.loader import load_model
+
+    out = make_model("bench-9m", tmp_path / "m", seed=3, dtype="float32")
+    model, cfg = load_model(out)
+    assert sum(p.numel() for p in model.parameters()) == num_parameters(PRESETS["bench-9m"])
+    assert cfg.num_kv_heads == 2 and not cfg.tie_word_embeddings and (out / "tokenizer.json").exists()
+    again, _ = load_model(make_model("bench-9m", tmp_path / "m2", seed=3, dtype="float32"))
+    assert torch.equal(model.layers[3].mlp.down_proj.weight, again.layers[3].mlp.down_proj.weight)  # seeded
+    assert num_parameters(PRESETS["bench-80m"]) > 78e6
