@@ -1,80 +1,46 @@
-"""The prefill engine: batches prompts into forward steps and hands their KV to a sender.
+"""The prefill engine: chunked prefill over a paged cache, pages streamed while computing.
 
-A request's life on the prefill worker::
+Each :meth:`PrefillEngine.step`:
 
-    add_request ──► QUEUED ──(blocks allocated, forward, first token sampled)──► PREFILLED
-                      │                                                          │
-                      │ aborted: dropped                          sender thread: │ KV pages + first token
-                      ▼                                                          ▼ to the decode worker
-                   FINISHED ◄──────────── blocks freed, result delivered ───── TRANSFERRING
+    1. schedule     requests already prefilling first, then queued ones (FCFS), each
+                    taking a chunk of at most the remaining token budget
+                    (``max_num_batched_tokens``); a queued request is admitted when its
+                    blocks can be had (cached prefix matched, the rest allocated)
+    2. run          one forward over every chunk; chunks attend to earlier chunks'
+                    KV through the paged cache
+    3. postprocess  hand every block the step completed to the sender thread; for
+                    prompts that are done, sample the first token and queue ``Finish``
 
-Each :meth:`PrefillEngine.step` is: schedule (queued prompts within the token
-budget and the free blocks) -> run (one forward over all of them) -> postprocess
-(sample each first token, queue the KV transfer). The sender thread owns a
-request's local blocks from then on and frees them whatever the transfer's fate.
+Chunked prefill: Agrawal et al., "Sarathi-Serve" (OSDI 2024); vLLM's chunked prefill.
+The request lifecycle is drawn in :mod:`prefill_worker.request`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from kvtransfer import TransferError
 from kvtransfer.tcp import TcpKVSender
 from model.config import ModelConfig
-from model.kv_cache import BlockPool, KVCacheSpec
+from model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from model.llama import LlamaForCausalLM
 from model.runner import ModelRunner, StepInput
-from model.sampling import SamplingParams, sample
+from model.sampling import sample
+from prefill_worker.blocks import BlockSource, PlainBlocks
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
+from prefill_worker.sender import Finish, KVSendLoop, Release, SendPages
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PrefillResult:
-    """Outcome of one prefill: the first token and timings (seconds), or an error message."""
-
-    first_token: int = -1
-    error: str = ""
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    num_kv_bytes: int = 0
-
-
-@dataclass
-class PrefillRequest:
-    """One prompt to prefill and where its KV goes."""
-
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingParams
-    dst_kv_address: str
-    dst_block_ids: list[int]
-    on_done: Callable[[PrefillResult], None]
-    arrived_at: float = field(default_factory=time.monotonic)
-    aborted: bool = False
-
-
-@dataclass
-class _Transfer:
-    req: PrefillRequest
-    block_table: list[int]
-    first_token: int
-    queue_s: float
-    prefill_s: float
-
-
 class PrefillEngine:
-    """Owns the prefill worker's model, KV cache, block pool and KV sender."""
+    """Owns the prefill worker's model, KV cache, blocks and KV sender thread."""
 
-    def __init__(self, cfg: PrefillWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig) -> None:
+    def __init__(self, cfg: PrefillWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig,
+                 blocks: BlockSource | None = None) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         if self.spec.num_blocks_for(model_cfg.max_position_embeddings) > cfg.num_blocks:
@@ -82,36 +48,38 @@ class PrefillEngine:
                              f"{model_cfg.max_position_embeddings}-token context")
         self.runner = ModelRunner(model, self.spec)
         self.pool = BlockPool(cfg.num_blocks)
-        self.sender = TcpKVSender(self.runner.kv_cache, self.spec, connect_timeout_s=cfg.kv_connect_timeout_s,
-                                  io_timeout_s=cfg.kv_io_timeout_s)
-        self._queue: deque[PrefillRequest] = deque()
+        self.blocks = blocks or PlainBlocks(self.pool)
+        self.sender = KVSendLoop(TcpKVSender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s,
+                                             cfg.kv_io_timeout_s),
+                                 self.blocks, model_cfg.num_layers, self._finished)
         self._lock = threading.Condition()
-        self._transfers: queue.SimpleQueue[_Transfer | None] = queue.SimpleQueue()
-        self._by_id: dict[str, PrefillRequest] = {}
+        self._queue: deque[PrefillRequest] = deque()     # QUEUED, oldest first
+        self._running: list[PrefillRequest] = []          # PREFILLING (engine thread)
+        self._live: dict[str, PrefillRequest] = {}        # every request not yet delivered
 
     # ---- called from other threads -------------------------------------------------
     def add_request(self, req: PrefillRequest) -> None:
         """Queue a prompt.
 
         Raises:
-            ValueError: duplicate request id, or a destination block table that cannot hold the prompt.
+            ValueError: duplicate request id, or a destination block table that does not fit the prompt.
         """
-        if len(req.dst_block_ids) != self.spec.num_blocks_for(len(req.token_ids)):
-            raise ValueError(f"{len(req.dst_block_ids)} destination blocks for a {len(req.token_ids)}-token prompt; "
-                             f"need {self.spec.num_blocks_for(len(req.token_ids))}")
+        need = self.spec.num_blocks_for(len(req.token_ids))
+        if len(req.dst_block_ids) != need:
+            raise ValueError(f"{len(req.dst_block_ids)} destination blocks for a {len(req.token_ids)}-token "
+                             f"prompt; need {need}")
         with self._lock:
-            if req.request_id in self._by_id:
+            if req.request_id in self._live:
                 raise ValueError(f"request id {req.request_id!r} is already in use on this worker")
-            self._by_id[req.request_id] = req
+            self._live[req.request_id] = req
             self._queue.append(req)
             self._lock.notify()
 
     def abort(self, request_id: str) -> None:
-        """Drop a queued request, or make its transfer abort. Idempotent."""
+        """Stop the request wherever it is; its blocks are released. Idempotent."""
         with self._lock:
-            req = self._by_id.get(request_id)
-            if req is not None:
-                req.aborted = True
+            if request_id in self._live:
+                self._live[request_id].aborted = True
 
     @property
     def num_queued(self) -> int:
@@ -119,97 +87,108 @@ class PrefillEngine:
 
     @property
     def num_in_flight(self) -> int:
-        """Requests taken from the queue and not yet delivered (prefilling or transferring)."""
+        """Requests admitted and not yet delivered (prefilling or transferring)."""
         with self._lock:
-            return len(self._by_id) - len(self._queue)
+            return len(self._live) - len(self._queue)
 
     @property
     def num_queued_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in list(self._queue))
+        """Prompt tokens still to compute, queued or prefilling."""
+        with self._lock:
+            return sum(r.num_remaining for r in self._queue) + sum(r.num_remaining for r in self._running)
 
     # ---- engine thread ---------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
-        """Step until ``stop`` is set; the sender thread runs alongside."""
-        sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
-        sender.start()
+        """Step until ``stop`` is set."""
+        self.sender.start()
         while not stop.is_set():
             with self._lock:
-                if not self._queue:
+                if not self._queue and not self._running:
                     self._lock.wait(timeout=0.05)
                     continue
-            self.step()
-        self._transfers.put(None)
-        sender.join(timeout=5)
-        self.sender.close()
+            try:
+                self.step()
+            except Exception:  # fail the running requests, keep serving
+                log.exception("prefill step failed")
+                for req in self._running:
+                    self.sender.submit(Release(req, "prefill step failed on the worker (see its log)"))
+                self._running.clear()
         with self._lock:
-            dropped, self._queue = list(self._queue), deque()
-        for req in dropped:
-            self._deliver(req, PrefillResult(error="prefill worker shutting down"))
+            leftovers, self._queue = [*self._queue], deque()
+        for req in leftovers:
+            self._finished(req, PrefillResult(error="prefill worker shutting down"))
+        for req in self._running:
+            self.sender.submit(Release(req, "prefill worker shutting down"))
+        self.sender.close()
 
     def step(self) -> None:
-        """Schedule queued prompts, run them in one forward, sample, queue their transfers."""
-        batch, tables = self._schedule()
-        if not batch:
+        """Schedule chunks, run them in one forward, hand finished pages and first tokens to the sender."""
+        chunks = self._schedule()
+        if not chunks:
             return
-        started = time.monotonic()
-        try:
-            logits = self.runner.run([StepInput(r.token_ids, 0, t) for r, t in zip(batch, tables)])
-            firsts = sample(logits, [r.sampling for r in batch], [0] * len(batch))
-        except Exception:  # fail this batch, keep serving
-            log.exception("prefill step failed")
-            for req, table in zip(batch, tables):
-                self.pool.free(table)
-                self._deliver(req, PrefillResult(error="prefill step failed on the worker (see its log)"))
-            return
-        prefill_s = time.monotonic() - started
-        for req, table, token in zip(batch, tables, firsts):
-            self._transfers.put(_Transfer(req, table, token, started - req.arrived_at, prefill_s))
+        logits = self.runner.run([StepInput(r.token_ids[r.num_computed:r.num_computed + n], r.num_computed,
+                                            r.block_table) for r, n in chunks])
+        done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
+        firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done], [0] * len(done)) if done else []
+        now = time.monotonic()
+        for req, n in chunks:
+            req.num_computed += n
+        for (_, req), token in zip(done, firsts):
+            req.first_token, req.computed_at, req.status = token, now, PrefillStatus.TRANSFERRING
+            self.blocks.insert(req.token_ids, req.block_table)
+            self._running.remove(req)
+        for req, _ in chunks:
+            ready = len(req.block_table) if req.num_remaining == 0 else req.num_computed // self.spec.block_size
+            if ready > req.num_blocks_handed:
+                self.sender.submit(SendPages(req, req.num_blocks_handed, ready))
+                req.num_blocks_handed = ready
+            if req.num_remaining == 0:
+                self.sender.submit(Finish(req))
 
-    def _schedule(self) -> tuple[list[PrefillRequest], list[list[int]]]:
-        batch, tables, budget = [], [], self.cfg.max_num_batched_tokens
+    def _schedule(self) -> list[tuple[PrefillRequest, int]]:
+        """(request, chunk tokens) pairs for this step, within the token budget."""
+        budget = self.cfg.max_num_batched_tokens
+        for req in [r for r in self._running if r.aborted or r.error]:  # no compute for a dead transfer
+            self._running.remove(req)
+            self.sender.submit(Release(req, "aborted"))
+        chunks = []
+        for req in self._running:
+            if budget == 0:
+                break
+            n = min(req.num_remaining, budget)
+            chunks.append((req, n))
+            budget -= n
         with self._lock:
-            while self._queue:
+            while self._queue and budget > 0:
                 req = self._queue[0]
                 if req.aborted:
                     self._queue.popleft()
-                    self._deliver(req, PrefillResult(error="aborted"))
+                    self._finished(req, PrefillResult(error="aborted"))
                     continue
-                need = self.spec.num_blocks_for(len(req.token_ids))
-                if (batch and len(req.token_ids) > budget) or need > self.pool.num_free:
-                    break  # the next step takes it (blocks come back as transfers finish)
+                if not self._admit(req):
+                    break  # blocks come back as transfers finish
                 self._queue.popleft()
-                tables.append(self.pool.allocate(need))
-                batch.append(req)
-                budget -= len(req.token_ids)
-        return batch, tables
+                self._running.append(req)
+                n = min(req.num_remaining, budget)
+                chunks.append((req, n))
+                budget -= n
+        return chunks
 
-    def _send_loop(self) -> None:
-        """Sender thread: move each prefilled request's KV pages to its decode worker."""
-        while (job := self._transfers.get()) is not None:
-            self._transfer(job)
-
-    def _transfer(self, job: _Transfer) -> None:
-        req, started = job.req, time.monotonic()
-        result = PrefillResult(error="aborted")
-        channel = None
+    def _admit(self, req: PrefillRequest) -> bool:
+        """Match the cached prefix and allocate the rest of the prompt's blocks; False if they cannot be had."""
+        match = self.blocks.match(req.token_ids)
         try:
-            if not req.aborted:
-                channel = self.sender.open(req.request_id, req.dst_kv_address)
-                channel.send_pages((0, self.model_cfg.num_layers), job.block_table, req.dst_block_ids)
-                stats = channel.finish(job.first_token)
-                result = PrefillResult(job.first_token, "", job.queue_s, job.prefill_s,
-                                       time.monotonic() - started, stats.num_bytes)
-        except Exception as exc:  # TransferError, or anything else: the request fails, the thread lives
-            if not isinstance(exc, TransferError):
-                log.exception("KV transfer of %s failed", req.request_id)
-            if channel is not None:
-                channel.abort(str(exc))
-            result = PrefillResult(error=f"KV transfer to {req.dst_kv_address} failed: {exc}")
-        finally:
-            self.pool.free(job.block_table)
-            self._deliver(req, result)
+            fresh = self.blocks.allocate(self.spec.num_blocks_for(len(req.token_ids)) - len(match.block_ids))
+        except NoFreeBlocks:
+            self.blocks.release(match.block_ids)
+            return False
+        req.block_table = match.block_ids + fresh
+        req.num_cached_tokens = req.num_computed = match.num_cached_tokens
+        req.status, req.admitted_at = PrefillStatus.PREFILLING, time.monotonic()
+        return True
 
-    def _deliver(self, req: PrefillRequest, result: PrefillResult) -> None:
+    def _finished(self, req: PrefillRequest, result: PrefillResult) -> None:
+        """Deliver a request's result (sender thread, or the engine for never-admitted requests)."""
         with self._lock:
-            self._by_id.pop(req.request_id, None)
+            self._live.pop(req.request_id, None)
         req.on_done(result)

@@ -10,7 +10,8 @@ import torch
 from deploy.worker_process import WorkerProcess
 from model.loader import load_model
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.engine import PrefillEngine, PrefillRequest, PrefillResult
+from prefill_worker.engine import PrefillEngine
+from prefill_worker.request import PrefillRequest, PrefillResult
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import sampling_from_wire
 from router.registry import WorkerInfo
@@ -54,7 +55,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, result.error)
         return worker_pb2.PrefillResponse(first_token=result.first_token, queue_s=result.queue_s,
                                           prefill_s=result.prefill_s, transfer_s=result.transfer_s,
-                                          num_kv_bytes=result.num_kv_bytes)
+                                          transfer_tail_s=result.transfer_tail_s, num_kv_bytes=result.num_kv_bytes,
+                                          num_cached_tokens=result.num_cached_tokens)
 
 
 class PrefillWorker(WorkerProcess):

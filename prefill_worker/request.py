@@ -1,0 +1,88 @@
+"""A request's life on the prefill worker::
+
+    add_request ─► QUEUED ─(admitted: cached prefix matched, blocks allocated)─► PREFILLING
+                                                                                   │ one chunk per step;
+                                                                                   │ finished blocks' pages
+                                                                                   │ go to the sender at once
+                                                            last chunk: first token sampled
+                                                                                   ▼
+    FINISHED ◄─(sender: ack from the decode worker, or failure)── TRANSFERRING (last pages + first token)
+
+Abort (the router cancelled) or a failed transfer sends the request to FINISHED from
+any state. Owner of its blocks: the engine until admission fails or the request is
+admitted; from admission on, blocks are released only by the sender thread, after
+its last job for the request, so no page is read after its block is reused.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtransfer import KVChannel
+from model.sampling import SamplingParams
+
+
+class PrefillStatus(enum.Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Outcome of one prefill: the first token and timings, or an error.
+
+    Attributes:
+        first_token: the sampled first output token (``None`` when ``error`` is set).
+        error: why the request failed; empty on success.
+        queue_s: seconds from arrival to admission.
+        prefill_s: seconds from admission to the last chunk's end.
+        transfer_s: seconds from the first page sent to the decode worker's acknowledgement.
+        transfer_tail_s: seconds from the last chunk's end to the acknowledgement (the part of
+            the transfer that compute did not hide).
+        num_kv_bytes: KV page bytes sent.
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache.
+    """
+
+    first_token: int | None = None
+    error: str = ""
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_tail_s: float = 0.0
+    num_kv_bytes: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class PrefillRequest:
+    """One prompt to prefill and where its KV goes (mutable engine state)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    dst_kv_address: str
+    dst_block_ids: list[int]
+    on_done: Callable[[PrefillResult], None]
+    status: PrefillStatus = PrefillStatus.QUEUED
+    aborted: bool = False
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_computed: int = 0              # prompt tokens whose KV is in the cache
+    num_blocks_handed: int = 0         # blocks already handed to the sender
+    first_token: int | None = None
+    error: str = ""                    # set by the sender when the transfer failed
+    channel: KVChannel | None = None   # sender thread only
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0
+    computed_at: float = 0.0
+    first_page_at: float = 0.0
+
+    @property
+    def num_remaining(self) -> int:
+        """Prompt tokens still to compute."""
+        return len(self.token_ids) - self.num_computed
