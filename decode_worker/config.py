@@ -15,14 +15,30 @@ class DecodeWorkerConfig(WorkerConfig):
         kv_port: TCP port of the KV receiver (0 = pick a free one).
         max_batch_size: requests decoded together in one step at most.
         kv_io_timeout_s: a KV connection idle this long (seconds) is dropped.
+        speculative: ``off``, ``ngram`` (prompt lookup), ``self`` (the first ``spec_draft_layers``
+            layers draft) or ``draft`` (the checkpoint ``spec_draft_model`` drafts).
+        spec_k: proposal length k.
+        spec_max_batch_size: speculation runs only while the batch is at most this large
+            (beyond it verification costs more than it saves; measured by ``bench/decode.py``).
     """
 
     kv_port: int = 0
     max_batch_size: int = 64
     kv_io_timeout_s: float = 10.0
+    speculative: str = "off"
+    spec_k: int = 4
+    spec_draft_layers: int = 1
+    spec_draft_model: str = ""
+    spec_max_batch_size: int = 4
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.speculative not in ("off", "ngram", "self", "draft"):
+            raise ValueError(f"speculative must be off, ngram, self or draft, got {self.speculative!r}")
+        if self.speculative == "draft" and not self.spec_draft_model:
+            raise ValueError("speculative=draft needs spec_draft_model (a checkpoint directory)")
+        if self.spec_k < 1 or self.spec_draft_layers < 1 or self.spec_max_batch_size < 0:
+            raise ValueError("spec_k and spec_draft_layers must be >= 1, spec_max_batch_size >= 0")
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
         if self.kv_io_timeout_s <= 0:

@@ -25,6 +25,7 @@ import grpc
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.request import DecodeEventSink, DecodeRequest, DecodeStatus, ErrorEvent, FinishedEvent, TokensEvent
+from decode_worker.speculative import DraftModelProposer, NgramProposer, Proposer, SelfDraftProposer, verify
 from kvtransfer.tcp import TcpKVReceiver
 from model.config import ModelConfig
 from model.kv_cache import BlockPool, KVCacheSpec
@@ -52,6 +53,19 @@ class _Abort:
     request_id: str
 
 
+def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | None:
+    """The configured speculative proposer, or ``None`` when speculation is off."""
+    if cfg.speculative == "ngram":
+        return NgramProposer()
+    if cfg.speculative == "self":
+        return SelfDraftProposer(runner, cfg.spec_draft_layers)
+    if cfg.speculative == "draft":
+        from model.loader import load_model
+        draft, _ = load_model(cfg.spec_draft_model, cfg.torch_dtype)
+        return DraftModelProposer(draft, runner.spec)
+    return None
+
+
 class DecodeEngine:
     """Owns the decode worker's model, KV cache, block pool and KV receiver."""
 
@@ -60,6 +74,7 @@ class DecodeEngine:
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         self.runner = ModelRunner(model, self.spec)
         self.pool = BlockPool(cfg.num_blocks)
+        self.proposer = make_proposer(cfg, self.runner)
         self.receiver = TcpKVReceiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
                                       io_timeout_s=cfg.kv_io_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -135,12 +150,40 @@ class DecodeEngine:
         batch = [r for r in self._requests.values() if r.status is DecodeStatus.DECODING][: self.cfg.max_batch_size]
         if not batch:
             return
-        logits = self.runner.run([StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch])
-        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
-        for req, token in zip(batch, tokens):
+        if self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size:
+            new_tokens = self._speculative_run(batch)
+        else:
+            logits = self.runner.run([StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch])
+            new_tokens = [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
+        for req, tokens in zip(batch, new_tokens):
+            self._append(req, tokens)
+
+    def _speculative_run(self, batch: list[DecodeRequest]) -> list[list[int]]:
+        """Propose, verify all proposals in one forward, keep what the rejection rule accepts."""
+        ks = [max(0, min(self.cfg.spec_k, r.sampling.max_tokens - len(r.output_ids) - 1,
+                         r.max_context - r.num_tokens - 1)) for r in batch]  # never write past the blocks
+        proposals = self.proposer.propose(batch, ks)
+        logits = self.runner.run([StepInput([r.output_ids[-1], *p.tokens], r.num_tokens - 1, r.block_table)
+                                  for r, p in zip(batch, proposals)], all_logits=True)
+        rows = logits.split([len(p.tokens) + 1 for p in proposals])
+        out = []
+        for req, prop, req_rows in zip(batch, proposals, rows):
+            tokens = verify(req_rows, prop, req.sampling, len(req.output_ids))
+            req.num_draft_tokens += len(prop.tokens)
+            req.num_accepted_tokens += len(tokens) - 1
+            out.append(tokens)
+        return out
+
+    def _append(self, req: DecodeRequest, tokens: list[int]) -> None:
+        """Add a step's tokens, stopping at the first that ends the request; stream them."""
+        kept = []
+        for token in tokens:
             req.output_ids.append(token)
-            req.emit(TokensEvent([token]))
-            self._finish_if_done(req)
+            kept.append(token)
+            if req.finish_reason() is not None:
+                break
+        req.emit(TokensEvent(kept))
+        self._finish_if_done(req)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -171,7 +214,8 @@ class DecodeEngine:
     def _finish_if_done(self, req: DecodeRequest) -> None:
         reason = req.finish_reason()
         if reason is not None:
-            self._retire(req, FinishedEvent(reason, len(req.output_ids), req.kv_ready_at - req.allocated_at))
+            self._retire(req, FinishedEvent(reason, len(req.output_ids), req.kv_ready_at - req.allocated_at,
+                                            req.num_draft_tokens, req.num_accepted_tokens))
 
     def _retire(self, req: DecodeRequest, event: FinishedEvent | ErrorEvent | None) -> None:
         """FINISHED: free the blocks, forget the request, send the last event."""
@@ -182,6 +226,8 @@ class DecodeEngine:
             self.num_decoding -= 1
         req.status = DecodeStatus.FINISHED
         del self._requests[req.request_id]
+        if self.proposer is not None:
+            self.proposer.forget(req)
         self.pool.free(req.block_table)
         self._release_id(req.request_id)
         if event is not None:

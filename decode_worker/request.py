@@ -43,6 +43,8 @@ class FinishedEvent:
     reason: str
     num_output_tokens: int
     kv_wait_s: float
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class DecodeRequest:
     emit: DecodeEventSink
     status: DecodeStatus = DecodeStatus.TRANSFERRING
     output_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0        # speculative proposals verified
+    num_accepted_tokens: int = 0     # of which accepted
     allocated_at: float = field(default_factory=time.monotonic)
     kv_ready_at: float = 0.0
 

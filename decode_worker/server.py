@@ -59,7 +59,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         ended = True
                         yield worker_pb2.DecodeEvent(finished=worker_pb2.DecodeFinished(
                             finish_reason=FINISH_REASONS[ev.reason], num_output_tokens=ev.num_output_tokens,
-                            kv_wait_s=ev.kv_wait_s))
+                            kv_wait_s=ev.kv_wait_s, num_draft_tokens=ev.num_draft_tokens,
+                            num_accepted_tokens=ev.num_accepted_tokens))
                         return
                     else:
                         ended = True

@@ -105,15 +105,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor,
+                num_layers: int | None = None) -> torch.Tensor:
         """``input_ids`` ``[num_tokens]`` int64 -> hidden states ``[num_tokens, hidden_size]``.
 
         ``kv_cache`` (``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``) is
         written at ``meta.slot_mapping`` and read through the metadata's block indices.
+        ``num_layers`` runs only the first layers (then the final norm): the self-draft of
+        speculative decoding; their KV goes to the same cache slots the full model uses.
         """
         cos, sin = self.rotary.cos_sin(meta.positions)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
 

@@ -33,8 +33,10 @@ class ModelRunner:
         self.model, self.spec, self.device = model, spec, device
         self.kv_cache = spec.allocate(device)
 
-    def run(self, batch: list[StepInput]) -> torch.Tensor:
-        """Run the step; return ``[len(batch), vocab]`` float32 logits of each sequence's last new token.
+    def run(self, batch: list[StepInput], all_logits: bool = False, num_layers: int | None = None) -> torch.Tensor:
+        """Run the step and return float32 logits: ``[len(batch), vocab]`` of each sequence's last
+        new token, or with ``all_logits`` ``[num_tokens, vocab]`` of every new token (speculative
+        verification). ``num_layers`` runs only the first layers (self-draft).
 
         Raises:
             ValueError: empty batch, empty sequence or a block table too short.
@@ -46,6 +48,8 @@ class ModelRunner:
             query_lens, [s.num_computed + q for s, q in zip(batch, query_lens)],
             [s.block_table for s in batch], self.spec.block_size, self.device)
         input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_cache)
+        hidden = self.model(input_ids, meta, self.kv_cache, num_layers)
+        if all_logits:
+            return self.model.compute_logits(hidden)
         last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last_rows])

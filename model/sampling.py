@@ -58,10 +58,37 @@ class SamplingParams:
         return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
 
 
-def request_generator(seed: int, output_index: int) -> torch.Generator:
-    """The generator for output token ``output_index`` of a request seeded with ``seed``."""
-    mixed = (seed * 6364136223846793005 + (output_index + 1) * 1442695040888963407) & _MASK63
+def request_generator(seed: int, output_index: int, stream: int = 0) -> torch.Generator:
+    """The generator for output token ``output_index`` of a request seeded with ``seed``;
+    ``stream`` separates independent draws for the same token (e.g. speculative acceptance)."""
+    mixed = (seed * 6364136223846793005 + (output_index + 1) * 1442695040888963407
+             + stream * 0x9E3779B97F4A7C15) & _MASK63
     return torch.Generator().manual_seed(mixed)
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """``[vocab]`` logits -> ``[vocab]`` float32 probabilities after temperature, top-k and top-p.
+
+    Greedy (temperature 0) gives a one-hot distribution at the argmax.
+    """
+    if p.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    scaled = logits.float() / p.temperature
+    if 0 < p.top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p   # mass before this token already enough
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` (``[vocab]``, need not sum to 1) by the exponential race."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int]) -> list[int]:
@@ -76,17 +103,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
     """
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, index) in enumerate(zip(params, output_indexes)):
-        if p.temperature == 0:
-            continue
-        scaled = logits[row].float() / p.temperature
-        if 0 < p.top_k < scaled.shape[0]:
-            kth = torch.topk(scaled, p.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < kth, -math.inf)
-        probs = torch.softmax(scaled, dim=-1)
-        if p.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p   # mass before this token already enough
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        noise = torch.empty_like(probs).exponential_(generator=request_generator(p.seed, index))
-        tokens[row] = int((probs / noise).argmax())
+        if p.temperature != 0:
+            tokens[row] = draw(filtered_probs(logits[row], p), request_generator(p.seed, index))
     return tokens

@@ -84,14 +84,18 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
-    __slots__ = ("finish_reason", "num_output_tokens", "kv_wait_s")
+    __slots__ = ("finish_reason", "num_output_tokens", "kv_wait_s", "num_draft_tokens", "num_accepted_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _pdserve_pb2.FinishReason
     num_output_tokens: int
     kv_wait_s: float
-    def __init__(self, finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., kv_wait_s: _Optional[float] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("allocated", "tokens", "finished")

@@ -129,7 +129,10 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
                     finish_reason=fin.finish_reason, request_id=req.request_id,
                     usage=pdserve_pb2.Usage(prompt_tokens=len(req.prompt_ids),
                                             completion_tokens=fin.num_output_tokens),
-                    timings=pdserve_pb2.Timings(**times.summary())))
+                    timings=pdserve_pb2.Timings(**times.summary()),
+                    speculative=pdserve_pb2.SpeculativeStats(
+                        num_draft_tokens=fin.num_draft_tokens, num_accepted_tokens=fin.num_accepted_tokens,
+                        acceptance_rate=fin.num_accepted_tokens / max(1, fin.num_draft_tokens))))
                 return
         raise GenerateError(grpc.StatusCode.INTERNAL, f"decode worker {decode.worker_id} ended the stream early")
     finally:

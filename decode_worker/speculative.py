@@ -1,0 +1,183 @@
+"""Speculative decoding: proposers guess ``k`` tokens, the target verifies them in one
+forward over the paged cache, and rejection sampling keeps the output distribution
+exactly the target's.
+
+Verification of proposals ``d_1..d_k`` with draft distributions ``q_j`` against the
+target's ``p_0..p_k`` (``p_j`` = target distribution after consuming ``d_j``,
+``p_0`` after the last accepted token)::
+
+    for j = 1..k:  accept d_j with probability min(1, p_{j-1}(d_j) / q_j(d_j))
+                   else: emit a token from norm(max(0, p_{j-1} - q_j)) and stop
+    all accepted:  emit a bonus token from p_k
+
+(Leviathan et al., "Fast Inference from Transformers via Speculative Decoding", ICML
+2023; Chen et al., "Accelerating LLM Decoding with Speculative Sampling", 2023.)
+Deterministic proposals (n-gram lookup) have ``q_j`` one-hot. Greedy requests reduce
+to "accept while the proposal is the target's argmax". Rejected positions' KV slots
+need no clearing: the request's length decides what attention reads, and the next
+step overwrites them.
+
+Proposers:
+- :class:`NgramProposer`: prompt lookup (Saxena, "Prompt Lookup Decoding", 2023).
+- :class:`SelfDraftProposer`: the target's first N layers plus its head (as in
+  Zhang et al., "Draft & Verify", ACL 2024); its KV lands in the target's own cache slots.
+- :class:`DraftModelProposer`: a smaller checkpoint with the target's tokenizer, with its
+  own cache indexed by the same block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from decode_worker.request import DecodeRequest
+from model.kv_cache import KVCacheSpec
+from model.llama import LlamaForCausalLM
+from model.runner import ModelRunner, StepInput
+from model.sampling import SamplingParams, draw, filtered_probs, request_generator
+
+ACCEPT_STREAM, DRAFT_STREAM = 1, 2  # generator streams, apart from the token draws (stream 0)
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one request and, for sampled drafts, their distributions
+    (``probs[j]``, ``[vocab]`` float32); ``probs`` is empty for deterministic proposals."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+class Proposer(Protocol):
+    def propose(self, reqs: list[DecodeRequest], ks: list[int]) -> list[Proposal]:
+        """At most ``ks[i]`` draft tokens for each request, continuing its tokens so far."""
+
+    def forget(self, req: DecodeRequest) -> None:
+        """The request finished (or its accepted length changed): drop per-request state."""
+
+
+def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, output_index: int) -> list[int]:
+    """Tokens to emit for one request after verification (accepted drafts + one more).
+
+    Args:
+        logits: ``[len(proposal.tokens) + 1, vocab]`` target logits at the verified positions.
+        proposal: the drafts.
+        params: the request's sampling parameters (the target distribution is filtered by them).
+        output_index: output index of the first token this step emits (seeds the draws).
+    Returns:
+        Between 1 and ``len(proposal.tokens) + 1`` tokens.
+    """
+    out: list[int] = []
+    for j, d in enumerate(proposal.tokens):
+        index = output_index + j
+        if params.temperature == 0:
+            best = int(logits[j].argmax())
+            out.append(best)
+            if best != d:
+                return out
+            continue
+        p = filtered_probs(logits[j], params)
+        q = proposal.probs[j] if proposal.probs else torch.nn.functional.one_hot(torch.tensor(d), p.shape[0]).float()
+        u = torch.rand((), generator=request_generator(params.seed, index, ACCEPT_STREAM))
+        if u * q[d] < p[d]:  # u < min(1, p(d)/q(d)), without dividing by a tiny q
+            out.append(d)
+            continue
+        residual = (p - q).clamp_min(0)
+        out.append(draw(residual if residual.sum() > 0 else p, request_generator(params.seed, index)))
+        return out
+    last = len(proposal.tokens)
+    if params.temperature == 0:
+        out.append(int(logits[last].argmax()))
+    else:
+        out.append(draw(filtered_probs(logits[last], params), request_generator(params.seed, output_index + last)))
+    return out
+
+
+class NgramProposer:
+    """Finds the most recent earlier occurrence of the last ``n`` tokens (``n`` from
+    ``max_n`` down to ``min_n``) in the request's prompt and output, and proposes what followed."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, reqs: list[DecodeRequest], ks: list[int]) -> list[Proposal]:
+        return [Proposal(self._lookup(r.prompt_ids + r.output_ids, k)) if k > 0 else Proposal()
+                for r, k in zip(reqs, ks)]
+
+    def _lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):  # most recent first, not the suffix itself
+                if tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    def forget(self, req: DecodeRequest) -> None:
+        pass
+
+
+def _draft_loop(runner: ModelRunner, reqs: list[DecodeRequest], ks: list[int], computed: list[int],
+                num_layers: int | None) -> list[Proposal]:
+    """Autoregressive drafting: each round feeds every still-drafting request the tokens its
+    draft cache lacks (one after the first round) and samples the next draft token."""
+    seqs = [r.prompt_ids + r.output_ids for r in reqs]
+    proposals = [Proposal() for _ in reqs]
+    for j in range(max(ks, default=0)):
+        active = [i for i, k in enumerate(ks) if j < k]
+        logits = runner.run([StepInput(seqs[i][computed[i]:], computed[i], reqs[i].block_table) for i in active],
+                            num_layers=num_layers)
+        for i, row in zip(active, logits):
+            params = reqs[i].sampling
+            probs = filtered_probs(row, params)
+            index = len(reqs[i].output_ids) + j
+            token = int(row.argmax()) if params.temperature == 0 else draw(
+                probs, request_generator(params.seed, index, DRAFT_STREAM))
+            proposals[i].tokens.append(token)
+            if params.temperature != 0:
+                proposals[i].probs.append(probs)
+            computed[i] = len(seqs[i])
+            seqs[i].append(token)
+    return proposals
+
+
+class SelfDraftProposer:
+    """Drafts with the target's first ``num_layers`` layers and its LM head, in the target's cache."""
+
+    def __init__(self, runner: ModelRunner, num_layers: int) -> None:
+        if not 1 <= num_layers < runner.model.cfg.num_layers:
+            raise ValueError(f"self-draft layers must be in [1, {runner.model.cfg.num_layers}), got {num_layers}")
+        self.runner, self.num_layers = runner, num_layers
+
+    def propose(self, reqs: list[DecodeRequest], ks: list[int]) -> list[Proposal]:
+        # The target's cache holds every layer's KV up to the last token, which is not computed yet.
+        return _draft_loop(self.runner, reqs, ks, [r.num_tokens - 1 for r in reqs], self.num_layers)
+
+    def forget(self, req: DecodeRequest) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """Drafts with a separate smaller model whose cache mirrors the target's block tables.
+
+    Per request it remembers how many tokens its cache holds; a new request's first
+    proposal prefills the draft cache with the prompt.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, target_spec: KVCacheSpec) -> None:
+        spec = KVCacheSpec.for_model(model.cfg, target_spec.num_blocks, target_spec.block_size, target_spec.dtype)
+        self.runner = ModelRunner(model, spec)
+        self._computed: dict[str, int] = {}
+
+    def propose(self, reqs: list[DecodeRequest], ks: list[int]) -> list[Proposal]:
+        computed = [min(self._computed.get(r.request_id, 0), r.num_tokens - 1) for r in reqs]
+        proposals = _draft_loop(self.runner, reqs, ks, computed, None)
+        for r, c in zip(reqs, computed):
+            self._computed[r.request_id] = c  # valid up to here; verification decides what stays
+        return proposals
+
+    def forget(self, req: DecodeRequest) -> None:
+        self._computed.pop(req.request_id, None)
