@@ -37,6 +37,9 @@ class AttentionMetadata:
         attn_mask: ``[B, 1, max_q, max_ctx]`` bool, True where the query may attend to the key.
         fresh_prefill: True when the step is one sequence with no earlier context,
             so attention can run causally on the fresh K/V without reading the cache.
+        block_tables: ``[B, max_blocks]`` int32 block tables (padded with block 0).
+        seq_lens: ``[B]`` int32 context lengths after this step.
+        decode_only: every sequence has exactly one new token (the GPU decode kernel's case).
     """
 
     positions: torch.Tensor
@@ -47,6 +50,9 @@ class AttentionMetadata:
     ctx_offset: torch.Tensor
     attn_mask: torch.Tensor
     fresh_prefill: bool
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    decode_only: bool
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +100,8 @@ def build_attention_metadata(
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s_lens[:, None, None])
     mask[:, :, 0] |= ~query_valid                                            # padded rows see key 0: no NaN
     ctx_offset = (k_pos % block_size).expand(num_seqs, max_ctx).contiguous()
+    max_blocks = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -103,6 +111,9 @@ def build_attention_metadata(
         ctx_offset=ctx_offset.to(device),
         attn_mask=mask[:, None].to(device),
         fresh_prefill=num_seqs == 1 and query_lens[0] == seq_lens[0],
+        block_tables=tables.to(device),
+        seq_lens=s_lens.to(torch.int32).to(device),
+        decode_only=max_q == 1,
     )
 
 
@@ -144,3 +155,16 @@ def paged_attention_torch(
         queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=meta.attn_mask, scale=scale, enable_gqa=True)                  # [B, H, max_q, D]
     return out.transpose(1, 2)[meta.query_valid]                                 # [num_tokens, H, D]
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """Attention for one layer of a step, on the best path for the device: the Triton
+    decode kernel for all-decode steps on CUDA, the torch path otherwise. Arguments and
+    result as :func:`paged_attention_torch`."""
+    if q.is_cuda and meta.decode_only and not meta.fresh_prefill:
+        from kernels.paged_attention_triton import paged_attention_decode_triton
+        return paged_attention_decode_triton(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale)
+    return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)

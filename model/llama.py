@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import AttentionMetadata, paged_attention_torch, write_kv
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from model.config import ModelConfig
 from model.rope import RotaryEmbedding, apply_rotary
 
@@ -52,7 +52,7 @@ class Attention(nn.Module):
         k = apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         write_kv(kv_cache, self.layer, k, v, meta.slot_mapping)
-        out = paged_attention_torch(q, k, v, kv_cache, self.layer, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
