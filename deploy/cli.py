@@ -36,7 +36,14 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="prefill: token budget per step (longer prompts are chunked)")
+    p.add_argument("--speculative", default="off", choices=["off", "ngram", "self", "draft"],
+                   help="decode: speculative proposer")
+    p.add_argument("--spec-k", type=int, default=4, help="decode: proposal length")
+    p.add_argument("--spec-draft-layers", type=int, default=1, help="decode: layers of the self-draft")
+    p.add_argument("--spec-draft-model", default="", help="decode: draft checkpoint for --speculative draft")
 
 
 def _start_cluster(args: argparse.Namespace):
@@ -47,7 +54,10 @@ def _start_cluster(args: argparse.Namespace):
     cluster = RayCluster(ClusterConfig(
         model_dir=str(Path(args.model).resolve()), num_prefill=args.prefill, num_decode=args.decode,
         port=args.port, ray_address=args.ray_address, redis_url=args.redis_url, block_size=args.block_size,
-        num_blocks=args.num_blocks, dtype=args.dtype, max_batch_size=args.max_batch_size))
+        num_blocks=args.num_blocks, dtype=args.dtype,
+        prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens},
+        decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
+                        "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model}))
     try:
         address = cluster.start()
     except Exception:

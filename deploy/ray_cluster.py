@@ -37,7 +37,9 @@ class ClusterConfig:
         redis_url: the registry.
         block_size, num_blocks, dtype, num_threads: per-worker engine settings.
         cpus_per_worker: Ray CPU resources each worker asks for (without CUDA).
-        max_batch_size: decode batch bound.
+        prefill_options: extra :class:`PrefillWorkerConfig` fields for every prefill worker.
+        decode_options: extra :class:`DecodeWorkerConfig` fields for every decode worker
+            (``max_batch_size``, ``speculative``, ...).
     """
 
     model_dir: str
@@ -52,7 +54,8 @@ class ClusterConfig:
     dtype: str = "float32"
     num_threads: int = 1
     cpus_per_worker: float = 1.0
-    max_batch_size: int = 64
+    prefill_options: dict = field(default_factory=dict)
+    decode_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -129,8 +132,9 @@ class RayCluster:
         common = dict(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url, host=cfg.host,
                       block_size=cfg.block_size, num_blocks=cfg.num_blocks, dtype=cfg.dtype,
                       num_threads=cfg.num_threads)
-        specs = [("prefill", PrefillWorkerConfig(worker_id=f"prefill-{i}", **common)) for i in range(cfg.num_prefill)]
-        specs += [("decode", DecodeWorkerConfig(worker_id=f"decode-{i}", max_batch_size=cfg.max_batch_size, **common))
+        specs = [("prefill", PrefillWorkerConfig(worker_id=f"prefill-{i}", **common, **cfg.prefill_options))
+                 for i in range(cfg.num_prefill)]
+        specs += [("decode", DecodeWorkerConfig(worker_id=f"decode-{i}", **common, **cfg.decode_options))
                   for i in range(cfg.num_decode)]
         actor_cls = ray.remote(RoleActor)
         try:
