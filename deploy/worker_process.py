@@ -75,16 +75,18 @@ class WorkerConfig:
 class Heartbeat(threading.Thread):
     """Renews the worker's lease with its current load until stopped; on stop, releases it."""
 
-    def __init__(self, cfg: WorkerConfig, info: Callable[[], WorkerInfo]) -> None:
+    def __init__(self, cfg: WorkerConfig, info: Callable[[], WorkerInfo],
+                 tick: Callable[[], None] = lambda: None) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self._lease = WorkerLease(cfg.redis_url, cfg.cluster, cfg.lease_s)
-        self._info, self._period, self._halt = info, cfg.lease_s / 4, threading.Event()
+        self._info, self._tick, self._period, self._halt = info, tick, cfg.lease_s / 4, threading.Event()
         self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
 
     def run(self) -> None:
         while not self._halt.wait(self._period):
             try:
                 self._lease.renew(self._info())
+                self._tick()
             except Exception as exc:  # Redis down: keep trying, the lease lapses meanwhile
                 log.warning("lease renewal failed: %s", exc)
 
@@ -120,6 +122,9 @@ class WorkerProcess:
         """This worker's registry entry with its current load."""
         raise NotImplementedError
 
+    def on_heartbeat(self) -> None:
+        """Periodic work on the heartbeat thread after each lease renewal (default: none)."""
+
     async def start(self) -> str:
         """Start serving and register. Returns the gRPC ``host:port``.
 
@@ -131,7 +136,7 @@ class WorkerProcess:
         self._server, port = await start_grpc_server(self.cfg.host, self.cfg.port, self.add_servicer,
                                                      [self.service_name])
         self.address = f"{self.cfg.host}:{port}"
-        self._heartbeat = Heartbeat(self.cfg, self.info)
+        self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat)
         self._heartbeat.start()
         return self.address
 

@@ -7,18 +7,10 @@ cache (:mod:`prefill_worker.prefix_cache`) serves it with reuse.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from model.kv_cache import BlockPool
-
-
-@dataclass(frozen=True)
-class PrefixMatch:
-    """Blocks already holding a prefix of the prompt (locked for the caller) and how many tokens they cover."""
-
-    block_ids: list[int]
-    num_cached_tokens: int
+from prefill_worker.prefix_cache import PrefixMatch
 
 
 class BlockSource(Protocol):

@@ -16,11 +16,19 @@ class PrefillWorkerConfig(WorkerConfig):
             (a longer prompt runs alone).
         kv_connect_timeout_s: seconds to reach a decode worker's KV receiver.
         kv_io_timeout_s: seconds a KV send or acknowledgement may stall.
+        prefix_cache: keep computed blocks after a request leaves and reuse them for
+            prompts that share a block-aligned prefix.
+        kv_events: publish the prefix cache's ``stored``/``removed`` events to Redis
+            (see ``docs/kv_events.md``), so routers can index which worker holds which prefix.
+        snapshot_interval_s: seconds between full snapshots of the cached block hashes.
     """
 
     max_num_batched_tokens: int = 512
     kv_connect_timeout_s: float = 5.0
     kv_io_timeout_s: float = 10.0
+    prefix_cache: bool = True
+    kv_events: bool = True
+    snapshot_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from kvtransfer.tcp import TcpKVSender
 from model.config import ModelConfig
@@ -30,6 +31,8 @@ from model.runner import ModelRunner, StepInput
 from model.sampling import sample
 from prefill_worker.blocks import BlockSource, PlainBlocks
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.kv_events import KVEvent
+from prefill_worker.prefix_cache import PrefixCache
 from prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
 from prefill_worker.sender import Finish, KVSendLoop, Release, SendPages
 
@@ -40,7 +43,7 @@ class PrefillEngine:
     """Owns the prefill worker's model, KV cache, blocks and KV sender thread."""
 
     def __init__(self, cfg: PrefillWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig,
-                 blocks: BlockSource | None = None) -> None:
+                 on_kv_event: Callable[[KVEvent], None] | None = None) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         if self.spec.num_blocks_for(model_cfg.max_position_embeddings) > cfg.num_blocks:
@@ -48,7 +51,8 @@ class PrefillEngine:
                              f"{model_cfg.max_position_embeddings}-token context")
         self.runner = ModelRunner(model, self.spec)
         self.pool = BlockPool(cfg.num_blocks)
-        self.blocks = blocks or PlainBlocks(self.pool)
+        self.blocks: BlockSource = (PrefixCache(self.pool, cfg.block_size, on_kv_event) if cfg.prefix_cache
+                                    else PlainBlocks(self.pool))
         self.sender = KVSendLoop(TcpKVSender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s,
                                              cfg.kv_io_timeout_s),
                                  self.blocks, model_cfg.num_layers, self._finished)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import torch
@@ -11,6 +12,7 @@ from deploy.worker_process import WorkerProcess
 from model.loader import load_model
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.engine import PrefillEngine
+from prefill_worker.kv_events import KVEventPublisher
 from prefill_worker.request import PrefillRequest, PrefillResult
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import sampling_from_wire
@@ -67,14 +69,30 @@ class PrefillWorker(WorkerProcess):
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
-        super().__init__(cfg, PrefillEngine(cfg, model, model_cfg))
+        self.events = None
+        if cfg.prefix_cache and cfg.kv_events:
+            self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id)
+            self.events.publish_cleared(cfg.block_size)  # a (re)started worker holds nothing
+        super().__init__(cfg, PrefillEngine(cfg, model, model_cfg, self.events.publish if self.events else None))
+        self._last_snapshot = 0.0
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self.engine), server)
 
     def info(self) -> WorkerInfo:
-        e = self.engine
+        e = self.engine  # cached blocks no request holds count as free: they are evicted on demand
         return WorkerInfo(worker_id=self.cfg.worker_id, role="prefill", address=self.address,
                           block_size=self.cfg.block_size, num_total_blocks=e.pool.num_blocks,
-                          num_free_blocks=e.pool.num_free, num_running=e.num_in_flight,
+                          num_free_blocks=e.blocks.num_available, num_running=e.num_in_flight,
                           num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens)
+
+    def on_heartbeat(self) -> None:
+        """Publish a snapshot of the cached block hashes every ``snapshot_interval_s`` (for routers' re-sync)."""
+        if self.events is not None and time.monotonic() - self._last_snapshot >= self.cfg.snapshot_interval_s:
+            self.events.publish_snapshot(self.engine.blocks.snapshot)
+            self._last_snapshot = time.monotonic()
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.events is not None:
+            self.events.close()

@@ -128,7 +128,8 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
                 yield pdserve_pb2.GenerateResponse(final=pdserve_pb2.Final(
                     finish_reason=fin.finish_reason, request_id=req.request_id,
                     usage=pdserve_pb2.Usage(prompt_tokens=len(req.prompt_ids),
-                                            completion_tokens=fin.num_output_tokens),
+                                            completion_tokens=fin.num_output_tokens,
+                                            cached_prompt_tokens=answer.num_cached_tokens),
                     timings=pdserve_pb2.Timings(**times.summary()),
                     speculative=pdserve_pb2.SpeculativeStats(
                         num_draft_tokens=fin.num_draft_tokens, num_accepted_tokens=fin.num_accepted_tokens,
