@@ -39,6 +39,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prefill: token budget per step (longer prompts are chunked)")
+    p.add_argument("--activations", default="native", choices=["native", "fp8"],
+                   help="prefill: FP8 W8A8 matmuls (real FP8 speed needs a GPU with FP8; on CPU only the numerics)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill: do not reuse cached prefixes")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self", "draft"],
                    help="decode: speculative proposer")
     p.add_argument("--spec-k", type=int, default=4, help="decode: proposal length")
@@ -55,7 +58,8 @@ def _start_cluster(args: argparse.Namespace):
         model_dir=str(Path(args.model).resolve()), num_prefill=args.prefill, num_decode=args.decode,
         port=args.port, ray_address=args.ray_address, redis_url=args.redis_url, block_size=args.block_size,
         num_blocks=args.num_blocks, dtype=args.dtype,
-        prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens},
+        prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
+                         "prefix_cache": not args.no_prefix_cache},
         decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
                         "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model}))
     try:

@@ -21,6 +21,8 @@ class PrefillWorkerConfig(WorkerConfig):
         kv_events: publish the prefix cache's ``stored``/``removed`` events to Redis
             (see ``docs/kv_events.md``), so routers can index which worker holds which prefix.
         snapshot_interval_s: seconds between full snapshots of the cached block hashes.
+        activations: ``native`` (the weights' dtype) or ``fp8`` (W8A8 e4m3 matmuls with
+            per-channel weight and per-token activation scales; see :mod:`model.quant.fp8`).
     """
 
     max_num_batched_tokens: int = 512
@@ -29,9 +31,12 @@ class PrefillWorkerConfig(WorkerConfig):
     prefix_cache: bool = True
     kv_events: bool = True
     snapshot_interval_s: float = 10.0
+    activations: str = "native"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.activations not in ("native", "fp8"):
+            raise ValueError(f"activations must be native or fp8, got {self.activations!r}")
         for name in ("max_num_batched_tokens", "kv_connect_timeout_s", "kv_io_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -10,6 +10,7 @@ import torch
 
 from deploy.worker_process import WorkerProcess
 from model.loader import load_model
+from model.quant import fp8
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.engine import PrefillEngine
 from prefill_worker.kv_events import KVEventPublisher
@@ -69,6 +70,8 @@ class PrefillWorker(WorkerProcess):
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
+        if cfg.activations == "fp8":
+            fp8.convert_for_runtime(model)
         self.events = None
         if cfg.prefix_cache and cfg.kv_events:
             self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id)
