@@ -20,6 +20,8 @@ class DecodeWorkerConfig(WorkerConfig):
         spec_k: proposal length k.
         spec_max_batch_size: speculation runs only while the batch is at most this large
             (beyond it verification costs more than it saves; measured by ``bench/decode.py``).
+        graph: run plain decode steps through the :class:`~decode_worker.graph_runner.GraphRunner`
+            (padded buckets and static buffers; CUDA graphs on GPUs).
     """
 
     kv_port: int = 0
@@ -30,6 +32,7 @@ class DecodeWorkerConfig(WorkerConfig):
     spec_draft_layers: int = 1
     spec_draft_model: str = ""
     spec_max_batch_size: int = 4
+    graph: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_worker.config import DecodeWorkerConfig
+from decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from decode_worker.request import DecodeEventSink, DecodeRequest, DecodeStatus, ErrorEvent, FinishedEvent, TokensEvent
 from decode_worker.speculative import DraftModelProposer, NgramProposer, Proposer, SelfDraftProposer, verify
 from kvtransfer.tcp import TcpKVReceiver
@@ -75,6 +76,9 @@ class DecodeEngine:
         self.runner = ModelRunner(model, self.spec)
         self.pool = BlockPool(cfg.num_blocks)
         self.proposer = make_proposer(cfg, self.runner)
+        self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_position_embeddings),
+                                 [b for b in DEFAULT_BUCKETS if b < cfg.max_batch_size] + [cfg.max_batch_size]
+                                 ) if cfg.graph else None
         self.receiver = TcpKVReceiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
                                       io_timeout_s=cfg.kv_io_timeout_s)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -83,6 +87,11 @@ class DecodeEngine:
         self._live_ids: set[str] = set()                 # ids taken, for duplicate checks from any thread
         self.num_transferring = 0
         self.num_decoding = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can get: the pool less the graph runner's padding block."""
+        return self.pool.num_blocks - (self.graph is not None)
 
     # ---- called from other threads -------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
@@ -153,7 +162,8 @@ class DecodeEngine:
         if self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size:
             new_tokens = self._speculative_run(batch)
         else:
-            logits = self.runner.run([StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch])
+            steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
+            logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
             new_tokens = [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
         for req, tokens in zip(batch, new_tokens):
             self._append(req, tokens)

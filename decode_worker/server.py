@@ -98,5 +98,5 @@ class DecodeWorker(WorkerProcess):
         e = self.engine
         return WorkerInfo(worker_id=self.cfg.worker_id, role="decode", address=self.address,
                           kv_address=e.receiver.address, block_size=self.cfg.block_size,
-                          num_total_blocks=e.pool.num_blocks, num_free_blocks=e.pool.num_free,
+                          num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
                           num_running=e.num_decoding, num_waiting=e.num_transferring)
