@@ -50,6 +50,11 @@ class _KVFailed:
 
 
 @dataclass(frozen=True)
+class _LocalPrefill:
+    request_id: str
+
+
+@dataclass(frozen=True)
 class _Abort:
     request_id: str
 
@@ -107,6 +112,28 @@ class DecodeEngine:
             ValueError: duplicate request id, or prompt and max_tokens beyond the context.
             model.kv_cache.NoFreeBlocks: the pool cannot hold the request now.
         """
+        req = self._allocate(request_id, prompt_ids, sampling, emit)
+        prompt_blocks = req.block_table[: self.spec.num_blocks_for(len(prompt_ids))]
+        self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
+        self.receiver.expect(request_id, prompt_blocks, kv_timeout_s,
+                             on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
+                             on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
+        return prompt_blocks
+
+    def add_local(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                  emit: DecodeEventSink) -> None:
+        """Admit a request whose prompt this worker prefills itself (no KV transfer); its
+        first token is streamed too. Used in process by benchmarks and colocated serving.
+
+        Raises:
+            ValueError, NoFreeBlocks: as :meth:`add_request`.
+        """
+        req = self._allocate(request_id, prompt_ids, sampling, emit)
+        self._inbox.put(req)
+        self._inbox.put(_LocalPrefill(request_id))
+
+    def _allocate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                  emit: DecodeEventSink) -> DecodeRequest:
         max_ctx = self.model_cfg.max_position_embeddings
         if len(prompt_ids) + sampling.max_tokens > max_ctx:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
@@ -120,14 +147,8 @@ class DecodeEngine:
         except Exception:
             self._release_id(request_id)
             raise
-        req = DecodeRequest(request_id, list(prompt_ids), sampling, sampling.stop_ids(self.model_cfg.eos_token_ids),
-                            max_ctx, table, emit)
-        prompt_blocks = table[: self.spec.num_blocks_for(len(prompt_ids))]
-        self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
-        self.receiver.expect(request_id, prompt_blocks, kv_timeout_s,
-                             on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
-                             on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
-        return prompt_blocks
+        return DecodeRequest(request_id, list(prompt_ids), sampling, sampling.stop_ids(self.model_cfg.eos_token_ids),
+                             max_ctx, table, emit)
 
     def abort(self, request_id: str) -> None:
         """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
@@ -211,15 +232,23 @@ class DecodeEngine:
         if req is None:
             return  # already finished (e.g. aborted, then a late callback)
         if isinstance(msg, _KVArrived) and req.status is DecodeStatus.TRANSFERRING:
-            self.num_transferring -= 1
-            self.num_decoding += 1
-            req.status, req.kv_ready_at = DecodeStatus.DECODING, time.monotonic()
-            req.output_ids.append(msg.first_token)  # sampled by the prefill worker (output index 0)
-            self._finish_if_done(req)
+            self._start_decoding(req, msg.first_token)  # sampled by the prefill worker (output index 0)
+        elif isinstance(msg, _LocalPrefill) and req.status is DecodeStatus.TRANSFERRING:
+            logits = self.runner.run([StepInput(req.prompt_ids, 0, req.block_table)])
+            first = sample(logits, [req.sampling], [0])[0]
+            req.emit(TokensEvent([first]))
+            self._start_decoding(req, first)
         elif isinstance(msg, _KVFailed):
             self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}"))
         elif isinstance(msg, _Abort):
             self._retire(req, None)
+
+    def _start_decoding(self, req: DecodeRequest, first_token: int) -> None:
+        self.num_transferring -= 1
+        self.num_decoding += 1
+        req.status, req.kv_ready_at = DecodeStatus.DECODING, time.monotonic()
+        req.output_ids.append(first_token)
+        self._finish_if_done(req)
 
     def _finish_if_done(self, req: DecodeRequest) -> None:
         reason = req.finish_reason()
