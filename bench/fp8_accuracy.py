@@ -10,9 +10,18 @@ distributions at the last prompt position:
   ``log_softmax`` of the fp32 logits, computed in float64.
 
 The issue's target is top-1 agreement >= 97%. On CPU the FP8 path runs the FP8
-numerics through an ordinary matmul, so this measures accuracy, not speed.
+numerics through an ordinary matmul, so this measures accuracy, not speed. Two yardsticks
+are measured alongside: the whole model in bf16 (weights, activations, KV cache, head), and
+only the same four projections in bf16 (weights and inputs rounded, fp32 accumulation) --
+the 16-bit counterpart of exactly what FP8 changes.
 
     python bench/fp8_accuracy.py [--model DIR] [--out bench/out/fp8_accuracy.json] [--cpu-matmul-dtype float32]
+                                 [--group-size none|G] [--keep-high-precision NAME[,NAME...]]
+
+``--group-size G`` uses DeepSeek-V3 fine-grained scales (per-token 1xG activation tiles, GxG
+weight blocks); ``--keep-high-precision`` leaves projections in fp32, e.g.
+``0.self_attn.qkv_proj`` (layer 0 only) or ``mlp.down_proj`` (all layers); see
+:func:`model.quant.fp8.convert_for_runtime`.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from model.config import ModelConfig  # noqa: E402
 from model.kv_cache import KVCacheSpec  # noqa: E402
 from model.loader import load_model  # noqa: E402
-from model.quant.fp8 import convert_for_runtime  # noqa: E402
+from model.quant.fp8 import _PROJECTIONS, convert_for_runtime  # noqa: E402
 from model.runner import ModelRunner, StepInput  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
@@ -122,29 +131,54 @@ def _first_token_logits(runner: ModelRunner, prompts_ids: list[list[int]], max_b
     return torch.cat(out)
 
 
+class _Bf16Linear(torch.nn.Module):
+    """Yardstick: ``nn.Linear`` with weight and input rounded to bf16, fp32 matmul and output."""
+
+    def __init__(self, lin: torch.nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = lin.weight.detach().bfloat16().float(), lin.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.bfloat16().float(), self.weight, self.bias)
+
+
+def _projections_to_bf16(model: torch.nn.Module) -> None:
+    for layer in model.layers:
+        for path in _PROJECTIONS:
+            parent, attr = path.split(".")
+            setattr(getattr(layer, parent), attr, _Bf16Linear(getattr(getattr(layer, parent), attr)))
+
+
 def measure_first_token_agreement(model_dir: str | Path, prompts: list[str] | list[list[int]], *,
                                   cpu_matmul_dtype: torch.dtype = torch.float32, block_size: int = 16,
-                                  max_batch: int = 32, baseline_dtype: torch.dtype | None = None) -> dict:
+                                  max_batch: int = 32, baseline_dtype: torch.dtype | None = None,
+                                  group_size: int | None = None, keep_high_precision: tuple[str, ...] = (),
+                                  projection_baseline: bool = False) -> dict:
     """Compare next-token distributions after prefill: fp32 model vs the FP8-converted copy.
 
     Args:
         model_dir: a Llama checkpoint directory.
         prompts: texts (tokenized with the checkpoint's tokenizer, BOS added as it asks)
             or token-id lists.
-        cpu_matmul_dtype: passed to :func:`convert_for_runtime` (CPU path only).
+        cpu_matmul_dtype, group_size, keep_high_precision: passed to :func:`convert_for_runtime`
+            (``group_size`` None: per-token / per-channel scales; G: 1xG / GxG scales).
         block_size, max_batch: KV cache block size and prompts per prefill step.
         baseline_dtype: when given (e.g. ``torch.bfloat16``), also run the *whole* model in that
             dtype (weights, activations, KV cache) as a yardstick for how tight the target is.
+        projection_baseline: also run fp32 with only the four projections in bf16 (weights and
+            inputs rounded to bf16, fp32 matmul): the 16-bit version of what FP8 changes.
     Returns:
         ``{"num_prompts", "top1_agreement" (fraction), "mean_kl", "median_kl", "max_kl"
         (nats), "per_prompt": [{"prompt", "num_tokens", "top1_fp32", "top1_fp8", "kl",
         "margin_fp32"}], ...}``; ``margin_fp32`` is the fp32 logit gap between its top two tokens.
-        With ``baseline_dtype``, also ``"baseline": {"dtype", "top1_agreement", "mean_kl"}``.
+        With ``baseline_dtype``, also ``"baseline": {"dtype", "top1_agreement", "mean_kl"}``; with
+        ``projection_baseline``, ``"baseline_projections_bf16"`` of the same form.
     """
     model_dir = Path(model_dir)
     ref, cfg = load_model(model_dir, torch.float32)
     fp8, _ = load_model(model_dir, torch.float32)
-    convert_for_runtime(fp8, cpu_matmul_dtype=cpu_matmul_dtype)
+    convert_for_runtime(fp8, cpu_matmul_dtype=cpu_matmul_dtype, group_size=group_size,
+                        keep_high_precision=keep_high_precision)
     if prompts and isinstance(prompts[0], str):
         tok = Tokenizer(model_dir, cfg.bos_token_id)
         ids = [tok.encode(p) for p in prompts]
@@ -157,6 +191,10 @@ def measure_first_token_agreement(model_dir: str | Path, prompts: list[str] | li
     models = [("fp32", ref, torch.float32), ("fp8", fp8, torch.float32)]
     if baseline_dtype is not None:
         models.append(("baseline", load_model(model_dir, baseline_dtype)[0], baseline_dtype))
+    if projection_baseline:
+        proj_bf16 = load_model(model_dir, torch.float32)[0]
+        _projections_to_bf16(proj_bf16)
+        models.append(("baseline_projections_bf16", proj_bf16, torch.float32))
     logits = {}
     for name, model, dtype in models:
         spec = KVCacheSpec.for_model(cfg, num_blocks, block_size, dtype)
@@ -171,14 +209,16 @@ def measure_first_token_agreement(model_dir: str | Path, prompts: list[str] | li
            for p, t, a, b, k, m in zip(prompts, ids, top32, top8, kl, top2)]
     result = {"model_dir": str(model_dir), "num_prompts": len(ids),
               "cpu_matmul_dtype": str(cpu_matmul_dtype).removeprefix("torch."),
+              "group_size": group_size, "keep_high_precision": list(keep_high_precision),
               "top1_agreement": float((top32 == top8).double().mean()),
               "mean_kl": float(kl.mean()), "median_kl": float(kl.median()), "max_kl": float(kl.max()),
               "per_prompt": per}
-    if baseline_dtype is not None:
-        lpb = lp["baseline"]
-        result["baseline"] = {"dtype": str(baseline_dtype).removeprefix("torch."),
-                              "top1_agreement": float((lpb.argmax(-1) == top32).double().mean()),
-                              "mean_kl": float((lp32.exp() * (lp32 - lpb)).sum(-1).mean())}
+    for name, dtype in (("baseline", baseline_dtype), ("baseline_projections_bf16", torch.bfloat16)):
+        if name in lp:
+            lpb = lp[name]
+            result[name] = {"dtype": str(dtype).removeprefix("torch."),
+                            "top1_agreement": float((lpb.argmax(-1) == top32).double().mean()),
+                            "mean_kl": float((lp32.exp() * (lp32 - lpb)).sum(-1).mean())}
     return result
 
 
@@ -206,14 +246,21 @@ def main() -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--cpu-matmul-dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--group-size", default="none", type=lambda v: None if v.lower() == "none" else int(v),
+                    help="none (per-token act / per-channel weight scales) or G (1xG act tiles, GxG weight blocks)")
+    ap.add_argument("--keep-high-precision", default="", help="comma-separated [<layer>.]<projection> left in fp32")
     args = ap.parse_args()
     torch.set_num_threads(1)
     prompts = build_prompts()
+    keep = tuple(k for k in args.keep_high_precision.split(",") if k)
     result = measure_first_token_agreement(args.model, prompts,
                                            cpu_matmul_dtype=getattr(torch, args.cpu_matmul_dtype),
-                                           baseline_dtype=torch.bfloat16)
+                                           baseline_dtype=torch.bfloat16, group_size=args.group_size,
+                                           keep_high_precision=keep, projection_baseline=True)
     result.update(torch=torch.__version__, platform=platform.platform(), device="cpu", target_top1=0.97)
-    print(f"FP8 e4m3 W8A8 (per-token act, per-channel weight) vs fp32: {result['model_dir']}, "
+    g = args.group_size
+    gran = "per-token act, per-channel weight" if g is None else f"per-token 1x{g} act tiles, {g}x{g} weight blocks"
+    print(f"FP8 e4m3 W8A8 ({gran}{'; fp32: ' + ','.join(keep) if keep else ''}) vs fp32: {result['model_dir']}, "
           f"CPU matmul {result['cpu_matmul_dtype']}")
     print(_table(result))
     tok_names = None
@@ -223,9 +270,10 @@ def main() -> None:
                 tok_names = Tokenizer(args.model, ModelConfig.from_hf_dir(args.model).bos_token_id)
             print(f"  disagree: {p['prompt']!r}: fp32 {tok_names.decode([p['top1_fp32']])!r} vs "
                   f"fp8 {tok_names.decode([p['top1_fp8']])!r} (fp32 margin {p['margin_fp32']:.3f}, KL {p['kl']:.2e})")
-    b = result["baseline"]
-    print(f"yardstick: the whole model in {b['dtype']} agrees {b['top1_agreement']:.1%} "
-          f"(mean KL {b['mean_kl']:.2e} nats)")
+    b, bp = result["baseline"], result["baseline_projections_bf16"]
+    print(f"yardsticks: the whole model in {b['dtype']} agrees {b['top1_agreement']:.1%} "
+          f"(mean KL {b['mean_kl']:.2e} nats); only the four projections in bf16: "
+          f"{bp['top1_agreement']:.1%} (mean KL {bp['mean_kl']:.2e} nats)")
     verdict = "meets" if result["top1_agreement"] >= 0.97 else "MISSES"
     print(f"top-1 agreement {result['top1_agreement']:.1%} {verdict} the 97% target; "
           f"mean KL {result['mean_kl']:.2e} nats")

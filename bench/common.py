@@ -1,0 +1,96 @@
+"""What the benchmarks share: the machine's speed of light, a cluster of real processes,
+client-side timing, and result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from deploy import client  # noqa: E402
+from deploy.processes import RoleProcess, spawn_role  # noqa: E402
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` in seconds after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memory_bandwidth() -> float:
+    """Measured memory bandwidth in bytes/s: a 256 MiB tensor copy (read + write)."""
+    src = torch.empty(64 * 1024 * 1024, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / median_time(lambda: dst.copy_(src), repeats=7)
+
+
+def matmul_peak(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
+    """Measured matmul throughput in FLOP/s: ``n x n @ n x n`` in ``dtype``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n ** 3 / median_time(lambda: a @ b, repeats=5)
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads()}
+
+
+class LocalCluster:
+    """Router + prefill + decode workers as processes on a fresh registry namespace."""
+
+    def __init__(self, model: str, redis_url: str, prefill: dict | None = None, decode: dict | None = None,
+                 common: dict | None = None) -> None:
+        self.cluster = "bench-" + uuid.uuid4().hex[:8]
+        base = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, **(common or {}))
+        self.procs: list[RoleProcess] = []
+        try:
+            self.procs.append(spawn_role("decode_worker", dict(worker_id="d0", **base, **(decode or {}))))
+            self.procs.append(spawn_role("prefill_worker", dict(worker_id="p0", **base, **(prefill or {}))))
+            self.procs.append(spawn_role("router", dict(model_dir=model, cluster=self.cluster, redis_url=redis_url,
+                                                        prefill_timeout_s=600.0)))
+        except Exception:
+            self.stop()
+            raise
+        self.address = self.procs[-1].address
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+async def timed_stream(channel, request) -> tuple[float, float, int, object]:
+    """(TTFT s, time from first to last token s, tokens, final message), measured at the client."""
+    start = time.perf_counter()
+    first = last = 0.0
+    n, final = 0, None
+    async for msg in client.stream(channel, request):
+        if msg.token_ids:
+            now = time.perf_counter()
+            first = first or now
+            last, n = now, n + len(msg.token_ids)
+        if msg.HasField("final"):
+            final = msg.final
+    return first - start, last - first, n, final
+
+
+def write_result(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"command": "python " + " ".join(sys.argv), "machine": machine(), **result}
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2))
