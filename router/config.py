@@ -20,6 +20,8 @@ class RouterConfig:
         kv_timeout_s: how long a decode worker waits for a request's KV pages.
         prefill_timeout_s: deadline of the prefill RPC (queue + forward + transfer).
         default_max_tokens: ``max_tokens`` when the request leaves it unset.
+        spill_queue_s: a prefill worker whose queued work exceeds this many seconds loses
+            its cache advantage to the best worker below the bound (hot-prefix guard).
     """
 
     model_dir: str
@@ -31,6 +33,7 @@ class RouterConfig:
     kv_timeout_s: float = 30.0
     prefill_timeout_s: float = 60.0
     default_max_tokens: int = 16
+    spill_queue_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("registry_poll_s", "kv_timeout_s", "prefill_timeout_s"):

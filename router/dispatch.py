@@ -1,18 +1,31 @@
-"""Which workers serve a request: least-loaded, using the registry's load and the
-router's own count of requests in flight (fresher than the last heartbeat)."""
+"""Which workers serve a request: one small policy per pool, pure functions of the state
+the router knows (the registry's last reports, the prefix index, its own in-flight work).
+
+Prefill worker ``w`` for a prompt of ``B`` blocks, of which ``cached[w]`` are already in
+``w``'s prefix cache::
+
+    cost(w) = (B - cached[w]) * seconds_per_block(w) + queued_blocks(w) * seconds_per_block(w)
+              └── compute this request needs ──┘   └────── work already waiting ───────┘
+
+lowest cost first, ties broken by load (requests running + waiting + in flight) and
+then at random, never by a fixed order. A hot prefix must not pile every request onto
+one worker: when the cheapest worker's queue is past ``spill_queue_s`` seconds, the
+cheapest worker below that bound goes first instead (spill). This is the cost model of
+cache-aware routers such as SGLang's router and NVIDIA Dynamo's KV router.
+
+Decode worker: among those whose last report had room for the request's blocks, the
+smallest running batch (with this router's in-flight requests), then the most free blocks.
+"""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from dataclasses import dataclass
 
 from router.registry import WorkerInfo
 
-
-def rank_prefill(workers: list[WorkerInfo], inflight: Counter) -> list[WorkerInfo]:
-    """Prefill workers, best first: fewest requests in flight from this router, then
-    fewest queued prompt tokens, then id (a stable order among equals)."""
-    pool = [w for w in workers if w.role == "prefill"]
-    return sorted(pool, key=lambda w: (inflight[w.worker_id], w.num_queued_tokens + w.num_waiting, w.worker_id))
+DEFAULT_SECONDS_PER_BLOCK = 1e-3  # before any measurement: only ratios between workers matter then
 
 
 def blocks_for(worker: WorkerInfo, num_tokens: int) -> int:
@@ -20,8 +33,72 @@ def blocks_for(worker: WorkerInfo, num_tokens: int) -> int:
     return -(-num_tokens // worker.block_size)
 
 
+@dataclass
+class PrefillStats:
+    """What this router measured of one prefill worker.
+
+    Attributes:
+        seconds_per_block: moving average of prefill seconds per computed (uncached) block.
+        queued_blocks: uncached blocks this router dispatched there and has not had answered.
+    """
+
+    seconds_per_block: float | None = None
+    queued_blocks: int = 0
+
+    def observe(self, seconds: float, computed_blocks: int, weight: float = 0.2) -> None:
+        """Fold one prefill's measured time into the average (exponential, ``weight`` for the new sample)."""
+        if computed_blocks <= 0 or seconds <= 0:
+            return
+        sample = seconds / computed_blocks
+        old = self.seconds_per_block
+        self.seconds_per_block = sample if old is None else (1 - weight) * old + weight * sample
+
+
+def _load(w: WorkerInfo, inflight: Counter) -> int:
+    return w.num_running + w.num_waiting + inflight[w.worker_id]
+
+
+def rank_prefill(workers: list[WorkerInfo], prompt_blocks: int, cached: dict[str, int],
+                 stats: dict[str, PrefillStats], inflight: Counter, spill_queue_s: float,
+                 rng: random.Random | None = None) -> list[WorkerInfo]:
+    """Prefill workers, best first, by the cost model above.
+
+    Args:
+        workers: the registry's workers (other roles are ignored).
+        prompt_blocks: full blocks of the prompt.
+        cached: leading blocks of the prompt each worker holds (from the prefix index).
+        stats: the router's measurements per worker id (missing: nothing measured yet).
+        inflight: this router's requests in flight per worker id.
+        spill_queue_s: queue length in seconds beyond which the best worker spills.
+        rng: tie-break randomness (seedable in tests).
+    """
+    rng = rng or random.Random()
+    pool = [w for w in workers if w.role == "prefill"]
+    measured = [s.seconds_per_block for s in stats.values() if s.seconds_per_block]
+    fallback = sum(measured) / len(measured) if measured else DEFAULT_SECONDS_PER_BLOCK
+
+    def spb(w: WorkerInfo) -> float:
+        s = stats.get(w.worker_id)
+        return s.seconds_per_block if s and s.seconds_per_block else fallback
+
+    def queue_s(w: WorkerInfo) -> float:  # the fresher of the router's count and the worker's own report
+        mine = stats[w.worker_id].queued_blocks if w.worker_id in stats else 0
+        return max(mine, blocks_for(w, w.num_queued_tokens)) * spb(w)
+
+    def cost(w: WorkerInfo) -> float:
+        return (prompt_blocks - min(cached.get(w.worker_id, 0), prompt_blocks)) * spb(w) + queue_s(w)
+
+    ranked = sorted(pool, key=lambda w: (cost(w), _load(w, inflight), rng.random()))
+    if ranked and queue_s(ranked[0]) > spill_queue_s:
+        below = [w for w in ranked if queue_s(w) <= spill_queue_s]
+        if below:
+            ranked.remove(below[0])
+            ranked.insert(0, below[0])
+    return ranked
+
+
 def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int) -> list[WorkerInfo]:
     """Decode workers whose last report had room for ``num_tokens`` positions, best first:
-    fewest requests in flight from this router, then most free blocks, then id."""
+    smallest running batch counting this router's in-flight requests, then most free blocks."""
     pool = [w for w in workers if w.role == "decode" and w.num_free_blocks >= blocks_for(w, num_tokens)]
-    return sorted(pool, key=lambda w: (inflight[w.worker_id], -w.num_free_blocks, w.worker_id))
+    return sorted(pool, key=lambda w: (w.num_running + inflight[w.worker_id], -w.num_free_blocks, w.worker_id))

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -23,7 +23,7 @@ from model.tokenizer import IncrementalDetokenizer, Tokenizer
 from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from proto.convert import sampling_to_wire
 from router.config import RouterConfig
-from router.dispatch import rank_decode, rank_prefill
+from router.dispatch import PrefillStats, rank_decode, rank_prefill
 from router.registry import WorkerInfo
 from router.request import RequestState, RequestTimes
 from router.validation import ValidRequest
@@ -47,6 +47,9 @@ class ClusterView:
     workers: list[WorkerInfo]
     inflight: Counter
     channel: Callable[[str], grpc.aio.Channel]
+    stats: dict[str, PrefillStats] = field(default_factory=dict)
+    cached_blocks: Callable[[list[int], int], dict[str, int]] = lambda ids, block_size: {}
+    on_routed: Callable[[str, list[int], int], None] = lambda worker_id, ids, block_size: None
 
 
 async def _open_decode(view: ClusterView, req: ValidRequest, internal_id: str, num_tokens: int,
@@ -89,12 +92,15 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
     """
     internal_id = uuid.uuid4().hex
     state = RequestState.QUEUED
-    prefills = rank_prefill(view.workers, view.inflight)
-    if not prefills:
+    pool = [w for w in view.workers if w.role == "prefill"]
+    if not pool:
         raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+    block_size = pool[0].block_size
+    prompt_blocks = len(req.prompt_ids) // block_size
+    cached = view.cached_blocks(req.prompt_ids, block_size)
+    prefill = rank_prefill(view.workers, prompt_blocks, cached, view.stats, view.inflight, cfg.spill_queue_s)[0]
     num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
     decode, stream, allocated = await _open_decode(view, req, internal_id, num_tokens, cfg)
-    prefill = prefills[0]
     view.inflight[decode.worker_id] += 1
     view.inflight[prefill.worker_id] += 1
     prefill_call = None
@@ -106,12 +112,18 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
                                       sampling=sampling_to_wire(req.sampling),
                                       dst_kv_address=allocated.kv_address, dst_block_ids=allocated.block_ids),
             timeout=cfg.prefill_timeout_s)
+        view.on_routed(prefill.worker_id, req.prompt_ids, block_size)
+        stats = view.stats.setdefault(prefill.worker_id, PrefillStats())
+        work = prompt_blocks - min(cached.get(prefill.worker_id, 0), prompt_blocks)
+        stats.queued_blocks += work
         try:
             answer = await prefill_call
+            stats.observe(answer.prefill_s, -(-(len(req.prompt_ids) - answer.num_cached_tokens) // block_size))
         except grpc.aio.AioRpcError as exc:
             raise GenerateError(grpc.StatusCode.UNAVAILABLE,
                                 f"prefill worker {prefill.worker_id} failed: {exc.details()}") from None
         finally:
+            stats.queued_blocks -= work
             view.inflight[prefill.worker_id] -= 1
         state = RequestState.DECODING
         times.token()

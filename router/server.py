@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.tokenizer import Tokenizer
 from proto import pdserve_pb2
 from router.config import RouterConfig
+from router.dispatch import PrefillStats
 from router.generate import ClusterView, GenerateError, run_generate
 from router.registry import RegistryReader, WorkerInfo
 from router.request import RequestTimes
@@ -39,6 +40,7 @@ class Router:
         self.registry = RegistryReader(cfg.redis_url, cfg.cluster)
         self.workers: list[WorkerInfo] = []
         self.inflight: Counter = Counter()
+        self.prefill_stats: dict[str, PrefillStats] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.address = ""
 
@@ -51,7 +53,7 @@ class Router:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not self.workers:
             await self._refresh()
-        view = ClusterView(self.workers, self.inflight, self._channel)
+        view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats)
         try:
             async for msg in run_generate(view, req, self.tokenizer, self.cfg, times):
                 yield msg

@@ -1,0 +1,88 @@
+"""The dispatch policy on hand-built cluster states."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from router.dispatch import PrefillStats, rank_decode, rank_prefill
+from router.registry import WorkerInfo
+
+
+def P(wid: str, queued_tokens: int = 0, running: int = 0) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, role="prefill", address="x", num_queued_tokens=queued_tokens,
+                      num_running=running, block_size=16)
+
+
+def D(wid: str, free: int, running: int = 0) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, role="decode", address="x", num_free_blocks=free, num_total_blocks=100,
+                      num_running=running, block_size=16)
+
+
+def ids(ws):
+    return [w.worker_id for w in ws]
+
+
+def test_cached_prefix_wins_when_queues_are_equal():
+    ws = [P("a"), P("b"), P("c")]
+    stats = {w: PrefillStats(seconds_per_block=0.01) for w in "abc"}
+    assert ids(rank_prefill(ws, 100, {"b": 90, "c": 40}, stats, Counter(), spill_queue_s=10))[:2] == ["b", "c"]
+
+
+def test_queued_work_outweighs_a_small_cache_hit():
+    ws = [P("a", queued_tokens=16 * 50), P("b")]
+    stats = {w: PrefillStats(seconds_per_block=0.01) for w in "ab"}
+    # a: (100 - 10) + 50 queued = 140 blocks of work; b: 100 blocks
+    assert ids(rank_prefill(ws, 100, {"a": 10}, stats, Counter(), spill_queue_s=10))[0] == "b"
+
+
+def test_measured_speed_matters():
+    ws = [P("slow"), P("fast")]
+    stats = {"slow": PrefillStats(seconds_per_block=0.05), "fast": PrefillStats(seconds_per_block=0.01)}
+    assert ids(rank_prefill(ws, 20, {}, stats, Counter(), spill_queue_s=10))[0] == "fast"
+
+
+def test_router_queue_counts_before_heartbeats_catch_up():
+    ws = [P("a"), P("b")]
+    stats = {"a": PrefillStats(0.01, queued_blocks=80), "b": PrefillStats(0.01)}
+    assert ids(rank_prefill(ws, 10, {"a": 10}, stats, Counter(), spill_queue_s=10))[0] == "b"
+
+
+def test_hot_prefix_spills_once_the_best_queue_is_too_long():
+    ws = [P("hot", queued_tokens=16 * 300), P("cold")]
+    stats = {w: PrefillStats(seconds_per_block=0.01) for w in ("hot", "cold")}
+    cached = {"hot": 400}  # everything cached on "hot", but 3 s of work waiting there
+    assert ids(rank_prefill(ws, 400, cached, stats, Counter(), spill_queue_s=5.0))[0] == "hot"   # cost 3 s < 4 s
+    assert ids(rank_prefill(ws, 400, cached, stats, Counter(), spill_queue_s=2.0))[0] == "cold"  # spill
+
+
+def test_ties_break_by_load_then_randomly_never_by_id():
+    stats = {w: PrefillStats(0.01) for w in "abc"}
+    ws = [P("a", running=2), P("b", running=1), P("c", running=2)]
+    assert ids(rank_prefill(ws, 8, {}, stats, Counter(), 10))[0] == "b"
+    firsts = {ids(rank_prefill([P("a"), P("b"), P("c")], 8, {}, stats, Counter(), 10, random.Random(s)))[0]
+              for s in range(30)}
+    assert firsts == {"a", "b", "c"}
+
+
+def test_unmeasured_workers_use_the_mean_of_the_measured():
+    ws = [P("new"), P("old")]
+    stats = {"old": PrefillStats(0.02)}
+    ranked = rank_prefill(ws, 10, {"new": 5}, stats, Counter(), 10)
+    assert ids(ranked)[0] == "new"  # same speed assumed, 5 fewer blocks to compute
+
+
+def test_ewma():
+    s = PrefillStats()
+    s.observe(1.0, 10)
+    assert s.seconds_per_block == 0.1
+    s.observe(2.0, 10)
+    assert abs(s.seconds_per_block - 0.12) < 1e-12
+    s.observe(5.0, 0)  # a fully cached prompt computes nothing: no sample
+    assert abs(s.seconds_per_block - 0.12) < 1e-12
+
+
+def test_decode_by_batch_then_free_blocks_and_room():
+    ws = [D("a", free=50, running=3), D("b", free=10, running=1), D("c", free=90, running=1), D("full", free=1)]
+    assert ids(rank_decode(ws, Counter(), num_tokens=100)) == ["c", "b", "a"]   # 7 blocks needed: "full" is out
+    assert ids(rank_decode(ws, Counter({"c": 5}), num_tokens=100)) == ["b", "a", "c"]
