@@ -1,0 +1,289 @@
+"""Group-wise INT4 weight-only quantization: the math, Int4Linear on CPU (torch's int4 kernels),
+the Triton W4A16 kernel under the interpreter, and the TinyStories model end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kernels.paged_attention import build_attention_metadata
+from model.kv_cache import KVCacheSpec
+from model.loader import load_model
+from model.quant.int4 import (
+    METADATA_KEY,
+    Int4Linear,
+    convert_for_runtime,
+    dequantize_weight,
+    is_int4_checkpoint,
+    load_int4_checkpoint,
+    pack_int4,
+    quantize_weight,
+    save_quantized_checkpoint,
+    unpack_int4,
+)
+from model.runner import ModelRunner, StepInput
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Small ops: one thread avoids OpenMP spin-waits when the 2 cores are busy (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _all_logits(model, cfg, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced ``[len(ids), vocab]`` float32 logits of one sequence (one prefill pass)."""
+    n, bs = len(ids), 16
+    table = list(range(-(-n // bs)))
+    kv = KVCacheSpec(len(table), cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim).allocate("cpu")
+    return model.compute_logits(model(torch.tensor(ids), build_attention_metadata([n], [n], [table], bs), kv))
+
+
+def _int4_pair(k: int, n: int, g: int, bias: bool, method: str = "mse", seed: int = 0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    return lin, Int4Linear.from_linear(lin, g, method)
+
+
+# ----------------------------------------------------------------------------- quantization math
+
+def test_pack_unpack_round_trip():
+    q = torch.randint(0, 16, (5, 12), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    assert pack_int4(torch.tensor([[3, 12]]))[0, 0] == 3 | (12 << 4)   # even column -> low nibble
+
+
+@pytest.mark.parametrize("shape,g", [((100, 72), 32), ((128, 384), 128), ((33, 100), 64), ((16, 40), 128)])
+def test_rtn_error_is_at_most_half_a_step_per_group(shape, g):
+    """RTN: |W - W^| <= scale / 2 in every group (padding columns excluded from the statistics)."""
+    n, k = shape
+    w = torch.randn(n, k) * 0.05
+    w[0, : min(k, g)] = 0.25                                     # a flat group: reconstructed exactly
+    qw, s, z = quantize_weight(w, g, "rtn")
+    kp = -(-k // g) * g
+    assert qw.shape == (n, kp // 2) and qw.dtype == torch.uint8 and s.shape == z.shape == (n, kp // g)
+    err = (dequantize_weight(qw, s, z, k) - w).abs()
+    bound = s.repeat_interleave(g, dim=1)[:, :k] / 2
+    assert (err <= bound * (1 + 1e-5) + 1e-7).all(), (err - bound).max()
+    assert err[0, : min(k, g)].max() < 1e-6
+
+
+def test_scale_search_lowers_squared_error():
+    """The clip search + least-squares refit (``mse``) beats min/max RTN on Gaussian weights."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 384)
+    for g in (32, 128):
+        errs = {m: ((dequantize_weight(*quantize_weight(w, g, m), 384) - w) ** 2).sum().item()
+                for m in ("rtn", "mse")}
+        assert errs["mse"] < 0.93 * errs["rtn"], errs
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_weight(torch.randn(16, 64), 48)
+    with pytest.raises(ValueError, match="method"):
+        quantize_weight(torch.randn(16, 64), 32, "gptq")
+
+
+# ----------------------------------------------------------------------------- Int4Linear on CPU
+
+def _reference(m: Int4Linear, x: torch.Tensor, kernel_dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize-then-matmul in fp32 with the rounding the CPU kernel applies in ``kernel_dtype``
+    (activations, scales and zeros rounded to it; output rounded to it, then to ``x.dtype``)."""
+    s, z = m.scales.to(kernel_dtype).float(), m.zeros.to(kernel_dtype).float()
+    w = dequantize_weight(m.qweight, s, z, m.in_features)
+    y = (x.to(kernel_dtype).float() @ w.t()).to(kernel_dtype).to(x.dtype)
+    return y + m.bias.to(x.dtype) if m.bias is not None else y
+
+
+@pytest.mark.parametrize("k,n,g,bias", [(384, 128, 128, False), (72, 100, 32, True), (72, 100, 128, True),
+                                        (128, 1152, 64, False), (100, 33, 64, True)])
+def test_int4_linear_cpu_matches_dequantized_matmul(k, n, g, bias):
+    lin, m = _int4_pair(k, n, g, bias)
+    x = torch.randn(2, 3, k)
+    with torch.inference_mode():
+        # exact mode: the kernel in fp32, against fp32 dequantize-then-matmul
+        m.exact_cpu = True
+        torch.testing.assert_close(m(x), _reference(m, x, torch.float32), rtol=1e-5, atol=1e-5)
+        # default: fp32 activations through the bf16 kernel; bf16 activations
+        m.exact_cpu = False
+        for xx in (x, x.bfloat16()):
+            y, ref = m(xx), _reference(m, xx, torch.bfloat16)
+            assert y.dtype == xx.dtype and y.shape == (2, 3, n)
+            torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+        # many rows: dequantize + dense matmul, fp32 throughout
+        xl = torch.randn(m.dequant_min_rows + 5, k)
+        w = dequantize_weight(m.qweight, m.scales, m.zeros, k)
+        torch.testing.assert_close(m(xl), F.linear(xl, w, lin.bias), rtol=1e-5, atol=1e-5)
+        # and the quantized layer is close to the float one (sanity of the whole format)
+        rel = (m(xl) - lin(xl)).norm() / lin(xl).norm()
+        assert rel < 0.15, rel
+
+
+def test_int4_linear_state_dict_round_trip_rebuilds_kernel_layout():
+    _, a = _int4_pair(72, 100, 32, True, seed=0)
+    _, b = _int4_pair(72, 100, 32, True, seed=1)
+    x = torch.randn(1, 72)
+    ya, yb = a(x), b(x)                                          # both prepared
+    b.load_state_dict(a.state_dict())                            # in-place copy into prepared buffers
+    assert set(a.state_dict()) == {"qweight", "scales", "zeros", "bias"}
+    torch.testing.assert_close(b(x), ya, rtol=0, atol=0)
+    assert not torch.equal(ya, yb)
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+
+_TRITON_SCRIPT = r"""
+import torch
+from torch import nn
+from kernels.w4a16_triton import w4a16_matmul, w4a16_matmul_reference
+from model.quant.int4 import Int4Linear, dequantize_weight
+torch.manual_seed(0)
+for k, n, g, bias, m_rows in [(72, 100, 32, True, 1), (384, 128, 128, False, 5), (130, 40, 64, True, 20)]:
+    lin = nn.Linear(k, n, bias=bias)
+    mod = Int4Linear.from_linear(lin, g)
+    qt, sz = mod.triton_operands()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(m_rows, k).to(dtype)
+        b = lin.bias.detach().to(dtype) if bias else None
+        y = w4a16_matmul(x, qt, sz, g, b)
+        ref = w4a16_matmul_reference(x, qt, sz, g, b)
+        assert y.dtype == dtype and y.shape == (m_rows, n)
+        tol = 1e-5 if dtype == torch.float32 else ref.abs().max().item() * 2 ** -7
+        torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=tol)
+        if dtype == torch.float32:   # the reference is the format's dequantize-then-matmul
+            w = dequantize_weight(mod.qweight, mod.scales, mod.zeros, k)
+            torch.testing.assert_close(ref, x @ w.t() + (b if bias else 0), rtol=1e-5, atol=1e-5)
+    xs = torch.randn(k, 3).t()                                   # non-contiguous activations
+    torch.testing.assert_close(w4a16_matmul(xs, qt, sz, g), w4a16_matmul_reference(xs, qt, sz, g),
+                               rtol=0, atol=1e-5)
+print("TRITON-OK")
+"""
+
+
+def test_triton_w4a16_kernel_under_interpreter_matches_reference():
+    """In a subprocess, so TRITON_INTERPRET=1 is set before triton is first imported."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "TRITON-OK" in proc.stdout, proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- TinyStories end to end
+
+@pytest.fixture(scope="module")
+def tiny(model_dir):
+    """The float model and 3 greedy 150-token continuations of it (450 teacher-forced positions)."""
+    from model.tokenizer import Tokenizer
+
+    model, cfg = load_model(model_dir)
+    tok = Tokenizer(model_dir, cfg.bos_token_id)
+    runner = ModelRunner(model, KVCacheSpec(10, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
+    seqs = []
+    for prompt in ("Once upon a time, there was a little dog", "Lily and Ben went to the park",
+                   "Tom had a red ball"):
+        ids = tok.encode(prompt)
+        step = StepInput(ids, 0, list(range(10)))
+        while len(ids) < 150:                                    # greedy decode through the KV cache
+            ids.append(int(runner.run([step])[0].argmax()))
+            step = StepInput(ids[-1:], len(ids) - 1, list(range(10)))
+        seqs.append(ids)
+    return model, cfg, seqs, [_all_logits(model, cfg, s) for s in seqs]
+
+
+# Measured (mse method): top-1 0.871 / mean KL 0.031 at group 32, 0.838 / 0.056 at group 128
+# (rtn: 0.840 / 0.038 and 0.767 / 0.078). Not the 95% hoped for: this 656K-parameter model is
+# so sensitive that quantizing any single one of its 8 linears alone costs 3-7 points.
+@pytest.mark.parametrize("group_size,min_top1,max_kl", [(32, 0.85, 0.04), (128, 0.80, 0.07)])
+def test_tinystories_greedy_agreement_and_kl(tiny, group_size, min_top1, max_kl):
+    model, cfg, seqs, refs = tiny
+    qmodel = copy.deepcopy(model)
+    convert_for_runtime(qmodel, group_size)
+    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in qmodel.layers)
+    assert isinstance(qmodel.lm_head, nn.Linear) and isinstance(qmodel.embed_tokens, nn.Embedding)
+    agree = positions = 0
+    kl = 0.0
+    for ids, ref in zip(seqs, refs):
+        out = _all_logits(qmodel, cfg, ids)
+        agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
+        positions += len(ids)
+        kl += F.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
+    top1, mean_kl = agree / positions, kl / positions
+    print(f"group {group_size}: top-1 agreement {top1:.4f} over {positions} positions, mean KL {mean_kl:.5f}")
+    assert top1 >= min_top1 and mean_kl <= max_kl, (top1, mean_kl)
+
+
+def test_prequantized_checkpoint_equals_load_time_quantization(tmp_path, model_dir, tiny):
+    _, cfg, seqs, _ = tiny
+    out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=32)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        settings = json.loads(f.metadata()[METADATA_KEY])
+        names = set(f.keys())
+    assert settings["format_version"] == 1 and settings["group_size"] == 32
+    assert settings["method"] == "int4-mse-asym" and settings["source_dtype"] == "float32"
+    assert "lm_head.weight" not in names and "layers.0.mlp.down_proj.qweight" in names  # tied head not stored
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    assert is_int4_checkpoint(out) and not is_int4_checkpoint(model_dir)
+
+    loaded, _ = load_int4_checkpoint(out)
+    converted, _ = load_model(model_dir)
+    convert_for_runtime(converted, 32)
+    assert loaded.quantization["group_size"] == 32 and loaded.lm_head.weight is loaded.embed_tokens.weight
+    ids = seqs[0][:60]
+    assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, cfg, ids))          # dequant path
+    assert torch.equal(_all_logits(loaded, cfg, ids[:5]), _all_logits(converted, cfg, ids[:5]))  # int4 kernel
+
+
+def test_bf16_and_awkward_checkpoints_round_trip(tmp_path, model_dir, awkward_model_dir):
+    """A bf16 source keeps its unquantized tensors in bf16; odd shapes (hidden 72, head_dim 24,
+    qkv 120 rows, intermediate 100, untied head) quantize, save and load."""
+    bf16_dir = tmp_path / "bf16"
+    bf16_dir.mkdir()
+    for f in Path(model_dir).iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.bfloat16() for k, v in load_file(f).items()}, str(bf16_dir / f.name))
+        elif f.is_file():
+            (bf16_dir / f.name).write_bytes(f.read_bytes())
+    for src, g, dtype in ((bf16_dir, 64, torch.bfloat16), (Path(awkward_model_dir), 32, torch.float32)):
+        out = save_quantized_checkpoint(src, tmp_path / f"q-{src.name}", group_size=g)
+        loaded, cfg = load_int4_checkpoint(out, dtype=dtype)
+        converted, _ = load_model(src, dtype=dtype)
+        convert_for_runtime(converted, g)
+        assert loaded.embed_tokens.weight.dtype == dtype
+        ids = list(range(3, 43))
+        for n in (40, 3):
+            assert torch.equal(_all_logits(loaded, cfg, ids[:n]), _all_logits(converted, cfg, ids[:n]))
+    with safe_open(str(tmp_path / "q-bf16" / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("embed_tokens.weight").get_dtype() == "BF16"
+
+
+def test_missing_or_unknown_metadata_is_a_clear_error(tmp_path, model_dir):
+    with pytest.raises(ValueError, match=METADATA_KEY):
+        load_int4_checkpoint(model_dir)                          # a float checkpoint
+    out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=128, method="rtn")
+    tensors = load_file(out / "model.safetensors")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        settings = json.loads(f.metadata()[METADATA_KEY])
+    assert settings["method"] == "int4-rtn-asym"
+    for meta, match in (({"format": "pt"}, METADATA_KEY),
+                        ({METADATA_KEY: json.dumps(settings | {"format_version": 99})}, "format_version 99"),
+                        ({METADATA_KEY: "{not json"}, "not valid JSON"),
+                        ({METADATA_KEY: json.dumps(settings | {"group_size": 48})}, "group_size")):
+        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+        with pytest.raises(ValueError, match=match):
+            load_int4_checkpoint(out)
