@@ -23,8 +23,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) bench/e2e.py
+	$(PY) bench/e2e.py --out bench/out/e2e
+	$(PY) bench/decode.py --out bench/out/decode
+	$(PY) bench/prefill.py --out bench/out/prefill
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve.proto proto/worker.proto

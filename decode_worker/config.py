@@ -20,6 +20,13 @@ class DecodeWorkerConfig(WorkerConfig):
         spec_k: proposal length k.
         spec_max_batch_size: speculation runs only while the batch is at most this large
             (beyond it verification costs more than it saves; measured by ``bench/decode.py``).
+        colocated: also prefill prompts here (role ``both``): requests never leave the worker;
+            prompt chunks of at most ``max_num_batched_tokens`` minus the decode batch share
+            each step with the decodes.
+        max_num_batched_tokens: token budget of a step in colocated mode.
+        weights: ``native`` (the checkpoint's dtype cast to ``dtype``) or ``int4`` (group-wise
+            asymmetric 4-bit, quantized at load unless the checkpoint is pre-quantized).
+        int4_group_size: input columns per INT4 scale group.
         graph: run plain decode steps through the :class:`~decode_worker.graph_runner.GraphRunner`
             (padded buckets and static buffers; CUDA graphs on GPUs).
     """
@@ -33,9 +40,15 @@ class DecodeWorkerConfig(WorkerConfig):
     spec_draft_model: str = ""
     spec_max_batch_size: int = 4
     graph: bool = True
+    colocated: bool = False
+    max_num_batched_tokens: int = 512
+    weights: str = "native"
+    int4_group_size: int = 128
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weights not in ("native", "int4"):
+            raise ValueError(f"weights must be native or int4, got {self.weights!r}")
         if self.speculative not in ("off", "ngram", "self", "draft"):
             raise ValueError(f"speculative must be off, ngram, self or draft, got {self.speculative!r}")
         if self.speculative == "draft" and not self.spec_draft_model:

@@ -91,6 +91,7 @@ class DecodeEngine:
         self._ids_lock = threading.Lock()
         self._live_ids: set[str] = set()                 # ids taken, for duplicate checks from any thread
         self.num_transferring = 0
+        self.num_prefilling = 0
         self.num_decoding = 0
 
     @property
@@ -158,7 +159,7 @@ class DecodeEngine:
     def run_forever(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set; idle waits block on the inbox."""
         while not stop.is_set():
-            if not self.num_decoding:
+            if not self.num_decoding and not self.num_prefilling:
                 try:
                     self._handle(self._inbox.get(timeout=0.05))
                 except queue.Empty:
@@ -171,13 +172,17 @@ class DecodeEngine:
         self._shutdown()
 
     def _fail_decoding(self, message: str) -> None:
-        for req in [r for r in self._requests.values() if r.status is DecodeStatus.DECODING]:
+        for req in [r for r in self._requests.values() if r.status in (DecodeStatus.DECODING, DecodeStatus.PREFILLING)]:
             self._retire(req, ErrorEvent(grpc.StatusCode.INTERNAL, message))
 
     def step(self) -> None:
         """One engine iteration: inbox, schedule, run, postprocess."""
         self._drain_inbox()
         batch = [r for r in self._requests.values() if r.status is DecodeStatus.DECODING][: self.cfg.max_batch_size]
+        chunks = self._prefill_chunks(self.cfg.max_num_batched_tokens - len(batch))
+        if chunks:
+            self._mixed_run(batch, chunks)
+            return
         if not batch:
             return
         if self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size:
@@ -188,6 +193,34 @@ class DecodeEngine:
             new_tokens = [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
         for req, tokens in zip(batch, new_tokens):
             self._append(req, tokens)
+
+    def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
+        """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""
+        chunks = []
+        budget = max(budget, 1)
+        for req in self._requests.values():
+            if req.status is DecodeStatus.PREFILLING and budget > 0:
+                n = min(len(req.prompt_ids) - req.num_computed, budget)
+                chunks.append((req, n))
+                budget -= n
+        return chunks
+
+    def _mixed_run(self, batch: list[DecodeRequest], chunks: list[tuple[DecodeRequest, int]]) -> None:
+        """One forward over decode tokens and prefill chunks together (Sarathi-Serve's
+        stall-free batching): decodes go on while long prompts are prefilled."""
+        inputs = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
+        inputs += [StepInput(r.prompt_ids[r.num_computed:r.num_computed + n], r.num_computed, r.block_table)
+                   for r, n in chunks]
+        logits = self.runner.run(inputs)
+        tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch])
+        for req, token in zip(batch, tokens):
+            self._append(req, [token])
+        for row, (req, n) in enumerate(chunks, start=len(batch)):
+            req.num_computed += n
+            if req.num_computed == len(req.prompt_ids):
+                first = sample(logits[row:row + 1], [req.sampling], [0])[0]
+                req.emit(TokensEvent([first]))
+                self._start_decoding(req, first)
 
     def _speculative_run(self, batch: list[DecodeRequest]) -> list[list[int]]:
         """Propose, verify all proposals in one forward, keep what the rejection rule accepts."""
@@ -234,17 +267,19 @@ class DecodeEngine:
         if isinstance(msg, _KVArrived) and req.status is DecodeStatus.TRANSFERRING:
             self._start_decoding(req, msg.first_token)  # sampled by the prefill worker (output index 0)
         elif isinstance(msg, _LocalPrefill) and req.status is DecodeStatus.TRANSFERRING:
-            logits = self.runner.run([StepInput(req.prompt_ids, 0, req.block_table)])
-            first = sample(logits, [req.sampling], [0])[0]
-            req.emit(TokensEvent([first]))
-            self._start_decoding(req, first)
+            self.num_transferring -= 1
+            self.num_prefilling += 1
+            req.status = DecodeStatus.PREFILLING  # chunks run in the next steps, mixed with decodes
         elif isinstance(msg, _KVFailed):
             self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}"))
         elif isinstance(msg, _Abort):
             self._retire(req, None)
 
     def _start_decoding(self, req: DecodeRequest, first_token: int) -> None:
-        self.num_transferring -= 1
+        if req.status is DecodeStatus.PREFILLING:
+            self.num_prefilling -= 1
+        else:
+            self.num_transferring -= 1
         self.num_decoding += 1
         req.status, req.kv_ready_at = DecodeStatus.DECODING, time.monotonic()
         req.output_ids.append(first_token)
@@ -261,6 +296,8 @@ class DecodeEngine:
         if req.status is DecodeStatus.TRANSFERRING:
             self.receiver.cancel(req.request_id)
             self.num_transferring -= 1
+        elif req.status is DecodeStatus.PREFILLING:
+            self.num_prefilling -= 1
         else:
             self.num_decoding -= 1
         req.status = DecodeStatus.FINISHED

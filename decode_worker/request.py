@@ -2,6 +2,8 @@
 
 ::
 
+    add_local ───► PREFILLING ──(last chunk, first token sampled here)─┐   (colocated mode)
+                                                                       ▼
     add_request ──► TRANSFERRING ──(all KV pages + first token)──► DECODING ──► FINISHED
        (blocks       │  waits for the prefill worker's pages          │  one token    (stop, length)
         allocated)   │  (deadline: kv_timeout_s)                      │  per step
@@ -25,6 +27,7 @@ from model.sampling import SamplingParams
 
 class DecodeStatus(enum.Enum):
     TRANSFERRING = "transferring"
+    PREFILLING = "prefilling"        # colocated mode: the prompt is prefilled here, chunk by chunk
     DECODING = "decoding"
     FINISHED = "finished"
 
@@ -71,6 +74,7 @@ class DecodeRequest:
     emit: DecodeEventSink
     status: DecodeStatus = DecodeStatus.TRANSFERRING
     output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0            # colocated mode: prompt tokens prefilled here so far
     num_draft_tokens: int = 0        # speculative proposals verified
     num_accepted_tokens: int = 0     # of which accepted
     allocated_at: float = field(default_factory=time.monotonic)

@@ -14,6 +14,7 @@ from decode_worker.request import FinishedEvent, TokensEvent
 from deploy.worker_process import WorkerProcess
 from model.kv_cache import NoFreeBlocks
 from model.loader import load_model
+from model.quant import int4
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import FINISH_REASONS, sampling_from_wire
 from router.registry import WorkerInfo
@@ -37,9 +38,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
+        if request.local_prefill and not self.engine.cfg.colocated:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this decode worker does not prefill (not colocated)")
         try:
-            blocks = self.engine.add_request(request.request_id, list(request.prompt_token_ids), sampling,
-                                             request.kv_timeout_s or 30.0, emit)
+            if request.local_prefill:
+                self.engine.add_local(request.request_id, list(request.prompt_token_ids), sampling, emit)
+                blocks = []
+            else:
+                blocks = self.engine.add_request(request.request_id, list(request.prompt_token_ids), sampling,
+                                                 request.kv_timeout_s or 30.0, emit)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
@@ -81,6 +89,18 @@ def _coalesce(events: list) -> list:
     return out
 
 
+def load_decode_model(cfg: DecodeWorkerConfig):
+    """The model as ``cfg.weights`` asks: a pre-quantized INT4 checkpoint as stored, a float one
+    quantized at load (gpt-fast's ``convert_for_runtime``), or the weights as they are."""
+    if cfg.weights == "int4":
+        if int4.is_int4_checkpoint(cfg.model_dir):
+            return int4.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
+        model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
+        int4.convert_for_runtime(model, group_size=cfg.int4_group_size)
+        return model, model_cfg
+    return load_model(cfg.model_dir, cfg.torch_dtype)
+
+
 class DecodeWorker(WorkerProcess):
     """A running decode worker: engine thread, gRPC server, Redis lease."""
 
@@ -88,7 +108,7 @@ class DecodeWorker(WorkerProcess):
 
     def __init__(self, cfg: DecodeWorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
-        model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
+        model, model_cfg = load_decode_model(cfg)
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg))
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
@@ -96,7 +116,8 @@ class DecodeWorker(WorkerProcess):
 
     def info(self) -> WorkerInfo:
         e = self.engine
-        return WorkerInfo(worker_id=self.cfg.worker_id, role="decode", address=self.address,
+        return WorkerInfo(worker_id=self.cfg.worker_id, role="both" if self.cfg.colocated else "decode",
+                          address=self.address,
                           kv_address=e.receiver.address, block_size=self.cfg.block_size,
                           num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
                           num_running=e.num_decoding, num_waiting=e.num_transferring)

@@ -30,6 +30,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=EMBEDDED_MODEL, help="Hugging Face Llama checkpoint directory")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--colocated", type=int, default=0,
+                   help="instead of the two pools: N workers that prefill and decode in one process (baseline)")
+    p.add_argument("--weights", default="native", choices=["native", "int4"], help="decode: INT4 weight-only")
     p.add_argument("--port", type=int, default=0, help="router port (0: any free port)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
@@ -56,12 +59,14 @@ def _start_cluster(args: argparse.Namespace):
     redis_proc = ensure_redis(args.redis_url)
     cluster = RayCluster(ClusterConfig(
         model_dir=str(Path(args.model).resolve()), num_prefill=args.prefill, num_decode=args.decode,
+        num_colocated=args.colocated,
         port=args.port, ray_address=args.ray_address, redis_url=args.redis_url, block_size=args.block_size,
         num_blocks=args.num_blocks, dtype=args.dtype,
         prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
                          "prefix_cache": not args.no_prefix_cache},
         decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
-                        "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model}))
+                        "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
+                        "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens}))
     try:
         address = cluster.start()
     except Exception:
@@ -173,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     mk.set_defaults(func=cmd_make_model)
+
+    from bench.replay import cli as bench_cli
+
+    bench = sub.add_parser("bench", help="replay a trace against a running router; SLO attainment and goodput")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(func=bench_cli.main)
 
     args = parser.parse_args(argv)
     return args.func(args)

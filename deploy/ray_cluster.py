@@ -30,7 +30,9 @@ class ClusterConfig:
 
     Attributes:
         model_dir: checkpoint directory, readable on every node.
-        num_prefill / num_decode: pool sizes.
+        num_prefill / num_decode: pool sizes (disaggregated).
+        num_colocated: workers that prefill and decode in one process (the colocated baseline);
+            when set, the prefill and decode pools are not started.
         port: router port (0 = pick a free one).
         ray_address: an existing Ray cluster; ``None`` starts a local one.
         cluster: registry namespace in Redis (default: a fresh id per launch).
@@ -45,6 +47,7 @@ class ClusterConfig:
     model_dir: str
     num_prefill: int = 1
     num_decode: int = 1
+    num_colocated: int = 0
     port: int = 0
     ray_address: str | None = None
     cluster: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
@@ -58,8 +61,8 @@ class ClusterConfig:
     decode_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if self.num_colocated < 0 or (not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1)):
+            raise ValueError("a cluster needs colocated workers, or at least one prefill and one decode worker")
         if self.cpus_per_worker <= 0:
             raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
 
@@ -125,17 +128,21 @@ class RayCluster:
         cfg = self.cfg
         cuda = torch.cuda.is_available()
         if not ray.is_initialized():
-            need = cfg.cpus_per_worker * (cfg.num_prefill + cfg.num_decode) + self.ROUTER_CPUS
+            need = cfg.cpus_per_worker * (cfg.num_colocated or cfg.num_prefill + cfg.num_decode) + self.ROUTER_CPUS
             local_cpus = {"num_cpus": max(os.cpu_count() or 1, math.ceil(need))} if cfg.local else {}
             ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False,
                      configure_logging=False, **local_cpus)
         common = dict(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url, host=cfg.host,
                       block_size=cfg.block_size, num_blocks=cfg.num_blocks, dtype=cfg.dtype,
                       num_threads=cfg.num_threads)
-        specs = [("prefill", PrefillWorkerConfig(worker_id=f"prefill-{i}", **common, **cfg.prefill_options))
-                 for i in range(cfg.num_prefill)]
-        specs += [("decode", DecodeWorkerConfig(worker_id=f"decode-{i}", **common, **cfg.decode_options))
-                  for i in range(cfg.num_decode)]
+        if cfg.num_colocated:
+            specs = [("decode", DecodeWorkerConfig(worker_id=f"both-{i}", colocated=True, **common,
+                                                   **cfg.decode_options)) for i in range(cfg.num_colocated)]
+        else:
+            specs = [("prefill", PrefillWorkerConfig(worker_id=f"prefill-{i}", **common, **cfg.prefill_options))
+                     for i in range(cfg.num_prefill)]
+            specs += [("decode", DecodeWorkerConfig(worker_id=f"decode-{i}", **common, **cfg.decode_options))
+                      for i in range(cfg.num_decode)]
         actor_cls = ray.remote(RoleActor)
         try:
             workers = [actor_cls.options(**worker_resources(cfg.cpus_per_worker, cuda)).remote(role, wcfg)

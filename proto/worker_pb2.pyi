@@ -58,16 +58,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., num_kv_bytes: _Optional[int] = ..., transfer_tail_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_timeout_s", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
     kv_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Allocated(_message.Message):
     __slots__ = ("block_ids", "kv_address")

@@ -122,6 +122,8 @@ class DecodeWorkerServicer:
         """Pre-allocates KV blocks (first event: `allocated`), waits for the pages and the
         first token from a prefill worker, then streams output tokens 1.. until the
         request finishes (last event: `finished`). Cancelling the call frees the blocks.
+        With `local_prefill` (colocated workers) it prefills the prompt itself and streams
+        tokens from the first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -97,8 +97,10 @@ def rank_prefill(workers: list[WorkerInfo], prompt_blocks: int, cached: dict[str
     return ranked
 
 
-def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int) -> list[WorkerInfo]:
-    """Decode workers whose last report had room for ``num_tokens`` positions, best first:
-    smallest running batch counting this router's in-flight requests, then most free blocks."""
-    pool = [w for w in workers if w.role == "decode" and w.num_free_blocks >= blocks_for(w, num_tokens)]
+def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, role: str = "decode",
+                ) -> list[WorkerInfo]:
+    """Workers of ``role`` (``decode``, or ``both`` for colocated ones) whose last report had room
+    for ``num_tokens`` positions, best first: smallest running batch counting this router's
+    in-flight requests, then most free blocks."""
+    pool = [w for w in workers if w.role == role and w.num_free_blocks >= blocks_for(w, num_tokens)]
     return sorted(pool, key=lambda w: (w.num_running + inflight[w.worker_id], -w.num_free_blocks, w.worker_id))

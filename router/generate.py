@@ -53,11 +53,13 @@ class ClusterView:
 
 
 async def _open_decode(view: ClusterView, req: ValidRequest, internal_id: str, num_tokens: int,
-                       cfg: RouterConfig) -> tuple[WorkerInfo, grpc.aio.UnaryStreamCall, worker_pb2.Allocated]:
-    """Open a decode stream on the best decode worker that has room; returns it with its allocation."""
-    candidates = rank_decode(view.workers, view.inflight, num_tokens)
+                       cfg: RouterConfig, role: str = "decode",
+                       ) -> tuple[WorkerInfo, grpc.aio.UnaryStreamCall, worker_pb2.Allocated]:
+    """Open a decode stream on the best worker of ``role`` that has room; returns it with its
+    allocation. Colocated workers (role ``both``) are asked to prefill the prompt themselves."""
+    candidates = rank_decode(view.workers, view.inflight, num_tokens, role)
     if not candidates:
-        if not any(w.role == "decode" for w in view.workers):
+        if not any(w.role == role for w in view.workers):
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
         raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
@@ -65,7 +67,7 @@ async def _open_decode(view: ClusterView, req: ValidRequest, internal_id: str, n
     for worker in candidates:
         call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
             request_id=internal_id, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
-            kv_timeout_s=cfg.kv_timeout_s))
+            kv_timeout_s=cfg.kv_timeout_s, local_prefill=role == "both"))
         try:
             first = await asyncio.wait_for(call.read(), timeout=cfg.prefill_timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
@@ -93,6 +95,10 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
     internal_id = uuid.uuid4().hex
     state = RequestState.QUEUED
     pool = [w for w in view.workers if w.role == "prefill"]
+    if not pool and any(w.role == "both" for w in view.workers):
+        async for msg in _run_colocated(view, req, tokenizer, cfg, times, internal_id):
+            yield msg
+        return
     if not pool:
         raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
     block_size = pool[0].block_size
@@ -128,32 +134,61 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
         state = RequestState.DECODING
         times.token()
         yield pdserve_pb2.GenerateResponse(text=detok.push([answer.first_token]), token_ids=[answer.first_token])
-        async for event in _decode_events(stream, decode):
-            if event.WhichOneof("event") == "tokens":
-                ids = list(event.tokens.token_ids)
-                for _ in ids:
-                    times.token()
-                yield pdserve_pb2.GenerateResponse(text=detok.push(ids), token_ids=ids)
-            elif event.WhichOneof("event") == "finished":
-                state = RequestState.FINISHED
-                fin = event.finished
-                yield pdserve_pb2.GenerateResponse(final=pdserve_pb2.Final(
-                    finish_reason=fin.finish_reason, request_id=req.request_id,
-                    usage=pdserve_pb2.Usage(prompt_tokens=len(req.prompt_ids),
-                                            completion_tokens=fin.num_output_tokens,
-                                            cached_prompt_tokens=answer.num_cached_tokens),
-                    timings=pdserve_pb2.Timings(**times.summary()),
-                    speculative=pdserve_pb2.SpeculativeStats(
-                        num_draft_tokens=fin.num_draft_tokens, num_accepted_tokens=fin.num_accepted_tokens,
-                        acceptance_rate=fin.num_accepted_tokens / max(1, fin.num_draft_tokens))))
-                return
-        raise GenerateError(grpc.StatusCode.INTERNAL, f"decode worker {decode.worker_id} ended the stream early")
+        async for msg in _relay(stream, decode, detok, times, req, answer.num_cached_tokens):
+            yield msg
+        state = RequestState.FINISHED
     finally:
         view.inflight[decode.worker_id] -= 1
         if state is not RequestState.FINISHED:  # error or client cancel: make both workers let go
             stream.cancel()
             if prefill_call is not None and not prefill_call.done():
                 prefill_call.cancel()
+
+
+async def _run_colocated(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,
+                         times: RequestTimes, internal_id: str) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """Colocated baseline: one worker (role ``both``) prefills and decodes the request."""
+    num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
+    worker, stream, _ = await _open_decode(view, req, internal_id, num_tokens, cfg, role="both")
+    view.inflight[worker.worker_id] += 1
+    times.dispatched = time.monotonic()
+    finished = False
+    try:
+        async for msg in _relay(stream, worker, IncrementalDetokenizer(tokenizer, req.prompt_ids), times, req, 0):
+            yield msg
+        finished = True
+    finally:
+        view.inflight[worker.worker_id] -= 1
+        if not finished:
+            stream.cancel()
+
+
+async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: IncrementalDetokenizer,
+                 times: RequestTimes, req: ValidRequest, cached_tokens: int,
+                 ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """Turn the decode stream's events into client messages, ending with ``final``.
+
+    Raises:
+        GenerateError: the stream failed or ended without ``finished``.
+    """
+    async for event in _decode_events(stream, decode):
+        if event.WhichOneof("event") == "tokens":
+            ids = list(event.tokens.token_ids)
+            for _ in ids:
+                times.token()
+            yield pdserve_pb2.GenerateResponse(text=detok.push(ids), token_ids=ids)
+        elif event.WhichOneof("event") == "finished":
+            fin = event.finished
+            yield pdserve_pb2.GenerateResponse(final=pdserve_pb2.Final(
+                finish_reason=fin.finish_reason, request_id=req.request_id,
+                usage=pdserve_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=fin.num_output_tokens,
+                                        cached_prompt_tokens=cached_tokens),
+                timings=pdserve_pb2.Timings(**times.summary()),
+                speculative=pdserve_pb2.SpeculativeStats(
+                    num_draft_tokens=fin.num_draft_tokens, num_accepted_tokens=fin.num_accepted_tokens,
+                    acceptance_rate=fin.num_accepted_tokens / max(1, fin.num_draft_tokens))))
+            return
+    raise GenerateError(grpc.StatusCode.INTERNAL, f"decode worker {decode.worker_id} ended the stream early")
 
 
 async def _decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo):

@@ -59,7 +59,7 @@ class _Worker:
     retired: list[str] = field(default_factory=list)  # earlier epochs: their entries are ignored
     need: int | None = None  # degraded: a snapshot of `epoch` with seq >= need allows a re-sync
     tried: tuple[str, int] | None = None  # last snapshot (epoch, seq) tried while degraded
-    checked_at: float = 0.0  # monotonic time of the last snapshot check while degraded
+    behind: tuple[tuple[str, int], float] | None = None  # (snapshot head ahead of seq, monotonic time first seen)
     pending: int | None = None  # a gap seen in this sync round: re-sync needs a snapshot seq >= this
     synced: bool = False  # had its first sync
 
@@ -88,7 +88,10 @@ class IndexSync:
         count: stream entries read per worker per round (bounds the event-loop time
             one round takes: ~10-30 us per entry to decode and apply).
         max_rounds: rounds per :meth:`sync_once` while some stream has more to read.
-        snapshot_poll_s: seconds between snapshot checks of a degraded worker.
+        snapshot_poll_s: seconds between polls of the workers' snapshot seqs (one pipelined
+            HMGET for all): how soon a degraded worker recovers once a snapshot covers its gap.
+        trailing_gap_s: a worker whose snapshot stays ahead of every entry read for this long
+            lost its last events (nothing after them shows the gap): it is re-synced.
         max_replay: stream entries a re-sync walks back at most before giving up (degraded).
 
     Call :meth:`set_workers` with the live prefill workers whenever the registry is
@@ -97,12 +100,14 @@ class IndexSync:
     """
 
     def __init__(self, redis_or_url: str | aioredis.Redis, cluster: str, index: PrefixIndex, count: int = 500,
-                 max_rounds: int = 8, snapshot_poll_s: float = 1.0, max_replay: int = 50_000) -> None:
+                 max_rounds: int = 8, snapshot_poll_s: float = 1.0, trailing_gap_s: float = 2.0,
+                 max_replay: int = 50_000) -> None:
         self._own = not isinstance(redis_or_url, aioredis.Redis)
         self._redis = (aioredis.Redis.from_url(redis_or_url, socket_timeout=2.0, socket_connect_timeout=2.0)
                        if self._own else redis_or_url)
         self.cluster, self.index, self.count, self.max_rounds = cluster, index, count, max_rounds
-        self.snapshot_poll_s, self.max_replay = snapshot_poll_s, max_replay
+        self.snapshot_poll_s, self.trailing_gap_s, self.max_replay = snapshot_poll_s, trailing_gap_s, max_replay
+        self._heads_at = float("-inf")
         self.stats = SyncStats()
         self._workers: dict[str, _Worker] = {}
         self._lock = asyncio.Lock()
@@ -144,7 +149,6 @@ class IndexSync:
             for w, st in list(self._workers.items()):
                 if not st.synced:
                     await self._resync(w, st)
-            await self._check_degraded()
             prefix = len(events_key(self.cluster, ""))
             for _ in range(self.max_rounds):
                 polled = dict(self._workers)
@@ -166,6 +170,8 @@ class IndexSync:
                 if not more:
                     break
                 await asyncio.sleep(0)  # let lookups run between rounds
+            if time.monotonic() - self._heads_at >= self.snapshot_poll_s:
+                await self._check_heads()
             return self.stats.events - before
 
     async def run(self, interval_s: float = 0.05, registry=None, registry_interval_s: float = 1.0) -> None:
@@ -253,15 +259,35 @@ class IndexSync:
         self.index.load_snapshot(w, ())
         st.need, st.lenient_until = need, 0.0
 
-    async def _check_degraded(self) -> None:
-        now = time.monotonic()
-        for w, st in list(self._workers.items()):
-            if st.need is None or now - st.checked_at < self.snapshot_poll_s:
+    async def _check_heads(self) -> None:
+        """Poll every worker's snapshot seq (one pipelined round trip): re-sync a degraded worker
+        whose snapshot now covers its gap, and a healthy one whose snapshot stays ahead of the
+        stream for ``trailing_gap_s`` (its last events were lost: no later entry shows the gap)."""
+        self._heads_at = now = time.monotonic()
+        workers = list(self._workers.items())
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for w, _ in workers:
+                pipe.hmget(snapshot_key(self.cluster, w), ["epoch", "seq"])
+            replies = await pipe.execute()
+        for (w, st), (epoch, seq) in zip(workers, replies):
+            if epoch is None or seq is None or self._workers.get(w) is not st:
                 continue
-            st.checked_at = now
-            head = await self._snapshot_head(w)
-            if head is not None and head != st.tried and head[0] == st.epoch and head[1] >= st.need:
-                st.tried = head
+            head = (epoch.decode(), int(seq))
+            if head[0] != st.epoch:
+                st.behind = None
+            elif st.need is not None:
+                if head[1] >= st.need and head != st.tried:
+                    st.tried = head
+                    await self._resync(w, st)
+            elif head[1] <= st.seq:
+                st.behind = None
+            elif st.behind is None or st.behind[0] != head:
+                st.behind = (head, now)
+                if self.trailing_gap_s <= 0:
+                    self.stats.gaps += 1
+                    await self._resync(w, st)
+            elif now - st.behind[1] >= self.trailing_gap_s:
+                self.stats.gaps += 1
                 await self._resync(w, st)
 
     # ---- re-sync -------------------------------------------------------------------------------------
@@ -356,7 +382,7 @@ class IndexSync:
             st.seq, st.lenient_until = (seqs[-1] if seqs else 0), 0.0
         _retire(st, older)
         st.entry_id = newest.entry_id if newest is not None else "0-0"
-        st.need = st.tried = None
+        st.need = st.tried = st.behind = None
 
 
 def _retire(st: _Worker, epoch: str | None) -> None:

@@ -1,0 +1,44 @@
+"""The colocated baseline (role `both`): one process prefills (in chunks, mixed with
+decodes) and decodes; output stays token-exact; cancels free blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from deploy import client
+from deploy.processes import spawn_role
+from tests.conftest import Cluster, hf_greedy
+
+
+@pytest.fixture(scope="module")
+def colocated(redis_url, model_dir):
+    c = Cluster(model_dir, redis_url, num_prefill=0, num_decode=0)
+    flags = dict(model_dir=model_dir, cluster=c.cluster, redis_url=redis_url, lease_s=2.0, block_size=4,
+                 colocated="true", max_num_batched_tokens=9)
+    c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
+    yield c
+    c.stop()
+
+
+def test_colocated_output_is_token_exact_and_blocks_come_back(colocated, hf_model):
+    gen = torch.Generator().manual_seed(5)
+    prompts = [[1] + torch.randint(3, 2048, (n,), generator=gen).tolist() for n in (3, 20, 45, 8)]
+
+    async def all_at_once(channel):
+        return await asyncio.gather(*[client.complete(channel, client.make_request(p, max_tokens=15, temperature=0))
+                                      for p in prompts])
+
+    for p, got in zip(prompts, colocated.run(all_at_once)):
+        assert got.token_ids == hf_greedy(hf_model, p, 15)
+    assert [w.role for w in colocated.state().workers] == ["both"]
+    colocated.assert_pools_free()
+
+
+def test_colocated_cancel_frees_blocks(colocated):
+    request = client.make_request("Once upon a time", max_tokens=400, temperature=0, ignore_eos=True)
+    with pytest.raises(Exception):
+        colocated.run(lambda ch: client.complete(ch, request, timeout_s=0.3))
+    colocated.assert_pools_free()
