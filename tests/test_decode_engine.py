@@ -16,8 +16,9 @@ from tests.conftest import hf_greedy
 @pytest.fixture
 def engine(model_dir):
     model, cfg = load_model(model_dir)
+    # an 8-token step budget: the 29-token prompt is prefilled in chunks while the others decode
     e = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
-                                        max_batch_size=4), model, cfg)
+                                        max_batch_size=4, colocated=True, max_num_batched_tokens=8), model, cfg)
     yield e
     e.receiver.close()
 
@@ -33,7 +34,7 @@ def _run(engine, requests: dict[str, list[int]], max_tokens: int, steps: int = 2
     return events
 
 
-def test_local_prefill_then_batched_decode_matches_transformers(engine, hf_model):
+def test_chunked_local_prefill_mixed_with_decodes_matches_transformers(engine, hf_model):
     prompts = {"a": [1, 400, 500, 600], "b": list(range(1, 30)), "c": [1, 1094], "d": [1, 7, 8, 9, 10, 11],
                "e": [1, 300]}  # five requests, batch bound 4: one waits a step
     events = _run(engine, prompts, max_tokens=12)
