@@ -11,7 +11,10 @@ per worker, ``(epoch, last seq, last stream entry id)``:
 * a new epoch at seq 1 (the worker restarted, its cache starts empty): drop the
   worker's entries and apply it -- exact, no snapshot needed;
 * a seq gap, a new epoch past seq 1, or a ``stored`` event whose parent the index
-  does not hold (``PrefixIndex.apply`` returns False): the worker is re-synced.
+  does not hold (``PrefixIndex.apply`` returns False): the worker is re-synced;
+* lost LAST events show no gap until the worker's next event; the snapshot's seq
+  shows them too: a snapshot that stays ahead of the stream for ``trailing_gap_s``
+  means a re-sync (the snapshot seqs of all workers are polled in one round trip).
 
 Re-sync: read the snapshot; if it covers the missing events (same epoch, seq at
 least the last one missed), walk the stream back (``XREVRANGE``) from its end to the
@@ -75,7 +78,7 @@ class SyncStats:
     degraded: int = 0  # times a worker's entries were dropped for want of a covering snapshot
     stale: int = 0  # entries of retired epochs skipped
     malformed: int = 0  # undecodable entries skipped
-    errors: int = 0  # Redis errors in run()
+    errors: int = 0  # failed rounds of run() (Redis errors mostly)
 
 
 class IndexSync:
@@ -85,8 +88,9 @@ class IndexSync:
         redis_or_url: a ``redis.asyncio.Redis`` (not closed by :meth:`aclose`) or a URL.
         cluster: the registry namespace.
         index: the index to keep exact.
-        count: stream entries read per worker per round (bounds the event-loop time
-            one round takes: ~10-30 us per entry to decode and apply).
+        count: stream entries read per worker per round; bounds the event-loop time one
+            round takes: ~100 us per entry with redis-py's pure-Python reply parser (about
+            80% of it; hiredis cuts that), ~20 us to decode the event and apply it.
         max_rounds: rounds per :meth:`sync_once` while some stream has more to read.
         snapshot_poll_s: seconds between polls of the workers' snapshot seqs (one pipelined
             HMGET for all): how soon a degraded worker recovers once a snapshot covers its gap.
@@ -95,11 +99,11 @@ class IndexSync:
         max_replay: stream entries a re-sync walks back at most before giving up (degraded).
 
     Call :meth:`set_workers` with the live prefill workers whenever the registry is
-    read, and :meth:`sync_once` periodically (or run :meth:`run` as a task). Not
-    safe for concurrent :meth:`sync_once` calls from several tasks (a lock serialises them).
+    read, and :meth:`sync_once` periodically (or run :meth:`run` as a task); concurrent
+    :meth:`sync_once` calls are serialised by a lock. Use it from the index's event loop.
     """
 
-    def __init__(self, redis_or_url: str | aioredis.Redis, cluster: str, index: PrefixIndex, count: int = 500,
+    def __init__(self, redis_or_url: str | aioredis.Redis, cluster: str, index: PrefixIndex, count: int = 128,
                  max_rounds: int = 8, snapshot_poll_s: float = 1.0, trailing_gap_s: float = 2.0,
                  max_replay: int = 50_000) -> None:
         self._own = not isinstance(redis_or_url, aioredis.Redis)
@@ -135,9 +139,10 @@ class IndexSync:
     async def sync_once(self) -> int:
         """Read and apply what is new in every worker's stream; re-sync where needed.
 
-        Cost: one XREAD round trip per round for all workers, plus ~10-30 us per entry
-        (decode + apply) of event-loop time; a re-sync adds an HGETALL of the snapshot
-        (~1 MB and ~10 ms to decode per 100k blocks) and an XREVRANGE walk.
+        Cost: one XREAD round trip per round for all workers plus ~100 us of event-loop
+        time per entry (see ``count``); every ``snapshot_poll_s`` one pipelined HMGET; a
+        re-sync adds an HGETALL of the snapshot (~1 MB per 100k blocks, some 10-50 ms to
+        decode and load) and an XREVRANGE walk back to it.
 
         Returns:
             Stream entries applied (re-sync replays included).
@@ -188,6 +193,9 @@ class IndexSync:
             except (redis.RedisError, OSError) as exc:
                 self.stats.errors += 1
                 log.warning("KV index sync failed (retrying): %s", exc)
+            except Exception:  # a bug must not stop the index from syncing for good
+                self.stats.errors += 1
+                log.exception("KV index sync failed (retrying)")
             await asyncio.sleep(interval_s)
 
     async def aclose(self) -> None:

@@ -87,7 +87,7 @@ class PrefixIndex:
         return out
 
     def num_entries(self) -> int:
-        """(worker, block) pairs held, exact plus approximate (memory is ~100 bytes per pair)."""
+        """(worker, block) pairs held, exact plus approximate (memory, all in: ~110 bytes per pair)."""
         return sum(map(len, self._exact.values())) + sum(map(len, self._approx.values()))
 
     # ---- exact entries: KV events and snapshots --------------------------------------------------
@@ -211,8 +211,24 @@ class PrefixIndex:
         return block_hashes(token_ids, self.block_size, self.root)
 
     def lookup(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """:meth:`lookup_hashes` of the prompt's block hashes (hashes it first: see :meth:`hash_prompt`)."""
-        return self.lookup_hashes(self.hash_prompt(token_ids))
+        """:meth:`lookup_hashes` of a prompt given as tokens, hashing only as far as workers hold it.
+
+        Hashes in chunks of 8, 16, 32, ... blocks and stops after a chunk whose last block
+        no worker holds (by the prefix-closed invariant none holds anything deeper), so a
+        miss costs 8 blocks of hashing, not the whole prompt. Use :meth:`hash_prompt` plus
+        :meth:`lookup_hashes` when all the hashes are needed anyway (:meth:`record_routing`).
+        """
+        n, bs, get = len(token_ids) // self.block_size, self.block_size, self._table.get
+        hashes: list[int] = []
+        parent, step = self.root, 8
+        while len(hashes) < n:
+            start = len(hashes) * bs
+            chunk = block_hashes(token_ids[start:start + min(step, n - len(hashes)) * bs], bs, parent)
+            hashes += chunk
+            parent, step = chunk[-1], step * 2
+            if not get(parent, 0):
+                break
+        return self.lookup_hashes(hashes)
 
     def lookup_hashes(self, hashes: Sequence[int]) -> dict[str, int]:
         """For each worker, how many LEADING blocks of the prompt it holds.

@@ -21,6 +21,7 @@ from proto import pdserve_pb2
 from router.config import RouterConfig
 from router.dispatch import PrefillStats
 from router.generate import ClusterView, GenerateError, run_generate
+from router.kv_aware import KVAwareness
 from router.registry import RegistryReader, WorkerInfo
 from router.request import RequestTimes
 from router.validation import parse_request, validate
@@ -41,6 +42,7 @@ class Router:
         self.workers: list[WorkerInfo] = []
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
+        self.kv = KVAwareness(cfg.redis_url, cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.address = ""
 
@@ -53,7 +55,8 @@ class Router:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not self.workers:
             await self._refresh()
-        view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats)
+        view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats,
+                           self.kv.cached_blocks, self.kv.on_routed)
         try:
             async for msg in run_generate(view, req, self.tokenizer, self.cfg, times):
                 yield msg
@@ -87,6 +90,8 @@ class Router:
     async def _poll_registry(self) -> None:
         while True:
             await self._refresh()
+            self.kv.update_workers(self.workers)
+            await self.kv.sync_once()
             await asyncio.sleep(self.cfg.registry_poll_s)
 
     async def start(self) -> str:
@@ -124,3 +129,4 @@ class Router:
         for ch in self._channels.values():
             await ch.close()
         await self.registry.close()
+        await self.kv.close()

@@ -1,0 +1,60 @@
+"""The router's knowledge of which prefill worker holds which prompt prefix.
+
+Exact for workers that publish KV events (kept in sync from their Redis streams by
+:class:`~router.index_sync.IndexSync`), approximate for the others (the router
+records where it sent each prompt, for ``approx_ttl_s`` seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from router.index_sync import IndexSync
+from router.prefix_index import PrefixIndex
+from router.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class KVAwareness:
+    """Prefix lookups for dispatch; created with the first prefill worker's block size."""
+
+    def __init__(self, redis_url: str, cluster: str, approx_ttl_s: float = 120.0) -> None:
+        self._redis_url, self._cluster, self._ttl = redis_url, cluster, approx_ttl_s
+        self.index: PrefixIndex | None = None
+        self.sync: IndexSync | None = None
+
+    def update_workers(self, workers: list[WorkerInfo]) -> None:
+        """Follow the registry: workers whose lease lapsed leave the index at once."""
+        prefill = [w for w in workers if w.role == "prefill"]
+        if self.index is None and prefill:
+            self.index = PrefixIndex(block_size=prefill[0].block_size)
+            self.sync = IndexSync(self._redis_url, self._cluster, self.index)
+        if self.sync is not None:
+            self.sync.set_workers(w.worker_id for w in prefill)
+
+    async def sync_once(self) -> None:
+        """Apply the workers' new KV events (never raises: the index degrades instead)."""
+        if self.sync is not None:
+            try:
+                await self.sync.sync_once()
+            except Exception as exc:
+                log.warning("KV event sync failed: %s", exc)
+
+    def cached_blocks(self, token_ids: list[int], block_size: int) -> dict[str, int]:
+        """Leading prompt blocks each prefill worker holds (capped: the last token is always computed)."""
+        if self.index is None or block_size != self.index.block_size:
+            return {}
+        cap = (len(token_ids) - 1) // block_size
+        return {w: min(n, cap) for w, n in self.index.lookup_hashes(self.index.hash_prompt(token_ids)).items()}
+
+    def on_routed(self, worker_id: str, token_ids: list[int], block_size: int) -> None:
+        """Approximate mode: remember where a prompt went, for workers that publish no events."""
+        if self.index is None or self.sync is None or block_size != self.index.block_size:
+            return
+        if worker_id not in self.sync.exact_workers():
+            self.index.record_routing(worker_id, self.index.hash_prompt(token_ids), self._ttl)
+
+    async def close(self) -> None:
+        if self.sync is not None:
+            await self.sync.aclose()
