@@ -38,7 +38,7 @@ class DecodeWorkerConfig(WorkerConfig):
     spec_k: int = 4
     spec_draft_layers: int = 1
     spec_draft_model: str = ""
-    spec_max_batch_size: int = 4
+    spec_max_batch_size: int = 1  # bench/decode.py: n-gram speculation paid only at batch 1 on this machine
     graph: bool = True
     colocated: bool = False
     max_num_batched_tokens: int = 512

@@ -92,6 +92,7 @@ class DecodeEngine:
         self._live_ids: set[str] = set()                 # ids taken, for duplicate checks from any thread
         self.num_transferring = 0
         self.num_prefilling = 0
+        self.last_step: tuple[int, int, float] = (0, 0, 0.0)  # batch, context tokens, seconds
         self.num_decoding = 0
 
     @property
@@ -189,7 +190,9 @@ class DecodeEngine:
             new_tokens = self._speculative_run(batch)
         else:
             steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
+            started = time.monotonic()
             logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
+            self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
             new_tokens = [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
         for req, tokens in zip(batch, new_tokens):
             self._append(req, tokens)

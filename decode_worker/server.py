@@ -120,4 +120,5 @@ class DecodeWorker(WorkerProcess):
                           address=self.address,
                           kv_address=e.receiver.address, block_size=self.cfg.block_size,
                           num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
-                          num_running=e.num_decoding, num_waiting=e.num_transferring)
+                          num_running=e.num_decoding, num_waiting=e.num_transferring,
+                          step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2])

@@ -41,16 +41,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id")
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "ttft_slo_s", "tpot_slo_s", "queue_timeout_s")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    ttft_slo_s: float
+    tpot_slo_s: float
+    queue_timeout_s: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., tpot_slo_s: _Optional[float] = ..., queue_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -140,10 +146,30 @@ class WorkerState(_message.Message):
     block_size: int
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lease_age_s: _Optional[float] = ..., num_router_inflight: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
+class SloAttainment(_message.Message):
+    __slots__ = ("finished", "met_ttft", "met_tpot", "met_both", "rejected", "attainment_both", "window_s")
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MET_TTFT_FIELD_NUMBER: _ClassVar[int]
+    MET_TPOT_FIELD_NUMBER: _ClassVar[int]
+    MET_BOTH_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    ATTAINMENT_BOTH_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    finished: int
+    met_ttft: int
+    met_tpot: int
+    met_both: int
+    rejected: int
+    attainment_both: float
+    window_s: float
+    def __init__(self, finished: _Optional[int] = ..., met_ttft: _Optional[int] = ..., met_tpot: _Optional[int] = ..., met_both: _Optional[int] = ..., rejected: _Optional[int] = ..., attainment_both: _Optional[float] = ..., window_s: _Optional[float] = ...) -> None: ...
+
 class ClusterState(_message.Message):
-    __slots__ = ("workers", "model")
+    __slots__ = ("workers", "model", "slo")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     model: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., model: _Optional[str] = ...) -> None: ...
+    slo: SloAttainment
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., model: _Optional[str] = ..., slo: _Optional[_Union[SloAttainment, _Mapping]] = ...) -> None: ...

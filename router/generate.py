@@ -23,9 +23,10 @@ from model.tokenizer import IncrementalDetokenizer, Tokenizer
 from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from proto.convert import sampling_to_wire
 from router.config import RouterConfig
-from router.dispatch import PrefillStats, rank_decode, rank_prefill
+from router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, rank_decode, rank_prefill
 from router.registry import WorkerInfo
 from router.request import RequestState, RequestTimes
+from router.slo import SloGate
 from router.validation import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,17 @@ class ClusterView:
     stats: dict[str, PrefillStats] = field(default_factory=dict)
     cached_blocks: Callable[[list[int], int], dict[str, int]] = lambda ids, block_size: {}
     on_routed: Callable[[str, list[int], int], None] = lambda worker_id, ids, block_size: None
+    gate: SloGate | None = None
 
 
 async def _open_decode(view: ClusterView, req: ValidRequest, internal_id: str, num_tokens: int,
-                       cfg: RouterConfig, role: str = "decode",
+                       cfg: RouterConfig, role: str = "decode", candidates: list[WorkerInfo] | None = None,
                        ) -> tuple[WorkerInfo, grpc.aio.UnaryStreamCall, worker_pb2.Allocated]:
-    """Open a decode stream on the best worker of ``role`` that has room; returns it with its
-    allocation. Colocated workers (role ``both``) are asked to prefill the prompt themselves."""
-    candidates = rank_decode(view.workers, view.inflight, num_tokens, role)
+    """Open a decode stream on the best worker of ``role`` that has room (or the first of
+    ``candidates`` that takes it); returns it with its allocation. Colocated workers (role
+    ``both``) are asked to prefill the prompt themselves."""
+    if candidates is None:
+        candidates = rank_decode(view.workers, view.inflight, num_tokens, role)
     if not candidates:
         if not any(w.role == role for w in view.workers):
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
@@ -106,7 +110,18 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
     cached = view.cached_blocks(req.prompt_ids, block_size)
     prefill = rank_prefill(view.workers, prompt_blocks, cached, view.stats, view.inflight, cfg.spill_queue_s)[0]
     num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
-    decode, stream, allocated = await _open_decode(view, req, internal_id, num_tokens, cfg)
+    work = -(-len(req.prompt_ids) // block_size) - min(cached.get(prefill.worker_id, 0), prompt_blocks)  # to compute
+    candidates = None
+    if view.gate is not None:
+        candidates = [await _admit(view, req, internal_id, prefill, work, num_tokens)]
+    try:
+        decode, stream, allocated = await _open_decode(view, req, internal_id, num_tokens, cfg,
+                                                       candidates=candidates)
+    except BaseException:
+        if view.gate is not None:
+            await view.gate.admission.release_prefill(internal_id, prefill.worker_id)
+            await view.gate.admission.release_decode(internal_id, candidates[0].worker_id)
+        raise
     view.inflight[decode.worker_id] += 1
     view.inflight[prefill.worker_id] += 1
     prefill_call = None
@@ -120,7 +135,6 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
             timeout=cfg.prefill_timeout_s)
         view.on_routed(prefill.worker_id, req.prompt_ids, block_size)
         stats = view.stats.setdefault(prefill.worker_id, PrefillStats())
-        work = prompt_blocks - min(cached.get(prefill.worker_id, 0), prompt_blocks)
         stats.queued_blocks += work
         try:
             answer = await prefill_call
@@ -131,6 +145,8 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
         finally:
             stats.queued_blocks -= work
             view.inflight[prefill.worker_id] -= 1
+            if view.gate is not None:
+                await view.gate.admission.release_prefill(internal_id, prefill.worker_id)
         state = RequestState.DECODING
         times.token()
         yield pdserve_pb2.GenerateResponse(text=detok.push([answer.first_token]), token_ids=[answer.first_token])
@@ -139,10 +155,52 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
         state = RequestState.FINISHED
     finally:
         view.inflight[decode.worker_id] -= 1
+        if view.gate is not None:
+            await _settle(view.gate, req, internal_id, decode, times, state is RequestState.FINISHED)
         if state is not RequestState.FINISHED:  # error or client cancel: make both workers let go
             stream.cancel()
             if prefill_call is not None and not prefill_call.done():
                 prefill_call.cancel()
+
+
+async def _admit(view: ClusterView, req: ValidRequest, internal_id: str, prefill: WorkerInfo, work_blocks: int,
+                 num_tokens: int) -> WorkerInfo:
+    """SLO admission: the decode worker whose reservation was taken, waiting up to the request's
+    ``queue_timeout_s`` for room.
+
+    Raises:
+        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint.
+    """
+    stats = view.stats.get(prefill.worker_id)
+    prefill_s = work_blocks * (stats.seconds_per_block if stats and stats.seconds_per_block
+                               else DEFAULT_SECONDS_PER_BLOCK)
+    decode_ttl_s = req.slo.ttft_s + 2 * req.sampling.max_tokens * req.slo.tpot_s + 5
+    deadline = time.monotonic() + req.queue_timeout_s
+    while True:
+        decodes = rank_decode(view.workers, view.inflight, num_tokens)
+        chosen, decision = await view.gate.admit(internal_id, prefill.worker_id, prefill_s, decodes,
+                                                 len(req.prompt_ids) + req.sampling.max_tokens // 2, req.slo,
+                                                 decode_ttl_s)
+        if chosen is not None:
+            return chosen
+        if decision is None:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        wait = decision.retry_after_s
+        if wait is None or time.monotonic() + wait > deadline:
+            hint = "retrying cannot help" if wait is None else f"retry after {wait:.3f} s"
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"not admitted: {decision.reason} (predicted TTFT {decision.predicted_ttft_s:.3f} s,"
+                                f" TPOT {decision.predicted_tpot_s:.4f} s); {hint}")
+        await asyncio.sleep(wait)
+
+
+async def _settle(gate: SloGate, req: ValidRequest, internal_id: str, decode: WorkerInfo, times: RequestTimes,
+                  finished: bool) -> None:
+    """Release the decode reservation and count the request's SLO outcome."""
+    await gate.admission.release_decode(internal_id, decode.worker_id)
+    t = times.summary()
+    await gate.admission.record_outcome(t["ttft_s"] if times.num_tokens else None,
+                                        t["tpot_s"] if finished else None, req.slo.ttft_s, req.slo.tpot_s)
 
 
 async def _run_colocated(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,

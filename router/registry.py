@@ -32,6 +32,8 @@ class WorkerInfo:
         num_waiting: requests waiting (for KV pages on decode, in the queue on prefill).
         num_queued_tokens: prompt tokens queued for prefill.
         block_size: tokens per KV block.
+        step_batch / step_context_tokens / step_seconds: the decode worker's last plain decode
+            step (batch size, context tokens summed over the batch, seconds), for step-time models.
         heartbeat_at: Unix time (seconds) of the last renewal.
     """
 
@@ -45,6 +47,9 @@ class WorkerInfo:
     num_waiting: int = 0
     num_queued_tokens: int = 0
     block_size: int = 16
+    step_batch: int = 0
+    step_context_tokens: int = 0
+    step_seconds: float = 0.0
     heartbeat_at: float = 0.0
 
 

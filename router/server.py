@@ -24,6 +24,7 @@ from router.generate import ClusterView, GenerateError, run_generate
 from router.kv_aware import KVAwareness
 from router.registry import RegistryReader, WorkerInfo
 from router.request import RequestTimes
+from router.slo import Slo, SloGate
 from router.validation import parse_request, validate
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class Router:
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
         self.kv = KVAwareness(cfg.redis_url, cfg.cluster)
+        self.gate = SloGate(cfg.redis_url, cfg.cluster, cfg.prefill_timeout_s + 5) if cfg.admission else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.address = ""
 
@@ -50,13 +52,14 @@ class Router:
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
         times = RequestTimes()
         try:
-            req = validate(parse_request(raw), self.model_cfg, self.tokenizer, self.cfg.default_max_tokens)
+            req = validate(parse_request(raw), self.model_cfg, self.tokenizer, self.cfg.default_max_tokens,
+                           Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not self.workers:
             await self._refresh()
         view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats,
-                           self.kv.cached_blocks, self.kv.on_routed)
+                           self.kv.cached_blocks, self.kv.on_routed, self.gate)
         try:
             async for msg in run_generate(view, req, self.tokenizer, self.cfg, times):
                 yield msg
@@ -66,7 +69,13 @@ class Router:
     async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest, context) -> pdserve_pb2.ClusterState:
         await self._refresh()
         now = time.time()
-        return pdserve_pb2.ClusterState(model=self.cfg.model_dir, workers=[
+        slo = None
+        if self.gate is not None:
+            a = await self.gate.admission.attainment(60)
+            slo = pdserve_pb2.SloAttainment(
+                finished=a["finished"], met_ttft=a["met_ttft"], met_tpot=a["met_tpot"], met_both=a["met_both"],
+                rejected=a["rejected"], attainment_both=a["attainment_both"] or 0.0, window_s=a["window_s"])
+        return pdserve_pb2.ClusterState(model=self.cfg.model_dir, slo=slo, workers=[
             pdserve_pb2.WorkerState(
                 worker_id=w.worker_id, role=w.role, address=w.address, kv_address=w.kv_address,
                 num_running=w.num_running, num_waiting=w.num_waiting, num_queued_tokens=w.num_queued_tokens,
@@ -91,6 +100,8 @@ class Router:
         while True:
             await self._refresh()
             self.kv.update_workers(self.workers)
+            if self.gate is not None:
+                self.gate.observe(self.workers)
             await self.kv.sync_once()
             await asyncio.sleep(self.cfg.registry_poll_s)
 
@@ -130,3 +141,5 @@ class Router:
             await ch.close()
         await self.registry.close()
         await self.kv.close()
+        if self.gate is not None:
+            await self.gate.close()

@@ -15,6 +15,7 @@ from model.config import ModelConfig
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 from proto import pdserve_pb2
+from router.slo import Slo
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class ValidRequest:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
+    slo: Slo
+    queue_timeout_s: float = 0.0
 
 
 def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
@@ -52,7 +55,7 @@ def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
 
 
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
-             default_max_tokens: int) -> ValidRequest:
+             default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1)) -> ValidRequest:
     """Check a parsed request against the model.
 
     Raises:
@@ -89,4 +92,10 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     if len(ids) + sampling.max_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                          f"model's context of {cfg.max_position_embeddings} tokens")
-    return ValidRequest(req.request_id or uuid.uuid4().hex, ids, sampling)
+    slo = Slo(req.ttft_slo_s if req.HasField("ttft_slo_s") else default_slo.ttft_s,
+              req.tpot_slo_s if req.HasField("tpot_slo_s") else default_slo.tpot_s)
+    checks = (("ttft_slo_s", slo.ttft_s), ("tpot_slo_s", slo.tpot_s), ("queue_timeout_s", req.queue_timeout_s))
+    for name, value in checks:
+        if math.isnan(value) or value < 0 or (value == 0 and name != "queue_timeout_s"):
+            raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+    return ValidRequest(req.request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s)

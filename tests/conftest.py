@@ -61,7 +61,8 @@ class Cluster:
     """A router, prefill and decode workers as separate processes on a private registry namespace."""
 
     def __init__(self, model: str, redis_url: str, num_prefill: int = 1, num_decode: int = 1,
-                 prefill_flags: dict | None = None, decode_flags: dict | None = None, **worker_flags) -> None:
+                 prefill_flags: dict | None = None, decode_flags: dict | None = None, router_flags: dict | None = None,
+                 **worker_flags) -> None:
         self.model, self.redis_url, self.cluster = model, redis_url, "test-" + uuid.uuid4().hex[:8]
         common = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, lease_s=2.0, **worker_flags)
         self.workers: list[RoleProcess] = []
@@ -73,7 +74,7 @@ class Cluster:
                 self.workers.append(spawn_role("prefill_worker",
                                                dict(worker_id=f"p{i}", **common, **(prefill_flags or {})), f"p{i}"))
             self.router = spawn_role("router", dict(model_dir=model, cluster=self.cluster, redis_url=redis_url,
-                                                    kv_timeout_s=10.0), "router")
+                                                    kv_timeout_s=10.0, **(router_flags or {})), "router")
         except Exception:
             self.stop()
             raise

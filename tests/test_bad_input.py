@@ -47,6 +47,8 @@ BAD_REQUESTS = {
     "NaN top_p": (client.make_request("Hi", top_p=math.nan), "NaN"),
     "negative top_k": (client.make_request("Hi", top_k=-1), "top_k"),
     "stop token outside vocab": (client.make_request("Hi", stop_token_ids=(VOCAB + 1,)), "stop_token_ids"),
+    "negative TTFT SLO": (pdserve_pb2.GenerateRequest(text="Hi", ttft_slo_s=-1.0), "ttft_slo_s"),
+    "NaN TPOT SLO": (pdserve_pb2.GenerateRequest(text="Hi", tpot_slo_s=math.nan), "tpot_slo_s"),
 }
 
 

@@ -1,0 +1,62 @@
+"""SLO admission as the router applies it: per-request SLOs (the request's, else the
+cluster's defaults), decode step-time models fed by the decode workers' heartbeats, and
+the Redis reservations of :class:`~router.admission.Admission`.
+
+    admit(P, [D1, D2, ...]) ── try_admit(P, Di) for the best few Di ──► Di, or RESOURCE_EXHAUSTED
+    prefill answered ──► release_prefill        request ended ──► release_decode + record_outcome
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.admission import Admission, Decision, TpotParams
+from router.registry import WorkerInfo
+from router.step_model import StepTimeModel
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request's latency targets, seconds."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+class SloGate:
+    """Admission decisions and bookkeeping for one router.
+
+    Args:
+        redis_url, cluster: where the reservations live (shared by every router replica).
+        reservation_ttl_s: how long an unreleased prefill reservation lives (must exceed the prefill timeout).
+    """
+
+    def __init__(self, redis_url: str, cluster: str, reservation_ttl_s: float) -> None:
+        self.admission = Admission(redis_url, cluster, reservation_ttl_s=reservation_ttl_s)
+        self.step_models: dict[str, StepTimeModel] = {}
+        self._seen: dict[str, float] = {}
+
+    def observe(self, workers: list[WorkerInfo]) -> None:
+        """Feed each decode worker's last reported step (once per heartbeat) to its step-time model."""
+        for w in workers:
+            if w.role in ("decode", "both") and w.step_batch and self._seen.get(w.worker_id) != w.heartbeat_at:
+                self._seen[w.worker_id] = w.heartbeat_at
+                self.step_models.setdefault(w.worker_id, StepTimeModel()).observe(
+                    w.step_batch, w.step_context_tokens, w.step_seconds)
+
+    async def admit(self, request_id: str, prefill_worker: str, prefill_s: float, decodes: list[WorkerInfo],
+                    context_tokens: int, slo: Slo, decode_ttl_s: float) -> tuple[WorkerInfo | None, Decision | None]:
+        """Try the best few decode workers; the first that admits wins (its reservations are held)."""
+        decision = None
+        for d in decodes[:3]:
+            model = self.step_models.setdefault(d.worker_id, StepTimeModel())
+            decision = await self.admission.try_admit(
+                request_id, prefill_worker, prefill_s, slo.ttft_s, d.worker_id,
+                TpotParams(*model.coefficients(), context_tokens), slo.tpot_s, decode_ttl_s=decode_ttl_s)
+            if decision.admitted:
+                return d, decision
+        await self.admission.record_rejection()
+        return None, decision
+
+    async def close(self) -> None:
+        await self.admission.aclose()

@@ -1,0 +1,47 @@
+"""SLO admission through the router: what cannot meet its SLOs is refused with
+RESOURCE_EXHAUSTED and a reason, what can is served, and attainment is counted in Redis."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from deploy import client
+from proto import pdserve_pb2
+from tests.conftest import Cluster
+
+
+@pytest.fixture(scope="module")
+def gated(redis_url, model_dir):
+    c = Cluster(model_dir, redis_url, router_flags={"admission": "true", "default_ttft_slo_s": 5.0,
+                                                     "default_tpot_slo_s": 1.0})
+    yield c
+    c.stop()
+
+
+def _request(ttft=None, tpot=None) -> pdserve_pb2.GenerateRequest:
+    req = client.make_request("Once upon a time, there was a little dog", max_tokens=8, temperature=0)
+    if ttft is not None:
+        req.ttft_slo_s = ttft
+    if tpot is not None:
+        req.tpot_slo_s = tpot
+    return req
+
+
+def test_feasible_requests_are_served_and_counted(gated):
+    for _ in range(3):
+        done = gated.run(lambda ch: client.complete(ch, _request(), timeout_s=30))
+        assert done.final.usage.completion_tokens == 8
+    slo = gated.state().slo
+    assert slo.finished >= 3 and slo.met_both >= 3 and slo.attainment_both > 0
+
+
+@pytest.mark.parametrize("ttft, tpot, reason", [(1e-7, None, "ttft"), (None, 1e-7, "tpot")])
+def test_infeasible_slos_are_refused_with_a_reason(gated, ttft, tpot, reason):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        gated.run(lambda ch: client.complete(ch, _request(ttft, tpot), timeout_s=30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "not admitted" in info.value.details() and reason in info.value.details()
+    assert gated.state().slo.rejected >= 1
+    gated.assert_pools_free()
+    assert gated.run(lambda ch: client.complete(ch, _request(), timeout_s=30)).final is not None
