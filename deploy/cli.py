@@ -33,6 +33,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=0,
                    help="instead of the two pools: N workers that prefill and decode in one process (baseline)")
     p.add_argument("--weights", default="native", choices=["native", "int4"], help="decode: INT4 weight-only")
+    p.add_argument("--no-graph", action="store_true",
+                   help="decode: no GraphRunner (padded buckets, CUDA graphs on GPUs); on by default")
     p.add_argument("--port", type=int, default=0, help="router port (0: any free port)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
@@ -66,7 +68,8 @@ def _start_cluster(args: argparse.Namespace):
                          "prefix_cache": not args.no_prefix_cache},
         decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
                         "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
-                        "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens}))
+                        "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
+                        "graph": not args.no_graph}))
     try:
         address = cluster.start()
     except Exception:

@@ -32,14 +32,15 @@ class RoleProcess:
 
 
 def spawn_role(module: str, flags: dict[str, object], name: str = "", timeout_s: float = 120.0,
-               env: dict[str, str] | None = None) -> RoleProcess:
+               env: dict[str, str] | None = None, cpus: str | None = None) -> RoleProcess:
     """Run ``python -m module --flag value ...`` and wait for its ``ready host:port`` line.
+    ``cpus`` (e.g. ``"0"`` or ``"0-1"``) pins the process to those cores with ``taskset``.
 
     Raises:
         RuntimeError: the process exited or did not get ready within ``timeout_s`` seconds
             (its stderr is included).
     """
-    argv = [sys.executable, "-m", module]
+    argv = (["taskset", "-c", cpus] if cpus else []) + [sys.executable, "-m", module]
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

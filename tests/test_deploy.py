@@ -48,11 +48,11 @@ def test_workers_ask_ray_for_a_gpu_only_with_cuda():
 
 
 def test_up_generate_and_clean_shutdown(redis_url, model_dir):
-    """`pdserve up` on a local Ray instance (with chunked prefill and self-draft speculation)
-    serves `pdserve generate`, then exits cleanly on SIGINT."""
+    """`pdserve up` on a local Ray instance (with chunked prefill, self-draft speculation and
+    no graph runner) serves `pdserve generate`, then exits cleanly on SIGINT."""
     env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
     up = subprocess.Popen([*PDSERVE, "up", "--model", model_dir, "--prefill", "1", "--decode", "1",
-                           "--speculative", "self", "--max-num-batched-tokens", "8"],
+                           "--speculative", "self", "--max-num-batched-tokens", "8", "--no-graph"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         address, deadline = None, time.monotonic() + 120
