@@ -90,6 +90,15 @@ async def timed_stream(channel, request) -> tuple[float, float, int, object]:
     return first - start, last - first, n, final
 
 
+def hf_generate_seconds(hf, ids: torch.Tensor, num_tokens: int) -> float:
+    """Seconds ``transformers`` ``generate`` takes for exactly ``num_tokens`` greedy tokens of ``ids`` (``[B, T]``)."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                    do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
 def write_result(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"command": "python " + " ".join(sys.argv), "machine": machine(), **result}

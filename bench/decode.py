@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, memory_bandwidth, write_result  # noqa: E402
+from common import ROOT, hf_generate_seconds, memory_bandwidth, write_result  # noqa: E402
 
 from decode_worker.config import DecodeWorkerConfig  # noqa: E402
 from decode_worker.engine import DecodeEngine  # noqa: E402
@@ -73,6 +73,9 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmu
     for i, p in enumerate(prompts):
         engine.add_local(f"r{i}", p, SamplingParams(temperature=temperature, max_tokens=budget, ignore_eos=True,
                                                     seed=i), emit)
+    engine.step()  # takes the requests in
+    while engine.num_prefilling or engine.num_transferring:  # local prefill of every prompt first
+        engine.step()
     for _ in range(warmup):
         engine.step()
     counted["n"] = 0
@@ -121,11 +124,7 @@ def bench_transformers(model_dir: str, batches: list[int], new_tokens: int, prom
             ids = torch.randint(3, 2000, (b, prompt_len), generator=torch.Generator().manual_seed(0))
 
             def gen(n: int) -> float:
-                start = time.perf_counter()
-                with torch.no_grad():
-                    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False, pad_token_id=0)
-                return time.perf_counter() - start
+                return hf_generate_seconds(hf, ids, n)
 
             gen(4)
             prefill = statistics.median(gen(1) for _ in range(3))

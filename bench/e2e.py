@@ -26,6 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+from common import hf_generate_seconds  # noqa: E402
+
 from deploy import client  # noqa: E402
 from deploy.cli import EMBEDDED_MODEL  # noqa: E402
 from deploy.processes import spawn_role  # noqa: E402
@@ -79,11 +82,7 @@ def bench_transformers(model: str, prompt: list[int], decode_tokens: int, repeat
     ids = torch.tensor([prompt])
 
     def gen(n: int) -> float:
-        start = time.perf_counter()
-        with torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        return hf_generate_seconds(hf, ids, n)
 
     for _ in range(3):
         gen(32)

@@ -60,6 +60,22 @@ def hf_to_pdserve(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     return out
 
 
+def expected_tensors(model: LlamaForCausalLM, cfg: ModelConfig, state: dict[str, torch.Tensor],
+                     model_dir: Path) -> dict[str, torch.Tensor]:
+    """``model``'s state dict (a tied head counted once), after checking ``state`` has exactly its names.
+
+    Raises:
+        ValueError: tensors are missing or left over.
+    """
+    expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+    return expected
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a checkpoint directory with weights cast to ``dtype``.
@@ -73,12 +89,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     state = hf_to_pdserve(read_safetensors(model_dir), cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = {k: v for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+    expected = expected_tensors(model, cfg, state, model_dir)
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, "

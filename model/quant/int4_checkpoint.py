@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from model.config import ModelConfig
 from model.llama import LlamaForCausalLM
-from model.loader import load_model, read_safetensors
+from model.loader import expected_tensors, load_model, read_safetensors
 from model.quant.int4 import (
     FORMAT_VERSION,
     METADATA_KEY,
@@ -189,12 +189,7 @@ def load_int4_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float
         for parent, attr, lin in iter_targets(model):
             setattr(parent, attr, Int4Linear(lin.in_features, lin.out_features, lin.bias is not None,
                                              settings["group_size"], bias_dtype=dtype))
-    expected = dict(model.state_dict())
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
+    expected = expected_tensors(model, cfg, state, model_dir)
     for name, tensor in state.items():
         want = expected[name]
         if tuple(tensor.shape) != tuple(want.shape) or (tensor.dtype == torch.uint8) != (want.dtype == torch.uint8):
