@@ -47,6 +47,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="native", choices=["native", "fp8"],
                    help="prefill: FP8 W8A8 matmuls (real FP8 speed needs a GPU with FP8; on CPU only the numerics)")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill: do not reuse cached prefixes")
+    p.add_argument("--admission", action="store_true",
+                   help="router: admit only requests whose TTFT/TPOT SLOs are predicted to hold")
+    p.add_argument("--ttft-slo", type=float, default=1.0, help="router: default TTFT SLO, seconds")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="router: default TPOT SLO, seconds")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self", "draft"],
                    help="decode: speculative proposer")
     p.add_argument("--spec-k", type=int, default=4, help="decode: proposal length")
@@ -69,7 +73,9 @@ def _start_cluster(args: argparse.Namespace):
         decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
                         "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
                         "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
-                        "graph": not args.no_graph}))
+                        "graph": not args.no_graph},
+        router_options={"admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
+                        "default_tpot_slo_s": args.tpot_slo}))
     try:
         address = cluster.start()
     except Exception:

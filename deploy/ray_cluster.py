@@ -42,6 +42,7 @@ class ClusterConfig:
         prefill_options: extra :class:`PrefillWorkerConfig` fields for every prefill worker.
         decode_options: extra :class:`DecodeWorkerConfig` fields for every decode worker
             (``max_batch_size``, ``speculative``, ...).
+        router_options: extra :class:`RouterConfig` fields (``admission``, SLO defaults, ...).
     """
 
     model_dir: str
@@ -59,6 +60,7 @@ class ClusterConfig:
     cpus_per_worker: float = 1.0
     prefill_options: dict = field(default_factory=dict)
     decode_options: dict = field(default_factory=dict)
+    router_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_colocated < 0 or (not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1)):
@@ -150,7 +152,8 @@ class RayCluster:
             self._actors += workers
             ray.get([a.start.remote() for a in workers])
             router = actor_cls.options(num_cpus=self.ROUTER_CPUS).remote("router", RouterConfig(
-                model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url, host=cfg.host, port=cfg.port))
+                model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url, host=cfg.host, port=cfg.port,
+                **cfg.router_options))
             self._actors.append(router)
             self.router_address = ray.get(router.start.remote())
         except Exception:
