@@ -186,16 +186,19 @@ class DecodeEngine:
             return
         if not batch:
             return
-        if self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size:
-            new_tokens = self._speculative_run(batch)
-        else:
-            steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
-            started = time.monotonic()
-            logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
-            self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
-            new_tokens = [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
+        speculate = self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size
+        new_tokens = self._speculative_run(batch) if speculate else self._plain_run(batch)
         for req, tokens in zip(batch, new_tokens):
             self._append(req, tokens)
+
+    def _plain_run(self, batch: list[DecodeRequest]) -> list[list[int]]:
+        """One token per request, through the GraphRunner when there is one; the step is timed
+        for the routers' step-time models."""
+        steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
+        started = time.monotonic()
+        logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
+        self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
+        return [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
 
     def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
         """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""
