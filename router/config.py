@@ -20,6 +20,7 @@ class RouterConfig:
         kv_timeout_s: how long a decode worker waits for a request's KV pages.
         prefill_timeout_s: deadline of the prefill RPC (queue + forward + transfer).
         default_max_tokens: ``max_tokens`` when the request leaves it unset.
+        prefix_routing: use the prefix index in dispatch (off: cache-blind, least-loaded).
         admission: admit a request only if its TTFT and TPOT SLOs (and those of the requests
             already admitted) are predicted to hold; reservations live in Redis.
         default_ttft_slo_s / default_tpot_slo_s: SLOs of requests that give none.
@@ -37,6 +38,7 @@ class RouterConfig:
     prefill_timeout_s: float = 60.0
     default_max_tokens: int = 16
     spill_queue_s: float = 2.0
+    prefix_routing: bool = True
     admission: bool = False
     default_ttft_slo_s: float = 1.0
     default_tpot_slo_s: float = 0.1

@@ -58,8 +58,9 @@ class Router:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not self.workers:
             await self._refresh()
+        lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
         view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats,
-                           self.kv.cached_blocks, self.kv.on_routed, self.gate)
+                           lookup, self.kv.on_routed, self.gate)
         try:
             async for msg in run_generate(view, req, self.tokenizer, self.cfg, times):
                 yield msg
