@@ -60,6 +60,7 @@ class PrefillEngine:
         self._queue: deque[PrefillRequest] = deque()     # QUEUED, oldest first
         self._running: list[PrefillRequest] = []          # PREFILLING (engine thread)
         self._live: dict[str, PrefillRequest] = {}        # every request not yet delivered
+        self.seconds_per_token: float | None = None       # measured prefill cost (moving average)
 
     # ---- called from other threads -------------------------------------------------
     def add_request(self, req: PrefillRequest) -> None:
@@ -130,8 +131,10 @@ class PrefillEngine:
         chunks = self._schedule()
         if not chunks:
             return
+        started = time.monotonic()
         logits = self.runner.run([StepInput(r.token_ids[r.num_computed:r.num_computed + n], r.num_computed,
                                             r.block_table) for r, n in chunks])
+        self._measure(time.monotonic() - started, sum(n for _, n in chunks))
         done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
         firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done], [0] * len(done)) if done else []
         now = time.monotonic()
@@ -148,6 +151,14 @@ class PrefillEngine:
                 req.num_blocks_handed = ready
             if req.num_remaining == 0:
                 self.sender.submit(Finish(req))
+
+    def _measure(self, seconds: float, num_tokens: int, weight: float = 0.2) -> None:
+        """Moving average of prefill seconds per computed token over whole steps: the worker's
+        throughput, which routers use to cost a prompt (per-request times would count the
+        other requests sharing the steps)."""
+        sample_s = seconds / num_tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = sample_s if old is None else (1 - weight) * old + weight * sample_s
 
     def _schedule(self) -> list[tuple[PrefillRequest, int]]:
         """(request, chunk tokens) pairs for this step, within the token budget."""

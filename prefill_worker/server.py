@@ -87,7 +87,8 @@ class PrefillWorker(WorkerProcess):
         return WorkerInfo(worker_id=self.cfg.worker_id, role="prefill", address=self.address,
                           block_size=self.cfg.block_size, num_total_blocks=e.pool.num_blocks,
                           num_free_blocks=e.blocks.num_available, num_running=e.num_in_flight,
-                          num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens)
+                          num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens,
+                          prefill_s_per_block=(e.seconds_per_token or 0.0) * self.cfg.block_size)
 
     def on_heartbeat(self) -> None:
         """Publish a snapshot of the cached block hashes every ``snapshot_interval_s`` (for routers' re-sync)."""

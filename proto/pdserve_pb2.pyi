@@ -119,7 +119,7 @@ class GetClusterStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "lease_age_s", "num_router_inflight", "block_size")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "num_running", "num_waiting", "num_queued_tokens", "num_free_blocks", "num_total_blocks", "lease_age_s", "num_router_inflight", "block_size", "prefill_s_per_block")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class WorkerState(_message.Message):
     LEASE_AGE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_ROUTER_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -144,7 +145,8 @@ class WorkerState(_message.Message):
     lease_age_s: float
     num_router_inflight: int
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lease_age_s: _Optional[float] = ..., num_router_inflight: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    prefill_s_per_block: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_queued_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., lease_age_s: _Optional[float] = ..., num_router_inflight: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_s_per_block: _Optional[float] = ...) -> None: ...
 
 class SloAttainment(_message.Message):
     __slots__ = ("finished", "met_ttft", "met_tpot", "met_both", "rejected", "attainment_both", "window_s")

@@ -38,20 +38,13 @@ class PrefillStats:
     """What this router measured of one prefill worker.
 
     Attributes:
-        seconds_per_block: moving average of prefill seconds per computed (uncached) block.
+        seconds_per_block: prefill seconds per computed (uncached) block, as the worker measures
+            its own steps (``WorkerInfo.prefill_s_per_block``); ``None`` before its first report.
         queued_blocks: uncached blocks this router dispatched there and has not had answered.
     """
 
     seconds_per_block: float | None = None
     queued_blocks: int = 0
-
-    def observe(self, seconds: float, computed_blocks: int, weight: float = 0.2) -> None:
-        """Fold one prefill's measured time into the average (exponential, ``weight`` for the new sample)."""
-        if computed_blocks <= 0 or seconds <= 0:
-            return
-        sample = seconds / computed_blocks
-        old = self.seconds_per_block
-        self.seconds_per_block = sample if old is None else (1 - weight) * old + weight * sample
 
 
 def _load(w: WorkerInfo, inflight: Counter) -> int:

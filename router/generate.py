@@ -138,7 +138,6 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
         stats.queued_blocks += work
         try:
             answer = await prefill_call
-            stats.observe(answer.prefill_s, -(-(len(req.prompt_ids) - answer.num_cached_tokens) // block_size))
         except grpc.aio.AioRpcError as exc:
             raise GenerateError(grpc.StatusCode.UNAVAILABLE,
                                 f"prefill worker {prefill.worker_id} failed: {exc.details()}") from None

@@ -32,6 +32,7 @@ class WorkerInfo:
         num_waiting: requests waiting (for KV pages on decode, in the queue on prefill).
         num_queued_tokens: prompt tokens queued for prefill.
         block_size: tokens per KV block.
+        prefill_s_per_block: the prefill worker's measured seconds per computed block (0: not yet).
         step_batch / step_context_tokens / step_seconds: the decode worker's last plain decode
             step (batch size, context tokens summed over the batch, seconds), for step-time models.
         heartbeat_at: Unix time (seconds) of the last renewal.
@@ -47,6 +48,7 @@ class WorkerInfo:
     num_waiting: int = 0
     num_queued_tokens: int = 0
     block_size: int = 16
+    prefill_s_per_block: float = 0.0
     step_batch: int = 0
     step_context_tokens: int = 0
     step_seconds: float = 0.0

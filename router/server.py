@@ -82,7 +82,7 @@ class Router:
                 num_running=w.num_running, num_waiting=w.num_waiting, num_queued_tokens=w.num_queued_tokens,
                 num_free_blocks=w.num_free_blocks, num_total_blocks=w.num_total_blocks,
                 lease_age_s=max(0.0, now - w.heartbeat_at), num_router_inflight=self.inflight[w.worker_id],
-                block_size=w.block_size)
+                block_size=w.block_size, prefill_s_per_block=w.prefill_s_per_block)
             for w in self.workers])
 
     # ---- plumbing ----------------------------------------------------------------
@@ -101,6 +101,9 @@ class Router:
         while True:
             await self._refresh()
             self.kv.update_workers(self.workers)
+            for w in self.workers:  # the prefill workers' own throughput measurements
+                if w.role == "prefill" and w.prefill_s_per_block > 0:
+                    self.prefill_stats.setdefault(w.worker_id, PrefillStats()).seconds_per_block = w.prefill_s_per_block
             if self.gate is not None:
                 self.gate.observe(self.workers)
             await self.kv.sync_once()

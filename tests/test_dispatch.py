@@ -72,16 +72,6 @@ def test_unmeasured_workers_use_the_mean_of_the_measured():
     assert ids(ranked)[0] == "new"  # same speed assumed, 5 fewer blocks to compute
 
 
-def test_ewma():
-    s = PrefillStats()
-    s.observe(1.0, 10)
-    assert s.seconds_per_block == 0.1
-    s.observe(2.0, 10)
-    assert abs(s.seconds_per_block - 0.12) < 1e-12
-    s.observe(5.0, 0)  # a fully cached prompt computes nothing: no sample
-    assert abs(s.seconds_per_block - 0.12) < 1e-12
-
-
 def test_decode_by_batch_then_free_blocks_and_room():
     ws = [D("a", free=50, running=3), D("b", free=10, running=1), D("c", free=90, running=1), D("full", free=1)]
     assert ids(rank_decode(ws, Counter(), num_tokens=100)) == ["c", "b", "a"]   # 7 blocks needed: "full" is out

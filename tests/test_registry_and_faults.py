@@ -28,6 +28,10 @@ def test_cluster_state_lists_workers_from_redis(fresh_cluster, redis_url):
     # 512 blocks less the one the decode worker's graph runner keeps for padded rows
     assert decode.kv_address and decode.num_total_blocks == 511 and decode.block_size == 16
     assert all(w.lease_age_s < 2.0 for w in state.workers)
+    fresh_cluster.complete(list(range(1, 60)), max_tokens=2, temperature=0)
+    time.sleep(1.0)  # the next heartbeat carries the prefill worker's measured throughput
+    prefill = next(w for w in fresh_cluster.state().workers if w.role == "prefill")
+    assert 0 < prefill.prefill_s_per_block < 1.0
     keys = redis.Redis.from_url(redis_url).keys(f"pdserve:{fresh_cluster.cluster}:worker:*")
     assert len(keys) == 2
 
