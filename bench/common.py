@@ -71,8 +71,7 @@ class LocalCluster:
         self.address = self.procs[-1].address
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        stop_all(self.procs)
 
 
 async def timed_stream(channel, request) -> tuple[float, float, int, object]:
@@ -97,6 +96,24 @@ def hf_generate_seconds(hf, ids: torch.Tensor, num_tokens: int) -> float:
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
                     do_sample=False, pad_token_id=0)
     return time.perf_counter() - start
+
+
+def replay_trace(argv: list[str], out_dir: Path) -> dict:
+    """Run ``pdserve bench`` with ``argv`` (``--out`` is set to ``out_dir``) and return its ``results.json``."""
+    import argparse
+
+    from bench.replay import cli as replay
+
+    parser = argparse.ArgumentParser()
+    replay.add_arguments(parser)
+    replay.main(parser.parse_args([*argv, "--out", str(out_dir)]))
+    return json.loads((out_dir / "results.json").read_text())
+
+
+def stop_all(procs: list[RoleProcess]) -> None:
+    """Stop role processes, the last started first."""
+    for p in reversed(procs):
+        p.stop()
 
 
 def write_result(result: dict, out: Path) -> None:

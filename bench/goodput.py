@@ -20,9 +20,8 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, write_result  # noqa: E402
+from common import ROOT, replay_trace, stop_all, write_result  # noqa: E402
 
-from bench.replay import cli as replay  # noqa: E402
 from deploy.make_model import make_model  # noqa: E402
 from deploy.processes import spawn_role  # noqa: E402
 from deploy.redis_server import ensure_redis  # noqa: E402
@@ -64,21 +63,17 @@ def main() -> None:
         for kind in ("disaggregated", "colocated"):
             procs = start(kind, args.model, redis_url, args.dtype)
             try:
-                parser = argparse.ArgumentParser()
-                replay.add_arguments(parser)
-                ns = parser.parse_args([
+                results = replay_trace([
                     "--router", procs[-1].address, "--trace", str(ROOT.parent / "shared" / "traces" /
                                                                   "azure_llm_inference_2023_code.csv"),
                     "--rates", args.rates, "--max-requests", str(args.max_requests),
                     "--length-scale", args.length_scale, "--output-scale", args.output_scale,
                     "--max-prompt-tokens", "1024", "--max-output-tokens", "128",
                     "--ttft-slo", str(args.ttft_slo), "--tpot-slo", str(args.tpot_slo), "--model", args.model,
-                    "--label", kind, "--out", str(out / kind), "--no-progress"])
-                replay.main(ns)
-                summary[kind] = json.loads((out / kind / "results.json").read_text())["goodput"]
+                    "--label", kind, "--no-progress"], out / kind)
+                summary[kind] = results["goodput"]
             finally:
-                for p in reversed(procs):
-                    p.stop()
+                stop_all(procs)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()

@@ -20,9 +20,8 @@ from fractions import Fraction
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, write_result  # noqa: E402
+from common import ROOT, replay_trace, stop_all, write_result  # noqa: E402
 
-from bench.replay import cli as replay  # noqa: E402
 from bench.replay.traces import Trace, TraceOptions, load_trace  # noqa: E402
 from deploy.make_model import make_model  # noqa: E402
 from deploy.processes import spawn_role  # noqa: E402
@@ -75,16 +74,13 @@ def main() -> None:
             procs.append(spawn_role("router", dict(model_dir=args.model, cluster=cluster, redis_url=redis_url,
                                                    prefix_routing=prefix_routing)))
             try:
-                parser = argparse.ArgumentParser()
-                replay.add_arguments(parser)
-                replay.main(parser.parse_args([
+                res = replay_trace([
                     "--router", procs[-1].address,
                     "--trace", str(TRACE),
                     "--rates", args.rate, "--max-requests", str(args.max_requests), "--same-prompts",
                     "--length-scale", args.length_scale, "--output-scale", args.output_scale,
                     "--max-prompt-tokens", "2048", "--max-output-tokens", "64", "--ttft-slo", "5", "--tpot-slo", "1",
-                    "--model", args.model, "--label", label, "--out", str(out / label), "--no-progress"]))
-                res = json.loads((out / label / "results.json").read_text())
+                    "--model", args.model, "--label", label, "--no-progress"], out / label)
                 recs = [r for run in res["runs"] for r in run["records"]]
                 prompt = sum(r["prompt_tokens"] for r in recs)
                 summary[label] = {"hit_rate": sum(r["cached_prompt_tokens"] for r in recs) / prompt,
@@ -92,13 +88,13 @@ def main() -> None:
                                   "mean_ttft_s": statistics.mean(r["ttft_s"] for r in recs if r["ttft_s"]),
                                   "requests": len(recs)}
             finally:
-                for p in reversed(procs):
-                    p.stop()
+                stop_all(procs)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
     aware, blind = summary["prefix-aware"], summary["cache-blind"]
-    summary["hit_rate_over_oracle"] = aware["hit_rate"] / aware["oracle_hit_rate"]
+    summary["hit_rate_over_oracle"] = (aware["hit_rate"] / aware["oracle_hit_rate"]
+                                       if aware["oracle_hit_rate"] else None)  # no reusable prefix in the slice
     summary["ttft_aware_over_blind"] = aware["mean_ttft_s"] / blind["mean_ttft_s"]
     write_result({"model": args.model, "rate": args.rate, "length_scale": args.length_scale, **summary},
                  out / "summary")
