@@ -1,11 +1,18 @@
 """Turns a raw ``GenerateRequest`` into prompt ids and resolved sampling parameters,
-or a ``ValueError`` whose message names the problem (sent as INVALID_ARGUMENT)."""
+or a ``ValueError`` whose message names the problem (sent as INVALID_ARGUMENT).
+
+``parse_request`` then ``validate`` raise nothing but ``ValueError`` on any input bytes
+(fuzzed in ``tests/test_fuzz_validation.py``). Costs are bounded before work is done:
+a text prompt longer than any prompt that could fit the context is refused before it is
+tokenized, and a token-id prompt longer than the context before its ids are checked.
+"""
 
 from __future__ import annotations
 
 import math
 import secrets
 import uuid
+import weakref
 from dataclasses import dataclass
 
 from google.protobuf import message as pb_message
@@ -17,10 +24,15 @@ from model.tokenizer import Tokenizer
 from proto import pdserve_pb2
 from router.slo import Slo
 
+MAX_REQUEST_ID_CHARS = 256
+_FALLBACK_TOKEN_CHARS = 256
+_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 @dataclass(frozen=True)
 class ValidRequest:
-    """A request the cluster can run."""
+    """A request the cluster can run: ``prompt_ids`` within the vocabulary and, with
+    ``sampling.max_tokens``, within the context; finite sampling and SLO values."""
 
     request_id: str
     prompt_ids: list[int]
@@ -36,6 +48,21 @@ def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
         if desc.message_type is not None and not desc.is_repeated:
             found += _unknown_fields(value, f"{path}{desc.name}.")
     return found
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """Characters of the longest token string in ``tokenizer``'s vocabulary (cached per tokenizer).
+
+    Every token covers at most this many characters of the text (byte-level vocabularies map
+    one byte to one character, and a text has no more characters than bytes), so a text longer
+    than ``context * max_token_chars`` cannot fit the context. Falls back to 256 when the
+    tokenizer does not expose its vocabulary.
+    """
+    if tokenizer not in _token_chars:
+        hf = getattr(tokenizer, "_tok", None)  # model.tokenizer.Tokenizer wraps a `tokenizers.Tokenizer`
+        vocab = hf.get_vocab(with_added_tokens=True) if hf is not None else {}
+        _token_chars[tokenizer] = max(map(len, vocab), default=_FALLBACK_TOKEN_CHARS)
+    return _token_chars[tokenizer]
 
 
 def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
@@ -59,13 +86,24 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     """Check a parsed request against the model.
 
     Raises:
-        ValueError: empty prompt, token ids outside the vocabulary, prompt plus max_tokens
-            beyond the context, or invalid sampling parameters.
+        ValueError: request_id over 256 characters; empty prompt; text prompt longer than
+            :func:`max_token_chars` x context; token ids outside the vocabulary; prompt plus
+            max_tokens beyond the context; invalid sampling parameters (NaN or infinite
+            temperature, top_p outside (0, 1], negative top_k, max_tokens < 1, stop tokens
+            outside the vocabulary); SLOs not finite and positive; queue_timeout_s not finite
+            and non-negative.
     """
+    context = cfg.max_position_embeddings
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id of {len(req.request_id)} characters exceeds {MAX_REQUEST_ID_CHARS}")
     kind = req.WhichOneof("prompt")
     if kind == "text":
         if not req.text:
             raise ValueError("empty prompt")
+        limit = context * max_token_chars(tokenizer)
+        if len(req.text) > limit:  # tokenizing megabytes would stall the router; it cannot fit anyway
+            raise ValueError(f"prompt text of {len(req.text)} characters exceeds the model's context of {context} "
+                             f"tokens (no text over {limit} characters fits)")
         ids = tokenizer.encode(req.text)
     elif kind == "token_ids":
         ids = list(req.token_ids.ids)
@@ -73,6 +111,9 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         raise ValueError("empty prompt: set `text` or `token_ids`")
     if not ids:
         raise ValueError("empty prompt")
+    if len(ids) >= context:
+        raise ValueError(f"prompt ({len(ids)} tokens) exceeds the model's context of {context} tokens "
+                         f"(at most {context - 1} prompt tokens leave room for one output token)")
     bad = sorted({t for t in ids if not 0 <= t < cfg.vocab_size})
     if bad:
         raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
@@ -88,6 +129,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     )
     if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
         raise ValueError("temperature and top_p must be numbers, not NaN")
+    if math.isinf(sampling.temperature):
+        raise ValueError(f"temperature must be finite, got {sampling.temperature}")
     sampling.validate(cfg.vocab_size)
     if len(ids) + sampling.max_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
@@ -96,6 +139,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
               req.tpot_slo_s if req.HasField("tpot_slo_s") else default_slo.tpot_s)
     checks = (("ttft_slo_s", slo.ttft_s), ("tpot_slo_s", slo.tpot_s), ("queue_timeout_s", req.queue_timeout_s))
     for name, value in checks:
-        if math.isnan(value) or value < 0 or (value == 0 and name != "queue_timeout_s"):
-            raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and name != "queue_timeout_s"):
+            kind = "a finite non-negative" if name == "queue_timeout_s" else "a finite positive"
+            raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
     return ValidRequest(req.request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s)

@@ -144,7 +144,7 @@ def decode(header: Any) -> Frame:
     if not isinstance(header, dict):
         raise FrameError(f"header must be a map, got {type(header).__name__}")
     kind = header.get("type")
-    if kind not in _FIELDS:
+    if not isinstance(kind, str) or kind not in _FIELDS:  # an unhashable value must not reach the dict lookup
         raise FrameError(f"unknown frame type {_short(kind)} (expected one of {sorted(_FIELDS)})")
     cls, fields = _FIELDS[kind]
     values = {}
@@ -164,9 +164,13 @@ def check_pages(frame: Pages, spec: KVCacheSpec) -> None:
     """Check a pages header against the cache layout (not against any registration).
 
     Raises:
-        FrameError: bad layer range, block id out of range or repeated, wrong dtype, shape or nbytes.
+        FrameError: no block ids, bad layer range, block id out of range or repeated, wrong dtype,
+            shape or nbytes. Nothing here allocates from the frame's numbers: the expected shape and
+            byte count come from ``spec``, so an attacker's ``shape``/``nbytes`` is only compared.
     """
     rid, ls, le = frame.request_id, frame.layer_start, frame.layer_end
+    if not frame.block_ids:
+        raise FrameError(f"request {rid!r}: block_ids is empty (a pages frame carries at least one block)")
     if not 0 <= ls < le <= spec.num_layers:
         raise FrameError(f"request {rid!r}: layer range [{ls}, {le}) is not within [0, {spec.num_layers})")
     bad = [b for b in frame.block_ids if not 0 <= b < spec.num_blocks]
@@ -200,6 +204,34 @@ def recv_exact_into(sock: socket.socket, buf: memoryview) -> None:
         got += k
 
 
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise FrameError(f"header map repeats the key {_short(dup)}")
+    return out
+
+
+def unpack_header(body: bytes | bytearray) -> Any:
+    """Decode a header body (at most :data:`MAX_HEADER_BYTES`) from msgpack; not yet checked.
+
+    Container lengths are bounded by the body's size (msgpack's defaults), so garbage cannot
+    make this allocate much more than ``len(body)``. Maps with a repeated key are refused, so
+    two readers can never disagree on which value counts.
+
+    Raises:
+        FrameError: not msgpack, trailing bytes, invalid UTF-8 in a string, a map key that is not a string,
+            or a repeated map key.
+    """
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, object_pairs_hook=_unique_keys)
+    except FrameError:
+        raise
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
 def read_frame(sock: socket.socket) -> Frame | None:
     """Read one header (not the payload). Returns None on a clean EOF before the frame starts.
 
@@ -218,10 +250,7 @@ def read_frame(sock: socket.socket) -> Frame | None:
         raise FrameError(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
     body = bytearray(length)
     recv_exact_into(sock, memoryview(body))
-    try:
-        header = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise FrameError(f"header is not valid msgpack: {e}") from None
+    header = unpack_header(body)
     try:
         return decode(header)
     except FrameError as e:
