@@ -1,0 +1,143 @@
+"""Control channel of the NCCL KV transport: the TCP frames of :mod:`kvtransfer.tcp.frames` plus four of its own.
+
+Same wire shape (``u32 big-endian header length | msgpack map``); pages frames carry no payload
+here, the bytes go over NCCL once the receiver has posted its receives. One control connection
+per request; one NCCL communicator (2 ranks: sender 0, receiver 1) per prefill/decode pair,
+created on the first request between them and cached on both sides::
+
+    sender (rank 0)                                          receiver (rank 1)
+    nccl_hello{request_id, comm_id, sender_id, nccl_version, unique_id}  ──►
+        unique_id: 128 bytes when the sender has no communicator to this receiver yet, else empty
+                 ◄──  nccl_welcome{request_id, ok, init, need_unique_id, error}
+        init:  both call ncclCommInitRank(2, unique_id, rank) now (then cached under comm_id)
+        need_unique_id: the receiver does not know comm_id (restarted?): send a new hello with an id
+    pages{request_id, layer_start, layer_end, block_ids, dtype, shape, nbytes}  ──►  (no payload)
+                 ◄──  nccl_cts{request_id}  (pages accepted; ncclRecv is posted next) | ack{ok=False, error}, close
+    ncclSend x len(block_ids)  ═══NCCL═══►  ncclRecv into kv_cache[dst, layers]   (one group each side)
+    done / abort / ack as in the TCP transport
+    nccl_bye{comm_id}  ──►  (on its own connection when a sender closes: free the pair's communicator)
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+from kvtransfer.tcp.frames import MAX_HEADER_BYTES, Frame, FrameError, decode, recv_exact_into
+
+_LEN = struct.Struct(">I")  # the frames' length prefix
+SCHEME = "nccl://"  # prefix of an NCCL receiver's address: "nccl://host:port" (a bare "host:port" is TCP)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First frame of a control connection. ``unique_id`` is empty or 128 bytes."""
+
+    request_id: str
+    comm_id: str
+    sender_id: str
+    nccl_version: int
+    unique_id: bytes
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The receiver's answer to a hello; ``ok=False`` with ``error`` refuses the request (connection closes)."""
+
+    request_id: str
+    ok: bool
+    init: bool
+    need_unique_id: bool
+    error: str
+
+
+@dataclass(frozen=True)
+class ClearToSend:
+    """The receiver posted receives for the pages frame just announced: the sender may ncclSend."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The sender drops its communicator ``comm_id``; the receiver frees its end."""
+
+    comm_id: str
+
+
+ControlFrame = Hello | Welcome | ClearToSend | Bye
+_FIELDS: dict[str, tuple[type, dict[str, type]]] = {
+    "nccl_hello": (Hello, {"request_id": str, "comm_id": str, "sender_id": str, "nccl_version": int,
+                           "unique_id": bytes}),
+    "nccl_welcome": (Welcome, {"request_id": str, "ok": bool, "init": bool, "need_unique_id": bool, "error": str}),
+    "nccl_cts": (ClearToSend, {"request_id": str}),
+    "nccl_bye": (Bye, {"comm_id": str}),
+}
+_TYPE_NAME = {cls: name for name, (cls, _) in _FIELDS.items()}
+
+
+def encode_control(frame: ControlFrame) -> bytes:
+    """Length prefix + msgpack header of one control frame."""
+    body = msgpack.packb({"type": _TYPE_NAME[type(frame)], **asdict(frame)}, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def _decode_control(kind: str, header: dict[str, Any]) -> ControlFrame:
+    cls, fields = _FIELDS[kind]
+    values = {}
+    for name, typ in fields.items():
+        value = header.get(name)
+        if type(value) is not typ:  # exact: a bool is not an int here
+            raise FrameError(f"{kind} frame: field {name!r} must be {typ.__name__}, got {type(value).__name__}",
+                             header.get("request_id") if isinstance(header.get("request_id"), str) else None)
+        values[name] = value
+    return cls(**values)
+
+
+def read_any(sock: socket.socket) -> Frame | ControlFrame | None:
+    """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.tcp.frames`.
+    Returns None on a clean EOF before the frame starts.
+
+    Raises:
+        FrameError: oversize, not msgpack, unknown type or bad fields.
+        PeerClosed: EOF inside the header.
+        OSError: socket error or timeout.
+    """
+    prefix = bytearray(_LEN.size)
+    first = sock.recv_into(prefix)
+    if first == 0:
+        return None
+    recv_exact_into(sock, memoryview(prefix)[first:])
+    (length,) = _LEN.unpack(prefix)
+    if length > MAX_HEADER_BYTES:
+        raise FrameError(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body))
+    try:
+        header = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"header is not valid msgpack: {e}") from None
+    if isinstance(header, dict) and header.get("type") in _FIELDS:
+        return _decode_control(header["type"], header)
+    try:
+        return decode(header)
+    except FrameError as e:
+        rid = header.get("request_id") if isinstance(header, dict) else None
+        e.request_id = rid if isinstance(rid, str) else None
+        raise
+
+
+def expect(frame: object, cls: type, request_id: str | None = None) -> Any:
+    """``frame`` if it is a ``cls`` (for ``request_id`` when given).
+
+    Raises:
+        FrameError: anything else (None meaning the peer closed).
+    """
+    if not isinstance(frame, cls) or (request_id is not None and getattr(frame, "request_id", None) != request_id):
+        raise FrameError(f"expected {_TYPE_NAME.get(cls, cls.__name__)}"
+                         + (f" for request {request_id!r}" if request_id else "") + f", got {frame!r}", request_id)
+    return frame
