@@ -1,13 +1,69 @@
-"""A small asyncio client of the router's ``Generate`` and ``GetClusterState`` RPCs."""
+"""A small asyncio client of the router's ``Generate`` and ``GetClusterState`` RPCs,
+and :func:`open_channel`, which opens a channel that matches the router's security
+(plaintext or TLS, with or without a bearer token)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
+from deploy.grpc_auth import bearer_interceptors
 from proto import pdserve_pb2, pdserve_pb2_grpc
+
+TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
+
+
+def read_token(token_file: str | None = None) -> str | None:
+    """The router's bearer token: ``token_file``'s content (whitespace stripped), else the
+    ``PDSERVE_ROUTER_TOKEN`` variable, else None.
+
+    Raises:
+        ValueError: the file cannot be read or is empty.
+    """
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"token file {token_file!r} cannot be read: {e}") from None
+        if not token:
+            raise ValueError(f"token file {token_file!r} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def open_channel(address: str, *, tls_ca_file: str | None = None, token: str | None = None,
+                 tls_server_name: str | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to the router at ``address`` ("host:port").
+
+    Args:
+        tls_ca_file: PEM file of the CA that signed the router's certificate: the channel uses
+            TLS and verifies the router against it. None: plaintext.
+        token: bearer token sent on every call, as call credentials over TLS and as
+            ``authorization`` metadata over plaintext (visible on the network: local use only).
+        tls_server_name: name to check the certificate against when it differs from the host
+            in ``address`` (``grpc.ssl_target_name_override``).
+    Raises:
+        ValueError: ``tls_ca_file`` cannot be read or holds no PEM certificate.
+    """
+    if tls_ca_file is None:
+        interceptors = bearer_interceptors(token) if token else None
+        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+    try:
+        with open(tls_ca_file, "rb") as f:
+            ca = f.read()
+    except OSError as e:
+        raise ValueError(f"TLS CA file {tls_ca_file!r} cannot be read: {e.strerror}") from None
+    if b"-----BEGIN CERTIFICATE-----" not in ca:
+        raise ValueError(f"TLS CA file {tls_ca_file!r} holds no PEM certificate")
+    creds = grpc.ssl_channel_credentials(root_certificates=ca)
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else None
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 @dataclass

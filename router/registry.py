@@ -2,20 +2,39 @@
 
 Each worker owns one key whose time-to-live is its lease::
 
-    pdserve:{cluster}:worker:{worker_id}  ->  msgpack(WorkerInfo)   PX lease_ms
+    pdserve:{cluster}:worker:{worker_id}  ->  msgpack(WorkerInfo)                  PX lease_ms
+                                              msgpack({"info": msgpack(WorkerInfo),  (with a cluster secret)
+                                                       "mac": HMAC-SHA256(K, label|cluster|worker_id|info)})
 
 A worker that stops heartbeating disappears when its key expires, and with it
 from every router's view: a worker whose lease lapsed receives no new request.
+
+With a cluster secret (:mod:`deploy.secret`) the entry is signed, and a reader that
+has the secret lists only entries whose MAC checks out for that cluster and worker id:
+a process without the secret cannot register as a worker (and so never receives a
+request or a decode worker's KV address). A reader without a secret accepts both forms
+unchecked. The MAC binds the entry's bytes, heartbeat time included, but not the key's
+TTL: whoever can write to Redis can still replay an old signed entry until it is
+overwritten, so Redis itself should require a password (see tests/test_redis_auth_tls.py).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import time
 from dataclasses import asdict, dataclass, replace
 
 import msgpack
 import redis
 import redis.asyncio as aioredis
+
+from deploy.secret import check_secret, cluster_secret
+
+log = logging.getLogger(__name__)
+
+_MAC_LABEL = b"pdserve-registry/1"
 
 
 @dataclass(frozen=True)
@@ -26,7 +45,11 @@ class WorkerInfo:
         worker_id: unique within the cluster.
         role: ``"prefill"`` or ``"decode"``.
         address: gRPC ``host:port``.
-        kv_address: KV receiver ``host:port`` (decode workers; empty otherwise).
+        kv_address: KV receiver address (decode workers; empty otherwise): ``host:port`` for TCP,
+            ``nccl://host:port`` for NCCL (see :mod:`kvtransfer.select`).
+        kv_backends: KV transports the worker's cache can use (``("tcp",)`` for a CPU cache, ``("nccl",)``
+            for a CUDA cache); the router pairs a prefill and a decode worker only when they share one.
+            Empty: read as ``("tcp",)``.
         num_total_blocks / num_free_blocks: KV block pool size and free blocks.
         num_running: requests decoding (decode) or being prefilled (prefill).
         num_waiting: requests waiting (for KV pages on decode, in the queue on prefill).
@@ -42,6 +65,7 @@ class WorkerInfo:
     role: str
     address: str
     kv_address: str = ""
+    kv_backends: tuple[str, ...] = ()
     num_total_blocks: int = 0
     num_free_blocks: int = 0
     num_running: int = 0
@@ -59,23 +83,89 @@ def _key(cluster: str, worker_id: str) -> str:
     return f"pdserve:{cluster}:worker:{worker_id}"
 
 
-class WorkerLease:
-    """Worker side: registers and renews one worker's lease (synchronous client)."""
+def _resolve_secret(secret: bytes | None) -> bytes | None:
+    return check_secret(secret, "the registry secret") if secret is not None else cluster_secret()
 
-    def __init__(self, redis_url: str, cluster: str, lease_s: float) -> None:
+
+def entry_mac(secret: bytes, cluster: str, worker_id: str, info_bytes: bytes) -> bytes:
+    """``HMAC-SHA256(secret, label | cluster | worker_id | info_bytes)``: the signature of one registry entry."""
+    msg = b"\0".join((_MAC_LABEL, cluster.encode(), worker_id.encode(), info_bytes))
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def encode_entry(info: WorkerInfo, cluster: str, secret: bytes | None) -> bytes:
+    """The stored value of ``info``: plain msgpack without a secret, a signed envelope with one."""
+    info_bytes = msgpack.packb(asdict(info))
+    if secret is None:
+        return info_bytes
+    return msgpack.packb({"info": info_bytes, "mac": entry_mac(secret, cluster, info.worker_id, info_bytes)})
+
+
+def decode_entry(raw: bytes, cluster: str, worker_id: str, secret: bytes | None) -> WorkerInfo:
+    """Parse (and with ``secret``, authenticate) the value stored under ``worker_id``'s key.
+
+    Raises:
+        ValueError: malformed entry; with a secret, also an unsigned entry, a wrong MAC, or an
+            entry whose ``worker_id`` differs from its key's. The message says which.
+    """
+    try:
+        outer = msgpack.unpackb(raw)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        raise ValueError("not msgpack") from None
+    signed = isinstance(outer, dict) and set(outer) == {"info", "mac"}
+    if secret is not None:
+        if not signed:
+            raise ValueError("unsigned entry (written without the cluster secret)")
+        if not (isinstance(outer["info"], bytes) and isinstance(outer["mac"], bytes)
+                and hmac.compare_digest(outer["mac"], entry_mac(secret, cluster, worker_id, outer["info"]))):
+            raise ValueError("wrong MAC (written without the cluster secret, or for another worker or cluster)")
+    fields = outer
+    if signed:
+        try:
+            fields = msgpack.unpackb(outer["info"])
+        except Exception:
+            raise ValueError("signed entry holds no msgpack") from None
+    if not isinstance(fields, dict):
+        raise ValueError("entry is not a map")
+    try:
+        info = WorkerInfo(**fields)
+        info = replace(info, kv_backends=tuple(info.kv_backends))  # msgpack hands tuples back as lists
+    except TypeError as e:
+        raise ValueError(f"not a WorkerInfo: {e}") from None
+    if secret is not None and info.worker_id != worker_id:
+        raise ValueError(f"entry names worker {info.worker_id!r}")
+    return info
+
+
+class WorkerLease:
+    """Worker side: registers and renews one worker's lease (synchronous client).
+
+    Args:
+        redis_url: the registry (``redis://`` or ``rediss://``, with password if Redis requires one).
+        cluster: registry namespace.
+        lease_s: lease length in seconds.
+        secret: cluster secret that signs the entry; None: :func:`deploy.secret.cluster_secret`
+            from the environment, and an unsigned entry when that is None too.
+    Raises:
+        ValueError: ``lease_s <= 0``; unusable secret.
+    """
+
+    def __init__(self, redis_url: str, cluster: str, lease_s: float, secret: bytes | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self._secret = _resolve_secret(secret)
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
         self._cluster, self._lease_ms = cluster, int(lease_s * 1000)
 
     def renew(self, info: WorkerInfo) -> None:
-        """Write ``info`` (stamped with the current time) with a fresh lease.
+        """Write ``info`` (stamped with the current time, signed if there is a secret) with a fresh lease.
 
         Raises:
-            redis.RedisError: Redis is unreachable.
+            redis.RedisError: Redis is unreachable (``redis.AuthenticationError``: wrong password).
         """
         info = replace(info, heartbeat_at=time.time())
-        self._redis.set(_key(self._cluster, info.worker_id), msgpack.packb(asdict(info)), px=self._lease_ms)
+        value = encode_entry(info, self._cluster, self._secret)
+        self._redis.set(_key(self._cluster, info.worker_id), value, px=self._lease_ms)
 
     def release(self, worker_id: str) -> None:
         """Drop the lease at once (clean shutdown)."""
@@ -86,28 +176,47 @@ class WorkerLease:
 
 
 class RegistryReader:
-    """Router side: lists the workers whose lease is live (asyncio client)."""
+    """Router side: lists the workers whose lease is live (asyncio client).
 
-    def __init__(self, redis_url: str, cluster: str) -> None:
+    Args:
+        redis_url: the registry.
+        cluster: registry namespace.
+        secret: cluster secret entries must be signed with; None: :func:`deploy.secret.cluster_secret`
+            from the environment, and no check when that is None too.
+    Raises:
+        ValueError: unusable secret.
+    """
+
+    def __init__(self, redis_url: str, cluster: str, secret: bytes | None = None) -> None:
+        self._secret = _resolve_secret(secret)
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
-        self._pattern = _key(cluster, "*")
+        self._cluster = cluster
+        self._prefix = _key(cluster, "")
+        self._warned: set[str] = set()  # worker ids whose bad entry was already logged
 
     async def list_workers(self) -> list[WorkerInfo]:
-        """Every registered worker, sorted by id. Malformed entries are skipped.
+        """Every registered worker, sorted by id. Malformed entries, and with a secret unsigned or
+        wrongly signed ones, are skipped (logged once per worker id).
 
         Raises:
-            redis.RedisError: Redis is unreachable.
+            redis.RedisError: Redis is unreachable (``redis.AuthenticationError``: wrong password).
         """
-        keys = [k async for k in self._redis.scan_iter(match=self._pattern, count=500)]
+        keys = [k async for k in self._redis.scan_iter(match=self._prefix + "*", count=500)]
         values = await self._redis.mget(keys) if keys else []
         workers = []
-        for raw in values:
+        for key, raw in zip(keys, values):
             if raw is None:  # expired between SCAN and MGET
                 continue
+            worker_id = (key.decode(errors="replace") if isinstance(key, bytes) else key)[len(self._prefix):]
             try:
-                workers.append(WorkerInfo(**msgpack.unpackb(raw)))
-            except (TypeError, ValueError, msgpack.UnpackException):
-                continue
+                workers.append(decode_entry(raw, self._cluster, worker_id, self._secret))
+            except ValueError as e:
+                if worker_id not in self._warned:
+                    if len(self._warned) >= 4096:  # bounded even if someone writes endless forged ids
+                        self._warned.clear()
+                    self._warned.add(worker_id)
+                    log.warning("registry: ignoring the entry of worker %r in cluster %r: %s",
+                                worker_id, self._cluster, e)
         return sorted(workers, key=lambda w: w.worker_id)
 
     async def close(self) -> None:

@@ -1,4 +1,10 @@
-"""Decode side of the TCP KV transport: accepts pages straight into the local KV cache."""
+"""Decode side of the TCP KV transport: accepts pages straight into the local KV cache.
+
+With a cluster secret, a connection must pass the mutual handshake of
+:mod:`kvtransfer.tcp.handshake` (within ``io_timeout_s``) before its first frame is
+read; a peer that fails it is logged and closed, and has touched neither the cache
+nor any registration.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deploy.secret import check_secret, cluster_secret
 from kvtransfer.base import KVReceiver, OnComplete, OnFailed
 from kvtransfer.tcp.frames import (
     Abort,
@@ -25,6 +32,7 @@ from kvtransfer.tcp.frames import (
     read_frame,
     recv_exact_into,
 )
+from kvtransfer.tcp.handshake import HandshakeError, authenticate_sender
 from kvtransfer.tcp.pages import PageMemory
 from kvtransfer.tcp.registry import Registration, Registry
 from model.kv_cache import KVCacheSpec
@@ -73,14 +81,21 @@ class TcpKVReceiver(KVReceiver):
         host: interface to bind.
         port: TCP port; 0 picks a free one (see :attr:`address`).
         io_timeout_s: seconds a connection may stay silent (mid-frame or between frames)
-            before it is dropped and its request failed.
+            before it is dropped and its request failed; also the bound on the whole
+            authentication handshake of a new connection.
+        secret: cluster secret (at least 16 bytes) every sender must prove it holds;
+            None: :func:`deploy.secret.cluster_secret` from the environment, and no
+            authentication when that is None too.
     Raises:
-        ValueError: ``kv_cache`` does not match ``spec``.
+        ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its
+            environment variable is unusable.
         OSError: the address cannot be bound.
     """
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
-                 io_timeout_s: float = 10.0) -> None:
+                 io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
+        self._secret = check_secret(secret, "the KV receiver's secret") if secret is not None else cluster_secret()
+        self._num_refused = 0
         self._pages = PageMemory(kv_cache, spec)
         self._spec = spec
         self._io_timeout_s = io_timeout_s
@@ -101,6 +116,11 @@ class TcpKVReceiver(KVReceiver):
     def address(self) -> str:
         """``host:port`` senders connect to (``[host]:port`` for IPv6), with the bound port."""
         return self._address
+
+    @property
+    def num_refused(self) -> int:
+        """Connections closed because their peer failed the authentication handshake."""
+        return self._num_refused
 
     def expect(self, request_id: str, block_ids: Sequence[int], timeout_s: float,
                on_complete: OnComplete, on_failed: OnFailed) -> None:
@@ -143,7 +163,7 @@ class TcpKVReceiver(KVReceiver):
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 self._stopping.wait(0.05)  # closed (loop ends) or transient (e.g. EMFILE)
                 continue
@@ -154,7 +174,7 @@ class TcpKVReceiver(KVReceiver):
                     sock.close()
                     return
                 self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), name="kv-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(sock, peer), name="kv-conn", daemon=True).start()
 
     def _reap_loop(self) -> None:
         while (expired := self._registry.wait_expired()) is not None:
@@ -172,9 +192,11 @@ class TcpKVReceiver(KVReceiver):
 
     # -- one connection ------------------------------------------------------------------------
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: object) -> None:
         conn = _Conn(sock)
         try:
+            if self._secret is not None and not self._authenticate(sock, peer):
+                return
             self._serve_frames(conn)
         except FrameError as e:
             if conn.reg is None and e.request_id is not None:
@@ -194,6 +216,21 @@ class TcpKVReceiver(KVReceiver):
             with self._conns_lock:
                 self._conns.discard(sock)
             sock.close()
+
+    def _authenticate(self, sock: socket.socket, peer: object) -> bool:
+        """Run the handshake; on failure log it (never the secret) and count it. The caller closes."""
+        assert self._secret is not None
+        try:
+            authenticate_sender(sock, self._secret, self._io_timeout_s)
+        except HandshakeError as e:
+            if self._stopping.is_set():  # cut by close(), not refused
+                return False
+            with self._conns_lock:
+                self._num_refused += 1
+            log.warning("KV receiver %s refused a connection from %s: %s", self._address, peer, e)
+            return False
+        sock.settimeout(self._io_timeout_s)
+        return True
 
     def _serve_frames(self, conn: _Conn) -> None:
         """Handle frames until ``done``/``abort`` or a clean EOF of an idle connection."""

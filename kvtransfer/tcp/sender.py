@@ -1,4 +1,9 @@
-"""Prefill side of the TCP KV transport: streams KV pages from the local cache, zero-copy."""
+"""Prefill side of the TCP KV transport: streams KV pages from the local cache, zero-copy.
+
+With a cluster secret, every connection first runs the mutual handshake of
+:mod:`kvtransfer.tcp.handshake`, and :meth:`TcpKVSender.open` fails unless the receiver
+proves that it holds the secret too: pages never go to an impostor.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,10 @@ from contextlib import contextmanager
 
 import torch
 
+from deploy.secret import check_secret, cluster_secret
 from kvtransfer.base import KVChannel, KVSender, TransferError, TransferStats
 from kvtransfer.tcp.frames import Abort, Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
+from kvtransfer.tcp.handshake import HandshakeError, authenticate_receiver
 from kvtransfer.tcp.pages import PageMemory
 from model.kv_cache import KVCacheSpec
 
@@ -200,14 +207,20 @@ class TcpKVSender(KVSender):
         kv_cache: contiguous CPU tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
             head_dim]`` of ``spec.dtype``; only read, never copied.
         spec: cache layout.
-        connect_timeout_s: seconds :meth:`open` waits for the connection.
+        connect_timeout_s: seconds :meth:`open` may take: the TCP connect, then (with a
+            secret) the authentication handshake, each within this bound.
         io_timeout_s: seconds any single send or the wait for the ack may take.
+        secret: cluster secret (at least 16 bytes) that receivers must prove they hold;
+            None: :func:`deploy.secret.cluster_secret` from the environment, and no
+            authentication when that is None too.
     Raises:
-        ValueError: ``kv_cache`` does not match ``spec``.
+        ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its
+            environment variable is unusable.
     """
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
-                 io_timeout_s: float = 10.0) -> None:
+                 io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
+        self._secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
         self._pages = PageMemory(kv_cache, spec)
         self._connect_timeout_s = connect_timeout_s
         self._io_timeout_s = io_timeout_s
@@ -215,11 +228,19 @@ class TcpKVSender(KVSender):
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def authenticated(self) -> bool:
+        """True when every connection runs the mutual handshake (a secret is configured)."""
+        return self._secret is not None
+
     def open(self, request_id: str, dst_address: str) -> TcpKVChannel:
-        """Connect to ``dst_address`` ("host:port") for ``request_id``.
+        """Connect to ``dst_address`` ("host:port") for ``request_id`` and, with a secret,
+        authenticate both ways before anything else is sent.
 
         Raises:
-            TransferError: cannot connect within ``connect_timeout_s``, or the sender is closed.
+            TransferError: cannot connect within ``connect_timeout_s``; the handshake failed
+                (the receiver refused our proof, its own proof is wrong, or it did not answer
+                in time; the message says which); or the sender is closed.
             ValueError: ``dst_address`` is not "host:port".
         """
         host, port = parse_address(dst_address)
@@ -229,6 +250,13 @@ class TcpKVSender(KVSender):
         except OSError as e:
             raise TransferError(f"KV transfer of request {request_id!r}: cannot connect to {dst_address} "
                                 f"within {self._connect_timeout_s:g} s: {e!r}") from e
+        if self._secret is not None:
+            try:
+                authenticate_receiver(sock, self._secret, self._connect_timeout_s)
+            except HandshakeError as e:
+                sock.close()
+                raise TransferError(f"KV transfer of request {request_id!r}: authentication with {dst_address} "
+                                    f"failed: {e}") from None
         sock.settimeout(self._io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         channel = TcpKVChannel(sock, request_id, dst_address, self._pages, self._io_timeout_s, started,

@@ -1,0 +1,84 @@
+"""The cluster secret: one shared key that authenticates the processes of a cluster to each other.
+
+It guards the two doors through which a process could inject state into a running cluster:
+
+    KV port (decode worker)   mutual HMAC challenge-response before any KV frame is read
+                              (kvtransfer/tcp/handshake.py)
+    worker registry (Redis)   every lease entry carries an HMAC; the router ignores entries
+                              without a valid one (router/registry.py)
+    worker gRPC (router side) the router sends ``authorization: Bearer worker_rpc_token(K)`` on
+                              its calls to workers (router/server.py), for workers to check
+
+Where it comes from, in this order:
+
+    PDSERVE_CLUSTER_SECRET_FILE  path of a file holding the secret (surrounding whitespace stripped)
+    PDSERVE_CLUSTER_SECRET       the secret itself
+    neither                      None: local development mode, no authentication
+
+The Ray launcher makes one per cluster with :func:`new_secret` and hands it to every actor
+through these variables. The secret is never logged and never sent on the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Mapping
+
+SECRET_FILE_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
+SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+MIN_SECRET_BYTES = 16
+
+
+def check_secret(secret: bytes, source: str = "the cluster secret") -> bytes:
+    """Return ``secret`` if it is long enough to be a key.
+
+    Raises:
+        TypeError: ``secret`` is not bytes.
+        ValueError: shorter than :data:`MIN_SECRET_BYTES` bytes (``source`` names where it came from).
+    """
+    if not isinstance(secret, bytes):
+        raise TypeError(f"{source} must be bytes, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{source} is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are required "
+                         f"(make one with `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+    return secret
+
+
+def cluster_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The cluster secret from ``environ`` (default ``os.environ``), or None if none is configured.
+
+    ``PDSERVE_CLUSTER_SECRET_FILE`` wins over ``PDSERVE_CLUSTER_SECRET``; an empty variable counts as unset.
+
+    Raises:
+        ValueError: the file cannot be read or is empty, or the secret is shorter than 16 bytes;
+            the message names the variable (never the secret).
+    """
+    env = os.environ if environ is None else environ
+    path = env.get(SECRET_FILE_ENV, "")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                value = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"{SECRET_FILE_ENV}={path!r}: cannot read the secret file: {e.strerror}") from None
+        if not value:
+            raise ValueError(f"{SECRET_FILE_ENV}={path!r}: the secret file is empty")
+        return check_secret(value, f"the secret in {SECRET_FILE_ENV}={path!r}")
+    value = env.get(SECRET_ENV, "").strip()
+    if value:
+        return check_secret(value.encode(), f"{SECRET_ENV}")
+    return None
+
+
+def worker_rpc_token(secret: bytes) -> str:
+    """The bearer token the router presents on the workers' gRPC APIs: ``HMAC-SHA256(secret,
+    "pdserve-worker-rpc/1")`` in hex, so the secret itself never travels; 64 characters."""
+    return hmac.new(secret, b"pdserve-worker-rpc/1", hashlib.sha256).hexdigest()
+
+
+def new_secret() -> str:
+    """A fresh random secret (64 hex characters = 256 bits) for one cluster."""
+    return secrets.token_hex(32)
