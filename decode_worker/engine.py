@@ -27,7 +27,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from decode_worker.request import DecodeEventSink, DecodeRequest, DecodeStatus, ErrorEvent, FinishedEvent, TokensEvent
 from decode_worker.speculative import DraftModelProposer, NgramProposer, Proposer, SelfDraftProposer, verify
-from kvtransfer.tcp import TcpKVReceiver
+from kvtransfer.select import local_backends, make_receiver
 from model.config import ModelConfig
 from model.kv_cache import BlockPool, KVCacheSpec
 from model.llama import LlamaForCausalLM
@@ -84,8 +84,9 @@ class DecodeEngine:
         self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_position_embeddings),
                                  [b for b in DEFAULT_BUCKETS if b < cfg.max_batch_size] + [cfg.max_batch_size]
                                  ) if cfg.graph else None
-        self.receiver = TcpKVReceiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
+        self.receiver = make_receiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
                                       io_timeout_s=cfg.kv_io_timeout_s)
+        self.kv_backends = local_backends(self.runner.kv_cache)  # advertised in the registry entry
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, DecodeRequest] = {}   # every unfinished request (engine thread)
         self._ids_lock = threading.Lock()
@@ -102,20 +103,23 @@ class DecodeEngine:
 
     # ---- called from other threads -------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    kv_timeout_s: float, emit: DecodeEventSink) -> list[int]:
+                    kv_timeout_s: float, emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> list[int]:
         """Pre-allocate the request's blocks and wait for its KV pages.
 
         Blocks cover ``len(prompt_ids) + max_tokens - 1`` positions (capped at the model's
-        context), so decoding never runs out of blocks midway.
+        context), so decoding never runs out of blocks midway. A migrated request brings the
+        output an earlier decode worker produced (``prior_output_ids``): its pages cover prompt
+        plus those tokens, and output indexes, ``max_tokens`` and stop checks continue after them.
 
         Returns:
-            The block ids the prompt's KV pages must be written into (its first blocks).
+            The block ids the KV pages (of prompt + prior output) must be written into (the first blocks).
         Raises:
-            ValueError: duplicate request id, or prompt and max_tokens beyond the context.
+            ValueError: duplicate request id, prompt and max_tokens beyond the context, or prior
+                output that already ends the request.
             model.kv_cache.NoFreeBlocks: the pool cannot hold the request now.
         """
-        req = self._allocate(request_id, prompt_ids, sampling, emit)
-        prompt_blocks = req.block_table[: self.spec.num_blocks_for(len(prompt_ids))]
+        req = self._allocate(request_id, prompt_ids, sampling, emit, prior_output_ids)
+        prompt_blocks = req.block_table[: self.spec.num_blocks_for(req.num_tokens)]
         self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
         self.receiver.expect(request_id, prompt_blocks, kv_timeout_s,
                              on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
@@ -123,23 +127,30 @@ class DecodeEngine:
         return prompt_blocks
 
     def add_local(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                  emit: DecodeEventSink) -> None:
-        """Admit a request whose prompt this worker prefills itself (no KV transfer); its
-        first token is streamed too. Used in process by benchmarks and colocated serving.
+                  emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> None:
+        """Admit a request whose prompt (plus ``prior_output_ids``, for a migrated request) this
+        worker prefills itself (no KV transfer); its next token is streamed too. Used in process
+        by benchmarks and colocated serving.
 
         Raises:
             ValueError, NoFreeBlocks: as :meth:`add_request`.
         """
-        req = self._allocate(request_id, prompt_ids, sampling, emit)
+        req = self._allocate(request_id, prompt_ids, sampling, emit, prior_output_ids)
         self._inbox.put(req)
         self._inbox.put(_LocalPrefill(request_id))
 
     def _allocate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                  emit: DecodeEventSink) -> DecodeRequest:
+                  emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> DecodeRequest:
         max_ctx = self.model_cfg.max_position_embeddings
         if len(prompt_ids) + sampling.max_tokens > max_ctx:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                              f"exceeds the model's context of {max_ctx} tokens")
+        stop_ids = sampling.stop_ids(self.model_cfg.eos_token_ids)
+        if len(prior_output_ids) >= sampling.max_tokens:
+            raise ValueError(f"{len(prior_output_ids)} prior output tokens already reach max_tokens "
+                             f"({sampling.max_tokens}): nothing left to decode")
+        if prior_output_ids and prior_output_ids[-1] in stop_ids:
+            raise ValueError("the prior output already ends with a stop token: nothing left to decode")
         with self._ids_lock:
             if request_id in self._live_ids:
                 raise ValueError(f"request id {request_id!r} is already in use on this worker")
@@ -149,8 +160,8 @@ class DecodeEngine:
         except Exception:
             self._release_id(request_id)
             raise
-        return DecodeRequest(request_id, list(prompt_ids), sampling, sampling.stop_ids(self.model_cfg.eos_token_ids),
-                             max_ctx, table, emit)
+        return DecodeRequest(request_id, list(prompt_ids), sampling, stop_ids, max_ctx, table, emit,
+                             output_ids=list(prior_output_ids))
 
     def abort(self, request_id: str) -> None:
         """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
@@ -206,7 +217,7 @@ class DecodeEngine:
         budget = max(budget, 1)
         for req in self._requests.values():
             if req.status is DecodeStatus.PREFILLING and budget > 0:
-                n = min(len(req.prompt_ids) - req.num_computed, budget)
+                n = min(req.num_tokens - req.num_computed, budget)
                 chunks.append((req, n))
                 budget -= n
         return chunks
@@ -215,16 +226,16 @@ class DecodeEngine:
         """One forward over decode tokens and prefill chunks together (Sarathi-Serve's
         stall-free batching): decodes go on while long prompts are prefilled."""
         inputs = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
-        inputs += [StepInput(r.prompt_ids[r.num_computed:r.num_computed + n], r.num_computed, r.block_table)
-                   for r, n in chunks]
+        inputs += [StepInput((r.prompt_ids + r.output_ids)[r.num_computed:r.num_computed + n], r.num_computed,
+                             r.block_table) for r, n in chunks]  # output_ids: a migrated request's prior output
         logits = self.runner.run(inputs)
         tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch])
         for req, token in zip(batch, tokens):
             self._append(req, [token])
         for row, (req, n) in enumerate(chunks, start=len(batch)):
             req.num_computed += n
-            if req.num_computed == len(req.prompt_ids):
-                first = sample(logits[row:row + 1], [req.sampling], [0])[0]
+            if req.num_computed == req.num_tokens:
+                first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)])[0]
                 req.emit(TokensEvent([first]))
                 self._start_decoding(req, first)
 
@@ -271,7 +282,12 @@ class DecodeEngine:
         if req is None:
             return  # already finished (e.g. aborted, then a late callback)
         if isinstance(msg, _KVArrived) and req.status is DecodeStatus.TRANSFERRING:
-            self._start_decoding(req, msg.first_token)  # sampled by the prefill worker (output index 0)
+            vocab = self.model_cfg.vocab_size
+            if 0 <= msg.first_token < vocab:  # sampled by the prefill worker (index len(prior output))
+                self._start_decoding(req, msg.first_token)
+            else:  # a bad sender must not fail the whole batch at the next step
+                self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: first token "
+                                             f"{msg.first_token} outside the vocabulary [0, {vocab})"))
         elif isinstance(msg, _LocalPrefill) and req.status is DecodeStatus.TRANSFERRING:
             self.num_transferring -= 1
             self.num_prefilling += 1

@@ -73,8 +73,8 @@ class DecodeRequest:
     block_table: list[int]
     emit: DecodeEventSink
     status: DecodeStatus = DecodeStatus.TRANSFERRING
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0            # colocated mode: prompt tokens prefilled here so far
+    output_ids: list[int] = field(default_factory=list)  # starts with a migrated request's prior output
+    num_computed: int = 0            # colocated mode: prompt (+ prior output) tokens prefilled here so far
     num_draft_tokens: int = 0        # speculative proposals verified
     num_accepted_tokens: int = 0     # of which accepted
     allocated_at: float = field(default_factory=time.monotonic)

@@ -36,6 +36,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             sampling.validate(self.engine.model_cfg.vocab_size)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        prior = list(request.prior_output_token_ids)
+        vocab = self.engine.model_cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prior):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prior_output_token_ids outside the vocabulary [0, {vocab})")
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
         if request.local_prefill and not self.engine.cfg.colocated:
@@ -43,11 +48,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                 "this decode worker does not prefill (not colocated)")
         try:
             if request.local_prefill:
-                self.engine.add_local(request.request_id, list(request.prompt_token_ids), sampling, emit)
+                self.engine.add_local(request.request_id, list(request.prompt_token_ids), sampling, emit, prior)
                 blocks = []
             else:
                 blocks = self.engine.add_request(request.request_id, list(request.prompt_token_ids), sampling,
-                                                 request.kv_timeout_s or 30.0, emit)
+                                                 request.kv_timeout_s or 30.0, emit, prior)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
@@ -118,7 +123,7 @@ class DecodeWorker(WorkerProcess):
         e = self.engine
         return WorkerInfo(worker_id=self.cfg.worker_id, role="both" if self.cfg.colocated else "decode",
                           address=self.address,
-                          kv_address=e.receiver.address, block_size=self.cfg.block_size,
+                          kv_address=e.receiver.address, kv_backends=e.kv_backends, block_size=self.cfg.block_size,
                           num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
                           num_running=e.num_decoding, num_waiting=e.num_transferring,
                           step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2])

@@ -23,6 +23,10 @@ class PrefillWorkerConfig(WorkerConfig):
         snapshot_interval_s: seconds between full snapshots of the cached block hashes.
         activations: ``native`` (the weights' dtype) or ``fp8`` (W8A8 e4m3 matmuls with
             per-channel weight and per-token activation scales; see :mod:`model.quant.fp8`).
+        fault_hold_transfer_s: fault-injection hook for tests only (0, the default, in service):
+            hold every transfer open this many seconds after its last pages, before the done frame,
+            so a test can kill the worker while the decode worker holds a half-filled block table.
+            The sender thread sleeps, so it also serialises this worker's transfers.
     """
 
     max_num_batched_tokens: int = 512
@@ -32,11 +36,14 @@ class PrefillWorkerConfig(WorkerConfig):
     kv_events: bool = True
     snapshot_interval_s: float = 10.0
     activations: str = "native"
+    fault_hold_transfer_s: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.activations not in ("native", "fp8"):
             raise ValueError(f"activations must be native or fp8, got {self.activations!r}")
+        if self.fault_hold_transfer_s < 0:
+            raise ValueError(f"fault_hold_transfer_s must be >= 0, got {self.fault_hold_transfer_s}")
         for name in ("max_num_batched_tokens", "kv_connect_timeout_s", "kv_io_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvtransfer.tcp import TcpKVSender
+from kvtransfer.select import make_sender
 from model.config import ModelConfig
 from model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from model.llama import LlamaForCausalLM
@@ -53,9 +53,9 @@ class PrefillEngine:
         self.pool = BlockPool(cfg.num_blocks)
         self.blocks: BlockSource = (PrefixCache(self.pool, cfg.block_size, on_kv_event) if cfg.prefix_cache
                                     else PlainBlocks(self.pool))
-        self.sender = KVSendLoop(TcpKVSender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s,
-                                             cfg.kv_io_timeout_s),
-                                 self.blocks, model_cfg.num_layers, self._finished)
+        self.kv_sender = make_sender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s, cfg.kv_io_timeout_s)
+        self.sender = KVSendLoop(self.kv_sender, self.blocks, model_cfg.num_layers, self._finished,
+                                 cfg.fault_hold_transfer_s)
         self._lock = threading.Condition()
         self._queue: deque[PrefillRequest] = deque()     # QUEUED, oldest first
         self._running: list[PrefillRequest] = []          # PREFILLING (engine thread)
@@ -136,7 +136,8 @@ class PrefillEngine:
                                             r.block_table) for r, n in chunks])
         self._measure(time.monotonic() - started, sum(n for _, n in chunks))
         done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
-        firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done], [0] * len(done)) if done else []
+        firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done],
+                        [r.first_output_index for _, r in done]) if done else []
         now = time.monotonic()
         for req, n in chunks:
             req.num_computed += n

@@ -171,6 +171,14 @@ class KVEventPublisher:
                                                   "ts": repr(time.time())})
         return KVSnapshot(self.epoch, seq, hs)
 
+    def snapshot_missing(self) -> bool:
+        """True when Redis holds no snapshot of this worker (e.g. Redis restarted empty).
+
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
+        return not self._redis.exists(self._snap_key)
+
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every event published so far is sent or dropped. Returns False on timeout."""
         deadline = time.monotonic() + timeout_s

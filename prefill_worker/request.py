@@ -68,6 +68,7 @@ class PrefillRequest:
     dst_kv_address: str
     dst_block_ids: list[int]
     on_done: Callable[[PrefillResult], None]
+    first_output_index: int = 0        # output index of the sampled token (> 0: a migrated request)
     status: PrefillStatus = PrefillStatus.QUEUED
     aborted: bool = False
     block_table: list[int] = field(default_factory=list)

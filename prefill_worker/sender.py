@@ -47,11 +47,13 @@ class Release:
 
 
 class KVSendLoop(threading.Thread):
-    """Runs the jobs; ``release`` returns a request's blocks, ``num_layers`` is the page layer range."""
+    """Runs the jobs; ``blocks`` takes a request's blocks back, ``num_layers`` is the page layer range,
+    ``hold_s`` the fault-injection hold before each done frame (tests only; 0 in service)."""
 
     def __init__(self, sender: KVSender, blocks: BlockSource, num_layers: int,
-                 on_finished: Callable[[PrefillRequest, PrefillResult], None]) -> None:
+                 on_finished: Callable[[PrefillRequest, PrefillResult], None], hold_s: float = 0.0) -> None:
         super().__init__(name="kv-sender", daemon=True)
+        self._hold_s = hold_s  # test hook (PrefillWorkerConfig.fault_hold_transfer_s)
         self._sender, self._blocks, self._num_layers = sender, blocks, num_layers
         self._on_finished = on_finished
         self._jobs: queue.SimpleQueue[SendPages | Finish | Release | None] = queue.SimpleQueue()
@@ -91,6 +93,8 @@ class KVSendLoop(threading.Thread):
             req.channel.send_pages((0, self._num_layers), req.block_table[job.start:job.end],
                                    req.dst_block_ids[job.start:job.end])
         else:
+            if self._hold_s and req.channel is not None:
+                time.sleep(self._hold_s)  # fault injection: pages sent, done frame not yet
             stats = req.channel.finish(req.first_token)
             self._num_bytes[req.request_id] = stats.num_bytes
             self._end(req)

@@ -40,11 +40,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             sampling.validate(vocab)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not 0 <= request.first_output_index < sampling.max_tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"first_output_index must be in [0, max_tokens={sampling.max_tokens}), "
+                                f"got {request.first_output_index}")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
         on_done = lambda r: loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))  # noqa: E731
         req = PrefillRequest(request.request_id, ids, sampling, request.dst_kv_address,
-                             list(request.dst_block_ids), on_done)
+                             list(request.dst_block_ids), on_done, first_output_index=request.first_output_index)
         try:
             self.engine.add_request(req)
         except ValueError as exc:
@@ -88,11 +92,17 @@ class PrefillWorker(WorkerProcess):
                           block_size=self.cfg.block_size, num_total_blocks=e.pool.num_blocks,
                           num_free_blocks=e.blocks.num_available, num_running=e.num_in_flight,
                           num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens,
-                          prefill_s_per_block=(e.seconds_per_token or 0.0) * self.cfg.block_size)
+                          prefill_s_per_block=(e.seconds_per_token or 0.0) * self.cfg.block_size,
+                          kv_backends=e.kv_sender.backends)
 
     def on_heartbeat(self) -> None:
-        """Publish a snapshot of the cached block hashes every ``snapshot_interval_s`` (for routers' re-sync)."""
-        if self.events is not None and time.monotonic() - self._last_snapshot >= self.cfg.snapshot_interval_s:
+        """Publish a snapshot of the cached block hashes every ``snapshot_interval_s`` (for routers' re-sync),
+        and at once when Redis lost it (a Redis restart): routers re-sync exactly instead of staying
+        degraded until the next scheduled snapshot. Redis errors propagate to the heartbeat, which retries."""
+        if self.events is None:
+            return
+        due = time.monotonic() - self._last_snapshot >= self.cfg.snapshot_interval_s
+        if due or self.events.snapshot_missing():
             self.events.publish_snapshot(self.engine.blocks.snapshot)
             self._last_snapshot = time.monotonic()
 

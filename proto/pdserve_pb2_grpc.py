@@ -53,8 +53,9 @@ class RouterServicer:
         """Generates a completion, streaming text deltas and token ids. The last message
         carries `final` (finish reason, usage, timings). Errors end the stream with a
         gRPC status: INVALID_ARGUMENT (bad prompt or sampling parameters),
-        UNAVAILABLE (no worker), RESOURCE_EXHAUSTED (no KV blocks), ABORTED/INTERNAL
-        (a worker failed; also after tokens were streamed, never a silent truncation).
+        UNAVAILABLE (no worker, or workers kept failing: a failed dispatch is retried on
+        other workers and a request whose decode worker died mid-stream is migrated, a
+        bounded number of times; never a silent truncation), RESOURCE_EXHAUSTED (no KV blocks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

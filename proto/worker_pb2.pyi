@@ -26,18 +26,20 @@ class ResolvedSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "dst_kv_address", "dst_block_ids")
+    __slots__ = ("request_id", "token_ids", "sampling", "dst_kv_address", "dst_block_ids", "first_output_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DST_KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
     dst_kv_address: str
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., dst_kv_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    first_output_index: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., dst_kv_address: _Optional[str] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_output_index: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "queue_s", "prefill_s", "transfer_s", "num_kv_bytes", "transfer_tail_s", "num_cached_tokens")
@@ -58,18 +60,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., num_kv_bytes: _Optional[int] = ..., transfer_tail_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_timeout_s", "local_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_timeout_s", "local_prefill", "prior_output_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: ResolvedSampling
     kv_timeout_s: float
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    prior_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Allocated(_message.Message):
     __slots__ = ("block_ids", "kv_address")

@@ -95,7 +95,7 @@ local function s(x) return string.format('%.17g', x) end
 return {reason == 'admitted' and 1 or 0, reason, s(ttft), s(tpot), s(retry)}
 """
 
-_COUNTERS = ("finished", "met_ttft", "met_tpot", "met_both", "rejected")
+_COUNTERS = ("finished", "met_ttft", "met_tpot", "met_both", "rejected", "rejected_ttft", "rejected_tpot")
 
 
 class TpotParams(NamedTuple):
@@ -254,9 +254,11 @@ class Admission:
         fields = ["finished"] + [f for f, ok in met.items() if ok]
         await self._incr(fields, now)
 
-    async def record_rejection(self, now: float | None = None) -> None:
-        """Count one request that admission rejected (it counts against ``attainment_offered``)."""
-        await self._incr(["rejected"], now)
+    async def record_rejection(self, now: float | None = None, reason: str = "") -> None:
+        """Count one request that admission rejected (it counts against ``attainment_offered``), and
+        by cause when ``reason`` (a :class:`Decision` reason) names the TTFT or the TPOT SLO."""
+        cause = [f"rejected_{reason[:4]}"] if reason[:4] in ("ttft", "tpot") else []
+        await self._incr(["rejected", *cause], now)
 
     async def attainment(self, window_s: float = 60, now: float | None = None) -> dict:
         """Sums over the last ``ceil(window_s / slo_bucket_s)`` buckets, the current (partial) one

@@ -23,6 +23,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from kvtransfer.select import choose_backend
 from router.registry import WorkerInfo
 
 DEFAULT_SECONDS_PER_BLOCK = 1e-3  # before any measurement: only ratios between workers matter then
@@ -90,10 +91,20 @@ def rank_prefill(workers: list[WorkerInfo], prompt_blocks: int, cached: dict[str
     return ranked
 
 
+def _shares_transport(prefill_backends: tuple[str, ...], decode_backends: tuple[str, ...]) -> bool:
+    try:
+        choose_backend(prefill_backends or ("tcp",), decode_backends or ("tcp",))
+    except ValueError:
+        return False
+    return True
+
+
 def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, role: str = "decode",
-                ) -> list[WorkerInfo]:
+                kv_backends: tuple[str, ...] | None = None) -> list[WorkerInfo]:
     """Workers of ``role`` (``decode``, or ``both`` for colocated ones) whose last report had room
     for ``num_tokens`` positions, best first: smallest running batch counting this router's
-    in-flight requests, then most free blocks."""
-    pool = [w for w in workers if w.role == role and w.num_free_blocks >= blocks_for(w, num_tokens)]
+    in-flight requests, then most free blocks. With ``kv_backends`` (the chosen prefill worker's),
+    only workers sharing a KV transport with it (:func:`kvtransfer.select.choose_backend`)."""
+    pool = [w for w in workers if w.role == role and w.num_free_blocks >= blocks_for(w, num_tokens)
+            and (kv_backends is None or _shares_transport(kv_backends, w.kv_backends))]
     return sorted(pool, key=lambda w: (w.num_running + inflight[w.worker_id], -w.num_free_blocks, w.worker_id))

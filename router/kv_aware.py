@@ -8,12 +8,15 @@ records where it sent each prompt, for ``approx_ttl_s`` seconds).
 from __future__ import annotations
 
 import logging
+import time
 
 from router.index_sync import IndexSync
 from router.prefix_index import PrefixIndex
 from router.registry import WorkerInfo
 
 log = logging.getLogger(__name__)
+
+WARN_EVERY_S = 10.0  # while Redis is away, one warning per this many seconds
 
 
 class KVAwareness:
@@ -23,6 +26,7 @@ class KVAwareness:
         self._redis_url, self._cluster, self._ttl = redis_url, cluster, approx_ttl_s
         self.index: PrefixIndex | None = None
         self.sync: IndexSync | None = None
+        self._warned_at = float("-inf")
 
     def update_workers(self, workers: list[WorkerInfo]) -> None:
         """Follow the registry: workers whose lease lapsed leave the index at once."""
@@ -38,8 +42,11 @@ class KVAwareness:
         if self.sync is not None:
             try:
                 await self.sync.sync_once()
-            except Exception as exc:
-                log.warning("KV event sync failed: %s", exc)
+            except Exception as exc:  # Redis away: say so once every WARN_EVERY_S, not every poll
+                now = time.monotonic()
+                if now - self._warned_at >= WARN_EVERY_S:
+                    self._warned_at = now
+                    log.warning("KV event sync failed (the index keeps its last state): %s", exc)
 
     def cached_blocks(self, token_ids: list[int], block_size: int) -> dict[str, int]:
         """Leading prompt blocks each prefill worker holds (capped: the last token is always computed)."""

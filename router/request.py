@@ -8,6 +8,10 @@
      chosen, KV                       pre-allocated
      allocated)                       blocks)
 
+A worker failure sends the request back to QUEUED on other workers (a retry, before the first
+token was streamed) or to PREFILLING of prompt + streamed tokens (a migration, after it), a
+bounded number of times (:mod:`router.recovery`); the client sees one stream either way.
+
 The router sees PREFILLING and TRANSFERRING as one call (the prefill RPC returns
 when the decode worker acknowledged the pages). Owners of the KV blocks: the
 decode worker from allocation on (it frees them when its stream ends, however

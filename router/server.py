@@ -2,11 +2,17 @@
 
 Workers are discovered only from the Redis registry (re-read every
 ``registry_poll_s``); a worker whose lease lapsed is gone from the next read.
+
+Client security (``RouterConfig``): TLS with ``grpc.ssl_server_credentials`` when a certificate
+and key are configured, and a bearer token checked by :class:`BearerTokenInterceptor` on every
+RPC except the health service, so that load balancers can probe without the token. With a
+cluster secret, the router's own calls to workers carry ``deploy.secret.worker_rpc_token``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections import Counter
@@ -15,13 +21,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from deploy.grpc_auth import BearerTokenInterceptor, bearer_interceptors
+from deploy.secret import cluster_secret, worker_rpc_token
 from model.config import ModelConfig
 from model.tokenizer import Tokenizer
 from proto import pdserve_pb2
+from router.admission import Admission
 from router.config import RouterConfig
 from router.dispatch import PrefillStats
 from router.generate import ClusterView, GenerateError, run_generate
 from router.kv_aware import KVAwareness
+from router.recovery import RegistryMemory
 from router.registry import RegistryReader, WorkerInfo
 from router.request import RequestTimes
 from router.slo import Slo, SloGate
@@ -30,6 +40,11 @@ from router.validation import parse_request, validate
 log = logging.getLogger(__name__)
 
 SERVICE = "pdserve.v1.Router"
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 class Router:
@@ -41,11 +56,16 @@ class Router:
         self.tokenizer = Tokenizer(cfg.model_dir, self.model_cfg.bos_token_id)
         self.registry = RegistryReader(cfg.redis_url, cfg.cluster)
         self.workers: list[WorkerInfo] = []
+        self._registry_memory = RegistryMemory(cfg.registry_grace_s)
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
         self.kv = KVAwareness(cfg.redis_url, cfg.cluster)
         self.gate = SloGate(cfg.redis_url, cfg.cluster, cfg.prefill_timeout_s + 5) if cfg.admission else None
+        # SLO outcomes are counted with or without admission (GetClusterState, the autoscaling planner)
+        self.outcomes = self.gate.admission if self.gate is not None else Admission(cfg.redis_url, cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        secret = cluster_secret()  # with one, worker calls carry a token derived from it
+        self._worker_auth = bearer_interceptors(worker_rpc_token(secret)) if secret is not None else None
         self.address = ""
 
     # ---- RPCs --------------------------------------------------------------------
@@ -60,9 +80,12 @@ class Router:
             await self._refresh()
         lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
         view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats,
-                           lookup, self.kv.on_routed, self.gate)
+                           lookup, self.kv.on_routed, self.gate, self.outcomes,
+                           live_workers=lambda: self.workers)
+        remaining = context.time_remaining()  # the client's deadline: no retry or migration starts past it
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for msg in run_generate(view, req, self.tokenizer, self.cfg, times):
+            async for msg in run_generate(view, req, self.tokenizer, self.cfg, times, deadline):
                 yield msg
         except GenerateError as exc:
             await context.abort(exc.code, exc.message)
@@ -70,9 +93,13 @@ class Router:
     async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest, context) -> pdserve_pb2.ClusterState:
         await self._refresh()
         now = time.time()
+        try:
+            a = await self.outcomes.attainment(60)
+        except Exception as exc:  # Redis away: the workers are still worth showing
+            log.warning("SLO attainment read failed: %s", exc)
+            a = None
         slo = None
-        if self.gate is not None:
-            a = await self.gate.admission.attainment(60)
+        if a is not None:
             slo = pdserve_pb2.SloAttainment(
                 finished=a["finished"], met_ttft=a["met_ttft"], met_tpot=a["met_tpot"], met_both=a["met_both"],
                 rejected=a["rejected"], attainment_both=a["attainment_both"] or 0.0, window_s=a["window_s"])
@@ -88,14 +115,18 @@ class Router:
     # ---- plumbing ----------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc.aio.insecure_channel(address, interceptors=self._worker_auth)
         return self._channels[address]
 
     async def _refresh(self) -> None:
         try:
-            self.workers = await self.registry.list_workers()
+            fresh = await self.registry.list_workers()
         except Exception as exc:  # Redis away: keep serving from the last known registry
+            self._registry_memory.read_failed()
             log.warning("registry read failed: %s", exc)
+            return
+        # Redis restarted empty: keep the workers it does not list yet until they re-register
+        self.workers = self._registry_memory.merge(self.workers, fresh)
 
     async def _poll_registry(self) -> None:
         while True:
@@ -110,12 +141,17 @@ class Router:
             await asyncio.sleep(self.cfg.registry_poll_s)
 
     async def start(self) -> str:
-        """Start serving. Returns ``host:port``.
+        """Start serving (over TLS and with a token check if configured). Returns ``host:port``.
 
         Raises:
             RuntimeError: the port could not be bound.
+            ValueError: the TLS files or the token became unreadable since the config was made.
         """
-        self._server = grpc.aio.server()
+        token, key_pair = self.cfg.bearer_token(), self.cfg.tls_key_pair()
+        if token is not None and key_pair is None and not _is_loopback(self.cfg.host):
+            log.warning("router: bearer token over plaintext on %s: anyone on the network can read it; "
+                        "configure tls_cert_file / tls_key_file", self.cfg.host)
+        self._server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else None)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             # Generate takes raw bytes so that malformed requests get INVALID_ARGUMENT, not INTERNAL.
             "Generate": grpc.unary_stream_rpc_method_handler(
@@ -127,7 +163,11 @@ class Router:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        port = self._server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        bind = f"{self.cfg.host}:{self.cfg.port}"
+        if key_pair is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            port = self._server.add_secure_port(bind, grpc.ssl_server_credentials([key_pair]))
         if port == 0:
             raise RuntimeError(f"cannot bind the router to {self.cfg.host}:{self.cfg.port}")
         await self._server.start()
@@ -145,5 +185,4 @@ class Router:
             await ch.close()
         await self.registry.close()
         await self.kv.close()
-        if self.gate is not None:
-            await self.gate.close()
+        await self.outcomes.aclose()

@@ -55,7 +55,7 @@ class SloGate:
                 TpotParams(*model.coefficients(), context_tokens), slo.tpot_s, decode_ttl_s=decode_ttl_s)
             if decision.admitted:
                 return d, decision
-        await self.admission.record_rejection()
+        await self.admission.record_rejection(reason=decision.reason if decision is not None else "")
         return None, decision
 
     async def close(self) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
+import subprocess
+import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -15,7 +19,7 @@ import torch
 from deploy import client
 from deploy.cli import EMBEDDED_MODEL
 from deploy.processes import RoleProcess, spawn_role
-from deploy.redis_server import ensure_redis
+from deploy.redis_server import ensure_redis, redis_answers, redis_server_binary
 from deploy.worker_process import default_redis_url
 
 AWKWARD_SHAPES = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=2, num_attention_heads=3,
@@ -58,27 +62,48 @@ def awkward_model_dir(tmp_path_factory) -> str:
 
 
 class Cluster:
-    """A router, prefill and decode workers as separate processes on a private registry namespace."""
+    """A router, prefill and decode workers as separate processes on a private registry namespace.
+
+    Workers are started in parallel (``worker_flags_by_name`` adds flags for one worker, e.g.
+    ``{"p0": {"fault_hold_transfer_s": 1.0}}``); :meth:`kill` and :meth:`restart_router` inject faults.
+    """
 
     def __init__(self, model: str, redis_url: str, num_prefill: int = 1, num_decode: int = 1,
                  prefill_flags: dict | None = None, decode_flags: dict | None = None, router_flags: dict | None = None,
-                 **worker_flags) -> None:
+                 worker_flags_by_name: dict[str, dict] | None = None, **worker_flags) -> None:
         self.model, self.redis_url, self.cluster = model, redis_url, "test-" + uuid.uuid4().hex[:8]
         common = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, lease_s=2.0, **worker_flags)
+        by_name = worker_flags_by_name or {}
+        specs = [("decode_worker", f"d{i}", decode_flags) for i in range(num_decode)]
+        specs += [("prefill_worker", f"p{i}", prefill_flags) for i in range(num_prefill)]
+        self.router_flags = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, kv_timeout_s=10.0,
+                                 **(router_flags or {}))
         self.workers: list[RoleProcess] = []
-        try:
-            for i in range(num_decode):
-                flags = dict(worker_id=f"d{i}", **common, **(decode_flags or {}))
-                self.workers.append(spawn_role("decode_worker", flags, f"d{i}"))
-            for i in range(num_prefill):
-                self.workers.append(spawn_role("prefill_worker",
-                                               dict(worker_id=f"p{i}", **common, **(prefill_flags or {})), f"p{i}"))
-            self.router = spawn_role("router", dict(model_dir=model, cluster=self.cluster, redis_url=redis_url,
-                                                    kv_timeout_s=10.0, **(router_flags or {})), "router")
-        except Exception:
+        with ThreadPoolExecutor(max_workers=len(specs) + 1) as pool:
+            futures = [pool.submit(spawn_role, module, dict(worker_id=name, **common, **(flags or {}),
+                                                            **by_name.get(name, {})), name)
+                       for module, name, flags in specs]
+            futures.append(pool.submit(spawn_role, "router", self.router_flags, "router"))
+            errors = []
+            for f in futures:
+                try:
+                    proc = f.result()
+                except Exception as exc:
+                    errors.append(exc)
+                    continue
+                if proc.name == "router":
+                    self.router = proc
+                else:
+                    self.workers.append(proc)
+        if errors:
+            self.stop()
+            raise errors[0]
+        self.address = self.router.address
+        try:  # started in parallel: the router may have read the registry before the last worker registered
+            self.wait_workers({name for _, name, _ in specs})
+        except AssertionError:
             self.stop()
             raise
-        self.address = self.router.address
 
     def run(self, coro_fn):
         """Run ``coro_fn(channel)`` against the router and return its result."""
@@ -92,6 +117,36 @@ class Cluster:
 
     def state(self):
         return self.run(client.cluster_state)
+
+    def worker(self, name: str) -> RoleProcess:
+        return next(p for p in self.workers if p.name == name)
+
+    def kill(self, name: str) -> None:
+        """``kill -9`` one worker (or ``"router"``) and reap it."""
+        proc = self.router if name == "router" else self.worker(name)
+        proc.proc.kill()
+        proc.proc.wait()
+
+    def restart_router(self) -> None:
+        """``kill -9`` the router, then start a new one on the same address."""
+        self.kill("router")
+        port = int(self.address.rsplit(":", 1)[1])
+        self.router = spawn_role("router", {**self.router_flags, "port": port}, "router")
+        assert self.router.address == self.address
+
+    def wait_workers(self, names: set[str], timeout_s: float = 10.0) -> None:
+        """Wait until the router lists exactly the workers ``names`` (leases lapsed or renewed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                seen = {w.worker_id for w in self.state().workers}
+            except grpc.aio.AioRpcError:
+                seen = set()
+            if seen == names:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"router lists workers {sorted(seen)}, expected {sorted(names)}")
+            time.sleep(0.1)
 
     def assert_pools_free(self, timeout_s: float = 6.0) -> None:
         """Every worker's KV pool is back to fully free (as its heartbeats report)."""
@@ -107,9 +162,55 @@ class Cluster:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        for p in [getattr(self, "router", None), *self.workers]:
-            if p is not None:
-                p.stop()
+        """SIGTERM every process at once, then wait for each (SIGKILL after its timeout)."""
+        procs = [p for p in [getattr(self, "router", None), *self.workers] if p is not None]
+        for p in procs:
+            if p.proc.poll() is None:
+                p.proc.terminate()
+        for p in procs:
+            p.stop()
+
+
+class PrivateRedis:
+    """A ``redis-server`` of its own on a free port (persistence off), for tests that restart Redis."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._dir = tempfile.mkdtemp(prefix="pdserve-private-redis-")
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Start it (empty) and wait until it answers PING."""
+        self.proc = subprocess.Popen([redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
+                                      "--save", "", "--appendonly", "no", "--dir", self._dir],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not redis_answers(self.url, 0.2):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"private redis-server on port {self.port} did not start")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """``kill -9``: everything it held is lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@pytest.fixture
+def private_redis():
+    """A Redis of the test's own, which the test may kill and restart."""
+    r = PrivateRedis()
+    yield r
+    r.stop()
 
 
 @pytest.fixture(scope="session")

@@ -76,3 +76,14 @@ def test_decode_by_batch_then_free_blocks_and_room():
     ws = [D("a", free=50, running=3), D("b", free=10, running=1), D("c", free=90, running=1), D("full", free=1)]
     assert ids(rank_decode(ws, Counter(), num_tokens=100)) == ["c", "b", "a"]   # 7 blocks needed: "full" is out
     assert ids(rank_decode(ws, Counter({"c": 5}), num_tokens=100)) == ["b", "a", "c"]
+
+
+def test_decode_workers_without_a_common_kv_transport_are_never_chosen():
+    from dataclasses import replace
+
+    cpu, gpu = replace(D("cpu", free=100), kv_backends=("tcp",)), replace(D("gpu", free=100), kv_backends=("nccl",))
+    old = D("old", free=100)  # an entry without kv_backends reads as TCP
+    workers = [cpu, gpu, old]
+    assert ids(rank_decode(workers, Counter(), 16, kv_backends=("nccl",))) == ["gpu"]
+    assert sorted(ids(rank_decode(workers, Counter(), 16, kv_backends=("tcp",)))) == ["cpu", "old"]
+    assert sorted(ids(rank_decode(workers, Counter(), 16, kv_backends=()))) == ["cpu", "old"]

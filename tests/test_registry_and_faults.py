@@ -36,6 +36,15 @@ def test_cluster_state_lists_workers_from_redis(fresh_cluster, redis_url):
     assert len(keys) == 2
 
 
+def test_slo_outcomes_are_counted_without_admission(fresh_cluster):
+    """The router counts every finished request's SLO outcome in Redis (admission off), so
+    ``GetClusterState`` and the autoscaling planner see attainment."""
+    before = fresh_cluster.state().slo.finished
+    fresh_cluster.complete("Once upon a time", max_tokens=4, temperature=0)
+    slo = fresh_cluster.state().slo
+    assert slo.finished == before + 1 and slo.met_ttft <= slo.finished and slo.rejected == 0
+
+
 def test_health_and_reflection(fresh_cluster):
     async def probe(channel):
         health = await health_pb2_grpc.HealthStub(channel).Check(

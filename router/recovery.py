@@ -1,0 +1,172 @@
+"""What the router does when a worker fails under a request: retry or migrate, a bounded number of times.
+
+::
+
+    attempt k ──(worker failed)──► no token streamed yet? ──yes──► RETRY: the whole dispatch again
+       ▲                                   │ no                     (new decode allocation, new prefill)
+       │                                   ▼
+       │                          MIGRATE: prefill prompt + the tokens already streamed on a prefill
+       │                          worker, decode on another decode worker, resume the stream after them
+       └───────────── while attempts < max_attempts and the request's deadline allows ─────────────┘
+                      else UNAVAILABLE naming every failure
+
+Migration follows NVIDIA Dynamo's request migration: the new prefill recomputes (mostly from the
+prefix cache) the KV of everything the client already has, samples the next token with output index
+``len(streamed)`` (seeded sampling stays one stream), and the new decode worker counts the streamed
+tokens towards ``max_tokens`` and stop checks, so a greedy request with a migration is token-identical
+to an uninterrupted run and no token is duplicated or dropped.
+
+Workers that failed under this request are *avoided*, not banned: they go last in every ranking
+(a dead worker is in the registry until its lease lapses; one that failed for a passing reason may
+be the only one left).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from model.config import ModelConfig
+from model.sampling import SamplingParams
+from router.registry import WorkerInfo
+
+MAX_ATTEMPTS = 4  # default dispatches per request, the first included (RouterConfig.max_attempts)
+MIN_ATTEMPT_S = 0.5       # no new attempt with less time than this left before the request's deadline
+RETRY_BACKOFF_S = 0.05    # pause before attempt k is k times this (leases and connections settle)
+
+# Statuses a worker ends a call with that another worker cannot fix: the request itself is wrong.
+NOT_RETRIABLE = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+class GenerateError(Exception):
+    """Ends the client's stream with ``code`` and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class WorkerFailure(Exception):
+    """One attempt failed because of a worker (died, cut the stream, failed the transfer).
+
+    Attributes:
+        worker_ids: the workers to avoid in the next attempts of this request.
+        message: what failed, for logs and the final error.
+    """
+
+    def __init__(self, worker_ids: Iterable[str], message: str) -> None:
+        super().__init__(message)
+        self.worker_ids, self.message = frozenset(worker_ids), message
+
+
+@dataclass
+class Progress:
+    """What survives from one attempt to the next.
+
+    Attributes:
+        generated: output token ids already streamed to the client, in order.
+        avoid: ids of workers that failed under this request.
+        failures: one message per failed attempt.
+        num_retries: attempts restarted before any token was streamed.
+        num_migrations: attempts restarted after tokens were streamed.
+        cached_tokens: prompt tokens the first successful prefill served from its prefix cache.
+    """
+
+    generated: list[int] = field(default_factory=list)
+    avoid: set[str] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+    num_retries: int = 0
+    num_migrations: int = 0
+    cached_tokens: int | None = None
+
+    @property
+    def num_attempts(self) -> int:
+        return 1 + self.num_retries + self.num_migrations
+
+    def history(self) -> str:
+        """The failures so far, for error messages (empty when none)."""
+        return f" (after {len(self.failures)} failed attempt(s): {'; '.join(self.failures)})" if self.failures else ""
+
+    def finish_reason(self, sampling: SamplingParams, stop_ids: frozenset[int]) -> str | None:
+        """``"stop"``/``"length"`` when the streamed output already ends the request (a worker died between
+        its last token and its ``finished``), else ``None``."""
+        if self.generated and self.generated[-1] in stop_ids:
+            return "stop"
+        if len(self.generated) >= sampling.max_tokens:
+            return "length"
+        return None
+
+    def record(self, failure: WorkerFailure, deadline: float | None, max_attempts: int = MAX_ATTEMPTS) -> float:
+        """Count ``failure`` and decide whether to try again.
+
+        Returns:
+            Seconds to wait before the next attempt.
+        Raises:
+            GenerateError: UNAVAILABLE naming every failure, when the attempts or the deadline are used up.
+        """
+        self.failures.append(failure.message)
+        self.avoid |= failure.worker_ids
+        if self.generated:
+            self.num_migrations += 1
+        else:
+            self.num_retries += 1
+        if self.num_attempts > max_attempts:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                f"request failed after {max_attempts} attempts: {'; '.join(self.failures)}")
+        backoff = RETRY_BACKOFF_S * (self.num_attempts - 1)
+        if deadline is not None and deadline - time.monotonic() < MIN_ATTEMPT_S + backoff:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                                f"no time left before the request's deadline to recover: {'; '.join(self.failures)}")
+        return backoff
+
+
+def avoiding(ranked: list[WorkerInfo], avoid: set[str]) -> list[WorkerInfo]:
+    """``ranked`` with the workers in ``avoid`` moved to the end (order kept otherwise)."""
+    return [w for w in ranked if w.worker_id not in avoid] + [w for w in ranked if w.worker_id in avoid]
+
+
+@functools.lru_cache(maxsize=8)
+def eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    """The checkpoint's EOS token ids (read once per directory)."""
+    return ModelConfig.from_hf_dir(model_dir).eos_token_ids
+
+
+class RegistryMemory:
+    """Bridges a Redis restart in the router's view of the workers.
+
+    Redis restarted empty lists no worker until each renews its lease (within ``lease_s / 4``);
+    a worker missing from a read is kept from the previous view when its last heartbeat is
+    younger than ``grace_s`` (Redis lost it between two reads), or when the read is within
+    ``grace_s`` of the first successful read after failed ones (Redis was down: every heartbeat
+    meanwhile failed). A worker that really died and is kept this way fails fast at connect, and
+    :func:`run_generate`'s retries move its requests on.
+    """
+
+    def __init__(self, grace_s: float = 2.0) -> None:
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        self.grace_s = grace_s
+        self._down = False
+        self._recovered_at = float("-inf")
+
+    def read_failed(self) -> None:
+        """The registry could not be read (the caller keeps its last view)."""
+        self._down = True
+
+    def merge(self, previous: list[WorkerInfo], fresh: list[WorkerInfo], now_unix: float | None = None,
+              now_mono: float | None = None) -> list[WorkerInfo]:
+        """The view after a successful read: ``fresh`` plus the workers of ``previous`` it lacks that are
+        kept (see the class docstring), sorted by id. Times default to ``time.time()`` / ``time.monotonic()``."""
+        now_unix = time.time() if now_unix is None else now_unix
+        now_mono = time.monotonic() if now_mono is None else now_mono
+        if self._down:
+            self._down, self._recovered_at = False, now_mono
+        listed = {w.worker_id for w in fresh}
+        recovering = now_mono - self._recovered_at < self.grace_s
+        kept = [w for w in previous if w.worker_id not in listed
+                and (recovering or now_unix - w.heartbeat_at < self.grace_s)]
+        return sorted(fresh + kept, key=lambda w: w.worker_id)
