@@ -1,4 +1,4 @@
-"""The ``pdserve`` command: ``up``, ``generate``, ``demo``."""
+"""The ``pdserve`` command: ``up``, ``generate``, ``demo``, ``scale``, ``status``, ``make-model``, ``bench``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-graph", action="store_true",
                    help="decode: no GraphRunner (padded buckets, CUDA graphs on GPUs); on by default")
     p.add_argument("--port", type=int, default=0, help="router port (0: any free port)")
+    p.add_argument("--tls-cert", default="", help="router: PEM certificate chain; with --tls-key the API is TLS-only")
+    p.add_argument("--tls-key", default="", help="router: PEM private key of --tls-cert")
+    p.add_argument("--token-file", default="",
+                   help="router: file holding the bearer token clients must send (else env PDSERVE_ROUTER_TOKEN)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
     p.add_argument("--block-size", type=int, default=16)
@@ -56,16 +60,38 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-k", type=int, default=4, help="decode: proposal length")
     p.add_argument("--spec-draft-layers", type=int, default=1, help="decode: layers of the self-draft")
     p.add_argument("--spec-draft-model", default="", help="decode: draft checkpoint for --speculative draft")
+    p.add_argument("--cluster", default=None, help="cluster id (registry namespace, controller name; default: random)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs each worker reserves")
+    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="placement-group strategy of each batch of workers of a pool")
+    p.add_argument("--max-restarts", type=int, default=3, help="Ray restarts of a dead worker actor (-1: forever)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds a removed worker's in-flight requests get to finish")
+    p.add_argument("--autoscale", action="store_true",
+                   help="planner: grow prefill on TTFT misses, decode on TPOT misses (from the SLO attainment "
+                        "the router counts in Redis)")
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--min-{pool}", type=int, default=1, help=f"autoscale: fewest {pool} workers")
+        p.add_argument(f"--max-{pool}", type=int, default=4, help=f"autoscale: most {pool} workers")
+    p.add_argument("--autoscale-window", type=float, default=30.0, help="autoscale: seconds per observation")
 
 
 def _start_cluster(args: argparse.Namespace):
+    from deploy.planner import PlannerConfig
     from deploy.ray_cluster import ClusterConfig, RayCluster
     from deploy.redis_server import ensure_redis
 
-    redis_proc = ensure_redis(args.redis_url)
-    cluster = RayCluster(ClusterConfig(
+    autoscale = None
+    if args.autoscale:
+        autoscale = PlannerConfig(min_prefill=args.min_prefill, max_prefill=args.max_prefill,
+                                  min_decode=args.min_decode, max_decode=args.max_decode,
+                                  window_s=args.autoscale_window, cooldown_s=2 * args.autoscale_window)
+    ids = {"cluster": args.cluster} if args.cluster else {}
+    cfg = ClusterConfig(
         model_dir=str(Path(args.model).resolve()), num_prefill=args.prefill, num_decode=args.decode,
-        num_colocated=args.colocated,
+        num_colocated=args.colocated, **ids, cpus_per_worker=args.cpus_per_worker,
+        placement_strategy=args.placement_strategy, max_restarts=args.max_restarts,
+        drain_timeout_s=args.drain_timeout, autoscale=autoscale,
         port=args.port, ray_address=args.ray_address, redis_url=args.redis_url, block_size=args.block_size,
         num_blocks=args.num_blocks, dtype=args.dtype,
         prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
@@ -75,7 +101,12 @@ def _start_cluster(args: argparse.Namespace):
                         "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "graph": not args.no_graph},
         router_options={"admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
-                        "default_tpot_slo_s": args.tpot_slo}))
+                        "default_tpot_slo_s": args.tpot_slo,
+                        **{name: str(Path(path).resolve()) for name, path in (
+                            ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key),
+                            ("token_file", args.token_file)) if path}})
+    redis_proc = ensure_redis(args.redis_url)
+    cluster = RayCluster(cfg)
     try:
         address = cluster.start()
     except Exception:
@@ -88,6 +119,8 @@ def _start_cluster(args: argparse.Namespace):
 def cmd_up(args: argparse.Namespace) -> int:
     cluster, address, redis_proc = _start_cluster(args)
     print(f"router listening on {address}", flush=True)
+    print(f"cluster {cluster.cfg.cluster}: resize with `pdserve scale --cluster {cluster.cfg.cluster} --prefill N "
+          f"--decode M`, inspect with `pdserve status --cluster {cluster.cfg.cluster}`", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -110,7 +143,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     async def run() -> int:
         request = client.make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
-        async with grpc.aio.insecure_channel(args.router) as channel:
+        try:
+            channel = client.open_channel(args.router, tls_ca_file=args.tls_ca or None,
+                                          token=client.read_token(args.token_file or None),
+                                          tls_server_name=args.tls_server_name or None)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        async with channel:
             try:
                 async for msg in client.stream(channel, request):
                     sys.stdout.write(msg.text)
@@ -173,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--tls-ca", default="", help="PEM CA certificate of a TLS router (default: plaintext)")
+    gen.add_argument("--tls-server-name", default="", help="name in the router's certificate, if not the host")
+    gen.add_argument("--token-file", default="",
+                     help="file holding the router's bearer token (default: env PDSERVE_ROUTER_TOKEN, if set)")
     gen.add_argument("prompt")
     gen.set_defaults(func=cmd_generate)
 
@@ -180,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     _cluster_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(func=cmd_demo)
+
+    from deploy import pool_cli
+
+    pool_cli.add_commands(sub)
 
     mk = sub.add_parser("make-model", help="write a seeded random-weight Llama checkpoint at a benchmark preset")
     mk.add_argument("--preset", required=True, help="bench-80m (about 80M parameters) or bench-9m")

@@ -57,6 +57,19 @@ class ServiceThread:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the service and the loop."""
-        asyncio.run_coroutine_threadsafe(self._service.stop(), self._loop).result(timeout_s)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+        self._finish(self._service.stop(), timeout_s)
+
+    def drain(self, grace_s: float, unroute_s: float) -> None:
+        """Drain a worker (see :meth:`deploy.worker_process.WorkerProcess.drain`), or stop a
+        service that has no drain; then stop the loop. Returns within about
+        ``unroute_s + grace_s`` plus the engine's shutdown."""
+        drain = getattr(self._service, "drain", None)
+        coro = drain(grace_s, unroute_s) if drain is not None else self._service.stop()
+        self._finish(coro, unroute_s + grace_s + 30.0)
+
+    def _finish(self, coro, timeout_s: float) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout_s)

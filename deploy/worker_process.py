@@ -16,6 +16,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from deploy.grpc_auth import BearerTokenInterceptor
+from deploy.secret import cluster_secret, worker_rpc_token
 from router.registry import WorkerInfo, WorkerLease
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class WorkerProcess:
         self._thread = threading.Thread(target=engine.run_forever, args=(self._halt,),
                                         name=f"{type(self).__name__}-engine", daemon=True)
         self.address = ""
+        self._grace_s, self._unroute_s = 1.0, 0.0
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -140,10 +143,24 @@ class WorkerProcess:
         self._heartbeat.start()
         return self.address
 
+    async def drain(self, grace_s: float, unroute_s: float = 1.0) -> None:
+        """Leave the cluster without failing what is in flight (scale-down)::
+
+            release lease ─ wait unroute_s ─ refuse new RPCs, in-flight ones run ≤ grace_s ─ stop engine
+
+        Routers drop the worker at their next registry read, so ``unroute_s`` should exceed
+        their poll period. An RPC still running after ``grace_s`` is cancelled: its stream ends
+        with an error status and its KV blocks are freed. The KV pool itself goes with the process.
+        """
+        self._grace_s, self._unroute_s = grace_s, unroute_s
+        await self.stop()
+
     async def stop(self) -> None:
-        """Deregister, stop serving, then stop the engine (which fails what is in flight)."""
+        """Deregister, stop serving (in-flight RPCs get the drain grace, 1 s by default),
+        then stop the engine (which fails what is still in flight)."""
         self._heartbeat.stop()
-        await self._server.stop(grace=1.0)
+        await asyncio.sleep(self._unroute_s)
+        await self._server.stop(grace=self._grace_s)
         self._halt.set()
         await asyncio.to_thread(self._thread.join, 5)
 
@@ -157,7 +174,9 @@ async def start_grpc_server(host: str, port: int, add_servicer: Callable[[grpc.a
     Raises:
         RuntimeError: the port could not be bound.
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    secret = cluster_secret()  # with one, only the router (which derives the same token) may call
+    interceptors = [BearerTokenInterceptor(worker_rpc_token(secret))] if secret is not None else None
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     add_servicer(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,7 +12,6 @@ import time
 
 import redis
 
-from deploy.ray_cluster import worker_resources
 from deploy.redis_server import ensure_redis, redis_answers
 
 PDSERVE = [sys.executable, "-m", "deploy.cli"]
@@ -42,27 +41,30 @@ def test_ensure_redis_uses_a_running_server(redis_url):
     assert ensure_redis(redis_url) is None
 
 
-def test_workers_ask_ray_for_a_gpu_only_with_cuda():
-    assert worker_resources(1.5, cuda=False) == {"num_cpus": 1.5, "num_gpus": 0.0}
-    assert worker_resources(1.5, cuda=True)["num_gpus"] == 1.0
-
-
 def test_up_generate_and_clean_shutdown(redis_url, model_dir):
     """`pdserve up` on a local Ray instance (with chunked prefill, self-draft speculation and
-    no graph runner) serves `pdserve generate`, then exits cleanly on SIGINT."""
+    no graph runner) prints its cluster id, which `pdserve status` shows, serves `pdserve generate`,
+    then exits cleanly on SIGINT."""
     env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
     up = subprocess.Popen([*PDSERVE, "up", "--model", model_dir, "--prefill", "1", "--decode", "1",
                            "--speculative", "self", "--max-num-batched-tokens", "8", "--no-graph"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
-        address, deadline = None, time.monotonic() + 120
-        while address is None and time.monotonic() < deadline:
+        address, cluster_id, deadline = None, None, time.monotonic() + 120
+        while cluster_id is None and time.monotonic() < deadline:
             if select.select([up.stdout], [], [], 0.5)[0]:
                 line = up.stdout.readline()
                 if line.startswith("router listening on "):
                     address = line.split()[-1]
+                    line = up.stdout.readline()  # printed right after (maybe already in the read buffer)
+                    assert line.startswith("cluster "), line
+                    cluster_id = line.split()[1].rstrip(":")
                 assert line or up.poll() is None, up.stderr.read()
-        assert address, "pdserve up did not print its router address"
+        assert address and cluster_id, "pdserve up did not print its router address and cluster id"
+        status = subprocess.run([*PDSERVE, "status", "--cluster", cluster_id], capture_output=True, text=True,
+                                timeout=60, env=env)
+        assert status.returncode == 0, status.stderr
+        assert status.stdout.startswith(f"cluster {cluster_id}: prefill 1 worker, decode 1 worker\n")
         gen = subprocess.run([*PDSERVE, "generate", "--router", address, "--max-tokens", "12",
                               "Once upon a time, there was a little dog"],
                              capture_output=True, text=True, timeout=60, env=env)
