@@ -1,0 +1,435 @@
+"""Load and soak: many concurrent streaming clients against the router, for minutes.
+
+    .venv/bin/python bench/soak.py --clients 500 --duration 300 --out docs/results/soak
+
+Two parts, each on real processes on the embedded model:
+
+1. Router overhead (``--latency-pairs``, on an otherwise idle colocated worker, role ``both``):
+   the same request (token ids, greedy, fixed length) is sent straight to the worker's
+   ``DecodeWorker.Generate`` with ``local_prefill`` and through a router in front of that
+   worker, one at a time, alternating which path goes first. Both paths run the same
+   engine work, so the difference in client-side TTFT and per-token latency is what the
+   router's hop (validation, dispatch, relay, detokenization) adds.
+2. Soak: router + prefill + decode worker (disaggregated). ``--clients`` asyncio clients,
+   spread over ``--client-procs`` processes so that the client side does not bottleneck on
+   one core, each loop requests for ``--duration`` seconds: prompts from a fixed set of
+   ``--num-prompts`` (text and token ids), ``max_tokens`` 4..32, half greedy, half sampled
+   with a seed. Every error status is counted (the goal is zero). The RSS of the router and
+   each worker (``VmRSS`` of ``/proc/PID/status``) is sampled every second; the baseline is
+   taken once the warm-up is over and growth is the end over the baseline.
+
+   Warm-up (``--warmup``, default 20% of the run, at least 10 s) runs at full concurrency,
+   so it reaches the peak number of requests in flight (the high-water mark of touched KV
+   blocks and gRPC buffers), runs every decode batch size up to ``max_batch_size`` and sends
+   every prompt of the fixed set at least once (so the prefill worker's prefix cache and the
+   router's prefix index reach their final size). What grows after that is growth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from deploy import client  # noqa: E402
+from deploy.processes import RoleProcess, spawn_role  # noqa: E402
+from proto import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+
+WORDS = ("once upon a time there was a little girl named Lily she liked to play with her dog in the park one day "
+         "the sun was big and bright Tom saw a red ball under the tree and they were happy").split()
+CLIENTS_PER_CHANNEL = 50  # separate HTTP/2 connections, as many independent clients would open
+
+
+def make_prompts(num: int, seed: int) -> list[str | list[int]]:
+    """``num`` distinct prompts: even ones text (3..30 words), odd ones token ids (4..40, BOS first)."""
+    rng = random.Random(seed)
+    out: list[str | list[int]] = []
+    while len(out) < num:
+        if len(out) % 2 == 0:
+            out.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))).capitalize())
+        else:
+            out.append([1] + [rng.randrange(3, 2048) for _ in range(rng.randint(3, 39))])
+    return out
+
+
+def make_request(rng: random.Random, prompts: list) -> pdserve_pb2.GenerateRequest:
+    """A varied request: a prompt of the fixed set, 4..32 tokens, greedy or seeded sampling."""
+    greedy = rng.random() < 0.5
+    return client.make_request(rng.choice(prompts), max_tokens=rng.randint(4, 32),
+                               temperature=0.0 if greedy else 0.8, top_p=None if greedy else 0.95,
+                               seed=None if greedy else rng.randrange(2**32))
+
+
+def rss_kb(pid: int) -> int:
+    """Resident set size (``VmRSS``, KiB) of process ``pid``.
+
+    Raises:
+        ProcessLookupError: the process is gone.
+    """
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except FileNotFoundError:
+        pass
+    raise ProcessLookupError(f"no VmRSS for pid {pid}")
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50 and p99 (nearest rank) of ``values``; zeros when empty."""
+    if not values:
+        return {"p50": 0.0, "p99": 0.0, "n": 0}
+    s = sorted(values)
+    return {"p50": s[math.ceil(0.5 * len(s)) - 1], "p99": s[math.ceil(0.99 * len(s)) - 1], "n": len(s)}
+
+
+# -- clients (run in child processes) ------------------------------------------------------------------
+
+async def _one(channel: grpc.aio.Channel, request, timeout_s: float) -> tuple[float, float, int]:
+    """(TTFT s, TPOT s, output tokens) of one streamed request, at the client.
+
+    Raises:
+        grpc.aio.AioRpcError: the router ended the stream with an error.
+        RuntimeError: the stream ended without ``final``.
+    """
+    start = time.perf_counter()
+    first = last = 0.0
+    n, final = 0, False
+    async for msg in pdserve_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout_s):
+        if msg.token_ids:
+            last, n = time.perf_counter(), n + len(msg.token_ids)
+            first = first or last
+        final = final or msg.HasField("final")
+    if not final or n == 0:
+        raise RuntimeError(f"stream ended without final ({n} tokens)")
+    return first - start, (last - first) / (n - 1) if n > 1 else 0.0, n
+
+
+async def _clients(address: str, num_clients: int, start_at: float, end_at: float, seed: int,
+                   prompts: list, timeout_s: float) -> list[tuple]:
+    records: list[tuple] = []
+    opts = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(address, options=opts)
+                for _ in range(-(-num_clients // CLIENTS_PER_CHANNEL))]
+
+    async def loop(i: int) -> None:
+        rng = random.Random(seed * 100_003 + i)
+        channel = channels[i // CLIENTS_PER_CHANNEL]
+        while (now := time.time()) < end_at:
+            request = make_request(rng, prompts)
+            try:
+                ttft, tpot, n = await _one(channel, request, timeout_s)
+                records.append((now - start_at, "OK", ttft, tpot, n))
+            except grpc.aio.AioRpcError as e:
+                records.append((now - start_at, e.code().name, 0.0, 0.0, 0, (e.details() or "")[:200]))
+            except Exception as e:  # counted, never hidden
+                records.append((now - start_at, "CLIENT_" + type(e).__name__, 0.0, 0.0, 0, str(e)[:200]))
+
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    await asyncio.gather(*(loop(i) for i in range(num_clients)))
+    for ch in channels:
+        await ch.close()
+    return records
+
+
+def run_clients(address: str, num_clients: int, start_at: float, end_at: float, seed: int, prompts: list,
+                timeout_s: float) -> list[tuple]:
+    """Child-process entry: ``num_clients`` clients loop requests from ``start_at`` until ``end_at``
+    (``time.time()`` seconds), each finishing its last request. Returns one record per request:
+    ``(start s after start_at, status name, TTFT s, TPOT s, tokens[, error details])``."""
+    return asyncio.run(_clients(address, num_clients, start_at, end_at, seed, prompts, timeout_s))
+
+
+# -- RSS sampling ------------------------------------------------------------------------------------
+
+class RssSampler(threading.Thread):
+    """Samples the VmRSS (KiB) of named processes every ``period_s`` seconds until stopped."""
+
+    def __init__(self, pids: dict[str, int], t0: float, period_s: float = 1.0) -> None:
+        super().__init__(name="rss-sampler", daemon=True)
+        self.pids, self.t0, self.period_s = pids, t0, period_s
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.period_s):
+            self.samples.append((time.time() - self.t0, {n: rss_kb(p) for n, p in self.pids.items()}))
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def growth(self, warmup_s: float, duration_s: float, window_s: float = 5.0) -> dict:
+        """Per process: median RSS over ``window_s`` right after the warm-up (baseline) and over the
+        last ``window_s`` of the run (end), in MiB, and the growth end / baseline - 1 in %."""
+        out = {}
+        for name in self.pids:
+            base = [s[name] for t, s in self.samples if warmup_s <= t < warmup_s + window_s]
+            end = [s[name] for t, s in self.samples if duration_s - window_s <= t < duration_s]
+            if not base or not end:
+                raise RuntimeError(f"not enough RSS samples for {name} (run shorter than warm-up + 2 windows?)")
+            b, e = statistics.median(base), statistics.median(end)
+            out[name] = {"baseline_mib": b / 1024, "end_mib": e / 1024, "growth_pct": 100 * (e / b - 1),
+                         "peak_mib": max(s[name] for _, s in self.samples) / 1024}
+        return out
+
+
+# -- router overhead ----------------------------------------------------------------------------------
+
+async def _direct(stub, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    sampling = worker_pb2.ResolvedSampling(temperature=0.0, top_p=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    async for ev in stub.Generate(worker_pb2.DecodeRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
+                                                           sampling=sampling, local_prefill=True), timeout=60):
+        if ev.WhichOneof("event") == "tokens":
+            last, n = time.perf_counter(), n + len(ev.tokens.token_ids)
+            first = first or last
+    assert n == max_tokens, f"direct call streamed {n} of {max_tokens} tokens"
+    return first - start, (last - first) / (n - 1)
+
+
+async def _routed(channel, ids: list[int], max_tokens: int) -> tuple[float, float]:
+    request = client.make_request(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ttft, tpot, n = await _one(channel, request, 60)
+    assert n == max_tokens, f"routed call streamed {n} of {max_tokens} tokens"
+    return ttft, tpot
+
+
+async def router_overhead(worker_address: str, router_address: str, pairs: int, prompts: list[list[int]],
+                          max_tokens: int = 16) -> dict:
+    """Client-side TTFT and TPOT of the same requests direct to a colocated worker and through a
+    router in front of it (sequential, alternating order), with p50/p99 and the router's addition."""
+    got: dict[str, dict[str, list[float]]] = {p: {"ttft_s": [], "tpot_s": []} for p in ("direct", "routed")}
+    async with grpc.aio.insecure_channel(worker_address) as wch, grpc.aio.insecure_channel(router_address) as rch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(wch)
+        calls = {"direct": lambda ids: _direct(stub, ids, max_tokens),
+                 "routed": lambda ids: _routed(rch, ids, max_tokens)}
+        for i in range(10):  # warm both paths (channels, graph buckets, registry read)
+            for path in calls:
+                await calls[path](prompts[i % len(prompts)])
+        for i in range(pairs):
+            order = ("direct", "routed") if i % 2 == 0 else ("routed", "direct")
+            for path in order:
+                ttft, tpot = await calls[path](prompts[i % len(prompts)])
+                got[path]["ttft_s"].append(ttft)
+                got[path]["tpot_s"].append(tpot)
+    out = {path: {m: percentiles(v) for m, v in metrics.items()} for path, metrics in got.items()}
+    out["added"] = {m: {q: out["routed"][m][q] - out["direct"][m][q] for q in ("p50", "p99")} for m in got["direct"]}
+    # Per pair (same prompt, back to back): less exposed to load from other processes than the difference of
+    # two independent percentiles.
+    out["paired_added"] = {m: percentiles([r - d for r, d in zip(got["routed"][m], got["direct"][m])])
+                           for m in got["direct"]}
+    out["pairs"], out["max_tokens"] = pairs, max_tokens
+    return out
+
+
+def measure_router_overhead(model: str, redis_url: str, pairs: int, seed: int) -> dict:
+    """Start a colocated worker and a router in front of it, measure :func:`router_overhead`, stop them."""
+    ns = "soak-lat-" + uuid.uuid4().hex[:8]
+    procs: list[RoleProcess] = []
+    try:
+        procs.append(spawn_role("decode_worker", dict(worker_id="c0", model_dir=model, cluster=ns, redis_url=redis_url,
+                                                      colocated="true"), "colocated"))
+        procs.append(spawn_role("router", dict(model_dir=model, cluster=ns, redis_url=redis_url), "router"))
+        prompts = [p for p in make_prompts(64, seed) if isinstance(p, list)]
+        return asyncio.run(router_overhead(procs[0].address, procs[1].address, pairs, prompts))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+# -- soak ----------------------------------------------------------------------------------------------
+
+def start_cluster(model: str, redis_url: str, decode_blocks: int, max_batch_size: int) -> list[RoleProcess]:
+    """Decode worker, prefill worker and router (in that order) on a fresh registry namespace."""
+    ns = "soak-" + uuid.uuid4().hex[:8]
+    base = dict(model_dir=model, cluster=ns, redis_url=redis_url)
+    procs: list[RoleProcess] = []
+    try:
+        procs.append(spawn_role("decode_worker", dict(worker_id="d0", num_blocks=decode_blocks,
+                                                      max_batch_size=max_batch_size, **base), "decode"))
+        procs.append(spawn_role("prefill_worker", dict(worker_id="p0", **base), "prefill"))
+        procs.append(spawn_role("router", dict(base, prefill_timeout_s=120.0), "router"))
+    except Exception:
+        for p in reversed(procs):
+            p.stop()
+        raise
+    return procs
+
+
+def wait_pools_free(address: str, timeout_s: float = 15.0) -> dict:
+    """Wait until every worker reports all KV blocks free; returns ``{worker: (free, total)}`` as last seen.
+
+    Raises:
+        AssertionError: blocks are still allocated after ``timeout_s``.
+    """
+    async def state():
+        async with grpc.aio.insecure_channel(address) as ch:
+            return await client.cluster_state(ch)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {w.worker_id: (w.num_free_blocks, w.num_total_blocks) for w in asyncio.run(state()).workers}
+        if seen and all(f == t for f, t in seen.values()):
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"KV blocks still allocated (free, total): {seen}")
+        time.sleep(0.3)
+
+
+def summarize(records: list[tuple], warmup_s: float, duration_s: float) -> dict:
+    """Counts by status over the whole run; throughput and latency over requests started after the warm-up."""
+    statuses = Counter(r[1] for r in records)
+    measured = [r for r in records if r[0] >= warmup_s and r[1] == "OK"]
+    window = duration_s - warmup_s
+    errors = {}
+    for r in records:
+        if r[1] != "OK":
+            errors.setdefault(r[1], r[5] if len(r) > 5 else "")
+    return {"requests": len(records), "statuses": dict(statuses), "errors": sum(v for k, v in statuses.items()
+                                                                                 if k != "OK"),
+            "error_examples": errors, "measured_requests": len(measured),
+            "requests_per_s": len(measured) / window, "tokens_per_s": sum(r[4] for r in measured) / window,
+            "ttft_s": percentiles([r[2] for r in measured]),
+            "tpot_s": percentiles([r[3] for r in measured if r[4] > 1])}
+
+
+def soak(model: str, redis_url: str, clients: int, duration_s: float, warmup_s: float, client_procs: int = 4,
+         num_prompts: int = 200, seed: int = 0, timeout_s: float = 120.0, decode_blocks: int = 4096,
+         max_batch_size: int = 64) -> dict:
+    """Run the soak on a fresh cluster; returns the summary, RSS growth and the pools' final state.
+
+    Raises:
+        ValueError: the warm-up leaves no measured window.
+        AssertionError: KV blocks still allocated at the end.
+    """
+    if not 0 < warmup_s < duration_s - 10:
+        raise ValueError(f"warm-up {warmup_s} s must leave at least 10 s of a {duration_s} s run")
+    procs = start_cluster(model, redis_url, decode_blocks, max_batch_size)
+    try:
+        router = procs[-1]
+        prompts = make_prompts(num_prompts, seed)
+        procs_n = max(1, min(client_procs, clients))
+        share = [clients // procs_n + (i < clients % procs_n) for i in range(procs_n)]
+        with ProcessPoolExecutor(procs_n, mp_context=get_context("spawn")) as pool:
+            start_at = time.time() + 3.0 + 0.5 * procs_n  # children import and connect first (late ones join in)
+            end_at = start_at + duration_s
+            futures = [pool.submit(run_clients, router.address, n, start_at, end_at, seed + i, prompts, timeout_s)
+                       for i, n in enumerate(share)]
+            sampler = RssSampler({p.name: p.proc.pid for p in procs}, start_at)
+            sampler.start()
+            records = [r for f in futures for r in f.result()]
+            sampler.stop()
+        dead = [p.name for p in procs if p.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"processes died during the soak: {dead}")
+        result = summarize(records, warmup_s, duration_s)
+        result["rss"] = sampler.growth(warmup_s, duration_s)
+        result["rss_series"] = [(round(t, 1), s) for t, s in sampler.samples]
+        result["pools_at_end"] = wait_pools_free(router.address)
+        result.update(clients=clients, duration_s=duration_s, warmup_s=warmup_s, client_procs=procs_n,
+                      num_prompts=num_prompts, decode_blocks=decode_blocks, max_batch_size=max_batch_size)
+        return result
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def print_table(result: dict) -> None:
+    """Print the soak summary, the RSS table and the router-overhead table (milliseconds)."""
+    s = result["soak"]
+    print(f"\nsoak: {s['clients']} clients x {s['duration_s']:g} s (warm-up {s['warmup_s']:g} s): "
+          f"{s['requests']} requests, errors {s['errors']} {s['statuses']}")
+    print(f"  measured: {s['requests_per_s']:.1f} req/s, {s['tokens_per_s']:.0f} tokens/s; "
+          f"TTFT p50 {s['ttft_s']['p50'] * 1e3:.0f} ms p99 {s['ttft_s']['p99'] * 1e3:.0f} ms; "
+          f"TPOT p50 {s['tpot_s']['p50'] * 1e3:.1f} ms p99 {s['tpot_s']['p99'] * 1e3:.1f} ms")
+    print(f"  {'process':<10}{'baseline MiB':>14}{'end MiB':>10}{'peak MiB':>10}{'growth %':>10}")
+    for name, g in s["rss"].items():
+        print(f"  {name:<10}{g['baseline_mib']:>14.1f}{g['end_mib']:>10.1f}{g['peak_mib']:>10.1f}"
+              f"{g['growth_pct']:>10.2f}")
+    lat = result.get("router_overhead")
+    if lat:
+        print(f"\nrouter overhead ({lat['pairs']} sequential pairs, {lat['max_tokens']} tokens, colocated worker):")
+        print(f"  {'metric':<8}{'direct p50':>12}{'routed p50':>12}{'added p50':>11}{'direct p99':>12}"
+              f"{'routed p99':>12}{'added p99':>11}   (ms)")
+        for m in ("ttft_s", "tpot_s"):
+            d, r, a, pa = lat["direct"][m], lat["routed"][m], lat["added"][m], lat["paired_added"][m]
+            print(f"  {m[:-2]:<8}{d['p50'] * 1e3:>12.2f}{r['p50'] * 1e3:>12.2f}{a['p50'] * 1e3:>11.2f}"
+                  f"{d['p99'] * 1e3:>12.2f}{r['p99'] * 1e3:>12.2f}{a['p99'] * 1e3:>11.2f}"
+                  f"   paired added p50 {pa['p50'] * 1e3:.2f} p99 {pa['p99'] * 1e3:.2f}")
+
+
+def plot_rss(soak_result: dict, out: Path) -> None:
+    """RSS (MiB) of each process over the run, with the end of the warm-up marked, to ``out`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    series = soak_result["rss_series"]
+    for name in soak_result["rss"]:
+        ax.plot([t for t, _ in series], [s[name] / 1024 for _, s in series], label=name)
+    ax.axvline(soak_result["warmup_s"], color="grey", linestyle="--", label="end of warm-up")
+    ax.set(xlabel="seconds", ylabel="VmRSS (MiB)",
+           title=f"soak: {soak_result['clients']} streaming clients, {soak_result['errors']} errors")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Command line: router overhead, then the soak; prints tables, writes ``results.json`` and
+    ``rss.png`` under ``--out``. Returns the result dict."""
+    from bench.common import write_result
+    from deploy.cli import EMBEDDED_MODEL
+    from deploy.worker_process import default_redis_url
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=500)
+    ap.add_argument("--duration", type=float, default=300.0, help="seconds of load, warm-up included")
+    ap.add_argument("--warmup", type=float, default=None, help="seconds (default: max(10, 20%% of --duration))")
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--latency-pairs", type=int, default=200, help="0 skips the router-overhead measurement")
+    ap.add_argument("--decode-blocks", type=int, default=4096)
+    ap.add_argument("--max-batch-size", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=EMBEDDED_MODEL)
+    ap.add_argument("--redis-url", default=default_redis_url())
+    ap.add_argument("--out", type=Path, default=None, help="directory for results.json")
+    args = ap.parse_args(argv)
+    warmup = args.warmup if args.warmup is not None else max(10.0, 0.2 * args.duration)
+    result: dict = {}
+    if args.latency_pairs:
+        result["router_overhead"] = measure_router_overhead(args.model, args.redis_url, args.latency_pairs, args.seed)
+    result["soak"] = soak(args.model, args.redis_url, args.clients, args.duration, warmup, args.client_procs,
+                          args.num_prompts, args.seed, decode_blocks=args.decode_blocks,
+                          max_batch_size=args.max_batch_size)
+    print_table(result)
+    if args.out is not None:
+        write_result(result, args.out / "results.json")
+        plot_rss(result["soak"], args.out / "rss.png")
+        print(f"\nwrote {args.out / 'results.json'} and rss.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()
