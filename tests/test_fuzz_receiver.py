@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import threading
 import time
 from collections import Counter
 
@@ -35,6 +34,7 @@ from hypothesis import strategies as st
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.tcp.frames import Ack, FrameError, PeerClosed, read_frame
 from model.kv_cache import KVCacheSpec
+from tests.kv_helpers import Outcome
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,20 +53,6 @@ def _no_cluster_secret():
         os.environ["PDSERVE_CLUSTER_SECRET"] = saved
 
 
-class Outcome:
-    """Every callback of one registration."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.event = threading.Event()
-
-    def on_complete(self, request_id: str, first_token: int) -> None:
-        self.calls.append(("complete", request_id, first_token))
-        self.event.set()
-
-    def on_failed(self, request_id: str, reason: str) -> None:
-        self.calls.append(("failed", request_id, reason))
-        self.event.set()
 
 
 def header(rid: str, ls: int, le: int, blocks: list[int], **override) -> bytes:

@@ -20,6 +20,7 @@ import torch
 from kvtransfer.base import KVReceiver, TransferError
 from kvtransfer.select import make_receiver, make_sender, nccl_status
 from model.kv_cache import KVCacheSpec
+from tests.kv_helpers import Outcome
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,24 +56,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8)
 
 
-class Outcome:
-    """Records every callback of one registration; ``wait`` returns the first."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.event = threading.Event()
-
-    def on_complete(self, request_id: str, first_token: int) -> None:
-        self.calls.append(("complete", request_id, first_token))
-        self.event.set()
-
-    def on_failed(self, request_id: str, reason: str) -> None:
-        self.calls.append(("failed", request_id, reason))
-        self.event.set()
-
-    def wait(self, timeout: float = 5.0) -> tuple:
-        assert self.event.wait(timeout), "no callback arrived"
-        return self.calls[0]
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import threading
 import time
 from dataclasses import dataclass
 
@@ -19,35 +18,14 @@ from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.tcp.frames import MAX_HEADER_BYTES, Ack, read_frame
 from kvtransfer.tcp.pages import PageMemory
 from model.kv_cache import KVCacheSpec
+from tests.kv_helpers import Outcome, make_spec
 
 pytestmark = pytest.mark.timeout(20)
 
 SRC, DST = [5, 1, 6], [2, 7, 0]  # source ids differ from destination ids on purpose
 
 
-def make_spec(dtype: torch.dtype = torch.float32, **kw: int) -> KVCacheSpec:
-    dims = dict(num_blocks=8, num_layers=2, block_size=4, num_kv_heads=2, head_dim=3) | kw
-    return KVCacheSpec(**dims, dtype=dtype)
 
-
-class Outcome:
-    """Records every callback of one registration; ``wait`` returns the first."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.event = threading.Event()
-
-    def on_complete(self, request_id: str, first_token: int) -> None:
-        self.calls.append(("complete", request_id, first_token))
-        self.event.set()
-
-    def on_failed(self, request_id: str, reason: str) -> None:
-        self.calls.append(("failed", request_id, reason))
-        self.event.set()
-
-    def wait(self, timeout: float = 5.0) -> tuple:
-        assert self.event.wait(timeout), "no callback arrived"
-        return self.calls[0]
 
 
 @dataclass

@@ -21,8 +21,8 @@ from deploy.secret import SECRET_ENV, SECRET_FILE_ENV, cluster_secret, new_secre
 from kvtransfer.base import TransferError
 from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
 from kvtransfer.tcp.handshake import PROTO, read_message, write_message
-from model.kv_cache import KVCacheSpec
 from router.registry import RegistryReader, WorkerInfo, WorkerLease, entry_mac
+from tests.kv_helpers import Outcome, make_spec
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,24 +64,7 @@ def test_cluster_secret_sources_and_errors(tmp_path):
 # -- KV port ---------------------------------------------------------------------------------------
 
 
-def make_spec() -> KVCacheSpec:
-    return KVCacheSpec(num_blocks=8, num_layers=2, block_size=4, num_kv_heads=2, head_dim=3, dtype=torch.float32)
 
-
-class Outcome:
-    """The callbacks of one registration."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.event = threading.Event()
-
-    def on_complete(self, request_id: str, first_token: int) -> None:
-        self.calls.append(("complete", request_id, first_token))
-        self.event.set()
-
-    def on_failed(self, request_id: str, reason: str) -> None:
-        self.calls.append(("failed", request_id, reason))
-        self.event.set()
 
 
 @pytest.fixture
