@@ -3,6 +3,7 @@ and incremental detokenization for streaming text deltas."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -34,6 +35,16 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens left out."""
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token string in the vocabulary (added tokens included).
+
+        Every token covers at most this many characters of a text (byte-level vocabularies map one
+        byte to one character, and a text has no more characters than bytes), so a text longer than
+        ``context * max_token_chars`` cannot fit the context: the router refuses it before tokenizing.
+        """
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
 
 class IncrementalDetokenizer:

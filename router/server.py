@@ -40,6 +40,7 @@ from router.validation import parse_request, validate
 log = logging.getLogger(__name__)
 
 SERVICE = "pdserve.v1.Router"
+LONG_TEXT_CHARS = 4096  # text prompts longer than this are tokenized on a worker thread
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -72,8 +73,11 @@ class Router:
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
         times = RequestTimes()
         try:
-            req = validate(parse_request(raw), self.model_cfg, self.tokenizer, self.cfg.default_max_tokens,
-                           Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s))
+            parsed = parse_request(raw)
+            args = (parsed, self.model_cfg, self.tokenizer, self.cfg.default_max_tokens,
+                    Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s))
+            # tokenizing a long text takes milliseconds: off the event loop, so other streams keep flowing
+            req = await asyncio.to_thread(validate, *args) if len(parsed.text) > LONG_TEXT_CHARS else validate(*args)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not self.workers:

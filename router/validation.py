@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import secrets
 import uuid
-import weakref
 from dataclasses import dataclass
 
 from google.protobuf import message as pb_message
@@ -25,8 +24,6 @@ from proto import pdserve_pb2
 from router.slo import Slo
 
 MAX_REQUEST_ID_CHARS = 256
-_FALLBACK_TOKEN_CHARS = 256
-_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -48,21 +45,6 @@ def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
         if desc.message_type is not None and not desc.is_repeated:
             found += _unknown_fields(value, f"{path}{desc.name}.")
     return found
-
-
-def max_token_chars(tokenizer: Tokenizer) -> int:
-    """Characters of the longest token string in ``tokenizer``'s vocabulary (cached per tokenizer).
-
-    Every token covers at most this many characters of the text (byte-level vocabularies map
-    one byte to one character, and a text has no more characters than bytes), so a text longer
-    than ``context * max_token_chars`` cannot fit the context. Falls back to 256 when the
-    tokenizer does not expose its vocabulary.
-    """
-    if tokenizer not in _token_chars:
-        hf = getattr(tokenizer, "_tok", None)  # model.tokenizer.Tokenizer wraps a `tokenizers.Tokenizer`
-        vocab = hf.get_vocab(with_added_tokens=True) if hf is not None else {}
-        _token_chars[tokenizer] = max(map(len, vocab), default=_FALLBACK_TOKEN_CHARS)
-    return _token_chars[tokenizer]
 
 
 def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
@@ -87,7 +69,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
 
     Raises:
         ValueError: request_id over 256 characters; empty prompt; text prompt longer than
-            :func:`max_token_chars` x context; token ids outside the vocabulary; prompt plus
+            :attr:`Tokenizer.max_token_chars` x context; token ids outside the vocabulary; prompt plus
             max_tokens beyond the context; invalid sampling parameters (NaN or infinite
             temperature, top_p outside (0, 1], negative top_k, max_tokens < 1, stop tokens
             outside the vocabulary); SLOs not finite and positive; queue_timeout_s not finite
@@ -100,7 +82,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     if kind == "text":
         if not req.text:
             raise ValueError("empty prompt")
-        limit = context * max_token_chars(tokenizer)
+        limit = context * tokenizer.max_token_chars
         if len(req.text) > limit:  # tokenizing megabytes would stall the router; it cannot fit anyway
             raise ValueError(f"prompt text of {len(req.text)} characters exceeds the model's context of {context} "
                              f"tokens (no text over {limit} characters fits)")

@@ -29,7 +29,7 @@ from model.config import ModelConfig
 from model.tokenizer import Tokenizer
 from proto import pdserve_pb2
 from router.slo import Slo
-from router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, max_token_chars, parse_request, validate
+from router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, parse_request, validate
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -283,7 +283,7 @@ def test_a_million_token_ids_are_refused_in_well_under_a_second():
 @given(extra=st.integers(1, 100_000) | st.sampled_from([3_000_000]),
        char=st.sampled_from(["a", " ", "\u200b", "\x00", "é", "🙂", "Once "]))
 def test_oversize_text_prompts_are_refused_before_tokenizing(extra, char):
-    limit = CONTEXT * max_token_chars(TOKENIZER)
+    limit = CONTEXT * TOKENIZER.max_token_chars
     text = (char * (limit // len(char) + 1 + extra // len(char)))[: limit + extra]
     start = time.perf_counter()
     got = run(pdserve_pb2.GenerateRequest(text=text).SerializeToString())
