@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import random
 import statistics
 import sys
@@ -47,33 +46,12 @@ if str(ROOT) not in sys.path:
 
 import grpc  # noqa: E402
 
+from bench.load import make_prompts, make_request, percentiles, stream_once  # noqa: E402
+from bench.router_overhead import measure_router_overhead  # noqa: E402
 from deploy import client  # noqa: E402
 from deploy.processes import RoleProcess, spawn_role  # noqa: E402
-from proto import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 
-WORDS = ("once upon a time there was a little girl named Lily she liked to play with her dog in the park one day "
-         "the sun was big and bright Tom saw a red ball under the tree and they were happy").split()
 CLIENTS_PER_CHANNEL = 50  # separate HTTP/2 connections, as many independent clients would open
-
-
-def make_prompts(num: int, seed: int) -> list[str | list[int]]:
-    """``num`` distinct prompts: even ones text (3..30 words), odd ones token ids (4..40, BOS first)."""
-    rng = random.Random(seed)
-    out: list[str | list[int]] = []
-    while len(out) < num:
-        if len(out) % 2 == 0:
-            out.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))).capitalize())
-        else:
-            out.append([1] + [rng.randrange(3, 2048) for _ in range(rng.randint(3, 39))])
-    return out
-
-
-def make_request(rng: random.Random, prompts: list) -> pdserve_pb2.GenerateRequest:
-    """A varied request: a prompt of the fixed set, 4..32 tokens, greedy or seeded sampling."""
-    greedy = rng.random() < 0.5
-    return client.make_request(rng.choice(prompts), max_tokens=rng.randint(4, 32),
-                               temperature=0.0 if greedy else 0.8, top_p=None if greedy else 0.95,
-                               seed=None if greedy else rng.randrange(2**32))
 
 
 def rss_kb(pid: int) -> int:
@@ -91,35 +69,7 @@ def rss_kb(pid: int) -> int:
     raise ProcessLookupError(f"no VmRSS for pid {pid}")
 
 
-def percentiles(values: list[float]) -> dict:
-    """p50 and p99 (nearest rank) of ``values``; zeros when empty."""
-    if not values:
-        return {"p50": 0.0, "p99": 0.0, "n": 0}
-    s = sorted(values)
-    return {"p50": s[math.ceil(0.5 * len(s)) - 1], "p99": s[math.ceil(0.99 * len(s)) - 1], "n": len(s)}
-
-
 # -- clients (run in child processes) ------------------------------------------------------------------
-
-async def _one(channel: grpc.aio.Channel, request, timeout_s: float) -> tuple[float, float, int]:
-    """(TTFT s, TPOT s, output tokens) of one streamed request, at the client.
-
-    Raises:
-        grpc.aio.AioRpcError: the router ended the stream with an error.
-        RuntimeError: the stream ended without ``final``.
-    """
-    start = time.perf_counter()
-    first = last = 0.0
-    n, final = 0, False
-    async for msg in pdserve_pb2_grpc.RouterStub(channel).Generate(request, timeout=timeout_s):
-        if msg.token_ids:
-            last, n = time.perf_counter(), n + len(msg.token_ids)
-            first = first or last
-        final = final or msg.HasField("final")
-    if not final or n == 0:
-        raise RuntimeError(f"stream ended without final ({n} tokens)")
-    return first - start, (last - first) / (n - 1) if n > 1 else 0.0, n
-
 
 async def _clients(address: str, num_clients: int, start_at: float, end_at: float, seed: int,
                    prompts: list, timeout_s: float) -> list[tuple]:
@@ -134,7 +84,7 @@ async def _clients(address: str, num_clients: int, start_at: float, end_at: floa
         while (now := time.time()) < end_at:
             request = make_request(rng, prompts)
             try:
-                ttft, tpot, n = await _one(channel, request, timeout_s)
+                ttft, tpot, n = await stream_once(channel, request, timeout_s)
                 records.append((now - start_at, "OK", ttft, tpot, n))
             except grpc.aio.AioRpcError as e:
                 records.append((now - start_at, e.code().name, 0.0, 0.0, 0, (e.details() or "")[:200]))
@@ -188,72 +138,6 @@ class RssSampler(threading.Thread):
             out[name] = {"baseline_mib": b / 1024, "end_mib": e / 1024, "growth_pct": 100 * (e / b - 1),
                          "peak_mib": max(s[name] for _, s in self.samples) / 1024}
         return out
-
-
-# -- router overhead ----------------------------------------------------------------------------------
-
-async def _direct(stub, ids: list[int], max_tokens: int) -> tuple[float, float]:
-    sampling = worker_pb2.ResolvedSampling(temperature=0.0, top_p=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    first = last = 0.0
-    n = 0
-    async for ev in stub.Generate(worker_pb2.DecodeRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                                                           sampling=sampling, local_prefill=True), timeout=60):
-        if ev.WhichOneof("event") == "tokens":
-            last, n = time.perf_counter(), n + len(ev.tokens.token_ids)
-            first = first or last
-    assert n == max_tokens, f"direct call streamed {n} of {max_tokens} tokens"
-    return first - start, (last - first) / (n - 1)
-
-
-async def _routed(channel, ids: list[int], max_tokens: int) -> tuple[float, float]:
-    request = client.make_request(ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ttft, tpot, n = await _one(channel, request, 60)
-    assert n == max_tokens, f"routed call streamed {n} of {max_tokens} tokens"
-    return ttft, tpot
-
-
-async def router_overhead(worker_address: str, router_address: str, pairs: int, prompts: list[list[int]],
-                          max_tokens: int = 16) -> dict:
-    """Client-side TTFT and TPOT of the same requests direct to a colocated worker and through a
-    router in front of it (sequential, alternating order), with p50/p99 and the router's addition."""
-    got: dict[str, dict[str, list[float]]] = {p: {"ttft_s": [], "tpot_s": []} for p in ("direct", "routed")}
-    async with grpc.aio.insecure_channel(worker_address) as wch, grpc.aio.insecure_channel(router_address) as rch:
-        stub = worker_pb2_grpc.DecodeWorkerStub(wch)
-        calls = {"direct": lambda ids: _direct(stub, ids, max_tokens),
-                 "routed": lambda ids: _routed(rch, ids, max_tokens)}
-        for i in range(10):  # warm both paths (channels, graph buckets, registry read)
-            for path in calls:
-                await calls[path](prompts[i % len(prompts)])
-        for i in range(pairs):
-            order = ("direct", "routed") if i % 2 == 0 else ("routed", "direct")
-            for path in order:
-                ttft, tpot = await calls[path](prompts[i % len(prompts)])
-                got[path]["ttft_s"].append(ttft)
-                got[path]["tpot_s"].append(tpot)
-    out = {path: {m: percentiles(v) for m, v in metrics.items()} for path, metrics in got.items()}
-    out["added"] = {m: {q: out["routed"][m][q] - out["direct"][m][q] for q in ("p50", "p99")} for m in got["direct"]}
-    # Per pair (same prompt, back to back): less exposed to load from other processes than the difference of
-    # two independent percentiles.
-    out["paired_added"] = {m: percentiles([r - d for r, d in zip(got["routed"][m], got["direct"][m])])
-                           for m in got["direct"]}
-    out["pairs"], out["max_tokens"] = pairs, max_tokens
-    return out
-
-
-def measure_router_overhead(model: str, redis_url: str, pairs: int, seed: int) -> dict:
-    """Start a colocated worker and a router in front of it, measure :func:`router_overhead`, stop them."""
-    ns = "soak-lat-" + uuid.uuid4().hex[:8]
-    procs: list[RoleProcess] = []
-    try:
-        procs.append(spawn_role("decode_worker", dict(worker_id="c0", model_dir=model, cluster=ns, redis_url=redis_url,
-                                                      colocated="true"), "colocated"))
-        procs.append(spawn_role("router", dict(model_dir=model, cluster=ns, redis_url=redis_url), "router"))
-        prompts = [p for p in make_prompts(64, seed) if isinstance(p, list)]
-        return asyncio.run(router_overhead(procs[0].address, procs[1].address, pairs, prompts))
-    finally:
-        for p in reversed(procs):
-            p.stop()
 
 
 # -- soak ----------------------------------------------------------------------------------------------
