@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from kvtransfer.tcp.frames import MAX_HEADER_BYTES, Frame, FrameError, decode, recv_exact_into
+from kvtransfer.tcp.frames import Frame, FrameError, decode_tagged, read_header_bytes, unpack_header
 
 _LEN = struct.Struct(">I")  # the frames' length prefix
 SCHEME = "nccl://"  # prefix of an NCCL receiver's address: "nccl://host:port" (a bare "host:port" is TCP)
@@ -103,32 +103,17 @@ def read_any(sock: socket.socket) -> Frame | ControlFrame | None:
     Returns None on a clean EOF before the frame starts.
 
     Raises:
-        FrameError: oversize, not msgpack, unknown type or bad fields.
+        FrameError: oversize, not msgpack (or a repeated map key), unknown type or bad fields.
         PeerClosed: EOF inside the header.
         OSError: socket error or timeout.
     """
-    prefix = bytearray(_LEN.size)
-    first = sock.recv_into(prefix)
-    if first == 0:
+    body = read_header_bytes(sock)
+    if body is None:
         return None
-    recv_exact_into(sock, memoryview(prefix)[first:])
-    (length,) = _LEN.unpack(prefix)
-    if length > MAX_HEADER_BYTES:
-        raise FrameError(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
-    body = bytearray(length)
-    recv_exact_into(sock, memoryview(body))
-    try:
-        header = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise FrameError(f"header is not valid msgpack: {e}") from None
+    header = unpack_header(body)
     if isinstance(header, dict) and header.get("type") in _FIELDS:
         return _decode_control(header["type"], header)
-    try:
-        return decode(header)
-    except FrameError as e:
-        rid = header.get("request_id") if isinstance(header, dict) else None
-        e.request_id = rid if isinstance(rid, str) else None
-        raise
+    return decode_tagged(header)
 
 
 def expect(frame: object, cls: type, request_id: str | None = None) -> Any:

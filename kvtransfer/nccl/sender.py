@@ -4,52 +4,26 @@ from __future__ import annotations
 
 import operator
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import torch
 
 from deploy.secret import check_secret, cluster_secret
-from kvtransfer.base import KVChannel, KVSender, TransferError, TransferStats
+from kvtransfer.base import TransferError, TransferStats
 from kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
 from kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, encode_control, expect, read_any
 from kvtransfer.nccl.handshake import negotiate_sender
 from kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
-from kvtransfer.tcp.frames import Abort, Ack, Done, FrameError, Pages, dtype_name, encode
+from kvtransfer.tcp.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
+from kvtransfer.tcp.frames import Ack, Done, FrameError, Pages, dtype_name, encode
 from kvtransfer.tcp.handshake import authenticate_receiver
 from kvtransfer.tcp.sender import parse_address
 from model.kv_cache import KVCacheSpec
 
-_MAX_BLOCKS_PER_FRAME = 4096  # keeps a pages header far below the 64 KiB header limit
 
-
-def check_send_args(spec: KVCacheSpec, layer_range: tuple[int, int], src: Sequence[int],
-                    dst: Sequence[int]) -> tuple[int, int, list[int], list[int]]:
-    """Validate :meth:`KVChannel.send_pages` arguments against the local cache; returns them as ints.
-
-    Raises:
-        ValueError: bad layer range, lengths differ, source id out of range, destination ids negative or repeated.
-    """
-    try:
-        ls, le = (operator.index(x) for x in layer_range)
-    except (TypeError, ValueError):
-        raise ValueError(f"layer_range must be (start, end) ints, got {layer_range!r}") from None
-    if not 0 <= ls < le <= spec.num_layers:
-        raise ValueError(f"layer_range {layer_range!r} is empty or outside [0, {spec.num_layers})")
-    src_ids, dst_ids = [operator.index(b) for b in src], [operator.index(b) for b in dst]
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    if any(not 0 <= b < spec.num_blocks for b in src_ids):
-        raise ValueError(f"source block ids {src_ids} outside [0, {spec.num_blocks})")
-    if any(b < 0 for b in dst_ids) or len(set(dst_ids)) != len(dst_ids):
-        raise ValueError(f"destination block ids must be distinct and non-negative, got {dst_ids}")
-    return ls, le, src_ids, dst_ids
-
-
-class NcclKVChannel(KVChannel):
+class NcclKVChannel(SocketChannel):
     """One request's transfer: a control connection plus the pair's NCCL communicator.
 
     Every method closes the channel when it fails; :meth:`finish` and :meth:`abort` always do.
@@ -57,14 +31,12 @@ class NcclKVChannel(KVChannel):
     ncclSend already posted still completes or times out (``io_timeout_s``) first.
     """
 
+    _read_reply = staticmethod(read_any)
+
     def __init__(self, sock: socket.socket, request_id: str, address: str, pages: DevicePages, comm: PairComm,
                  io_timeout_s: float, started: float, on_close: Callable[[NcclKVChannel], None]) -> None:
-        self.request_id, self.address = request_id, address
-        self._sock, self._pages, self._spec, self._comm = sock, pages, pages.spec, comm
-        self._io_timeout_s, self._started, self._on_close = io_timeout_s, started, on_close
-        self._lock = threading.Lock()
-        self._closed = False
-        self._num_pages = self._num_bytes = 0
+        super().__init__(sock, request_id, address, pages.spec, io_timeout_s, started, on_close)
+        self._pages, self._comm = pages, comm
 
     def send_pages(self, layer_range: tuple[int, int], src_block_ids: Sequence[int],
                    dst_block_ids: Sequence[int]) -> None:
@@ -79,8 +51,8 @@ class NcclKVChannel(KVChannel):
         ls, le, src, dst = check_send_args(self._spec, layer_range, src_block_ids, dst_block_ids)
         page_nbytes = self._spec.page_nbytes(le - ls)
         with self._io():
-            for i in range(0, len(src), _MAX_BLOCKS_PER_FRAME):
-                src_part, dst_part = src[i:i + _MAX_BLOCKS_PER_FRAME], dst[i:i + _MAX_BLOCKS_PER_FRAME]
+            for i in range(0, len(src), MAX_BLOCKS_PER_FRAME):
+                src_part, dst_part = src[i:i + MAX_BLOCKS_PER_FRAME], dst[i:i + MAX_BLOCKS_PER_FRAME]
                 frame = Pages(self.request_id, ls, le, tuple(dst_part), dtype_name(self._spec.dtype),
                               (len(dst_part), *self._spec.page_shape(le - ls)), len(dst_part) * page_nbytes)
                 with self._comm.lock:
@@ -112,25 +84,6 @@ class NcclKVChannel(KVChannel):
                 self._close()
             return TransferStats(self._num_pages, self._num_bytes, time.monotonic() - self._started)
 
-    def abort(self, reason: str) -> None:
-        """Send ``abort`` (best effort, never raises) and close."""
-        if not self._lock.acquire(blocking=False):
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return
-        try:
-            if not self._closed:
-                try:
-                    self._sock.settimeout(min(self._io_timeout_s, 1.0))
-                    self._sock.sendall(encode(Abort(self.request_id, str(reason)[:1024])))
-                except (OSError, FrameError):
-                    pass
-                self._close()
-        finally:
-            self._lock.release()
-
     # -- internals -----------------------------------------------------------------------------
 
     def _send(self, data: bytes, what: str) -> None:
@@ -153,38 +106,8 @@ class NcclKVChannel(KVChannel):
         except FrameError as e:
             raise self._error(str(e)) from None
 
-    def _read_refusal(self) -> Ack | None:
-        try:
-            self._sock.settimeout(min(self._io_timeout_s, 1.0))
-            reply = read_any(self._sock)
-        except (OSError, FrameError):
-            return None
-        return reply if isinstance(reply, Ack) else None
 
-    @contextmanager
-    def _io(self) -> Iterator[None]:
-        with self._lock:
-            if self._closed:
-                raise self._error("channel is closed")
-            try:
-                yield
-            except BaseException:
-                self._close()
-                raise
-
-    def _error(self, cause: str, reply: Ack | None = None) -> TransferError:
-        if reply is not None and not reply.ok:
-            cause = f"{cause}: {reply.error}"
-        return TransferError(f"KV transfer of request {self.request_id!r} to {self.address}: {cause}")
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
-            self._on_close(self)
-
-
-class NcclKVSender(KVSender):
+class NcclKVSender(SocketSender):
     """Opens a control connection per request to an :class:`~kvtransfer.nccl.receiver.NcclKVReceiver` and
     sends pages of ``kv_cache`` over the pair's NCCL communicator, created on first use (this sender is
     rank 0 and makes the unique id) and cached per receiver address.
@@ -207,16 +130,13 @@ class NcclKVSender(KVSender):
                  io_timeout_s: float = 10.0, init_timeout_s: float = 30.0, library: NcclLibrary | None = None,
                  secret: bytes | None = None) -> None:
         check_cuda_cache(kv_cache, spec)
-        self._secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
+        secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
         self._lib = library or load_library()
         self._version = self._lib.version()
         self._pages = DevicePages(kv_cache, spec)
         self._comms = CommCache(self._lib, kv_cache.device, init_timeout_s)
-        self._connect_timeout_s, self._io_timeout_s = connect_timeout_s, io_timeout_s
         self.sender_id = uuid.uuid4().hex
-        self._channels: set[NcclKVChannel] = set()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._init_channels(connect_timeout_s, io_timeout_s, secret)
 
     def open(self, request_id: str, dst_address: str) -> NcclKVChannel:
         """Connect to ``dst_address`` (``nccl://host:port`` or ``host:port``) for ``request_id``; on the first
@@ -233,11 +153,7 @@ class NcclKVSender(KVSender):
         if self._closed:  # before the handshake, which could create a communicator
             raise TransferError(f"KV transfer of request {request_id!r}: sender is closed")
         started = time.monotonic()
-        try:
-            sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
-        except OSError as e:
-            raise TransferError(f"KV transfer of request {request_id!r}: cannot connect to {dst_address} "
-                                f"within {self._connect_timeout_s:g} s: {e!r}") from e
+        sock = self._connect(request_id, dst_address, host, port)
         try:
             if self._secret is not None:
                 authenticate_receiver(sock, self._secret, self._connect_timeout_s)
@@ -251,21 +167,13 @@ class NcclKVSender(KVSender):
             raise
         channel = NcclKVChannel(sock, request_id, dst_address, self._pages, comm, self._io_timeout_s, started,
                                 self._forget)
-        with self._lock:
-            if not self._closed:
-                self._channels.add(channel)
-                return channel
-        sock.close()
-        raise TransferError(f"KV transfer of request {request_id!r}: sender is closed")
+        self._adopt(channel)
+        return channel
 
     def close(self) -> None:
         """Abort open channels ("sender closed"), tell each receiver to free the pair's communicator (best
         effort) and destroy the local ends; later :meth:`open` calls fail. Idempotent."""
-        with self._lock:
-            was_closed, self._closed = self._closed, True
-            channels = list(self._channels)
-        for channel in channels:
-            channel.abort("sender closed")
+        was_closed = self._abort_all()
         if was_closed:
             return
         for hostport in self._comms.keys():
@@ -284,7 +192,3 @@ class NcclKVSender(KVSender):
     def _handshake(self, sock: socket.socket, request_id: str, hostport: str) -> PairComm:
         return negotiate_sender(sock, request_id, hostport, self._comms, self._version.code, self.sender_id,
                                 self._lib.get_unique_id)
-
-    def _forget(self, channel: NcclKVChannel) -> None:
-        with self._lock:
-            self._channels.discard(channel)

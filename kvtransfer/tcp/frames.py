@@ -232,11 +232,12 @@ def unpack_header(body: bytes | bytearray) -> Any:
         raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
 
 
-def read_frame(sock: socket.socket) -> Frame | None:
-    """Read one header (not the payload). Returns None on a clean EOF before the frame starts.
+def read_header_bytes(sock: socket.socket) -> bytearray | None:
+    """Read one length-prefixed header body (not decoded, no payload). Returns None on a clean EOF
+    before the frame starts.
 
     Raises:
-        FrameError: header too large, not msgpack, or invalid (see :func:`decode`).
+        FrameError: the announced length exceeds :data:`MAX_HEADER_BYTES`.
         PeerClosed: EOF inside the header.
         OSError: socket error or timeout.
     """
@@ -250,10 +251,31 @@ def read_frame(sock: socket.socket) -> Frame | None:
         raise FrameError(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
     body = bytearray(length)
     recv_exact_into(sock, memoryview(body))
-    header = unpack_header(body)
+    return body
+
+
+def decode_tagged(header: object) -> Frame:
+    """:func:`decode`, but a :class:`FrameError` carries the header's ``request_id`` (when it is a str),
+    so the receiver can fail the request a bad frame names.
+
+    Raises:
+        FrameError: see :func:`decode`.
+    """
     try:
         return decode(header)
     except FrameError as e:
         rid = header.get("request_id") if isinstance(header, dict) else None
         e.request_id = rid if isinstance(rid, str) else None
         raise
+
+
+def read_frame(sock: socket.socket) -> Frame | None:
+    """Read one header (not the payload). Returns None on a clean EOF before the frame starts.
+
+    Raises:
+        FrameError: header too large, not msgpack, or invalid (see :func:`decode`).
+        PeerClosed: EOF inside the header.
+        OSError: socket error or timeout.
+    """
+    body = read_header_bytes(sock)
+    return None if body is None else decode_tagged(unpack_header(body))

@@ -10,22 +10,18 @@ from __future__ import annotations
 import operator
 import select
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import torch
 
 from deploy.secret import check_secret, cluster_secret
-from kvtransfer.base import KVChannel, KVSender, TransferError, TransferStats
-from kvtransfer.tcp.frames import Abort, Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
+from kvtransfer.base import TransferError, TransferStats
+from kvtransfer.tcp.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
+from kvtransfer.tcp.frames import Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
 from kvtransfer.tcp.handshake import HandshakeError, authenticate_receiver
 from kvtransfer.tcp.pages import PageMemory
 from model.kv_cache import KVCacheSpec
-
-_MAX_BLOCKS_PER_FRAME = 4096  # keeps a pages header (~5 bytes per id) far below the 64 KiB limit
-_REFUSAL_WAIT_S = 1.0  # how long to look for the receiver's nack after a send fails
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -40,7 +36,7 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
-class TcpKVChannel(KVChannel):
+class TcpKVChannel(SocketChannel):
     """One request's transfer over one TCP connection; made by :meth:`TcpKVSender.open`.
 
     Every method closes the socket when it fails; :meth:`finish` and :meth:`abort`
@@ -49,20 +45,12 @@ class TcpKVChannel(KVChannel):
     cut instead and the owner's call raises :class:`TransferError`.
     """
 
+    _read_reply = staticmethod(read_frame)
+
     def __init__(self, sock: socket.socket, request_id: str, address: str, pages: PageMemory,
                  io_timeout_s: float, started: float, on_close: Callable[[TcpKVChannel], None]) -> None:
-        self.request_id = request_id
-        self.address = address
-        self._sock = sock
+        super().__init__(sock, request_id, address, pages.spec, io_timeout_s, started, on_close)
         self._pages = pages
-        self._spec = pages.spec
-        self._io_timeout_s = io_timeout_s
-        self._started = started
-        self._on_close = on_close
-        self._lock = threading.Lock()  # held for each I/O call
-        self._closed = False
-        self._num_pages = 0
-        self._num_bytes = 0
 
     def send_pages(self, layer_range: tuple[int, int], src_block_ids: Sequence[int],
                    dst_block_ids: Sequence[int]) -> None:
@@ -75,11 +63,11 @@ class TcpKVChannel(KVChannel):
             TransferError: the channel is closed, the connection failed or timed out,
                 or the receiver refused an earlier frame.
         """
-        ls, le, src, dst = self._check_args(layer_range, src_block_ids, dst_block_ids)
+        ls, le, src, dst = check_send_args(self._spec, layer_range, src_block_ids, dst_block_ids)
         page_nbytes = self._spec.page_nbytes(le - ls)
         with self._io():
-            for i in range(0, len(src), _MAX_BLOCKS_PER_FRAME):
-                src_part, dst_part = src[i:i + _MAX_BLOCKS_PER_FRAME], dst[i:i + _MAX_BLOCKS_PER_FRAME]
+            for i in range(0, len(src), MAX_BLOCKS_PER_FRAME):
+                src_part, dst_part = src[i:i + MAX_BLOCKS_PER_FRAME], dst[i:i + MAX_BLOCKS_PER_FRAME]
                 self._raise_if_refused()
                 frame = Pages(self.request_id, ls, le, tuple(dst_part), dtype_name(self._spec.dtype),
                               (len(dst_part), *self._spec.page_shape(le - ls)), len(dst_part) * page_nbytes)
@@ -121,56 +109,7 @@ class TcpKVChannel(KVChannel):
                 raise self._error("receiver rejected the transfer", reply)
             return TransferStats(self._num_pages, self._num_bytes, time.monotonic() - self._started)
 
-    def abort(self, reason: str) -> None:
-        """Send ``abort`` (best effort, never raises) and close."""
-        if not self._lock.acquire(blocking=False):  # owner thread is mid-I/O: cut it off
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return
-        try:
-            if self._closed:
-                return
-            try:
-                self._sock.settimeout(min(self._io_timeout_s, _REFUSAL_WAIT_S))
-                self._sock.sendall(encode(Abort(self.request_id, str(reason)[:1024])))
-            except (OSError, FrameError):
-                pass
-            self._close()
-        finally:
-            self._lock.release()
-
     # -- internals -----------------------------------------------------------------------------
-
-    def _check_args(self, layer_range: tuple[int, int], src: Sequence[int],
-                    dst: Sequence[int]) -> tuple[int, int, list[int], list[int]]:
-        try:
-            ls, le = (operator.index(x) for x in layer_range)
-        except (TypeError, ValueError):
-            raise ValueError(f"layer_range must be (start, end) ints, got {layer_range!r}") from None
-        if not 0 <= ls < le <= self._spec.num_layers:
-            raise ValueError(f"layer_range {layer_range!r} is empty or outside [0, {self._spec.num_layers})")
-        src_ids, dst_ids = [operator.index(b) for b in src], [operator.index(b) for b in dst]
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-        if any(not 0 <= b < self._spec.num_blocks for b in src_ids):
-            raise ValueError(f"source block ids {src_ids} outside [0, {self._spec.num_blocks})")
-        if any(b < 0 for b in dst_ids) or len(set(dst_ids)) != len(dst_ids):
-            raise ValueError(f"destination block ids must be distinct and non-negative, got {dst_ids}")
-        return ls, le, src_ids, dst_ids
-
-    @contextmanager
-    def _io(self) -> Iterator[None]:
-        """Hold the channel lock, refuse a closed channel, close the channel on any error."""
-        with self._lock:
-            if self._closed:
-                raise self._error("channel is closed")
-            try:
-                yield
-            except BaseException:
-                self._close()
-                raise
 
     def _raise_if_refused(self) -> None:
         """The receiver only speaks early to refuse: if it has, raise with its reason."""
@@ -179,28 +118,8 @@ class TcpKVChannel(KVChannel):
         if poller.poll(0):
             raise self._error("receiver refused the transfer", self._read_refusal())
 
-    def _read_refusal(self) -> Ack | None:
-        """Best effort: the nack the receiver sent before closing, if it arrives soon."""
-        try:
-            self._sock.settimeout(min(self._io_timeout_s, _REFUSAL_WAIT_S))
-            reply = read_frame(self._sock)
-        except (OSError, FrameError):
-            return None
-        return reply if isinstance(reply, Ack) else None
 
-    def _error(self, cause: str, reply: Ack | None = None) -> TransferError:
-        if reply is not None and not reply.ok:
-            cause = f"{cause}: {reply.error}"
-        return TransferError(f"KV transfer of request {self.request_id!r} to {self.address}: {cause}")
-
-    def _close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
-            self._on_close(self)
-
-
-class TcpKVSender(KVSender):
+class TcpKVSender(SocketSender):
     """Opens one TCP connection per request to a :class:`TcpKVReceiver` and sends pages of ``kv_cache``.
 
     Args:
@@ -220,13 +139,9 @@ class TcpKVSender(KVSender):
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
-        self._secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
+        secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
         self._pages = PageMemory(kv_cache, spec)
-        self._connect_timeout_s = connect_timeout_s
-        self._io_timeout_s = io_timeout_s
-        self._channels: set[TcpKVChannel] = set()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._init_channels(connect_timeout_s, io_timeout_s, secret)
 
     @property
     def authenticated(self) -> bool:
@@ -245,11 +160,7 @@ class TcpKVSender(KVSender):
         """
         host, port = parse_address(dst_address)
         started = time.monotonic()
-        try:
-            sock = socket.create_connection((host, port), timeout=self._connect_timeout_s)
-        except OSError as e:
-            raise TransferError(f"KV transfer of request {request_id!r}: cannot connect to {dst_address} "
-                                f"within {self._connect_timeout_s:g} s: {e!r}") from e
+        sock = self._connect(request_id, dst_address, host, port)
         if self._secret is not None:
             try:
                 authenticate_receiver(sock, self._secret, self._connect_timeout_s)
@@ -261,21 +172,9 @@ class TcpKVSender(KVSender):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         channel = TcpKVChannel(sock, request_id, dst_address, self._pages, self._io_timeout_s, started,
                                self._forget)
-        with self._lock:
-            if not self._closed:
-                self._channels.add(channel)
-                return channel
-        sock.close()
-        raise TransferError(f"KV transfer of request {request_id!r}: sender is closed")
+        self._adopt(channel)
+        return channel
 
     def close(self) -> None:
         """Abort every open channel (reason "sender closed"); later :meth:`open` calls fail. Idempotent."""
-        with self._lock:
-            self._closed = True
-            channels = list(self._channels)
-        for channel in channels:
-            channel.abort("sender closed")
-
-    def _forget(self, channel: TcpKVChannel) -> None:
-        with self._lock:
-            self._channels.discard(channel)
+        self._abort_all()
