@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import ray
@@ -62,7 +62,7 @@ class PoolController:
         self.router = None
         self.router_address = ""
         self.placement: Placement | None = None
-        self.decisions: list[tuple[float, str, int, str]] = []  # (unix time, role, delta, reason)
+        self.decisions: deque[tuple[float, str, int, str]] = deque(maxlen=20)  # (unix time, role, delta, reason)
         self._groups: Counter = Counter()  # placement group id -> live workers in it
         self._seq = 0
         self._lock = asyncio.Lock()
@@ -171,7 +171,7 @@ class PoolController:
         return {"cluster": self.cfg.cluster, "router": self.router_address, "pools": self.pools(),
                 "placement": None if p is None else {"cuda": p.cuda, "separate_nodes": p.separate_nodes,
                                                      "strategy": p.strategy},
-                "decisions": self.decisions[-20:]}
+                "decisions": list(self.decisions)}
 
     async def _add(self, role: str, n: int) -> list[str]:
         """Start ``n`` workers of ``role`` in one placement group; all start or none is left."""
@@ -222,14 +222,17 @@ class PoolController:
         for w in victims:  # out of the pool at once: status and the planner stop counting it
             del self.workers[w.worker_id]
         grace = drain_timeout_s or self.cfg.drain_timeout_s
-        results = await asyncio.gather(
-            *(asyncio.wait_for(w.actor.drain.remote(grace, self.cfg.unroute_s), self.cfg.unroute_s + grace + 60)
-              for w in victims), return_exceptions=True)
-        for w, result in zip(victims, results):
-            if isinstance(result, BaseException):
-                log.warning("worker %s did not drain cleanly: %r", w.worker_id, result)
-            ray.kill(w.actor, no_restart=True)
-            self._release(w)
+        results: list = [None] * len(victims)
+        try:
+            results = await asyncio.gather(
+                *(asyncio.wait_for(w.actor.drain.remote(grace, self.cfg.unroute_s), self.cfg.unroute_s + grace + 60)
+                  for w in victims), return_exceptions=True)
+        finally:  # also when cancelled (controller stopping): the victims are out of self.workers already
+            for w, result in zip(victims, results):
+                if isinstance(result, BaseException):
+                    log.warning("worker %s did not drain cleanly: %r", w.worker_id, result)
+                ray.kill(w.actor, no_restart=True)
+                self._release(w)
         return [w.worker_id for w in victims]
 
     def _release(self, w: _Worker) -> None:

@@ -89,7 +89,7 @@ async def _open_decode(view: ClusterView, req: ValidRequest, run_id: str, num_to
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no decode worker is available{progress.history()}")
         raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
-    last_error = ""
+    last_error, unreachable = "", set()
     for worker in candidates:
         view.inflight[worker.worker_id] += 1  # counted while it answers, so concurrent arrivals spread out
         call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
@@ -105,6 +105,8 @@ async def _open_decode(view: ClusterView, req: ValidRequest, run_id: str, num_to
                 raise
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise GenerateError(exc.code(), exc.details()) from None
+            if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                unreachable.add(worker.worker_id)  # dead or stuck: the next attempt avoids it
             last_error = f"{worker.worker_id}: {exc.details() if isinstance(exc, grpc.aio.AioRpcError) else 'timeout'}"
             continue
         if first is grpc.aio.EOF or first.WhichOneof("event") != "allocated":
@@ -113,6 +115,8 @@ async def _open_decode(view: ClusterView, req: ValidRequest, run_id: str, num_to
             last_error = f"{worker.worker_id}: no allocation"
             continue
         return worker, call, first.allocated
+    if unreachable:  # e.g. the one worker admission reserved died: retry the dispatch without it
+        raise WorkerFailure(unreachable, f"no decode worker could take the request (last: {last_error})")
     code = grpc.StatusCode.RESOURCE_EXHAUSTED if "blocks" in last_error else grpc.StatusCode.UNAVAILABLE
     raise GenerateError(code, f"no decode worker could take the request (last: {last_error}){progress.history()}")
 
@@ -158,8 +162,8 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
                             "migrating" if progress.generated else "retrying", progress.num_attempts)
                 await asyncio.sleep(backoff)
     finally:
-        if times.num_tokens:  # dispatched and streamed: count its SLO outcome (rejections are counted apart)
-            await _record_outcome(view.outcomes, req, times, finished)
+        if times.dispatched and view.outcomes is not None:  # count its SLO outcome (rejections are counted apart)
+            _record_outcome(view.outcomes, req, times, finished)
 
 
 async def _run_disaggregated(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times: RequestTimes,
@@ -239,12 +243,12 @@ async def _run_disaggregated(view: ClusterView, req: ValidRequest, cfg: RouterCo
         view.inflight[decode.worker_id] -= 1
         if prefill_counted:  # left before the prefill call was awaited
             view.inflight[prefill.worker_id] -= 1
-        if gate is not None:
-            await gate.admission.release_decode(run_id, decode.worker_id)
         if state is not RequestState.FINISHED:  # error, failure or client cancel: make both workers let go
             stream.cancel()
             if prefill_call is not None and not prefill_call.done():
                 prefill_call.cancel()
+        if gate is not None:
+            await gate.admission.release_decode(run_id, decode.worker_id)
 
 
 async def _admit(view: ClusterView, req: ValidRequest, internal_id: str, prefill: WorkerInfo, work_blocks: int,
@@ -278,16 +282,25 @@ async def _admit(view: ClusterView, req: ValidRequest, internal_id: str, prefill
         await asyncio.sleep(wait)
 
 
-async def _record_outcome(outcomes: Admission | None, req: ValidRequest, times: RequestTimes, finished: bool) -> None:
-    """Count the request's SLO outcome in Redis (for ``GetClusterState`` and the autoscaling planner);
-    a Redis failure is logged, never passed to the client."""
-    if outcomes is None:
-        return
+_outcome_writes: set[asyncio.Task] = set()  # in flight; referenced so that they are not collected
+
+
+def _record_outcome(outcomes: Admission, req: ValidRequest, times: RequestTimes, finished: bool) -> None:
+    """Count the request's SLO outcome in Redis (for ``GetClusterState`` and the autoscaling planner)
+    in the background, so that the client's stream never waits for Redis; a failure is logged. A request
+    that ended before its first token missed its TTFT SLO, one that did not finish its TPOT SLO."""
     t = times.summary()
-    try:
-        await outcomes.record_outcome(t["ttft_s"], t["tpot_s"] if finished else None, req.slo.ttft_s, req.slo.tpot_s)
-    except Exception as exc:
-        log.warning("SLO outcome not recorded: %s", exc)
+
+    async def write() -> None:
+        try:
+            await outcomes.record_outcome(t["ttft_s"] if times.num_tokens else None, t["tpot_s"] if finished else None,
+                                          req.slo.ttft_s, req.slo.tpot_s)
+        except Exception as exc:
+            log.warning("SLO outcome not recorded: %s", exc)
+
+    task = asyncio.get_running_loop().create_task(write())
+    _outcome_writes.add(task)
+    task.add_done_callback(_outcome_writes.discard)
 
 
 async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times: RequestTimes,

@@ -138,12 +138,13 @@ def eos_token_ids(model_dir: str) -> tuple[int, ...]:
 class RegistryMemory:
     """Bridges a Redis restart in the router's view of the workers.
 
-    Redis restarted empty lists no worker until each renews its lease (within ``lease_s / 4``);
-    a worker missing from a read is kept from the previous view when its last heartbeat is
-    younger than ``grace_s`` (Redis lost it between two reads), or when the read is within
-    ``grace_s`` of the first successful read after failed ones (Redis was down: every heartbeat
-    meanwhile failed). A worker that really died and is kept this way fails fast at connect, and
-    :func:`run_generate`'s retries move its requests on.
+    Redis restarted empty lists no worker until each renews its lease (within ``lease_s / 4``).
+    The workers of the previous view are kept for ``grace_s`` seconds after Redis was seen
+    unreachable (the first successful read after failed ones) or empty (a read listing no
+    worker where the last view had some: it restarted between two polls). A worker missing
+    while others are listed released its lease (drain) or let it lapse: it is dropped at once,
+    so routers stop sending it requests. A kept worker that really died fails fast at connect,
+    and :func:`run_generate`'s retries move its requests on.
     """
 
     def __init__(self, grace_s: float = 2.0) -> None:
@@ -151,22 +152,24 @@ class RegistryMemory:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
         self.grace_s = grace_s
         self._down = False
+        self._emptied = False
         self._recovered_at = float("-inf")
 
     def read_failed(self) -> None:
         """The registry could not be read (the caller keeps its last view)."""
         self._down = True
 
-    def merge(self, previous: list[WorkerInfo], fresh: list[WorkerInfo], now_unix: float | None = None,
-              now_mono: float | None = None) -> list[WorkerInfo]:
-        """The view after a successful read: ``fresh`` plus the workers of ``previous`` it lacks that are
-        kept (see the class docstring), sorted by id. Times default to ``time.time()`` / ``time.monotonic()``."""
-        now_unix = time.time() if now_unix is None else now_unix
+    def merge(self, previous: list[WorkerInfo], fresh: list[WorkerInfo], now_mono: float | None = None,
+              ) -> list[WorkerInfo]:
+        """The view after a successful read: ``fresh`` plus, while recovering (see the class
+        docstring), the workers of ``previous`` it lacks; sorted by id. ``now_mono`` defaults to
+        ``time.monotonic()``."""
         now_mono = time.monotonic() if now_mono is None else now_mono
-        if self._down:
-            self._down, self._recovered_at = False, now_mono
+        emptied = bool(previous) and not fresh
+        if self._down or (emptied and not self._emptied):
+            self._recovered_at = now_mono
+        self._down, self._emptied = False, emptied
+        if now_mono - self._recovered_at >= self.grace_s:
+            return sorted(fresh, key=lambda w: w.worker_id)
         listed = {w.worker_id for w in fresh}
-        recovering = now_mono - self._recovered_at < self.grace_s
-        kept = [w for w in previous if w.worker_id not in listed
-                and (recovering or now_unix - w.heartbeat_at < self.grace_s)]
-        return sorted(fresh + kept, key=lambda w: w.worker_id)
+        return sorted(fresh + [w for w in previous if w.worker_id not in listed], key=lambda w: w.worker_id)

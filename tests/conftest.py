@@ -118,6 +118,16 @@ class Cluster:
     def state(self):
         return self.run(client.cluster_state)
 
+    def slo_when(self, predicate, timeout_s: float = 5.0):
+        """The cluster's SLO attainment counters once ``predicate(slo)`` holds (the router writes
+        outcomes to Redis in the background, just after each stream ends)."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate(slo := self.state().slo):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"SLO counters never satisfied the condition: {slo}")
+            time.sleep(0.05)
+        return slo
+
     def worker(self, name: str) -> RoleProcess:
         return next(p for p in self.workers if p.name == name)
 

@@ -152,23 +152,25 @@ def test_index_sync_is_exact_again_after_a_redis_restart():
         r.stop()
 
 
-def test_registry_memory_bridges_a_redis_restart_but_not_a_lapsed_lease():
-    """The proposed router view across a Redis restart (router/server.py's _refresh should use it)."""
+def test_registry_memory_bridges_a_redis_restart_but_not_a_released_lease():
+    """The router's view across a Redis restart (router/server.py's _refresh) and a drain."""
     from router.recovery import RegistryMemory
     from router.registry import WorkerInfo
 
     def w(wid: str, beat: float) -> WorkerInfo:
         return WorkerInfo(worker_id=wid, role="decode", address="x", heartbeat_at=beat)
 
-    mem, t = RegistryMemory(grace_s=2.0), 1000.0
-    view = mem.merge([], [w("d0", t), w("d1", t)], t, 0.0)
-    # Redis lost d1 between two reads (restart between polls): kept while its heartbeat is young
-    assert [x.worker_id for x in mem.merge(view, [w("d0", t + 0.5)], t + 1.0, 1.0)] == ["d0", "d1"]
-    # a lease that lapsed normally (heartbeat older than the grace): gone
-    assert [x.worker_id for x in mem.merge(view, [w("d0", t + 2.5)], t + 3.0, 3.0)] == ["d0"]
-    # Redis down for 10 s (every heartbeat failed), back empty: the last view is kept for grace_s ...
-    mem.read_failed()
-    assert [x.worker_id for x in mem.merge(view, [], t + 13.0, 13.0)] == ["d0", "d1"]
-    assert [x.worker_id for x in mem.merge(view, [w("d1", t + 13.2)], t + 13.5, 13.5)] == ["d0", "d1"]
+    mem = RegistryMemory(grace_s=2.0)
+    view = mem.merge([], [w("d0", 0.0), w("d1", 0.0)], 0.0)
+    # d1 released its lease (drain) while d0 is listed: gone at once, routers stop choosing it
+    assert [x.worker_id for x in mem.merge(view, [w("d0", 0.5)], 1.0)] == ["d0"]
+    # Redis restarted between two polls and came back empty: the last view is kept for grace_s ...
+    assert [x.worker_id for x in mem.merge(view, [], 2.0)] == ["d0", "d1"]
+    assert [x.worker_id for x in mem.merge(view, [w("d1", 2.2)], 2.5)] == ["d0", "d1"]
     # ... and no longer: a worker that did not re-register within it is gone
-    assert [x.worker_id for x in mem.merge(view, [w("d1", t + 14.9)], t + 15.1, 15.1)] == ["d1"]
+    assert [x.worker_id for x in mem.merge(view, [w("d1", 3.9)], 4.1)] == ["d1"]
+    # Redis down for 10 s (every read failed), back empty: kept for grace_s after the first good read
+    mem.read_failed()
+    assert [x.worker_id for x in mem.merge(view, [], 14.0)] == ["d0", "d1"]
+    assert [x.worker_id for x in mem.merge(view, [w("d0", 15.0)], 15.5)] == ["d0", "d1"]
+    assert [x.worker_id for x in mem.merge(view, [w("d0", 16.0)], 16.1)] == ["d0"]

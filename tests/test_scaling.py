@@ -168,8 +168,13 @@ def test_scale_up_from_a_second_driver_registers_workers_only_once_they_serve(rc
 def test_status_prints_every_worker_with_its_free_blocks(rc, capsys):
     generate(rc, 1, max_tokens=2)  # counted by the router in Redis (admission off): status shows attainment
     assert_pools_free(rc)
-    assert cli.main(["status", "--cluster", rc.cfg.cluster, "--redis-url", rc.cfg.redis_url]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    deadline = time.monotonic() + 5  # the router writes the outcome just after the stream ends
+    while True:
+        assert cli.main(["status", "--cluster", rc.cfg.cluster, "--redis-url", rc.cfg.redis_url]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        if "SLO attainment" in lines[0] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     pools, _, attainment = lines[0].partition("; ")
     assert pools == f"cluster {rc.cfg.cluster}: prefill 2 workers, decode 2 workers"
     assert re.fullmatch(r"SLO attainment [01]\.\d\d \([1-9]\d* finished, 0 rejected, 60 s\)", attainment), attainment
