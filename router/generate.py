@@ -34,7 +34,6 @@ from router.recovery import (
     Progress,
     WorkerFailure,
     avoiding,
-    eos_token_ids,
 )
 from router.registry import WorkerInfo
 from router.request import RequestState, RequestTimes
@@ -49,10 +48,11 @@ __all__ = ["ClusterView", "GenerateError", "run_generate"]
 @dataclass
 class ClusterView:
     """What the router knows when it dispatches: live workers, its own in-flight counts,
-    and a gRPC channel per worker address. ``live_workers``, when given, returns the
-    registry's latest read (retries then see workers that appeared or lapsed meanwhile)."""
+    and a gRPC channel per worker address. ``workers`` returns the registry's latest read
+    (retries then see workers that appeared or lapsed meanwhile); ``eos_token_ids`` are the
+    checkpoint's, for the stop check of a request whose worker failed after its last token."""
 
-    workers: list[WorkerInfo]
+    workers: Callable[[], list[WorkerInfo]]
     inflight: Counter
     channel: Callable[[str], grpc.aio.Channel]
     stats: dict[str, PrefillStats] = field(default_factory=dict)
@@ -60,11 +60,11 @@ class ClusterView:
     on_routed: Callable[[str, list[int], int], None] = lambda worker_id, ids, block_size: None
     gate: SloGate | None = None
     outcomes: Admission | None = None
-    live_workers: Callable[[], list[WorkerInfo]] | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def current(self) -> list[WorkerInfo]:
         """The workers to dispatch to now."""
-        return self.live_workers() if self.live_workers is not None else self.workers
+        return self.workers()
 
 
 async def _open_decode(view: ClusterView, req: ValidRequest, run_id: str, num_tokens: int, cfg: RouterConfig,
@@ -138,7 +138,7 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
     colocated = not any(w.role == "prefill" for w in workers) and any(w.role == "both" for w in workers)
     progress = Progress()
     detok = IncrementalDetokenizer(tokenizer, req.prompt_ids)
-    stop_ids = req.sampling.stop_ids(eos_token_ids(cfg.model_dir))
+    stop_ids = req.sampling.stop_ids(view.eos_token_ids)
     finished = False
     try:
         while True:

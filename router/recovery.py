@@ -23,14 +23,12 @@ be the only one left).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
 
-from model.config import ModelConfig
 from model.sampling import SamplingParams
 from router.registry import WorkerInfo
 
@@ -127,12 +125,6 @@ class Progress:
 def avoiding(ranked: list[WorkerInfo], avoid: set[str]) -> list[WorkerInfo]:
     """``ranked`` with the workers in ``avoid`` moved to the end (order kept otherwise)."""
     return [w for w in ranked if w.worker_id not in avoid] + [w for w in ranked if w.worker_id in avoid]
-
-
-@functools.lru_cache(maxsize=8)
-def eos_token_ids(model_dir: str) -> tuple[int, ...]:
-    """The checkpoint's EOS token ids (read once per directory)."""
-    return ModelConfig.from_hf_dir(model_dir).eos_token_ids
 
 
 class RegistryMemory:

@@ -83,9 +83,8 @@ class Router:
         if not self.workers:
             await self._refresh()
         lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
-        view = ClusterView(self.workers, self.inflight, self._channel, self.prefill_stats,
-                           lookup, self.kv.on_routed, self.gate, self.outcomes,
-                           live_workers=lambda: self.workers)
+        view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
+                           lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids)
         remaining = context.time_remaining()  # the client's deadline: no retry or migration starts past it
         deadline = None if remaining is None else time.monotonic() + remaining
         try:

@@ -238,6 +238,21 @@ def fresh_cluster(cluster):
     cluster.assert_pools_free()
 
 
+@pytest.fixture
+def engine(model_dir):
+    """A colocated decode engine in process on the embedded model: 64 blocks of 4 tokens, batch
+    bound 4, an 8-token step budget (longer prompts are prefilled in chunks beside decodes)."""
+    from decode_worker.config import DecodeWorkerConfig
+    from decode_worker.engine import DecodeEngine
+    from model.loader import load_model
+
+    model, cfg = load_model(model_dir)
+    e = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
+                                        max_batch_size=4, colocated=True, max_num_batched_tokens=8), model, cfg)
+    yield e
+    e.receiver.close()
+
+
 @pytest.fixture(scope="session")
 def hf_model(model_dir):
     from transformers import AutoModelForCausalLM

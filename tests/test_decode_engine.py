@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import grpc
-import pytest
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.engine import DecodeEngine
 from decode_worker.request import ErrorEvent, FinishedEvent, TokensEvent
-from model.loader import load_model
 from model.sampling import SamplingParams
 from tests.conftest import hf_greedy
-
-
-@pytest.fixture
-def engine(model_dir):
-    model, cfg = load_model(model_dir)
-    # an 8-token step budget: the 29-token prompt is prefilled in chunks while the others decode
-    e = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
-                                        max_batch_size=4, colocated=True, max_num_batched_tokens=8), model, cfg)
-    yield e
-    e.receiver.close()
 
 
 def _run(engine, requests: dict[str, list[int]], max_tokens: int, steps: int = 200) -> dict[str, list]:

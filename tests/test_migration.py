@@ -15,12 +15,9 @@ import msgpack
 import pytest
 import redis
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.engine import DecodeEngine
 from decode_worker.request import FinishedEvent, TokensEvent
 from deploy import client
 from deploy.processes import spawn_role
-from model.loader import load_model
 from model.sampling import SamplingParams
 from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from proto.convert import sampling_to_wire
@@ -32,15 +29,6 @@ MAX_TOKENS = 400  # long enough that a kill after a few tokens lands mid-stream
 
 
 # ---- in process: the decode engine continues a migrated request's output -----------------------------
-
-@pytest.fixture
-def engine(model_dir):
-    model, cfg = load_model(model_dir)
-    e = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
-                                        max_batch_size=4, colocated=True, max_num_batched_tokens=8), model, cfg)
-    yield e
-    e.receiver.close()
-
 
 def _run_local(engine, prompt, sampling, prior=()):
     events = []
