@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, hf_generate_seconds, memory_bandwidth, write_result  # noqa: E402
+from common import ROOT, hf_generate_seconds, memory_bandwidths, write_result  # noqa: E402
 
 from decode_worker.config import DecodeWorkerConfig  # noqa: E402
 from decode_worker.engine import DecodeEngine  # noqa: E402
 from decode_worker.request import TokensEvent  # noqa: E402
+from decode_worker.server import load_decode_model  # noqa: E402
 from deploy.make_model import make_model  # noqa: E402
-from model.loader import load_model  # noqa: E402
+from model.cpu_linear import PackedBF16Linear  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
@@ -38,25 +39,26 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _engine(model_dir: str, dtype: str, weights: str, graph: bool, max_batch: int, blocks: int, **spec):
-    torch_dtype = DTYPES[dtype]
-    model, cfg = load_model(model_dir, torch_dtype)
-    if weights == "int4":
-        from model.quant import int4
-        int4.convert_for_runtime(model, group_size=128)
+    """A decode engine with the model loaded as the decode worker loads it."""
     dtype_name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     wcfg = DecodeWorkerConfig(model_dir=model_dir, worker_id="bench", dtype=dtype_name, num_blocks=blocks,
-                              block_size=16, max_batch_size=max_batch, graph=graph, **spec)
+                              block_size=16, max_batch_size=max_batch, graph=graph, weights=weights, **spec)
+    model, cfg = load_decode_model(wcfg)
     return DecodeEngine(wcfg, model, cfg), model
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads for weights: parameters and buffers, embeddings excluded (one row per token)."""
-    seen, total = set(), 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if "embed_tokens" in name or "rotary" in name or t.data_ptr() in seen:
+    """Bytes of weight a decode step reads: every linear (the LM head too, tied or not; the packed
+    copy where there is one, not its dense twin), norms; not the embedding (one row per token)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
             continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
+        if isinstance(module, PackedBF16Linear):
+            tensors = [module.packed] + ([module.bias] if module.bias is not None else [])
+        else:
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
 
@@ -188,10 +190,12 @@ def main() -> None:
     if not Path(args.model, "config.json").exists():
         make_model("bench-80m", args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    bandwidth = memory_bandwidth()
-    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
-    result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "threads": args.threads,
-              "prompt_tokens": args.prompt_tokens}
+    bandwidths = memory_bandwidths()
+    bandwidth = max(bandwidths.values())
+    print("memory bandwidth (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bandwidths.items())
+          + f"; speed of light uses the best, {bandwidth / 1e9:.1f}", flush=True)
+    result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "bandwidths": bandwidths,
+              "threads": args.threads, "prompt_tokens": args.prompt_tokens}
     result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens)
     if not args.skip_transformers:
         result["transformers"] = bench_transformers(args.model, [b for b in batches if b <= 8], 24,

@@ -16,7 +16,8 @@ On CUDA each bucket's forward is captured once as a ``torch.cuda.CUDAGraph``
 through the Triton paged-attention kernel, whose inputs (block tables, sequence
 lengths) live in the static buffers. On CPU there is no graph to capture: the runner
 runs the same padded step eagerly, with the step's metadata built by tensor ops from
-the static buffers instead of per-sequence Python loops. Design after nano-vllm's
+the static buffers instead of per-sequence Python loops, and attention through the C
+kernel (:mod:`kernels.cpu.attention`) where it builds. Design after nano-vllm's
 ``model_runner.py`` and mini-sglang's ``engine/graph.py``.
 """
 
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.cpu.attention import attention_available
 from kernels.paged_attention import AttentionMetadata
 from model.kv_cache import BlockPool
 from model.runner import ModelRunner, StepInput
@@ -54,7 +56,8 @@ def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_si
         positions=positions, slot_mapping=slots, query_index=rows[:, None],
         query_valid=torch.ones(num_seqs, 1, dtype=torch.bool, device=block_tables.device),
         ctx_block=ctx_block, ctx_offset=ctx_offset, attn_mask=mask, fresh_prefill=False,
-        block_tables=block_tables, seq_lens=seq_lens, decode_only=True)
+        block_tables=block_tables, seq_lens=seq_lens, decode_only=True,
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=block_tables.device))
 
 
 class GraphRunner:
@@ -117,7 +120,7 @@ class GraphRunner:
         if self.capture:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:size].clone()
-        return self._forward(bucket, with_torch_path=True)[:size]
+        return self._forward(bucket, with_torch_path=not attention_available())[:size]
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:
         size, width = len(batch), self.block_tables.shape[1]

@@ -12,6 +12,8 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.engine import DecodeEngine
 from decode_worker.request import FinishedEvent, TokensEvent
 from deploy.worker_process import WorkerProcess
+from model.cpu_linear import pack_for_cpu_decode
+from model.hugepages import move_to_huge_pages
 from model.kv_cache import NoFreeBlocks
 from model.loader import load_model
 from model.quant import int4
@@ -96,14 +98,18 @@ def _coalesce(events: list) -> list:
 
 def load_decode_model(cfg: DecodeWorkerConfig):
     """The model as ``cfg.weights`` asks: a pre-quantized INT4 checkpoint as stored, a float one
-    quantized at load (gpt-fast's ``convert_for_runtime``), or the weights as they are."""
-    if cfg.weights == "int4":
-        if int4.is_int4_checkpoint(cfg.model_dir):
-            return int4.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
+    quantized at load (gpt-fast's ``convert_for_runtime``), or the weights as they are (bf16
+    projections on a CPU packed for :mod:`kernels.cpu.gemv`); then moved into huge pages."""
+    if cfg.weights == "int4" and int4.is_int4_checkpoint(cfg.model_dir):
+        model, model_cfg = int4.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
+    else:
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
-        int4.convert_for_runtime(model, group_size=cfg.int4_group_size)
-        return model, model_cfg
-    return load_model(cfg.model_dir, cfg.torch_dtype)
+        if cfg.weights == "int4":
+            int4.convert_for_runtime(model, group_size=cfg.int4_group_size)
+        else:
+            pack_for_cpu_decode(model)           # bf16 on CPU: packed gemv for decode-sized steps
+    move_to_huge_pages(model)
+    return model, model_cfg
 
 
 class DecodeWorker(WorkerProcess):

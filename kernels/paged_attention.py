@@ -21,6 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu.attention import attention_available, paged_attention_cpu
+
+CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel beats gather + SDPA (even at 16)
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -40,6 +44,7 @@ class AttentionMetadata:
         block_tables: ``[B, max_blocks]`` int32 block tables (padded with block 0).
         seq_lens: ``[B]`` int32 context lengths after this step.
         decode_only: every sequence has exactly one new token (the GPU decode kernel's case).
+        query_start_loc: ``[B + 1]`` int32, sequence ``b``'s new tokens are rows ``[qsl[b], qsl[b+1])``.
     """
 
     positions: torch.Tensor
@@ -53,6 +58,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     decode_only: bool
+    query_start_loc: torch.Tensor
+
+    @property
+    def max_query_len(self) -> int:
+        return self.query_index.shape[1]
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +124,7 @@ def build_attention_metadata(
         block_tables=tables.to(device),
         seq_lens=s_lens.to(torch.int32).to(device),
         decode_only=max_q == 1,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(device),
     )
 
 
@@ -162,9 +173,18 @@ def paged_attention(
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
     """Attention for one layer of a step, on the best path for the device: the Triton
-    decode kernel for all-decode steps on CUDA, the torch path otherwise. Arguments and
-    result as :func:`paged_attention_torch`."""
+    decode kernel for all-decode steps on CUDA; on CPUs the C kernel for steps of at most
+    :data:`CPU_KERNEL_MAX_QUERY` new tokens per sequence (decode, speculative verification);
+    the torch path otherwise. Arguments and result as :func:`paged_attention_torch`."""
     if q.is_cuda and meta.decode_only and not meta.fresh_prefill:
         from kernels.paged_attention_triton import paged_attention_decode_triton
         return paged_attention_decode_triton(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale)
+    if uses_cpu_kernel(q.device, meta):
+        return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)
+
+
+def uses_cpu_kernel(device: torch.device, meta: AttentionMetadata) -> bool:
+    """Whether :func:`paged_attention` takes the C kernel for this step (so the torch path's
+    gather indices need not be built)."""
+    return device.type == "cpu" and meta.max_query_len <= CPU_KERNEL_MAX_QUERY and attention_available()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.hugepages import empty_huge
+
 
 class NoFreeBlocks(RuntimeError):
     """Raised by :meth:`BlockPool.allocate` when the pool cannot satisfy a request."""
@@ -84,8 +86,14 @@ class KVCacheSpec:
         return -(-num_tokens // self.block_size)
 
     def allocate(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed cache tensor of :attr:`shape` (``dtype``) on ``device``."""
-        return torch.zeros(self.shape, dtype=self.dtype, device=device)
+        """A zeroed cache tensor of :attr:`shape` (``dtype``) on ``device``; on the CPU in huge
+        pages (:mod:`model.hugepages`), since attention streams it like the weights."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(self.shape, dtype=self.dtype, device=device)
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return empty_huge(numel, self.dtype).zero_().view(self.shape)
 
 
 class BlockPool:

@@ -4,7 +4,9 @@ RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied or untied LM head, as i
 Hugging Face ``transformers`` ``LlamaForCausalLM`` (Touvron et al., "LLaMA", 2023),
 whose numerics it follows so that greedy output is token-exact in float32.
 Q/K/V and gate/up projections are fused into one matmul each (as vLLM does);
-:mod:`model.loader` concatenates the checkpoint's weights.
+:mod:`model.loader` concatenates the checkpoint's weights. On CPUs, decode-sized steps run
+RMSNorm, RoPE with the KV write, attention and SiLU-and-mul as C kernels
+(:mod:`kernels.cpu`) with the same rounding as the torch code here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from kernels.cpu import fused
+from kernels.cpu.attention import paged_attention_cpu
+from kernels.cpu.fused import fused_available
+from kernels.paged_attention import AttentionMetadata, paged_attention, uses_cpu_kernel, write_kv
 from model.config import ModelConfig
 from model.rope import RotaryEmbedding, apply_rotary
 
@@ -27,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_available(x) and self.weight.dtype == x.dtype:
+            return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -47,7 +54,15 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n, cfg = x.shape[0], self.cfg
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if fused_available(qkv) and kv_cache.dtype == qkv.dtype and uses_cpu_kernel(x.device, meta):
+            # CPU, decode-sized: RoPE + cache write and attention in two C calls
+            q = fused.rope_write_kv(qkv, cos, sin, kv_cache, self.layer, meta.slot_mapping,
+                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            out = paged_attention_cpu(q, kv_cache, self.layer, meta.query_start_loc, meta.seq_lens,
+                                      meta.block_tables, self.scale)
+            return self.o_proj(out.view(n, self.q_size).to(x.dtype))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
         k = apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -66,7 +81,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_available(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -1,0 +1,123 @@
+"""C kernels for decode on x86 CPUs, compiled on first use and called through ctypes.
+
+The CPU counterpart of the Triton kernels: the decode worker's hot loops that torch's
+CPU operators run far from the machine's limits at decode shapes.
+
+* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``): bf16 weight x few-row products over weights
+  pre-packed for AVX512-BF16 ``vdpbf16ps``, streaming each weight once per step;
+* :mod:`kernels.cpu.attention` (``paged_attention.c``): paged attention for decode and short
+  query blocks, reading K/V through block tables without gathering them first;
+* :mod:`kernels.cpu.fused` (``fused.c``): RMSNorm, RoPE with the KV cache write, and SiLU-and-mul,
+  one call each instead of a dozen tensor operations.
+
+Each source is compiled with the system C compiler (``cc``, else ``gcc``) into a shared
+library cached under ``~/.cache/pdserve/kernels`` (``$XDG_CACHE_HOME`` respected), keyed
+by source, flags, compiler and the CPU's feature flags, so a later process loads it at
+once; the write is atomic, so worker processes starting together do not race. Where no
+compiler or no AVX512-BF16 is present the library reports itself unavailable and callers
+keep the torch path: behaviour never depends on it, only speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_HERE = Path(__file__).resolve().parent
+# per source: compiler flags. The gemv selects its ISA with target attributes and checks the
+# CPU at run time. Never -ffast-math: linking with it sets flush-to-zero for the whole process.
+# expf vectorizes through glibc's libmvec, declared "omp declare simd" in the sources.
+_FLAGS = {
+    "gemv_bf16": ["-O3"],
+    "paged_attention": ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
+    "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """The C kernels cannot run here (no compiler, a failed build, or a CPU without the ISA)."""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdserve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str:
+    for cc in ("cc", "gcc"):
+        if shutil.which(cc):
+            return cc
+    raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
+
+
+def _build(name: str) -> Path:
+    """Compile ``name.c`` into the cache (once per source/flags/compiler/CPU) and return the library path.
+
+    Raises:
+        KernelUnavailable: no compiler, or the build failed.
+    """
+    cc = _compiler()
+    source = (_HERE / f"{name}.c").read_bytes()
+    flags = _FLAGS[name]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *flags, "-shared", "-fPIC", str(_HERE / f"{name}.c"), "-o", tmp, "-lmvec", "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise KernelUnavailable(f"building {name}.c failed: {proc.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)                                   # atomic: concurrent builders agree
+    return out
+
+
+@functools.cache
+def library(name: str) -> ctypes.CDLL:
+    """The loaded shared library of ``kernels/cpu/<name>.c``, built if needed.
+
+    Raises:
+        KernelUnavailable: it cannot be built or loaded here.
+    """
+    try:
+        return ctypes.CDLL(str(_build(name)))
+    except OSError as exc:
+        raise KernelUnavailable(f"loading {name}: {exc}") from exc
+
+
+@functools.cache
+def available(name: str) -> bool:
+    """Whether the kernel library ``name`` builds, loads and (gemv) finds its ISA on this CPU; logs why not."""
+    try:
+        lib = library(name)
+        if name == "gemv_bf16" and not lib.pd_cpu_has_avx512_bf16():
+            raise KernelUnavailable("this CPU lacks AVX512-BF16")
+        return True
+    except KernelUnavailable as exc:
+        log.warning("CPU kernel %s unavailable, using torch: %s", name, exc)
+        return False

@@ -1,0 +1,73 @@
+"""Paged attention on CPUs for decode steps and short query blocks (``paged_attention.c``).
+
+Same contract as :func:`kernels.paged_attention.paged_attention_torch` for steps whose new
+tokens' K/V are already in the cache, without the torch path's gather of every context
+into a padded batch: the kernel walks each sequence's block table once per KV head.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import available, library
+
+_i64, _p = ctypes.c_int64, ctypes.c_void_p
+
+
+def attention_available() -> bool:
+    """Whether :func:`paged_attention_cpu` can run here (the C library builds)."""
+    return available("paged_attention")
+
+
+def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a flat batch of queries against each sequence's paged context.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` queries (RoPE applied), any float dtype.
+        kv_cache: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` float32 or
+            bfloat16 on the CPU, with this step's K/V already written.
+        layer: the layer to read.
+        query_start_loc: ``[B + 1]`` int32, sequence ``b`` owns rows ``[qsl[b], qsl[b+1])``: its
+            last ``qsl[b+1] - qsl[b]`` tokens, causal among themselves.
+        seq_lens: ``[B]`` int32 context lengths including the new tokens.
+        block_tables: ``[B, max_blocks]`` int32.
+        scale: softmax scale.
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+    Raises:
+        ValueError: shapes, dtypes or devices the kernel does not take.
+        MemoryError: the kernel's score buffer could not be allocated.
+    """
+    n, heads, dim = q.shape
+    num_kv_heads = kv_cache.shape[4]
+    if kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
+            or not kv_cache.is_contiguous():
+        raise ValueError("paged_attention_cpu: kv_cache must be a contiguous float32/bfloat16 CPU tensor")
+    if heads % num_kv_heads or dim != kv_cache.shape[5]:
+        raise ValueError(f"paged_attention_cpu: q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
+    for t in (query_start_loc, seq_lens, block_tables):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError("paged_attention_cpu: query_start_loc, seq_lens and block_tables must be contiguous int32")
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
+    base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
+    rc = _fn()(qf.data_ptr(), out.data_ptr(), heads, num_kv_heads, dim,
+               query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
+               base, int(kv_cache.dtype == torch.bfloat16), s_block, s_tok, s_head, s_kv,
+               block_tables.data_ptr(), block_tables.shape[1], kv_cache.shape[3], float(scale))
+    if rc != 0:
+        raise MemoryError("paged_attention_cpu: could not allocate the score buffer")
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _fn():
+    fn = library("paged_attention").pd_paged_attention
+    if fn.argtypes is None:
+        fn.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, ctypes.c_int, _i64, _i64, _i64, _i64,
+                       _p, _i64, _i64, ctypes.c_float]
+        fn.restype = ctypes.c_int
+    return fn

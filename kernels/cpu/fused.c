@@ -1,0 +1,100 @@
+/* The small per-layer operations of a decode step, fused so that a layer costs a handful
+ * of calls instead of dozens of tensor operations (each ~5 us of framework overhead at
+ * decode sizes, more than their arithmetic).
+ *
+ *   pd_rms_norm       out = w * rmsnorm(x)                                      (RMSNorm, Zhang & Sennrich 2019)
+ *   pd_rope_write_kv  q_out = rope(q); cache[slot] = (rope(k), v)               (RoPE, Su et al. 2021)
+ *   pd_silu_mul       out = silu(gate) * up                                     (SwiGLU, Shazeer 2020)
+ *
+ * Element type: float32 or bfloat16 (flag bf16). Every result is rounded to the element
+ * type where the torch reference (kernels/fused_ops.py) rounds, and nothing is contracted
+ * into an FMA (built with -ffp-contract=off), so float32 results match it up to the order
+ * of the RMS sum.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#pragma omp declare simd notinbranch
+extern float expf(float);                                /* glibc's vector variants (libmvec) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {          /* round to nearest even, NaN kept quiet */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float get(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v); else ((float *)p)[i] = v;
+}
+
+static inline float rnd(float v, int bf16) {           /* v as the element type holds it */
+    return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
+}
+
+/* x, out: [n, dim] with row strides ldx, ldo; w: [dim]. */
+void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim, int64_t ldx, int64_t ldo,
+                 float eps, int bf16) {
+    for (int64_t i = 0; i < n; i++) {
+        float ss = 0.f;
+        for (int64_t d = 0; d < dim; d++) { const float v = get(x, i * ldx + d, bf16); ss += v * v; }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) {
+            const float normed = rnd(get(x, i * ldx + d, bf16) * inv, bf16);
+            put(out, i * ldo + d, get(w, d, bf16) * normed, bf16);
+        }
+    }
+}
+
+/* qkv: [n, (H + 2 Hkv) D] rows of stride ld; cos, sin: float32 [n, D]; q_out: float32 [n, H, D].
+ * cache: base of one layer; K of (block, off, head) at block*s_block + off*s_tok + head*s_head, V at + s_v.
+ * slots: int64 [n] = block * block_size + offset. */
+void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
+                      const float *cos_t, const float *sin_t, float *q_out, void *cache, int64_t s_block,
+                      int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots, int64_t block_size,
+                      int bf16) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < n; i++) {
+        const float *c = cos_t + i * D, *s = sin_t + i * D;
+        const int64_t row = i * ld;
+        const int64_t base = (slots[i] / block_size) * s_block + (slots[i] % block_size) * s_tok;
+        for (int64_t h = 0; h < H + Hkv; h++) {                /* query heads, then key heads */
+            const int64_t src = row + h * D;
+            float x[512], v[512];                                /* D <= 512 (checked by the caller) */
+            for (int64_t d = 0; d < D; d++) x[d] = get(qkv, src + d, bf16);
+            for (int64_t d = 0; d < half; d++)                  /* rotate_half: (-x2, x1) */
+                v[d] = rnd(rnd(x[d] * rnd(c[d], bf16), bf16) + rnd(-x[d + half] * rnd(s[d], bf16), bf16), bf16);
+            for (int64_t d = half; d < D; d++)
+                v[d] = rnd(rnd(x[d] * rnd(c[d], bf16), bf16) + rnd(x[d - half] * rnd(s[d], bf16), bf16), bf16);
+            if (h < H) memcpy(q_out + (i * H + h) * D, v, (size_t)D * sizeof(float));
+            else for (int64_t d = 0; d < D; d++) put(cache, base + (h - H) * s_head + d, v[d], bf16);
+        }
+        for (int64_t h = 0; h < Hkv; h++)
+            for (int64_t d = 0; d < D; d++)
+                put(cache, base + h * s_head + s_v + d, get(qkv, row + (H + Hkv + h) * D + d, bf16), bf16);
+    }
+}
+
+/* gate_up: [n, 2 inter] rows of stride ld (gate first); out: [n, inter] contiguous.
+ * silu in float32 through a buffer, so the expf loop vectorizes (glibc libmvec, as torch's Sleef). */
+void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16) {
+    float buf[256];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d0 = 0; d0 < inter; d0 += 256) {
+            const int64_t m = inter - d0 < 256 ? inter - d0 : 256;
+            for (int64_t d = 0; d < m; d++) buf[d] = get(gate_up, i * ld + d0 + d, bf16);
+#pragma omp simd
+            for (int64_t d = 0; d < m; d++) buf[d] = buf[d] / (1.f + expf(-buf[d]));
+            for (int64_t d = 0; d < m; d++)
+                put(out, i * inter + d0 + d, rnd(buf[d], bf16) * get(gate_up, i * ld + inter + d0 + d, bf16), bf16);
+        }
+}

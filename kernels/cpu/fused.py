@@ -1,0 +1,72 @@
+"""Fused RMSNorm, RoPE + KV cache write and SiLU-and-mul for decode-sized steps on CPUs (``fused.c``).
+
+Each replaces a chain of small tensor operations whose framework overhead, at a few rows,
+outweighs their arithmetic. Results follow the torch code in :mod:`model.llama` and
+:mod:`model.rope` rounding for rounding (float32 up to the order of the RMS sum).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import available, library
+
+_i64, _p, _int, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_DTYPES = (torch.float32, torch.bfloat16)
+MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win
+
+
+def fused_available(x: torch.Tensor) -> bool:
+    """Whether the fused kernels take ``x`` (``[rows, features]``): CPU, float32/bf16, at most
+    :data:`MAX_ROWS` rows, row-major, and the library builds."""
+    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and x.stride(1) == 1 and available("fused"))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))`` per row; ``x`` ``[rows, dim]``, ``weight`` ``[dim]`` of x's dtype."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _fn("pd_rms_norm", [_p, _p, _p, _i64, _i64, _i64, _i64, _f, _int])(
+        x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.shape[1],
+        eps, int(x.dtype == torch.bfloat16))
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                  slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """RoPE on the queries and keys of ``qkv`` (``[n, (H + 2 Hkv) D]``, as ``qkv_proj`` returns it);
+    rotated keys and the values go to ``kv_cache`` (of qkv's dtype) at ``slot_mapping`` (``[n]`` int64).
+    ``cos``/``sin``: ``[n, 1, D]`` or ``[n, D]`` float32. Returns the rotated queries ``[n, H, D]`` float32."""
+    n = qkv.shape[0]
+    if head_dim > 512 or head_dim % 2:
+        raise ValueError(f"rope_write_kv: head_dim must be even and at most 512, got {head_dim}")
+    cos, sin = cos.reshape(n, head_dim).contiguous(), sin.reshape(n, head_dim).contiguous()
+    slots = slot_mapping.contiguous()
+    q = torch.empty(n, num_heads, head_dim)
+    s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
+    base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
+    _fn("pd_rope_write_kv", [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _i64,
+                             _int])(
+        qkv.data_ptr(), n, qkv.stride(0), num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        q.data_ptr(), base, s_block, s_tok, s_head, s_kv, slots.data_ptr(), kv_cache.shape[3],
+        int(qkv.dtype == torch.bfloat16))
+    return q
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` (gate first) -> ``[rows, I]``."""
+    inter = gate_up.shape[1] // 2
+    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    _fn("pd_silu_mul", [_p, _i64, _i64, _i64, _p, _int])(
+        gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr(),
+        int(gate_up.dtype == torch.bfloat16))
+    return out
+
+
+def _fn(name: str, argtypes: list):
+    fn = getattr(library("fused"), name)
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = argtypes, None
+    return fn

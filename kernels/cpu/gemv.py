@@ -1,0 +1,100 @@
+"""bf16 linear layers for CPU decode over weights packed for ``vdpbf16ps`` (``gemv_bf16.c``).
+
+Layout (``N`` output rows padded to 16, ``K`` input columns padded to 2)::
+
+    W [N, K]  ->  Wp [Np / 16, Kp / 2, 16, 2],   Wp[nb, kk, j, e] = W[16 nb + j, 2 kk + e]
+
+so one 64-byte load feeds 16 output rows with 2 input columns each and the weight is one
+sequential stream. Products accumulate in float32 and round once to bf16.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import KernelUnavailable, available, library
+
+_i64, _p = ctypes.c_int64, ctypes.c_void_p
+
+
+def gemv_available() -> bool:
+    """Whether :func:`gemv_bf16` can run on this machine (compiler and AVX512-BF16)."""
+    return available("gemv_bf16")
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` weight (any float dtype) -> packed bf16 ``[Np // 16, Kp // 2, 16, 2]`` (zero padding)."""
+    n, k = weight.shape
+    np_, kp = -(-n // 16) * 16, k + k % 2
+    padded = torch.zeros(np_, kp, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.detach().to(torch.bfloat16)
+    return padded.view(np_ // 16, 16, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_weight`: ``[out_features, in_features]`` bf16."""
+    nb, k2 = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(nb * 16, k2 * 2)[:out_features, :in_features]
+
+
+def gemv_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x @ W.T`` for bf16 ``x`` ``[M, K]`` and a packed ``W`` -> ``[M, out_features]`` bf16.
+
+    ``K`` must equal the packed width (``Kp``; pad odd widths with a zero column).
+
+    Raises:
+        ValueError: wrong dtype, shape or memory layout of ``x``, or a ``packed`` not from :func:`pack_weight`.
+    """
+    _check(x, packed, out_features)
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.bfloat16)
+    _fn()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), packed.shape[0] * 16, out_features,
+          y.data_ptr(), out_features)
+    return y
+
+
+def _check(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(f"gemv_bf16: x must be a row-major 2-D bf16 CPU tensor, got {x.dtype} {tuple(x.shape)}")
+    if packed.dtype != torch.bfloat16 or packed.dim() != 4 or packed.shape[2:] != (16, 2) \
+            or not packed.is_contiguous():
+        raise ValueError("gemv_bf16: packed must come from pack_weight")
+    if x.shape[1] != packed.shape[1] * 2 or not 0 < out_features <= packed.shape[0] * 16:
+        raise ValueError(f"gemv_bf16: x has {x.shape[1]} columns and out_features={out_features}, "
+                         f"packed weight is {packed.shape[0] * 16} x {packed.shape[1] * 2}")
+
+
+def gemm_amx_available() -> bool:
+    """Whether :func:`gemm_bf16_amx` can run: AMX-BF16 present and granted to this process."""
+    return gemv_available() and bool(library("gemv_bf16").pd_cpu_has_amx_bf16())
+
+
+def gemm_bf16_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """As :func:`gemv_bf16` on AMX tiles, for more rows (input width a multiple of 32).
+
+    Raises:
+        ValueError: as :func:`gemv_bf16`, or an input width not a multiple of 32.
+        MemoryError: the padded copy of ``x`` could not be allocated.
+        KernelUnavailable: no AMX-BF16 here (see :func:`gemm_amx_available`).
+    """
+    if x.shape[-1] % 32:
+        raise ValueError(f"gemm_bf16_amx: input width must be a multiple of 32, got {x.shape[-1]}")
+    _check(x, packed, out_features)
+    y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    rc = _fn("pd_gemm_bf16_amx")(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(),
+                                 packed.shape[0] * 16, out_features, y.data_ptr(), out_features)
+    if rc == -2:
+        raise KernelUnavailable("gemm_bf16_amx: this CPU or process cannot use AMX-BF16")
+    if rc:
+        raise MemoryError("gemm_bf16_amx: out of memory for the padded activations")
+    return y
+
+
+def _fn(name: str = "pd_gemv_bf16"):
+    fn = getattr(library("gemv_bf16"), name)
+    if fn.argtypes is None:
+        fn.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
+        fn.restype = None if name == "pd_gemv_bf16" else ctypes.c_int
+    return fn

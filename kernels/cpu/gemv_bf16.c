@@ -1,0 +1,146 @@
+/* bf16 matrix-vector products for decode on x86 CPUs with AVX512-BF16.
+ *
+ * Decode multiplies a few activation rows by every weight matrix, so it is bound by
+ * the bytes of weight streamed from memory. Weights are pre-packed once into the
+ * "VNNI" order the dot-product instruction consumes, so the kernel reads one
+ * sequential stream and never reduces across a vector:
+ *
+ *   W [N, K] row-major   ->   Wp [N/16][K/2][16][2]     (N padded to 16, K to 2)
+ *   Wp[nb][kk][j][e] = W[16 nb + j, 2 kk + e]
+ *
+ *   one 64-byte load = 16 output rows x 2 input columns;
+ *   acc[j] += x[2kk] W[16nb+j, 2kk] + x[2kk+1] W[16nb+j, 2kk+1]   (vdpbf16ps, fp32 accumulate)
+ *
+ * Activation rows are taken four at a time, so a 16-row weight block (16 K bf16, at most
+ * a few hundred KiB) is re-read from cache, not memory, for rows beyond the fourth.
+ * Every output row sums in the same order whatever M is: results do not depend on
+ * the batch.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define PREFETCH_ELEMS 512                      /* 1 KiB ahead in the weight stream */
+
+int pd_cpu_has_avx512_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512bf16");
+}
+
+/* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid.
+ * x: bf16 [M, K], row stride ldx (elements), K even. wp: packed [Np/16][K/2][16][2], Np % 16 == 0. */
+TARGET void pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
+    const int64_t K2 = K / 2;
+    for (int64_t nb = 0; nb < Np; nb += 16) {
+        const uint16_t *wb = wp + nb * K;
+        const int64_t cnt = n_valid - nb < 16 ? n_valid - nb : 16;
+        const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mm = M - m0 < 4 ? M - m0 : 4;
+            const int32_t *xr[4];
+            for (int i = 0; i < 4; i++) xr[i] = (const int32_t *)(x + (m0 + (i < mm ? i : 0)) * ldx);
+            __m512 a0[4], a1[4];                /* two chains per row: even and odd kk */
+            for (int i = 0; i < 4; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
+            int64_t kk = 0;
+            for (; kk + 1 < K2; kk += 2) {
+                _mm_prefetch((const char *)(wb + kk * 32 + PREFETCH_ELEMS), _MM_HINT_T0);
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kk * 32);
+                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kk * 32 + 32);
+                for (int i = 0; i < mm; i++) {
+                    a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_set1_epi32(xr[i][kk]), w0);
+                    a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_set1_epi32(xr[i][kk + 1]), w1);
+                }
+            }
+            if (kk < K2) {
+                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kk * 32);
+                for (int i = 0; i < mm; i++)
+                    a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_set1_epi32(xr[i][kk]), w0);
+            }
+            for (int i = 0; i < mm; i++) {
+                const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(a0[i], a1[i]));
+                _mm256_mask_storeu_epi16(y + (m0 + i) * ldy + nb, mask, (__m256i)o);
+            }
+        }
+    }
+}
+
+/* ---- AMX: the same packed weights as B tiles, for 5..64 activation rows -------------------------
+ *
+ * A 16-kk slice of a 16-row weight block, Wp[nb][kk0 .. kk0+16][16][2], is 16 rows of 64 bytes:
+ * exactly an AMX bf16 B tile (K/2 rows x 16 columns x 2). x is copied into 16-row zero-padded
+ * A tiles (16 rows x 32 bf16); C tiles are 16 x 16 float32.
+ *
+ *   for each 32 rows of x (2 A tiles) and 32 output columns (2 B tiles):  4 C tiles
+ *       for each 32 input columns:  C[i][j] += A[i] B[j]                  (tdpbf16ps)
+ */
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX_AHEAD 128                            /* input columns of prefetch lead in the B stream */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+
+/* 1 if AMX-BF16 is present and the kernel lets this process use tile data. */
+int pd_cpu_has_amx_bf16(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* As pd_gemv_bf16, for K % 32 == 0 and any M (intended 5..64). Returns -1 if out of memory,
+ * -2 if this CPU or process cannot use AMX (asked once per process). */
+AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
+    static int granted = -1;
+    if (granted < 0) granted = pd_cpu_has_amx_bf16();
+    if (!granted) return -2;
+    const int64_t Mp = (M + 31) / 32 * 32;
+    uint16_t *a = aligned_alloc(64, (size_t)(Mp * K * 2));
+    float *c = aligned_alloc(64, 32 * 32 * sizeof(float));
+    if (!a || !c) { free(a); free(c); return -1; }
+    for (int64_t m = 0; m < Mp; m++) {
+        if (m < M) memcpy(a + m * K, x + m * ldx, (size_t)K * 2);
+        else memset(a + m * K, 0, (size_t)K * 2);
+    }
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);                      /* tiles 0-3: C, 4-5: A, 6-7: B */
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        for (int64_t nb = 0; nb < Np; nb += 32) {
+            const int two = nb + 16 < Np;        /* a second 16-column block exists */
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                for (int64_t l = 0; l < 2048; l += 64)          /* the next 2 KiB of both B streams */
+                    __builtin_prefetch((const char *)(wp + nb * K + (k0 + AMX_AHEAD) * 16) + l);
+                _tile_loadd(4, a + m0 * K + k0, K * 2);
+                _tile_loadd(5, a + (m0 + 16) * K + k0, K * 2);
+                _tile_loadd(6, wp + nb * K + k0 * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, wp + (nb + 16) * K + k0 * 16, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
+            for (int64_t i = 0; i < 32 && m0 + i < M; i++)
+                for (int64_t j = 0; j < (two ? 32 : 16) && nb + j < n_valid; j += 16) {
+                    const int64_t cnt = n_valid - nb - j < 16 ? n_valid - nb - j : 16;
+                    const __m256bh o = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + i * 32 + j));
+                    _mm256_mask_storeu_epi16(y + (m0 + i) * ldy + nb + j, (__mmask16)((1u << cnt) - 1), (__m256i)o);
+                }
+        }
+    }
+    _tile_release();
+    free(a); free(c);
+    return 0;
+}

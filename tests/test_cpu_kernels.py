@@ -1,0 +1,227 @@
+"""The C kernels of CPU decode (kernels/cpu): packed bf16 gemv and AMX gemm, paged attention,
+fused RMSNorm / RoPE + KV write / SiLU-and-mul, each against the torch code it replaces, on
+awkward shapes; huge-page weights; and the decode model with them against the model without."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import KernelUnavailable, _build, available
+from kernels.cpu import fused as cfused
+from kernels.cpu.attention import attention_available, paged_attention_cpu
+from kernels.cpu.gemv import (
+    gemm_amx_available,
+    gemm_bf16_amx,
+    gemv_available,
+    gemv_bf16,
+    pack_weight,
+    unpack_weight,
+)
+from kernels.paged_attention import build_attention_metadata, paged_attention_torch, write_kv
+from model.cpu_linear import PackedBF16Linear, pack_for_cpu_decode
+from model.hugepages import HUGE_PAGE, empty_huge, move_to_huge_pages
+from model.kv_cache import KVCacheSpec
+from model.llama import RMSNorm
+from model.loader import load_model
+from model.rope import apply_rotary
+from model.runner import ModelRunner, StepInput
+
+needs_gemv = pytest.mark.skipif(not gemv_available(), reason="no AVX512-BF16 or no C compiler")
+needs_amx = pytest.mark.skipif(not gemm_amx_available(), reason="no AMX-BF16")
+needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
+
+
+def _bf16_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """``y`` (bf16) is ``ref`` (float32, exact) rounded once: within half a bf16 ulp of |ref| plus
+    the float32 summation-order error."""
+    tol = ref.abs() * 2 ** -8 + 1e-4 * ref.abs().max()
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape
+    assert ((y.float() - ref).abs() <= tol).all(), (y.float() - ref).abs().max()
+
+
+@needs_gemv
+@pytest.mark.parametrize("n,k,m", [(37, 100, 1), (16, 2, 3), (1000, 72, 2), (33, 7, 1), (1280, 768, 3)])
+def test_gemv_matches_float32_product_and_is_batch_invariant(n, k, m):
+    torch.manual_seed(n + k + m)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
+    packed = pack_weight(w)
+    assert torch.equal(unpack_weight(packed, n, k), w)
+    xp = F.pad(x, (0, k % 2))
+    y = gemv_bf16(xp, packed, n)
+    _bf16_close(y, x.float() @ w.float().t())
+    for row in range(m):                                  # a row alone == the same row in a batch
+        assert torch.equal(gemv_bf16(xp[row:row + 1].contiguous(), packed, n), y[row:row + 1])
+
+
+@needs_gemv
+def test_gemv_refuses_what_it_cannot_take():
+    packed = pack_weight(torch.randn(20, 8))
+    with pytest.raises(ValueError, match="row-major 2-D bf16"):
+        gemv_bf16(torch.randn(1, 8), packed, 20)                         # float32 input
+    with pytest.raises(ValueError, match="8 columns"):
+        gemv_bf16(torch.randn(1, 8).bfloat16(), packed, 33)              # more outputs than packed rows
+    with pytest.raises(ValueError, match="pack_weight"):
+        gemv_bf16(torch.randn(1, 8).bfloat16(), torch.randn(20, 8).bfloat16(), 20)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k,m", [(37, 64, 4), (16, 32, 17), (1000, 96, 33), (48, 2048, 64), (8, 32, 1)])
+def test_amx_gemm_matches_float32_product(n, k, m):
+    torch.manual_seed(n * m)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
+    _bf16_close(gemm_bf16_amx(x, pack_weight(w), n), x.float() @ w.float().t())
+
+
+@needs_amx
+def test_amx_gemm_needs_whole_32_column_groups():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemm_bf16_amx(torch.randn(5, 40).bfloat16(), pack_weight(torch.randn(16, 40)), 16)
+
+
+@needs_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 16, 16), (3, 1, 24, 5), (12, 4, 64, 16),
+                                                                 (4, 2, 128, 4), (2, 2, 48, 3)])
+def test_paged_attention_matches_torch_path(dtype, heads, kv_heads, head_dim, block_size):
+    """Decode rows, query blocks (speculative verification, causal inside the block), a fresh prompt
+    and contexts ending mid-block, on scattered blocks; NaN in unused cache slots must not leak."""
+    torch.manual_seed(head_dim)
+    num_blocks = 64
+    cache = torch.full((num_blocks, 2, 2, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    query_lens, seq_lens = [1, 3, 1, 2, 16, 5], [7, 20, 1, 33, 40, 5]
+    perm = torch.randperm(num_blocks).tolist()
+    tables = []
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[:n])
+        perm = perm[n:]
+        for b in tables[-1]:                                  # real positions hold finite K/V
+            cache[b] = torch.randn(2, 2, block_size, kv_heads, head_dim).to(dtype)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, block_size)
+    for i, (s, t) in enumerate(zip(seq_lens, tables)):        # positions past the end are NaN again
+        for p in range(s, len(t) * block_size):
+            cache[t[p // block_size], :, :, p % block_size] = float("nan")
+    q = torch.randn(sum(query_lens), heads, head_dim).to(dtype)
+    ref = paged_attention_torch(q, None, None, cache.nan_to_num(0.0), 1, meta, 0.3)   # torch's mask lets NaN in
+    out = paged_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.3)
+    assert out.dtype == dtype and not out.isnan().any()
+    atol = 1e-5 if dtype == torch.float32 else ref.float().abs().max().item() * 2 ** -7
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+@needs_attention
+def test_paged_attention_refuses_mismatched_shapes():
+    cache = torch.zeros(4, 1, 2, 4, 2, 16)
+    meta = build_attention_metadata([1], [3], [[0]], 4)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_attention_cpu(torch.randn(1, 3, 16), cache, 0, meta.query_start_loc, meta.seq_lens,
+                            meta.block_tables, 1.0)                        # 3 heads over 2 KV heads
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention_cpu(torch.randn(1, 4, 16), cache, 0, meta.query_start_loc.long(), meta.seq_lens,
+                            meta.block_tables, 1.0)
+
+
+@pytest.mark.skipif(not available("fused"), reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_ops_round_as_the_torch_code(dtype):
+    """bf16: bit-identical to the model's torch code; float32: RoPE and the cache bit-identical,
+    RMSNorm and SiLU within the summation order / expf implementation (1e-6)."""
+    torch.manual_seed(1)
+    exact = dtype == torch.bfloat16
+    x = torch.randn(5, 72).to(dtype)
+    norm = RMSNorm(72, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(72).to(dtype)
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    _same(cfused.rms_norm(x, norm.weight, 1e-5), ref, exact)
+
+    gate_up = torch.randn(3, 200).to(dtype)
+    gate, up = gate_up.split(100, -1)
+    _same(cfused.silu_and_mul(gate_up), F.silu(gate) * up, exact)
+
+    heads, kv_heads, dim, bs, n = 3, 1, 24, 5, 4
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim).to(dtype)
+    pos = torch.tensor([3, 9, 10, 0])
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat((pos[:, None] * inv, pos[:, None] * inv), -1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    slots = torch.tensor([3, 14, 15, 29])
+    cache = torch.zeros(6, 2, 2, bs, kv_heads, dim, dtype=dtype)
+    q_out = cfused.rope_write_kv(qkv, cos, sin, cache, 1, slots, heads, kv_heads, dim)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    ref_cache = torch.zeros_like(cache)
+    write_kv(ref_cache, 1, apply_rotary(k.view(n, kv_heads, dim), cos, sin), v.view(n, kv_heads, dim), slots)
+    assert torch.equal(q_out, apply_rotary(q.view(n, heads, dim), cos, sin).float())
+    assert torch.equal(cache, ref_cache)
+
+
+def _same(y: torch.Tensor, ref: torch.Tensor, exact: bool) -> None:
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    if exact:
+        assert torch.equal(y, ref)
+    else:
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_huge_page_tensors_are_aligned_and_weights_stay_tied(model_dir):
+    t = empty_huge(3 * HUGE_PAGE // 2 + 7, torch.bfloat16)
+    assert t.numel() == 3 * HUGE_PAGE // 2 + 7 and t.data_ptr() % HUGE_PAGE == 0
+    model, _ = load_model(model_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert move_to_huge_pages(model) > 0
+    assert model.lm_head.weight is model.embed_tokens.weight          # tied stays tied
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@needs_gemv
+@pytest.mark.parametrize("which", ["embedded", "awkward"])
+def test_packed_bf16_model_matches_the_plain_bf16_model(which, model_dir, awkward_model_dir):
+    """The decode worker's bf16 model (packed linears, huge pages, C attention and fused ops) against
+    the same weights through F.linear: logits of a prefill and of decode steps at 1, 4 and 9 rows
+    (gemv, AMX and F.linear) agree to bf16 precision and pick the same greedy tokens."""
+    path = model_dir if which == "embedded" else awkward_model_dir
+    plain, cfg = load_model(path, torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    assert pack_for_cpu_decode(packed) == 4 * cfg.num_layers + 1
+    assert all(isinstance(m, PackedBF16Linear) for m in (packed.lm_head, packed.layers[0].mlp.down_proj))
+    move_to_huge_pages(packed)
+    spec = KVCacheSpec(64, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    runners = [ModelRunner(m, spec) for m in (plain, packed)]
+    for rows in (1, 4, 9):
+        seqs = [[(7 * r + 3 * i) % (cfg.vocab_size - 3) + 3 for i in range(6 + r)] for r in range(rows)]
+        tables = [list(range(5 * r, 5 * r + 5)) for r in range(rows)]
+        outs = []
+        for runner in runners:
+            prefill = runner.run([StepInput(s, 0, t) for s, t in zip(seqs, tables)])
+            step = runner.run([StepInput([int(p.argmax())], len(s), t) for p, s, t in zip(prefill, seqs, tables)])
+            outs.append((prefill, step))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(b, a, rtol=0, atol=a.abs().max().item() * 2 ** -6)
+            assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.75
+
+
+def test_a_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))                 # no cc, no gcc
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))       # and nothing built yet
+    with pytest.raises(KernelUnavailable, match="no C compiler"):
+        _build("fused")
+
+
+def test_packed_linear_refuses_float32_weights():
+    with pytest.raises(ValueError, match="bf16 CPU weight"):
+        PackedBF16Linear(nn.Linear(8, 8))
+
+
+def test_loading_the_kernels_leaves_subnormals_alone():
+    """A library linked with -ffast-math would switch the whole process to flush-to-zero."""
+    for name in ("gemv_bf16", "paged_attention", "fused"):
+        available(name)
+    tiny = float("5e-324")
+    assert tiny * 1.0 != 0.0
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
