@@ -141,6 +141,10 @@ SPEC_PROMPTS = [
     "Lily saw a big red ball. She said, \"I want the big red ball!\" Her mom said, \"The big red ball",
     "Tom and Sam were friends. Tom and Sam liked to play. Tom and Sam went to the park. Tom and Sam",
     "The cat sat on the mat. The cat was happy. The cat sat on the mat and",
+    # prompts whose greedy continuation the n-gram proposer predicts well (found by trying 8)
+    "One, two, three, four, five. One, two, three, four, five. One, two, three,",
+    "Tom said, \"I am sorry.\" Sue said, \"I am sorry.\" Tom said, \"I am sorry.\" Sue said,",
+    "Once upon a time, there was a girl named Lily. Lily was",
 ]
 
 
@@ -200,7 +204,7 @@ def main() -> None:
     if not args.skip_transformers:
         result["transformers"] = bench_transformers(args.model, [b for b in batches if b <= 8], 24,
                                                     args.prompt_tokens)
-    result["speculative"] = bench_speculative(max(args.steps, 24))
+    result["speculative"] = bench_speculative(max(args.steps, 48))
     out = Path(args.out)
     write_result(result, out)
     _plot(result, out.with_suffix(".png"))

@@ -27,8 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cpu.attention import attention_available
-from kernels.paged_attention import AttentionMetadata
+from kernels.paged_attention import AttentionMetadata, cpu_kernels_apply
 from model.kv_cache import BlockPool
 from model.runner import ModelRunner, StepInput
 
@@ -57,7 +56,8 @@ def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_si
         query_valid=torch.ones(num_seqs, 1, dtype=torch.bool, device=block_tables.device),
         ctx_block=ctx_block, ctx_offset=ctx_offset, attn_mask=mask, fresh_prefill=False,
         block_tables=block_tables, seq_lens=seq_lens, decode_only=True,
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=block_tables.device))
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=block_tables.device),
+        cpu_kernels=cpu_kernels_apply(block_tables.device, 1, num_seqs))
 
 
 class GraphRunner:
@@ -120,7 +120,7 @@ class GraphRunner:
         if self.capture:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:size].clone()
-        return self._forward(bucket, with_torch_path=not attention_available())[:size]
+        return self._forward(bucket, with_torch_path=not cpu_kernels_apply(self.input_ids.device, 1, bucket))[:size]
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:
         size, width = len(batch), self.block_tables.shape[1]

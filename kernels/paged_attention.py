@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import available
 from kernels.cpu.attention import attention_available, paged_attention_cpu
+from kernels.cpu.fused import MAX_ROWS
 
 CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel beats gather + SDPA (even at 16)
 
@@ -45,6 +47,8 @@ class AttentionMetadata:
         seq_lens: ``[B]`` int32 context lengths after this step.
         decode_only: every sequence has exactly one new token (the GPU decode kernel's case).
         query_start_loc: ``[B + 1]`` int32, sequence ``b``'s new tokens are rows ``[qsl[b], qsl[b+1])``.
+        cpu_kernels: the step is CPU-side and decode-sized (:func:`cpu_kernels_apply`): attention,
+            RMSNorm, RoPE and SiLU may run as the C kernels of :mod:`kernels.cpu`.
     """
 
     positions: torch.Tensor
@@ -59,6 +63,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     decode_only: bool
     query_start_loc: torch.Tensor
+    cpu_kernels: bool = False
 
     @property
     def max_query_len(self) -> int:
@@ -125,6 +130,7 @@ def build_attention_metadata(
         seq_lens=s_lens.to(torch.int32).to(device),
         decode_only=max_q == 1,
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(device),
+        cpu_kernels=cpu_kernels_apply(torch.device(device), max_q, len(positions)),
     )
 
 
@@ -179,12 +185,13 @@ def paged_attention(
     if q.is_cuda and meta.decode_only and not meta.fresh_prefill:
         from kernels.paged_attention_triton import paged_attention_decode_triton
         return paged_attention_decode_triton(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale)
-    if uses_cpu_kernel(q.device, meta):
+    if meta.cpu_kernels:
         return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)
 
 
-def uses_cpu_kernel(device: torch.device, meta: AttentionMetadata) -> bool:
-    """Whether :func:`paged_attention` takes the C kernel for this step (so the torch path's
-    gather indices need not be built)."""
-    return device.type == "cpu" and meta.max_query_len <= CPU_KERNEL_MAX_QUERY and attention_available()
+def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int) -> bool:
+    """Whether a step runs the C kernels: on the CPU, at most :data:`CPU_KERNEL_MAX_QUERY` new tokens
+    per sequence and :data:`~kernels.cpu.fused.MAX_ROWS` in all, and the libraries built here."""
+    return (device.type == "cpu" and max_query_len <= CPU_KERNEL_MAX_QUERY and num_tokens <= MAX_ROWS
+            and attention_available() and available("fused"))

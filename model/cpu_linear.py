@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_available, gemv_bf16, pack_weight
+from kernels.cpu.gemv import gemm_amx_available, gemv_available, pack_weight, run_unchecked
 
 GEMV_MAX_ROWS = 3    # bench/cpu_kernels.py: gemv 12.2 vs AMX 12.5 ms per bench-80m step at 3 rows, AMX ahead from 4
 AMX_MAX_ROWS = 64    # beyond, F.linear on the dense weight catches up (31.1 vs 31.0 ms at 96 rows)
@@ -56,7 +56,7 @@ class PackedBF16Linear(nn.Module):
             x2 = F.pad(x2, (0, 1))
         elif x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = (gemv_bf16 if rows <= GEMV_MAX_ROWS else gemm_bf16_amx)(x2, self.packed, self.out_features)
+        y = run_unchecked(x2, self.packed, self.out_features, amx=rows > GEMV_MAX_ROWS)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -17,10 +17,11 @@ from torch import nn
 
 from kernels.cpu import fused
 from kernels.cpu.attention import paged_attention_cpu
-from kernels.cpu.fused import fused_available
-from kernels.paged_attention import AttentionMetadata, paged_attention, uses_cpu_kernel, write_kv
+from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from model.config import ModelConfig
 from model.rope import RotaryEmbedding, apply_rotary
+
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -31,8 +32,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_available(x) and self.weight.dtype == x.dtype:
+    def forward(self, x: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
+        if cpu_kernel:
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
@@ -52,10 +53,10 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, cpu_kernels: bool = False) -> torch.Tensor:
         n, cfg = x.shape[0], self.cfg
         qkv = self.qkv_proj(x)
-        if fused_available(qkv) and kv_cache.dtype == qkv.dtype and uses_cpu_kernel(x.device, meta):
+        if cpu_kernels:
             # CPU, decode-sized: RoPE + cache write and attention in two C calls
             q = fused.rope_write_kv(qkv, cos, sin, kv_cache, self.layer, meta.slot_mapping,
                                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
@@ -80,9 +81,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused_available(gate_up):
+        if cpu_kernels:
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -98,9 +99,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, cpu_kernels: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x, cpu_kernels), cos, sin, kv_cache, meta, cpu_kernels)
+        return x + self.mlp(self.post_attention_layernorm(x, cpu_kernels), cpu_kernels)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,9 +135,11 @@ class LlamaForCausalLM(nn.Module):
         """
         cos, sin = self.rotary.cos_sin(meta.positions)
         x = self.embed_tokens(input_ids)
+        # the C kernels of a decode-sized CPU step: decided once, for float32/bf16 with a cache of the same dtype
+        cpu_kernels = meta.cpu_kernels and x.dtype in CPU_KERNEL_DTYPES and kv_cache.dtype == x.dtype
         for layer in self.layers[:num_layers]:
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x = layer(x, cos, sin, kv_cache, meta, cpu_kernels)
+        return self.norm(x, cpu_kernels)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,11 @@
 
 Exact for workers that publish KV events (kept in sync from their Redis streams by
 :class:`~router.index_sync.IndexSync`), approximate for the others (the router
-records where it sent each prompt, for ``approx_ttl_s`` seconds).
+records where it sent each prompt, for ``approx_ttl_s`` seconds). A prompt sent to an
+exact worker is also recorded, for ``pending_ttl_s``: its blocks are being computed and
+no ``stored`` event can name them yet, and a burst of requests sharing a prefix (the
+Mooncake trace's pattern) should follow the first one to its worker, whose prefix cache
+then computes the shared blocks once.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ WARN_EVERY_S = 10.0  # while Redis is away, one warning per this many seconds
 class KVAwareness:
     """Prefix lookups for dispatch; created with the first prefill worker's block size."""
 
-    def __init__(self, redis_url: str, cluster: str, approx_ttl_s: float = 120.0) -> None:
-        self._redis_url, self._cluster, self._ttl = redis_url, cluster, approx_ttl_s
+    def __init__(self, redis_url: str, cluster: str, approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0) -> None:
+        self._redis_url, self._cluster, self._ttl, self._pending_ttl = redis_url, cluster, approx_ttl_s, pending_ttl_s
         self.index: PrefixIndex | None = None
         self.sync: IndexSync | None = None
         self._warned_at = float("-inf")
@@ -56,11 +60,12 @@ class KVAwareness:
         return {w: min(n, cap) for w, n in self.index.lookup_hashes(self.index.hash_prompt(token_ids)).items()}
 
     def on_routed(self, worker_id: str, token_ids: list[int], block_size: int) -> None:
-        """Approximate mode: remember where a prompt went, for workers that publish no events."""
+        """Remember where a prompt went: for ``approx_ttl_s`` if the worker publishes no events,
+        else for ``pending_ttl_s`` (until its ``stored`` events have had time to arrive)."""
         if self.index is None or self.sync is None or block_size != self.index.block_size:
             return
-        if worker_id not in self.sync.exact_workers():
-            self.index.record_routing(worker_id, self.index.hash_prompt(token_ids), self._ttl)
+        ttl = self._pending_ttl if worker_id in self.sync.exact_workers() else self._ttl
+        self.index.record_routing(worker_id, self.index.hash_prompt(token_ids), ttl)
 
     async def close(self) -> None:
         if self.sync is not None:

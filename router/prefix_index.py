@@ -25,7 +25,8 @@ Two sources of entries, in one table:
     :meth:`load_snapshot`), kept in sync by :class:`router.index_sync.IndexSync`;
   * approximate: for workers that publish no events, the router records where it
     sent each prompt (:meth:`record_routing`) and the entries expire after a TTL,
-    as SGLang's cache-aware router does with its approximate radix tree.
+    as SGLang's cache-aware router does with its approximate radix tree; for the
+    others, the same records with a short TTL stand for blocks still being computed.
 
 Sources: SGLang's cache-aware router (approximate per-worker radix trees), NVIDIA
 Dynamo's KV-aware router and its KV events (stored/removed block hashes per
@@ -111,9 +112,10 @@ class PrefixIndex:
         if t == STORED:
             bit = self._bit.get(worker_id) or self._add_worker(worker_id)
             table = self._table
-            if strict and event.parent != self.root and not table.get(event.parent, 0) & bit:
-                return False
-            self._exact[worker_id].update(event.hashes)
+            held = self._exact[worker_id]
+            if strict and event.parent != self.root and event.parent not in held:
+                return False                                     # (a pending routing entry is no parent)
+            held.update(event.hashes)
             get = table.get
             for h in event.hashes:
                 table[h] = get(h, 0) | bit

@@ -44,7 +44,7 @@ def test_padded_steps_equal_the_plain_runner_and_leave_real_blocks_alone(setup):
     after_plain = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
     padded = graph.run(steps)                      # 5 rows -> bucket 8, 3 padded rows
-    torch.testing.assert_close(padded, plain, rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded, plain, rtol=2e-6, atol=1e-5)   # matmuls of 5 and 8 rows round apart
     assert padded.argmax(-1).tolist() == plain.argmax(-1).tolist()
     real = [b for t in tables for b in t]
     # padding wrote only into the scratch block (new K/V may differ in the last bits: another matmul shape)

@@ -153,6 +153,50 @@ def test_approximate_entries_expire():
     assert lookups(idx, C) == {} and idx.num_blocks == 0 and idx.num_entries() == 0
 
 
+def test_a_pending_routing_entry_is_no_parent_for_strict_events():
+    """An exact worker's in-flight prompt (recorded on routing) counts in lookups, but a stored event
+    under a block only pending still reveals the lost event."""
+    clock = Clock()
+    idx = PrefixIndex(BS, clock=clock)
+    ha = idx.hash_prompt(A)
+    store(idx, "e0", C)
+    idx.record_routing("e0", ha, ttl_s=10)
+    assert lookups(idx, A) == {"e0": 8}
+    assert not store(idx, "e0", A, 4, 6)                    # parent (block 3) only pending: rejected
+    assert store(idx, "e0", A, 0, 6)
+    clock.t += 11
+    assert lookups(idx, A) == {"e0": 6}
+
+
+def test_kv_awareness_records_prompts_in_flight_on_exact_workers(redis_url):
+    """Requests sharing a prefix that arrive before the first one's stored events follow it."""
+    import asyncio
+    import uuid
+
+    from prefill_worker.kv_events import KVEventPublisher
+    from router.kv_aware import KVAwareness
+    from router.registry import WorkerInfo
+
+    cluster = "pending-" + uuid.uuid4().hex[:8]
+    kv = KVAwareness(redis_url, cluster, pending_ttl_s=30.0)
+    workers = [WorkerInfo(worker_id=w, role="prefill", address="127.0.0.1:1", block_size=BS) for w in ("p0", "p1")]
+    kv.update_workers(workers)
+    for w in ("p0", "p1"):                                  # both publish events: exact workers
+        pub = KVEventPublisher(redis_url, cluster, w)
+        pub.publish_cleared(BS)
+        pub.close()
+
+    async def go():
+        await kv.sync_once()
+        assert kv.sync.exact_workers() == {"p0", "p1"}
+        assert kv.cached_blocks(A, BS) == {}
+        kv.on_routed("p1", A, BS)                           # A's prefill is in flight on p1
+        assert kv.cached_blocks(B, BS) == {"p1": 5}         # B shares 5 blocks with it
+        await kv.close()
+
+    asyncio.run(go())
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["w0", "w1", "w2"]), st.booleans(),
                           st.lists(st.integers(0, 2), min_size=1, max_size=6)), max_size=25),

@@ -1,5 +1,8 @@
 """Fused RMSNorm, RoPE + KV cache write and SiLU-and-mul for decode-sized steps on CPUs (``fused.c``).
 
+Inputs are float32 or bf16 row-major ``[rows, features]`` CPU tensors; the model calls these
+when the step's metadata says so (:func:`kernels.paged_attention.cpu_kernels_apply`).
+
 Each replaces a chain of small tensor operations whose framework overhead, at a few rows,
 outweighs their arithmetic. Results follow the torch code in :mod:`model.llama` and
 :mod:`model.rope` rounding for rounding (float32 up to the order of the RMS sum).
@@ -11,18 +14,10 @@ import ctypes
 
 import torch
 
-from kernels.cpu import available, library
+from kernels.cpu import library
 
 _i64, _p, _int, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_DTYPES = (torch.float32, torch.bfloat16)
-MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win
-
-
-def fused_available(x: torch.Tensor) -> bool:
-    """Whether the fused kernels take ``x`` (``[rows, features]``): CPU, float32/bf16, at most
-    :data:`MAX_ROWS` rows, row-major, and the library builds."""
-    return (x.device.type == "cpu" and x.dtype in _DTYPES and x.dim() == 2 and x.shape[0] <= MAX_ROWS
-            and x.stride(1) == 1 and available("fused"))
+MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win (used by cpu_kernels_apply)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

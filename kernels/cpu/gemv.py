@@ -48,10 +48,20 @@ def gemv_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch
         ValueError: wrong dtype, shape or memory layout of ``x``, or a ``packed`` not from :func:`pack_weight`.
     """
     _check(x, packed, out_features)
-    m, k = x.shape
-    y = torch.empty(m, out_features, dtype=torch.bfloat16)
-    _fn()(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), packed.shape[0] * 16, out_features,
-          y.data_ptr(), out_features)
+    return run_unchecked(x, packed, out_features, amx=False)
+
+
+def run_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
+    """:func:`gemv_bf16` (or with ``amx`` :func:`gemm_bf16_amx`) without the argument checks, for a
+    caller that validated ``packed`` once and passes row-major bf16 ``x`` of its width."""
+    y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    rc = _fn("pd_gemm_bf16_amx" if amx else "pd_gemv_bf16")(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), packed.shape[0] * 16, out_features,
+        y.data_ptr(), out_features)
+    if rc == -2:
+        raise KernelUnavailable("gemm_bf16_amx: this CPU or process cannot use AMX-BF16")
+    if rc:
+        raise MemoryError("gemm_bf16_amx: out of memory for the padded activations")
     return y
 
 
@@ -82,19 +92,12 @@ def gemm_bf16_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     if x.shape[-1] % 32:
         raise ValueError(f"gemm_bf16_amx: input width must be a multiple of 32, got {x.shape[-1]}")
     _check(x, packed, out_features)
-    y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    rc = _fn("pd_gemm_bf16_amx")(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(),
-                                 packed.shape[0] * 16, out_features, y.data_ptr(), out_features)
-    if rc == -2:
-        raise KernelUnavailable("gemm_bf16_amx: this CPU or process cannot use AMX-BF16")
-    if rc:
-        raise MemoryError("gemm_bf16_amx: out of memory for the padded activations")
-    return y
+    return run_unchecked(x, packed, out_features, amx=True)
 
 
-def _fn(name: str = "pd_gemv_bf16"):
+def _fn(name: str):
     fn = getattr(library("gemv_bf16"), name)
     if fn.argtypes is None:
         fn.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
-        fn.restype = None if name == "pd_gemv_bf16" else ctypes.c_int
+        fn.restype = ctypes.c_int
     return fn

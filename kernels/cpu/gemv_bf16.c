@@ -33,9 +33,10 @@ int pd_cpu_has_avx512_bf16(void) {
 }
 
 /* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid.
- * x: bf16 [M, K], row stride ldx (elements), K even. wp: packed [Np/16][K/2][16][2], Np % 16 == 0. */
-TARGET void pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
-                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
+ * x: bf16 [M, K], row stride ldx (elements), K even. wp: packed [Np/16][K/2][16][2], Np % 16 == 0.
+ * Returns 0 (the signature of pd_gemm_bf16_amx). */
+TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                        const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     const int64_t K2 = K / 2;
     for (int64_t nb = 0; nb < Np; nb += 16) {
         const uint16_t *wb = wp + nb * K;
@@ -68,9 +69,10 @@ TARGET void pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             }
         }
     }
+    return 0;
 }
 
-/* ---- AMX: the same packed weights as B tiles, for 5..64 activation rows -------------------------
+/* ---- AMX: the same packed weights as B tiles, for 4..64 activation rows -------------------------
  *
  * A 16-kk slice of a 16-row weight block, Wp[nb][kk0 .. kk0+16][16][2], is 16 rows of 64 bytes:
  * exactly an AMX bf16 B tile (K/2 rows x 16 columns x 2). x is copied into 16-row zero-padded
