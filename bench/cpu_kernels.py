@@ -2,7 +2,8 @@
 
 1. The projections of one bench-80m decode step (12 layers of qkv, o, gate_up, down; bf16,
    weights in huge pages) at 1..96 activation rows: the packed AVX512-BF16 gemv, the AMX gemm
-   on the same packed weights, and ``F.linear`` on the dense weights. The crossovers set
+   on the same packed weights, and ``F.linear`` on the dense weights; at one row also the gemv
+   over weights in ordinary 4 KiB pages. The crossovers set
    ``GEMV_MAX_ROWS`` and ``AMX_MAX_ROWS`` in ``model/cpu_linear.py``.
 2. Paged attention of one bench-80m layer (12 heads, 4 KV heads, head_dim 64, bf16 cache):
    the C kernel against the torch path, for decode batches and short query blocks.
@@ -42,7 +43,8 @@ def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def bench_linears(rows_list: list[int]) -> list[dict]:
     torch.manual_seed(0)
     dense = _in_huge_pages([torch.randn(n, k).bfloat16() for n, k in BENCH_80M])
-    packed = _in_huge_pages([pack_weight(w) for w in dense])
+    packed_4k = [pack_weight(w) for w in dense]                        # ordinary 4 KiB pages
+    packed = _in_huge_pages(packed_4k)
     weight_bytes = sum(w.numel() * 2 for w in dense)
     out = []
     for m in rows_list:
@@ -51,12 +53,17 @@ def bench_linears(rows_list: list[int]) -> list[dict]:
                "gemv_s": median_time(lambda: [gemv_bf16(xs[p.shape[1] * 2], p, w.shape[0])
                                               for w, p in zip(dense, packed)]),
                "f_linear_s": median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in dense])}
+        if m == 1:
+            row["gemv_4k_pages_s"] = median_time(lambda: [gemv_bf16(xs[p.shape[1] * 2], p, w.shape[0])
+                                                          for w, p in zip(dense, packed_4k)])
+            print(f"  1 row, weights in 4 KiB pages: gemv {row['gemv_4k_pages_s'] * 1e3:6.1f} ms "
+                  f"({weight_bytes / row['gemv_4k_pages_s'] / 1e9:.1f} GB/s)", flush=True)
         if gemm_amx_available():
             row["amx_s"] = median_time(lambda: [gemm_bf16_amx(xs[p.shape[1] * 2], p, w.shape[0])
                                                 for w, p in zip(dense, packed)])
         out.append(row)
         print(f"{m:3d} rows: gemv {row['gemv_s'] * 1e3:6.1f} ms, AMX {row.get('amx_s', float('nan')) * 1e3:6.1f} ms, "
-              f"F.linear {row['f_linear_s'] * 1e3:6.1f} ms  (gemv at 1 row: "
+              f"F.linear {row['f_linear_s'] * 1e3:6.1f} ms  (gemv streams weights at "
               f"{weight_bytes / row['gemv_s'] / 1e9:.1f} GB/s)", flush=True)
     return out
 

@@ -27,6 +27,8 @@ class DecodeWorkerConfig(WorkerConfig):
         weights: ``native`` (the checkpoint's dtype cast to ``dtype``) or ``int4`` (group-wise
             asymmetric 4-bit, quantized at load unless the checkpoint is pre-quantized).
         int4_group_size: input columns per INT4 scale group.
+        int4_method: how load-time INT4 quantization rounds: ``mse`` (clip search, data-free),
+            ``rtn`` or ``gptq`` (calibrated on text the model samples itself; slower to load).
         graph: run plain decode steps through the :class:`~decode_worker.graph_runner.GraphRunner`
             (padded buckets and static buffers; CUDA graphs on GPUs).
     """
@@ -44,11 +46,14 @@ class DecodeWorkerConfig(WorkerConfig):
     max_num_batched_tokens: int = 512
     weights: str = "native"
     int4_group_size: int = 128
+    int4_method: str = "mse"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.weights not in ("native", "int4"):
             raise ValueError(f"weights must be native or int4, got {self.weights!r}")
+        if self.int4_method not in ("mse", "rtn", "gptq"):
+            raise ValueError(f"int4_method must be mse, rtn or gptq, got {self.int4_method!r}")
         if self.speculative not in ("off", "ngram", "self", "draft"):
             raise ValueError(f"speculative must be off, ngram, self or draft, got {self.speculative!r}")
         if self.speculative == "draft" and not self.spec_draft_model:

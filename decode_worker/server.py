@@ -105,7 +105,7 @@ def load_decode_model(cfg: DecodeWorkerConfig):
     else:
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.weights == "int4":
-            int4.convert_for_runtime(model, group_size=cfg.int4_group_size)
+            int4.convert_for_runtime(model, group_size=cfg.int4_group_size, method=cfg.int4_method)
         else:
             pack_for_cpu_decode(model)           # bf16 on CPU: packed gemv for decode-sized steps
     move_to_huge_pages(model)

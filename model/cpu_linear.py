@@ -4,16 +4,16 @@ A decode step multiplies a handful of rows by every weight, so its speed is the 
 which weights stream from memory. At one row torch's bf16 ``F.linear`` reaches about half
 of this machine's read bandwidth; the packed kernels (:mod:`kernels.cpu.gemv`) reach it:
 
-    rows            kernel                                  bench-80m, one thread (ms per step of linears)
-    1 .. 4          vdpbf16ps gemv       (gemv_bf16)         9.9 at 1 row   (F.linear 18.2)
-    5 .. 32         AMX tiles            (gemm_bf16_amx)     16.0 at 32 rows (F.linear 20.2)
-    more, or no AMX F.linear on the dense weight (oneDNN)   27.5 at 64 rows
+    rows            kernel                                  ms per bench-80m step of projections, one thread
+    1 .. 2          vdpbf16ps gemv       (gemv_bf16)        10.2 at 1 row   (F.linear 17.1)
+    3 .. 96         AMX tiles            (gemm_bf16_amx)    13.6 at 32 rows (F.linear 21.0)
+    more, or no AMX F.linear on the dense weight (oneDNN)   (AMX re-reads the weights every 32 rows)
 
-so :class:`PackedBF16Linear` keeps the dense weight for the last case (prefill chunks of the
-colocated worker): the decode worker's bf16 projections take twice their size in memory.
-Each kernel's output row depends only on its input row; the gemv and AMX kernels sum in
-different orders, so a request's bf16 logits can differ in the last bit between a step of
-at most 4 rows and a larger one.
+(``python bench/cpu_kernels.py``; docs/benchmarks.md). :class:`PackedBF16Linear` keeps the
+dense weight for the last case (prefill chunks of the colocated worker): the decode worker's
+bf16 projections take twice their size in memory. Each kernel's output row depends only on
+its input row; the gemv and AMX kernels sum in different orders, so a request's bf16 logits
+can differ in the last bit between a step of at most 2 rows and a larger one.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch import nn
 
 from kernels.cpu.gemv import gemm_amx_available, gemv_available, pack_weight, run_unchecked
 
-GEMV_MAX_ROWS = 3    # bench/cpu_kernels.py: gemv 12.2 vs AMX 12.5 ms per bench-80m step at 3 rows, AMX ahead from 4
-AMX_MAX_ROWS = 64    # beyond, F.linear on the dense weight catches up (31.1 vs 31.0 ms at 96 rows)
+GEMV_MAX_ROWS = 2    # bench/cpu_kernels.py: gemv 11.7 vs AMX 11.9 ms per bench-80m step at 2 rows, 12.6 vs 12.0 at 3
+AMX_MAX_ROWS = 96    # AMX 30.9 vs F.linear 34.1 ms at 96 rows (23.2 vs 28.7 at 64); larger: prefill chunks
 TARGET_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
 
 

@@ -3,8 +3,8 @@
 A decode step reads every weight once, a few hundred MB in 4 KiB pages: one page walk
 per 4 KiB. Backing the weights with transparent huge pages (``madvise(MADV_HUGEPAGE)``,
 honoured when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or
-``madvise``) cuts that 512-fold; on this project's machines it raised the packed bf16
-gemv over bench-80m from 11.0 to 15.5 GB/s, the machine's single-core read bandwidth.
+``madvise``) cuts that 512-fold; ``bench/cpu_kernels.py`` measures the packed bf16 gemv of
+a bench-80m step both ways (docs/benchmarks.md).
 Where the kernel refuses (not Linux, THP off) tensors stay in ordinary pages.
 """
 

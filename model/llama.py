@@ -136,7 +136,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(meta.positions)
         x = self.embed_tokens(input_ids)
         # the C kernels of a decode-sized CPU step: decided once, for float32/bf16 with a cache of the same dtype
-        cpu_kernels = meta.cpu_kernels and x.dtype in CPU_KERNEL_DTYPES and kv_cache.dtype == x.dtype
+        cpu_kernels = (meta.cpu_kernels and x.dtype in CPU_KERNEL_DTYPES and kv_cache.dtype == x.dtype
+                       and self.cfg.head_dim % 2 == 0 and self.cfg.head_dim <= fused.MAX_HEAD_DIM)
         for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, kv_cache, meta, cpu_kernels)
         return self.norm(x, cpu_kernels)

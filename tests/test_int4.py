@@ -97,7 +97,7 @@ def test_bad_settings_are_clear_errors():
     with pytest.raises(ValueError, match="group_size"):
         quantize_weight(torch.randn(16, 64), 48)
     with pytest.raises(ValueError, match="method"):
-        quantize_weight(torch.randn(16, 64), 32, "gptq")
+        quantize_weight(torch.randn(16, 64), 32, "awq")
 
 
 # ----------------------------------------------------------------------------- Int4Linear on CPU
@@ -188,44 +188,66 @@ def test_triton_w4a16_kernel_under_interpreter_matches_reference():
 
 @pytest.fixture(scope="module")
 def tiny(model_dir):
-    """The float model and 3 greedy 150-token continuations of it (450 teacher-forced positions)."""
+    """The float model and 3 greedy continuations of it to 171 tokens (513 teacher-forced positions)."""
     from model.tokenizer import Tokenizer
 
     model, cfg = load_model(model_dir)
     tok = Tokenizer(model_dir, cfg.bos_token_id)
-    runner = ModelRunner(model, KVCacheSpec(10, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
+    runner = ModelRunner(model, KVCacheSpec(11, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
     seqs = []
     for prompt in ("Once upon a time, there was a little dog", "Lily and Ben went to the park",
                    "Tom had a red ball"):
         ids = tok.encode(prompt)
-        step = StepInput(ids, 0, list(range(10)))
-        while len(ids) < 150:                                    # greedy decode through the KV cache
+        step = StepInput(ids, 0, list(range(11)))
+        while len(ids) < 171:                                    # greedy decode through the KV cache
             ids.append(int(runner.run([step])[0].argmax()))
-            step = StepInput(ids[-1:], len(ids) - 1, list(range(10)))
+            step = StepInput(ids[-1:], len(ids) - 1, list(range(11)))
         seqs.append(ids)
     return model, cfg, seqs, [_all_logits(model, cfg, s) for s in seqs]
 
 
-# Measured (mse method): top-1 0.871 / mean KL 0.031 at group 32, 0.838 / 0.056 at group 128
-# (rtn: 0.840 / 0.038 and 0.767 / 0.078). Not the 95% hoped for: this 656K-parameter model is
-# so sensitive that quantizing any single one of its 8 linears alone costs 3-7 points.
-@pytest.mark.parametrize("group_size,min_top1,max_kl", [(32, 0.85, 0.04), (128, 0.80, 0.07)])
-def test_tinystories_greedy_agreement_and_kl(tiny, group_size, min_top1, max_kl):
+# Measured (pytest -q -s tests/test_int4.py -k agreement): see the printed lines; the 95% hoped for
+# is not reached: this 656K-parameter model is so sensitive that quantizing any single one of its
+# 8 linears alone costs 3-7 points (mse method).
+@pytest.fixture(scope="module")
+def agreement(tiny):
+    """(method, group_size) -> (top-1 agreement, mean KL) against the float model."""
     model, cfg, seqs, refs = tiny
-    qmodel = copy.deepcopy(model)
-    convert_for_runtime(qmodel, group_size)
-    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in qmodel.layers)
-    assert isinstance(qmodel.lm_head, nn.Linear) and isinstance(qmodel.embed_tokens, nn.Embedding)
-    agree = positions = 0
-    kl = 0.0
-    for ids, ref in zip(seqs, refs):
-        out = _all_logits(qmodel, cfg, ids)
-        agree += int((out.argmax(-1) == ref.argmax(-1)).sum())
-        positions += len(ids)
-        kl += F.kl_div(out.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
-    top1, mean_kl = agree / positions, kl / positions
-    print(f"group {group_size}: top-1 agreement {top1:.4f} over {positions} positions, mean KL {mean_kl:.5f}")
+    out = {}
+    for method in ("mse", "gptq"):
+        for group_size in (32, 128):
+            qmodel = copy.deepcopy(model)
+            convert_for_runtime(qmodel, group_size, method)
+            assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in qmodel.layers)
+            assert isinstance(qmodel.lm_head, nn.Linear) and isinstance(qmodel.embed_tokens, nn.Embedding)
+            agree = positions = 0
+            kl = 0.0
+            for ids, ref in zip(seqs, refs):
+                logits = _all_logits(qmodel, cfg, ids)
+                agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
+                positions += len(ids)
+                kl += F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
+            out[method, group_size] = (agree / positions, kl / positions)
+            print(f"{method} group {group_size}: top-1 agreement {agree / positions:.4f} over {positions} "
+                  f"positions, mean KL {kl / positions:.5f}")
+    return out
+
+
+@pytest.mark.parametrize("method,group_size,min_top1,max_kl", [("mse", 32, 0.85, 0.04), ("mse", 128, 0.80, 0.07),
+                                                                ("gptq", 32, 0.85, 0.035), ("gptq", 128, 0.84, 0.05)])
+def test_tinystories_greedy_agreement_and_kl(agreement, method, group_size, min_top1, max_kl):
+    top1, mean_kl = agreement[method, group_size]
     assert top1 >= min_top1 and mean_kl <= max_kl, (top1, mean_kl)
+
+
+def test_gptq_lowers_the_divergence_of_the_clip_search(agreement):
+    for group_size in (32, 128):
+        assert agreement["gptq", group_size][1] < 0.9 * agreement["mse", group_size][1], agreement
+
+
+def test_gptq_needs_the_whole_model():
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_weight(torch.randn(16, 32), 32, "gptq")
 
 
 def test_prequantized_checkpoint_equals_load_time_quantization(tmp_path, model_dir, tiny):
@@ -247,6 +269,20 @@ def test_prequantized_checkpoint_equals_load_time_quantization(tmp_path, model_d
     ids = seqs[0][:60]
     assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, cfg, ids))          # dequant path
     assert torch.equal(_all_logits(loaded, cfg, ids[:5]), _all_logits(converted, cfg, ids[:5]))  # int4 kernel
+
+
+def test_gptq_checkpoint_equals_load_time_gptq(tmp_path, model_dir):
+    """Calibration is seeded: the offline and the load-time GPTQ give the same tensors."""
+    out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=128, method="gptq")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert json.loads(f.metadata()[METADATA_KEY])["method"] == "int4-gptq-asym"
+    loaded, _ = load_int4_checkpoint(out)
+    converted, _ = load_model(model_dir)
+    convert_for_runtime(converted, 128, "gptq")
+    for a, b in zip(loaded.layers, converted.layers):
+        for name in ("qweight", "scales", "zeros"):
+            assert torch.equal(getattr(a.mlp.down_proj, name), getattr(b.mlp.down_proj, name))
+            assert torch.equal(getattr(a.self_attn.qkv_proj, name), getattr(b.self_attn.qkv_proj, name))
 
 
 def test_bf16_and_awkward_checkpoints_round_trip(tmp_path, model_dir, awkward_model_dir):

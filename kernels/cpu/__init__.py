@@ -74,7 +74,7 @@ def _build(name: str) -> Path:
     """Compile ``name.c`` into the cache (once per source/flags/compiler/CPU) and return the library path.
 
     Raises:
-        KernelUnavailable: no compiler, or the build failed.
+        KernelUnavailable: no compiler, an unwritable cache, or the build failed.
     """
     cc = _compiler()
     source = (_HERE / f"{name}.c").read_bytes()
@@ -85,8 +85,11 @@ def _build(name: str) -> Path:
     out = _cache_dir() / f"{name}-{key}.so"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot write the kernel cache {out.parent}: {exc}") from exc
     os.close(fd)
     cmd = [cc, *flags, "-shared", "-fPIC", str(_HERE / f"{name}.c"), "-o", tmp, "-lmvec", "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)

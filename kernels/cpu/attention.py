@@ -37,6 +37,10 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, que
         scale: softmax scale.
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
+
+    Contract (not checked, as the torch path's indexing would): block ids are below the cache's
+    ``num_blocks`` and each table row covers its ``seq_lens`` entry; the engine's block pool and
+    :func:`~kernels.paged_attention.build_attention_metadata` guarantee both.
     Raises:
         ValueError: shapes, dtypes or devices the kernel does not take.
         MemoryError: the kernel's score buffer could not be allocated.

@@ -18,6 +18,7 @@ from kernels.cpu import library
 
 _i64, _p, _int, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win (used by cpu_kernels_apply)
+MAX_HEAD_DIM = 512   # rope_write_kv's per-head buffers
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,10 +34,15 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
                   slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """RoPE on the queries and keys of ``qkv`` (``[n, (H + 2 Hkv) D]``, as ``qkv_proj`` returns it);
     rotated keys and the values go to ``kv_cache`` (of qkv's dtype) at ``slot_mapping`` (``[n]`` int64).
-    ``cos``/``sin``: ``[n, 1, D]`` or ``[n, D]`` float32. Returns the rotated queries ``[n, H, D]`` float32."""
+    ``cos``/``sin``: ``[n, 1, D]`` or ``[n, D]`` float32. Returns the rotated queries ``[n, H, D]`` float32.
+    Slots must lie inside the cache (not checked; the engine allocates them from its pool).
+
+    Raises:
+        ValueError: an odd ``head_dim`` or one above 512.
+    """
     n = qkv.shape[0]
-    if head_dim > 512 or head_dim % 2:
-        raise ValueError(f"rope_write_kv: head_dim must be even and at most 512, got {head_dim}")
+    if head_dim > MAX_HEAD_DIM or head_dim % 2:
+        raise ValueError(f"rope_write_kv: head_dim must be even and at most {MAX_HEAD_DIM}, got {head_dim}")
     cos, sin = cos.reshape(n, head_dim).contiguous(), sin.reshape(n, head_dim).contiguous()
     slots = slot_mapping.contiguous()
     q = torch.empty(n, num_heads, head_dim)

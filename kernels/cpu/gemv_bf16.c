@@ -119,8 +119,10 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             const int two = nb + 16 < Np;        /* a second 16-column block exists */
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t k0 = 0; k0 < K; k0 += 32) {
-                for (int64_t l = 0; l < 2048; l += 64)          /* the next 2 KiB of both B streams */
+                for (int64_t l = 0; l < 1024; l += 64) {        /* both B streams, AMX_AHEAD columns on */
                     __builtin_prefetch((const char *)(wp + nb * K + (k0 + AMX_AHEAD) * 16) + l);
+                    if (two) __builtin_prefetch((const char *)(wp + (nb + 16) * K + (k0 + AMX_AHEAD) * 16) + l);
+                }
                 _tile_loadd(4, a + m0 * K + k0, K * 2);
                 _tile_loadd(5, a + (m0 + 16) * K + k0, K * 2);
                 _tile_loadd(6, wp + nb * K + k0 * 16, 64);

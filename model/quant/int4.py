@@ -44,7 +44,8 @@ from torch import nn
 METADATA_KEY = "pdserve_quantization"        # safetensors header key of the settings JSON
 FORMAT_VERSION = 1
 SUPPORTED_GROUP_SIZES = (32, 64, 128, 256)   # what torch's CPU int4 kernel accepts
-METHODS = {"rtn": "int4-rtn-asym", "mse": "int4-mse-asym"}
+METHODS = {"rtn": "int4-rtn-asym", "mse": "int4-mse-asym", "gptq": "int4-gptq-asym"}
+CALIBRATED = ("gptq",)                       # methods that need the whole model (model.quant.gptq)
 DEFAULT_METHOD = "mse"
 TARGET_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _CLIP_GRID = torch.linspace(1.0, 0.7, 16).tolist()
@@ -99,8 +100,9 @@ def quantize_weight(weight: torch.Tensor, group_size: int = 128,
         ValueError: unsupported group size or method, or ``weight`` not 2-D.
     """
     _check_group_size(group_size)
-    if method not in METHODS:
-        raise ValueError(f"int4: method must be one of {sorted(METHODS)}, got {method!r}")
+    if method not in METHODS or method in CALIBRATED:
+        raise ValueError(f"int4: method must be one of {sorted(set(METHODS) - set(CALIBRATED))} here, got "
+                         f"{method!r} (GPTQ needs calibration: convert_for_runtime or create_quantized_state_dict)")
     if weight.dim() != 2:
         raise ValueError(f"int4: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
     n, k = weight.shape
@@ -224,12 +226,14 @@ class Int4Linear(nn.Module):
         self._rt: dict = {}
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128, method: str = DEFAULT_METHOD) -> "Int4Linear":
-        """Quantize ``linear.weight`` (any float dtype) on its own device; the bias is kept as is."""
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, method: str = DEFAULT_METHOD,
+                    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> "Int4Linear":
+        """Quantize ``linear.weight`` (any float dtype) on its own device, or take ``quantized``
+        ``(qweight, scales, zeros)`` made elsewhere (GPTQ); the bias is kept as is."""
         w = linear.weight
         mod = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size, w.device,
                   linear.bias.dtype if linear.bias is not None else torch.float32)
-        mod.qweight, mod.scales, mod.zeros = quantize_weight(w, group_size, method)
+        mod.qweight, mod.scales, mod.zeros = quantized or quantize_weight(w, group_size, method)
         if linear.bias is not None:
             mod.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return mod
@@ -314,7 +318,8 @@ def convert_for_runtime(model: nn.Module, group_size: int = 128, method: str = D
     to the settings dict. Modules that are already :class:`Int4Linear` are left alone.
     Same ``group_size`` and ``method`` give bit-identical tensors to a checkpoint written by
     :func:`~model.quant.int4_checkpoint.save_quantized_checkpoint`. Cost for bench-80m (1 thread):
-    ~6 s with ``"mse"`` at group 128 (~12 s at 32), ~1.5 s with ``"rtn"``.
+    ~6 s with ``"mse"`` at group 128 (~12 s at 32), ~1.5 s with ``"rtn"``; ``"gptq"`` first samples
+    calibration text from the model and runs it (:mod:`model.quant.gptq`).
 
     Raises:
         ValueError: unsupported group size or method.
@@ -322,12 +327,24 @@ def convert_for_runtime(model: nn.Module, group_size: int = 128, method: str = D
     _check_group_size(group_size)
     if method not in METHODS:
         raise ValueError(f"int4: method must be one of {sorted(METHODS)}, got {method!r}")
-    for parent, attr, mod in iter_targets(model):
+    quantized = calibrated_weights(model, group_size, method)
+    for i, (parent, attr, mod) in enumerate(iter_targets(model)):
         if isinstance(mod, nn.Linear):
-            new = Int4Linear.from_linear(mod, group_size, method)
+            new = Int4Linear.from_linear(mod, group_size, method, quantized.get(i))
             new.prepare()
             setattr(parent, attr, new)
     model.quantization = quantization_settings(group_size, method)
+
+
+def calibrated_weights(model: nn.Module, group_size: int, method: str) -> dict[int, tuple]:
+    """For a calibrated method, ``(qweight, scales, zeros)`` of each still-float target linear by its
+    position in :func:`iter_targets`; ``{}`` for the data-free methods."""
+    if method not in CALIBRATED:
+        return {}
+    from model.quant.gptq import gptq_quantize_model
+    targets = list(iter_targets(model))
+    floats = {i: mod for i, (_, _, mod) in enumerate(targets) if type(mod) is nn.Linear}
+    return gptq_quantize_model(model, floats, group_size)
 
 
 def quantization_settings(group_size: int, method: str) -> dict:
