@@ -1,7 +1,7 @@
 """The CPU decode kernels against the torch operators they replace, one thread, in one run.
 
 1. The projections of one bench-80m decode step (12 layers of qkv, o, gate_up, down; bf16,
-   weights in huge pages) at 1..96 activation rows: the packed AVX512-BF16 gemv, the AMX gemm
+   weights in huge pages) at 1..512 activation rows: the packed AVX512-BF16 gemv, the AMX gemm
    on the same packed weights, and ``F.linear`` on the dense weights; at one row also the gemv
    over weights in ordinary 4 KiB pages. The crossovers set
    ``GEMV_MAX_ROWS`` and ``AMX_MAX_ROWS`` in ``model/cpu_linear.py``.
@@ -90,7 +90,7 @@ def bench_attention(cases: list[tuple[int, int]], context: int = 150) -> list[di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,3,4,5,8,16,32,64,96")
+    ap.add_argument("--rows", default="1,2,3,4,8,32,64,96,256,512")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "cpu_kernels"))
     args = ap.parse_args()
     torch.set_num_threads(1)

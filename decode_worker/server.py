@@ -107,7 +107,7 @@ def load_decode_model(cfg: DecodeWorkerConfig):
         if cfg.weights == "int4":
             int4.convert_for_runtime(model, group_size=cfg.int4_group_size, method=cfg.int4_method)
         else:
-            pack_for_cpu_decode(model)           # bf16 on CPU: packed gemv for decode-sized steps
+            pack_for_cpu_decode(model, keep_dense=cfg.colocated)   # bf16 on CPU: packed for the C kernels
     move_to_huge_pages(model)
     return model, model_cfg
 

@@ -225,3 +225,18 @@ def test_loading_the_kernels_leaves_subnormals_alone():
     tiny = float("5e-324")
     assert tiny * 1.0 != 0.0
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
+
+
+@needs_gemv
+def test_without_a_dense_copy_every_row_count_runs_on_the_packed_weight():
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 40).bfloat16().requires_grad_(False)
+    mod = PackedBF16Linear(lin, keep_dense=False)
+    assert (mod.weight is None) == gemm_amx_available()                 # dropped only where AMX covers all rows
+    for rows in (1, 2, 3, 40, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        ref = x.float() @ lin.weight.float().t() + lin.bias.float()       # product and bias round once each
+        y = mod(x)
+        assert y.dtype == torch.bfloat16 and ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
+    x = torch.randn(2, 64)                                             # a float32 caller gets float32
+    torch.testing.assert_close(mod(x), F.linear(x, lin.weight.float(), lin.bias.float()), rtol=0, atol=1e-5)

@@ -78,8 +78,8 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
  * exactly an AMX bf16 B tile (K/2 rows x 16 columns x 2). x is copied into 16-row zero-padded
  * A tiles (16 rows x 32 bf16); C tiles are 16 x 16 float32.
  *
- *   for each 32 rows of x (2 A tiles) and 32 output columns (2 B tiles):  4 C tiles
- *       for each 32 input columns:  C[i][j] += A[i] B[j]                  (tdpbf16ps)
+ *   for each 32 output columns (2 B tiles), for each 32 rows of x (2 A tiles):  4 C tiles
+ *       for each 32 input columns:  C[i][j] += A[i] B[j]                         (tdpbf16ps)
  */
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define AMX_AHEAD 128                            /* input columns of prefetch lead in the B stream */
@@ -114,9 +114,9 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);                      /* tiles 0-3: C, 4-5: A, 6-7: B */
-    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-        for (int64_t nb = 0; nb < Np; nb += 32) {
-            const int two = nb + 16 < Np;        /* a second 16-column block exists */
+    for (int64_t nb = 0; nb < Np; nb += 32) {      /* weights outer: each B block is read from memory once, */
+        const int two = nb + 16 < Np;             /* then from cache for every 32 rows of x */
+        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t k0 = 0; k0 < K; k0 += 32) {
                 for (int64_t l = 0; l < 1024; l += 64) {        /* both B streams, AMX_AHEAD columns on */
