@@ -25,6 +25,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/e2e.py --out bench/out/e2e
 	$(PY) bench/decode.py --out bench/out/decode
+	$(PY) bench/cpu_kernels.py --out bench/out/cpu_kernels
 	$(PY) bench/prefill.py --out bench/out/prefill
 
 proto: $(STAMP)
