@@ -35,10 +35,13 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                    with_torch_path: bool) -> AttentionMetadata:
+                    cpu_kernels: bool) -> AttentionMetadata:
     """Metadata of a decode step (one new token per row) from ``[B, max_blocks]`` int32 block
-    tables and ``[B]`` int32 context lengths (the new token included). ``with_torch_path``
-    also builds the gather indices and mask of the torch attention path."""
+    tables and ``[B]`` int32 context lengths (the new token included). ``cpu_kernels``: the step
+    runs the C kernels (:func:`~kernels.paged_attention.cpu_kernels_apply`); otherwise the gather
+    indices and mask of the torch attention path are built too (never on CUDA, where the Triton
+    kernel reads the block tables)."""
+    with_torch_path = not cpu_kernels and block_tables.device.type != "cuda"
     num_seqs = block_tables.shape[0]
     positions = seq_lens.long() - 1
     rows = torch.arange(num_seqs, device=block_tables.device)
@@ -57,7 +60,7 @@ def decode_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_si
         ctx_block=ctx_block, ctx_offset=ctx_offset, attn_mask=mask, fresh_prefill=False,
         block_tables=block_tables, seq_lens=seq_lens, decode_only=True,
         query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=block_tables.device),
-        cpu_kernels=cpu_kernels_apply(block_tables.device, 1, num_seqs))
+        cpu_kernels=cpu_kernels)
 
 
 class GraphRunner:
@@ -120,7 +123,7 @@ class GraphRunner:
         if self.capture:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:size].clone()
-        return self._forward(bucket, with_torch_path=not cpu_kernels_apply(self.input_ids.device, 1, bucket))[:size]
+        return self._forward(bucket)[:size]
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:
         size, width = len(batch), self.block_tables.shape[1]
@@ -134,8 +137,9 @@ class GraphRunner:
         self.seq_lens[size:bucket] = 1
         self.block_tables[size:bucket] = self.scratch_block
 
-    def _forward(self, bucket: int, with_torch_path: bool) -> torch.Tensor:
-        meta = decode_metadata(self.block_tables[:bucket], self.seq_lens[:bucket], self.block_size, with_torch_path)
+    def _forward(self, bucket: int) -> torch.Tensor:
+        cpu_kernels = cpu_kernels_apply(self.input_ids.device, 1, bucket, self.runner.kv_cache.dtype)
+        meta = decode_metadata(self.block_tables[:bucket], self.seq_lens[:bucket], self.block_size, cpu_kernels)
         model = self.runner.model
         return model.compute_logits(model(self.input_ids[:bucket], meta, self.runner.kv_cache))
 
@@ -143,9 +147,9 @@ class GraphRunner:
         """Capture every bucket, largest first, into one shared memory pool (CUDA only)."""
         pool = None
         for bucket in reversed(self.buckets):
-            self._forward(bucket, with_torch_path=False)  # warm up (Triton autotune, allocator)
+            self._forward(bucket)  # warm up (Triton autotune, allocator)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[bucket] = self._forward(bucket, with_torch_path=False)
+                self._outputs[bucket] = self._forward(bucket)
             pool = graph.pool()
             self._graphs[bucket] = graph

@@ -109,6 +109,9 @@ def load_decode_model(cfg: DecodeWorkerConfig):
         else:
             pack_for_cpu_decode(model, keep_dense=cfg.colocated)   # bf16 on CPU: packed for the C kernels
     move_to_huge_pages(model)
+    for module in model.modules():            # INT4: rebuild the kernels' layout from the moved buffers
+        if isinstance(module, int4.Int4Linear):  # now, not in the first request's step (it stays in 4 KiB pages)
+            module.prepare()
     return model, model_cfg
 
 

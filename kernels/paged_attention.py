@@ -25,6 +25,7 @@ from kernels.cpu import available
 from kernels.cpu.attention import attention_available, paged_attention_cpu
 from kernels.cpu.fused import MAX_ROWS
 
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel beats gather + SDPA (even at 16)
 
 
@@ -76,7 +77,7 @@ class AttentionMetadata:
 
 def build_attention_metadata(
     query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None,
 ) -> AttentionMetadata:
     """Build the metadata of a step over ``B`` sequences.
 
@@ -85,6 +86,9 @@ def build_attention_metadata(
         seq_lens: context length of each sequence after this step (earlier tokens + new ones).
         block_tables: each sequence's block ids, at least ``ceil(seq_len / block_size)`` of them.
         block_size: tokens per block.
+        device: where the step runs.
+        kv_dtype: the KV cache's dtype; the CPU kernels are considered only when it is given
+            (:func:`cpu_kernels_apply`).
     Raises:
         ValueError: inconsistent lengths or a block table too short.
     """
@@ -130,7 +134,7 @@ def build_attention_metadata(
         seq_lens=s_lens.to(torch.int32).to(device),
         decode_only=max_q == 1,
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(device),
-        cpu_kernels=cpu_kernels_apply(torch.device(device), max_q, len(positions)),
+        cpu_kernels=kv_dtype is not None and cpu_kernels_apply(torch.device(device), max_q, len(positions), kv_dtype),
     )
 
 
@@ -190,8 +194,9 @@ def paged_attention(
     return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)
 
 
-def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int) -> bool:
-    """Whether a step runs the C kernels: on the CPU, at most :data:`CPU_KERNEL_MAX_QUERY` new tokens
-    per sequence and :data:`~kernels.cpu.fused.MAX_ROWS` in all, and the libraries built here."""
-    return (device.type == "cpu" and max_query_len <= CPU_KERNEL_MAX_QUERY and num_tokens <= MAX_ROWS
-            and attention_available() and available("fused"))
+def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int, kv_dtype: torch.dtype) -> bool:
+    """Whether a step runs the C kernels: on the CPU, a float32 or bf16 KV cache, at most
+    :data:`CPU_KERNEL_MAX_QUERY` new tokens per sequence and :data:`~kernels.cpu.fused.MAX_ROWS`
+    in all, and the libraries built here. The one place this is decided: the metadata carries it."""
+    return (device.type == "cpu" and kv_dtype in CPU_KERNEL_DTYPES and max_query_len <= CPU_KERNEL_MAX_QUERY
+            and num_tokens <= MAX_ROWS and attention_available() and available("fused"))

@@ -34,7 +34,8 @@ class PackedBF16Linear(nn.Module):
     """A bf16 ``nn.Linear`` whose products run on the packed weight.
 
     Input ``[..., in_features]`` bf16, output ``[..., out_features]`` bf16, float32 accumulation
-    and one rounding. Args: ``linear`` (bf16, CPU); ``keep_dense``: also keep its dense weight
+    and one rounding (a bias is added after it: a second rounding, where ``F.linear`` has one).
+    Args: ``linear`` (bf16, CPU); ``keep_dense``: also keep its dense weight
     (shared, not copied, when tied) for steps of more than :data:`AMX_MAX_ROWS` rows, where
     ``F.linear`` is faster (prefill chunks of a colocated worker). Without AMX (or an input width
     that is not a multiple of 32) the dense weight is always kept: the gemv serves only a few rows.

@@ -5,8 +5,10 @@ Hugging Face ``transformers`` ``LlamaForCausalLM`` (Touvron et al., "LLaMA", 202
 whose numerics it follows so that greedy output is token-exact in float32.
 Q/K/V and gate/up projections are fused into one matmul each (as vLLM does);
 :mod:`model.loader` concatenates the checkpoint's weights. On CPUs, decode-sized steps run
-RMSNorm, RoPE with the KV write, attention and SiLU-and-mul as C kernels
-(:mod:`kernels.cpu`) with the same rounding as the torch code here.
+RMSNorm, RoPE with the KV write, attention and SiLU-and-mul as C kernels (:mod:`kernels.cpu`):
+the first three round as the torch code here (bit-identical in bf16); attention accumulates
+in float32 where the torch path's SDPA rounds in bf16, so bf16 logits differ slightly between
+the two paths (and a near-tie can pick another token).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from kernels.cpu.attention import paged_attention_cpu
 from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from model.config import ModelConfig
 from model.rope import RotaryEmbedding, apply_rotary
-
-CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -135,8 +135,9 @@ class LlamaForCausalLM(nn.Module):
         """
         cos, sin = self.rotary.cos_sin(meta.positions)
         x = self.embed_tokens(input_ids)
-        # the C kernels of a decode-sized CPU step: decided once, for float32/bf16 with a cache of the same dtype
-        cpu_kernels = (meta.cpu_kernels and x.dtype in CPU_KERNEL_DTYPES and kv_cache.dtype == x.dtype
+        # the fused C kernels (norm, RoPE + KV write, SiLU): the step's metadata allows them, and the
+        # model computes in its cache's dtype; attention follows meta.cpu_kernels alone
+        cpu_kernels = (meta.cpu_kernels and kv_cache.dtype == x.dtype
                        and self.cfg.head_dim % 2 == 0 and self.cfg.head_dim <= fused.MAX_HEAD_DIM)
         for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, kv_cache, meta, cpu_kernels)

@@ -46,7 +46,7 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in batch]
         meta = build_attention_metadata(
             query_lens, [s.num_computed + q for s, q in zip(batch, query_lens)],
-            [s.block_table for s in batch], self.spec.block_size, self.device)
+            [s.block_table for s in batch], self.spec.block_size, self.device, self.kv_cache.dtype)
         input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache, num_layers)
         if all_logits:

@@ -6,7 +6,8 @@ records where it sent each prompt, for ``approx_ttl_s`` seconds). A prompt sent 
 exact worker is also recorded, for ``pending_ttl_s``: its blocks are being computed and
 no ``stored`` event can name them yet, and a burst of requests sharing a prefix (the
 Mooncake trace's pattern) should follow the first one to its worker, whose prefix cache
-then computes the shared blocks once.
+then computes the shared blocks once. The price: a block evicted (``removed``) within
+``pending_ttl_s`` of its prompt's dispatch still counts as held until the record expires.
 """
 
 from __future__ import annotations

@@ -240,3 +240,40 @@ def test_without_a_dense_copy_every_row_count_runs_on_the_packed_weight():
         assert y.dtype == torch.bfloat16 and ((y.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()
     x = torch.randn(2, 64)                                             # a float32 caller gets float32
     torch.testing.assert_close(mod(x), F.linear(x, lin.weight.float(), lin.bias.float()), rtol=0, atol=1e-5)
+
+
+def test_a_float16_model_runs_on_the_torch_path(model_dir):
+    """The C kernels take float32/bf16 caches only: a float16 step must not be sent to them."""
+    meta = build_attention_metadata([1], [3], [[0]], 4, "cpu", torch.float16)
+    assert not meta.cpu_kernels and build_attention_metadata([1], [3], [[0]], 4, "cpu", torch.bfloat16).cpu_kernels
+    half, cfg = load_model(model_dir, torch.float16)
+    full, _ = load_model(model_dir, torch.float32)
+    spec = KVCacheSpec(16, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim, torch.float16)
+    outs = []
+    for model, s in ((half, spec), (full, KVCacheSpec(16, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim))):
+        runner = ModelRunner(model, s)
+        prefill = runner.run([StepInput(list(range(3, 12)), 0, [0, 1, 2, 3])])
+        outs.append(runner.run([StepInput([int(prefill.argmax())], 9, [0, 1, 2, 3])]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=outs[1].abs().max().item() * 0.02)
+
+
+@needs_gemv
+def test_gemv_refuses_fewer_outputs_than_its_last_packed_block():
+    """Asking for outputs a whole 16-row block short of the packed weight would write past y."""
+    with pytest.raises(ValueError, match="out_features=8"):
+        gemv_bf16(torch.randn(1, 32).bfloat16(), pack_weight(torch.randn(64, 32)), 8)
+
+
+@pytest.mark.skipif(not available("fused"), reason="no C compiler")
+def test_fused_ops_refuse_what_they_cannot_take():
+    qkv = torch.randn(2, 5 * 16).bfloat16()
+    cos = sin = torch.zeros(2, 16)
+    cache = torch.zeros(4, 1, 2, 4, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="int64"):
+        cfused.rope_write_kv(qkv, cos, sin, cache, 0, torch.tensor([1, 2], dtype=torch.int32), 3, 1, 16)
+    with pytest.raises(ValueError, match="does not fit"):
+        cfused.rope_write_kv(qkv, cos, sin, cache.float(), 0, torch.tensor([1, 2]), 3, 1, 16)
+    with pytest.raises(ValueError, match="row-major"):
+        cfused.silu_and_mul(torch.randn(8, 2).t())
+    with pytest.raises(ValueError, match="weight must be"):
+        cfused.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)

@@ -323,3 +323,15 @@ def test_missing_or_unknown_metadata_is_a_clear_error(tmp_path, model_dir):
         save_file(tensors, str(out / "model.safetensors"), metadata=meta)
         with pytest.raises(ValueError, match=match):
             load_int4_checkpoint(out)
+
+
+@pytest.mark.parametrize("k", [96, 100])
+def test_gptq_with_an_identity_hessian_is_the_clip_search(k):
+    """No input correlations: nothing to compensate, so GPTQ must give quantize_weight's tensors exactly,
+    including a last group with padding columns (kept out of its statistics)."""
+    from model.quant.gptq import gptq_quantize_weight
+
+    torch.manual_seed(k)
+    w = torch.rand(24, k) + 0.5                                # all positive: padding zeros would widen the range
+    for got, want in zip(gptq_quantize_weight(w, torch.eye(k), 32), quantize_weight(w, 32, "mse")):
+        assert torch.equal(got, want)

@@ -21,8 +21,24 @@ MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win (u
 MAX_HEAD_DIM = 512   # rope_write_kv's per-head buffers
 
 
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_rows(name: str, x: torch.Tensor) -> None:
+    if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(f"{name}: needs a row-major 2-D float32/bf16 CPU tensor, got {x.dtype} {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x / rms(x))`` per row; ``x`` ``[rows, dim]``, ``weight`` ``[dim]`` of x's dtype."""
+    """``weight * (x / rms(x))`` per row; ``x`` ``[rows, dim]``, ``weight`` ``[dim]`` of x's dtype.
+
+    Raises:
+        ValueError: layouts or dtypes the kernel does not take.
+    """
+    _check_rows("rms_norm", x)
+    if weight.dtype != x.dtype or weight.shape != (x.shape[1],) or not weight.is_contiguous():
+        raise ValueError(f"rms_norm: weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     out = torch.empty(x.shape, dtype=x.dtype)
     _fn("pd_rms_norm", [_p, _p, _p, _i64, _i64, _i64, _i64, _f, _int])(
         x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0), x.shape[1],
@@ -38,11 +54,21 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     Slots must lie inside the cache (not checked; the engine allocates them from its pool).
 
     Raises:
-        ValueError: an odd ``head_dim`` or one above 512.
+        ValueError: an odd ``head_dim`` or one above 512, or shapes, dtypes and layouts that do not
+            fit each other (the cache must have qkv's dtype and head layout, the slots be int64).
     """
     n = qkv.shape[0]
+    _check_rows("rope_write_kv", qkv)
     if head_dim > MAX_HEAD_DIM or head_dim % 2:
         raise ValueError(f"rope_write_kv: head_dim must be even and at most {MAX_HEAD_DIM}, got {head_dim}")
+    if (kv_cache.dtype != qkv.dtype or not kv_cache.is_contiguous() or kv_cache.shape[4:] != (num_kv_heads, head_dim)
+            or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim):
+        raise ValueError(f"rope_write_kv: qkv {tuple(qkv.shape)} {qkv.dtype} does not fit the cache "
+                         f"{tuple(kv_cache.shape)} {kv_cache.dtype} with {num_heads}/{num_kv_heads} heads of "
+                         f"{head_dim}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (n,):
+        raise ValueError(f"rope_write_kv: slot_mapping must be [{n}] int64, got {tuple(slot_mapping.shape)} "
+                         f"{slot_mapping.dtype}")
     cos, sin = cos.reshape(n, head_dim).contiguous(), sin.reshape(n, head_dim).contiguous()
     slots = slot_mapping.contiguous()
     q = torch.empty(n, num_heads, head_dim)
@@ -57,7 +83,12 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` (gate first) -> ``[rows, I]``."""
+    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` (gate first) -> ``[rows, I]``.
+
+    Raises:
+        ValueError: layouts or dtypes the kernel does not take.
+    """
+    _check_rows("silu_and_mul", gate_up)
     inter = gate_up.shape[1] // 2
     out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
     _fn("pd_silu_mul", [_p, _i64, _i64, _i64, _p, _int])(

@@ -71,7 +71,7 @@ def _check(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> None:
     if packed.dtype != torch.bfloat16 or packed.dim() != 4 or packed.shape[2:] != (16, 2) \
             or not packed.is_contiguous():
         raise ValueError("gemv_bf16: packed must come from pack_weight")
-    if x.shape[1] != packed.shape[1] * 2 or not 0 < out_features <= packed.shape[0] * 16:
+    if x.shape[1] != packed.shape[1] * 2 or not packed.shape[0] * 16 - 16 < out_features <= packed.shape[0] * 16:
         raise ValueError(f"gemv_bf16: x has {x.shape[1]} columns and out_features={out_features}, "
                          f"packed weight is {packed.shape[0] * 16} x {packed.shape[1] * 2}")
 

@@ -38,7 +38,7 @@ int pd_cpu_has_avx512_bf16(void) {
 TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     const int64_t K2 = K / 2;
-    for (int64_t nb = 0; nb < Np; nb += 16) {
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16) {   /* blocks holding wanted outputs */
         const uint16_t *wb = wp + nb * K;
         const int64_t cnt = n_valid - nb < 16 ? n_valid - nb : 16;
         const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
@@ -114,7 +114,7 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
     _tile_loadconfig(&cfg);                      /* tiles 0-3: C, 4-5: A, 6-7: B */
-    for (int64_t nb = 0; nb < Np; nb += 32) {      /* weights outer: each B block is read from memory once, */
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 32) {      /* weights outer: each B block is read from memory once, */
         const int two = nb + 16 < Np;             /* then from cache for every 32 rows of x */
         for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);

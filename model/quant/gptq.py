@@ -58,7 +58,7 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
     dead = h.diagonal() == 0                      # inputs never seen (and padding): weight is free
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h.diagonal().add_(DAMP * h.diagonal().mean())
+    h.diagonal().add_(DAMP * h.diagonal()[:k].mean())           # the real columns' mean
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     q = torch.zeros(n, kp)
     scales = torch.zeros(n, kp // group_size)
@@ -71,7 +71,9 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
             g = col // group_size
             if col % group_size == 0:             # the group's scale from the weights as updated so far
                 grp = wb[:, i:i + group_size] if i + group_size <= b1 - b0 else w[:, col:col + group_size]
-                _, s, m = _quantize_groups(grp.reshape(n, 1, group_size), None, method)
+                valid = None if col + group_size <= k else (torch.arange(col, col + group_size) < k).float().view(
+                    1, 1, group_size)                 # padding columns stay out of the statistics
+                _, s, m = _quantize_groups(grp.reshape(n, 1, group_size).clone(), valid, method)
                 scales[:, g], mins[:, g] = s.view(n), m.view(n)
             s, m = scales[:, g], mins[:, g]
             qc = _round_q(wb[:, i], s, m)
@@ -100,7 +102,7 @@ def self_generated_calibration(model: nn.Module, cfg, num_sequences: int = 16, l
     dtype = next(model.parameters()).dtype
     cache = cache.to(dtype)
     for pos in range(length - 1):
-        meta = build_attention_metadata([1] * num_sequences, [pos + 1] * num_sequences, tables, bs)
+        meta = build_attention_metadata([1] * num_sequences, [pos + 1] * num_sequences, tables, bs, "cpu", cache.dtype)
         ids = torch.tensor([s[-1] for s in seqs])
         logits = model.compute_logits(model(ids, meta, cache))
         nxt = torch.multinomial(logits.float().softmax(-1), 1, generator=gen).view(-1)
@@ -129,7 +131,8 @@ def collect_hessians(model: nn.Module, cfg, sequences: list[list[int]],
             table = list(range(-(-len(seq) // bs)))
             spec = KVCacheSpec(len(table), cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim)
             cache = spec.allocate("cpu").to(next(model.parameters()).dtype)
-            model(torch.tensor(seq), build_attention_metadata([len(seq)], [len(seq)], [table], bs), cache)
+            model(torch.tensor(seq), build_attention_metadata([len(seq)], [len(seq)], [table], bs, "cpu", cache.dtype),
+                  cache)
     finally:
         for h in hooks:
             h.remove()
