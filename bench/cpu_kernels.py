@@ -26,25 +26,16 @@ from common import ROOT, median_time, write_result  # noqa: E402
 from kernels.cpu.attention import paged_attention_cpu  # noqa: E402
 from kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_bf16, pack_weight  # noqa: E402
 from kernels.paged_attention import build_attention_metadata, paged_attention_torch  # noqa: E402
-from model.hugepages import empty_huge  # noqa: E402
+from model.hugepages import copies_in_huge_pages, empty_huge  # noqa: E402
 
 BENCH_80M = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12   # (out, in) of a step's projections
 
 
-def _in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    arena = empty_huge(sum(t.numel() for t in tensors), tensors[0].dtype)
-    out, offset = [], 0
-    for t in tensors:
-        out.append(arena[offset:offset + t.numel()].view(t.shape).copy_(t))
-        offset += t.numel()
-    return out
-
-
 def bench_linears(rows_list: list[int]) -> list[dict]:
     torch.manual_seed(0)
-    dense = _in_huge_pages([torch.randn(n, k).bfloat16() for n, k in BENCH_80M])
+    dense = copies_in_huge_pages([torch.randn(n, k).bfloat16() for n, k in BENCH_80M])
     packed_4k = [pack_weight(w) for w in dense]                        # ordinary 4 KiB pages
-    packed = _in_huge_pages(packed_4k)
+    packed = copies_in_huge_pages(packed_4k)
     weight_bytes = sum(w.numel() * 2 for w in dense)
     out = []
     for m in rows_list:

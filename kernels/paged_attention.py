@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import available
+from kernels.cpu import DTYPES, available
 from kernels.cpu.attention import attention_available, paged_attention_cpu
 from kernels.cpu.fused import MAX_ROWS
 
-CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel beats gather + SDPA (even at 16)
 
 
@@ -198,5 +197,5 @@ def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int,
     """Whether a step runs the C kernels: on the CPU, a float32 or bf16 KV cache, at most
     :data:`CPU_KERNEL_MAX_QUERY` new tokens per sequence and :data:`~kernels.cpu.fused.MAX_ROWS`
     in all, and the libraries built here. The one place this is decided: the metadata carries it."""
-    return (device.type == "cpu" and kv_dtype in CPU_KERNEL_DTYPES and max_query_len <= CPU_KERNEL_MAX_QUERY
+    return (device.type == "cpu" and kv_dtype in DTYPES and max_query_len <= CPU_KERNEL_MAX_QUERY
             and num_tokens <= MAX_ROWS and attention_available() and available("fused"))

@@ -54,15 +54,22 @@ def move_to_huge_pages(module: nn.Module) -> int:
     moved = 0
     for dtype in {t.dtype for t in tensors.values()}:
         group = [t for t in tensors.values() if t.dtype == dtype]
-        arena = empty_huge(sum(_padded(t.numel(), t.element_size()) for t in group), dtype)
-        offset = 0
-        for t in group:
-            view = arena[offset:offset + t.numel()].view(t.shape)
-            view.copy_(t.data)
-            t.data = view
-            offset += _padded(t.numel(), t.element_size())
+        for t, copy in zip(group, copies_in_huge_pages([t.data for t in group])):
+            t.data = copy
             moved += t.numel() * t.element_size()
     return moved
+
+
+def copies_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (CPU, one dtype) side by side in one huge-page arena, each slot
+    64-byte aligned."""
+    item = tensors[0].element_size()
+    arena = empty_huge(sum(_padded(t.numel(), item) for t in tensors), tensors[0].dtype)
+    out, offset = [], 0
+    for t in tensors:
+        out.append(arena[offset:offset + t.numel()].view(t.shape).copy_(t))
+        offset += _padded(t.numel(), item)
+    return out
 
 
 def _padded(numel: int, item: int) -> int:

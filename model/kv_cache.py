@@ -18,6 +18,7 @@ with the block axis outermost so that transfers need no gather.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -90,10 +91,7 @@ class KVCacheSpec:
         pages (:mod:`model.hugepages`), since attention streams it like the weights."""
         if torch.device(device).type != "cpu":
             return torch.zeros(self.shape, dtype=self.dtype, device=device)
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return empty_huge(numel, self.dtype).zero_().view(self.shape)
+        return empty_huge(math.prod(self.shape), self.dtype).zero_().view(self.shape)
 
 
 class BlockPool:

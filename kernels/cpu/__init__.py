@@ -31,6 +31,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
@@ -42,6 +44,9 @@ _FLAGS = {
     "paged_attention": ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
     "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
 }
+
+
+DTYPES = (torch.float32, torch.bfloat16)     # element types every CPU kernel takes
 
 
 class KernelUnavailable(RuntimeError):

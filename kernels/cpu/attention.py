@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu import available, library
+from kernels.cpu import DTYPES, available, library
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -47,7 +47,7 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, que
     """
     n, heads, dim = q.shape
     num_kv_heads = kv_cache.shape[4]
-    if kv_cache.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16) \
+    if kv_cache.device.type != "cpu" or kv_cache.dtype not in DTYPES \
             or not kv_cache.is_contiguous():
         raise ValueError("paged_attention_cpu: kv_cache must be a contiguous float32/bfloat16 CPU tensor")
     if heads % num_kv_heads or dim != kv_cache.shape[5]:

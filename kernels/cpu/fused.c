@@ -7,7 +7,7 @@
  *   pd_silu_mul       out = silu(gate) * up                                     (SwiGLU, Shazeer 2020)
  *
  * Element type: float32 or bfloat16 (flag bf16). Every result is rounded to the element
- * type where the torch reference (kernels/fused_ops.py) rounds, and nothing is contracted
+ * type where the torch code it replaces (model/llama.py, model/rope.py) rounds, and nothing is contracted
  * into an FMA (built with -ffp-contract=off), so float32 results match it up to the order
  * of the RMS sum.
  */

@@ -14,18 +14,15 @@ import ctypes
 
 import torch
 
-from kernels.cpu import library
+from kernels.cpu import DTYPES, library
 
 _i64, _p, _int, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win (used by cpu_kernels_apply)
 MAX_HEAD_DIM = 512   # rope_write_kv's per-head buffers
 
 
-_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def _check_rows(name: str, x: torch.Tensor) -> None:
-    if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+    if x.dtype not in DTYPES or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
         raise ValueError(f"{name}: needs a row-major 2-D float32/bf16 CPU tensor, got {x.dtype} {tuple(x.shape)} "
                          f"strides {x.stride()}")
 

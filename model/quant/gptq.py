@@ -139,13 +139,13 @@ def collect_hessians(model: nn.Module, cfg, sequences: list[list[int]],
     return hess
 
 
-def gptq_quantize_model(model: nn.Module, linears: dict[int, nn.Linear], group_size: int,
-                        num_sequences: int = 32, length: int = 256) -> dict[int, tuple]:
-    """GPTQ every linear of ``linears`` (key -> module of ``model``) from one calibration pass of
-    the float model over :func:`self_generated_calibration` text. Returns key -> ``(q, s, z)``."""
+def gptq_quantize_model(model: nn.Module, linears: list[nn.Linear], group_size: int,
+                        num_sequences: int = 32, length: int = 256) -> dict[nn.Module, tuple]:
+    """GPTQ every one of ``linears`` (modules of ``model``) from one calibration pass of the float
+    model over :func:`self_generated_calibration` text. Returns module -> ``(q, s, z)``."""
     if not linears:
         return {}
-    names = {id(mod): name for name, mod in model.named_modules()}
+    names = {mod: name for name, mod in model.named_modules()}
     seqs = self_generated_calibration(model, model.cfg, num_sequences, length)
-    hess = collect_hessians(model, model.cfg, seqs, [names[id(m)] for m in linears.values()])
-    return {key: gptq_quantize_weight(mod.weight, hess[names[id(mod)]], group_size) for key, mod in linears.items()}
+    hess = collect_hessians(model, model.cfg, seqs, [names[m] for m in linears])
+    return {mod: gptq_quantize_weight(mod.weight, hess[names[mod]], group_size) for mod in linears}

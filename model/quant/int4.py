@@ -328,23 +328,22 @@ def convert_for_runtime(model: nn.Module, group_size: int = 128, method: str = D
     if method not in METHODS:
         raise ValueError(f"int4: method must be one of {sorted(METHODS)}, got {method!r}")
     quantized = calibrated_weights(model, group_size, method)
-    for i, (parent, attr, mod) in enumerate(iter_targets(model)):
+    for parent, attr, mod in iter_targets(model):
         if isinstance(mod, nn.Linear):
-            new = Int4Linear.from_linear(mod, group_size, method, quantized.get(i))
+            new = Int4Linear.from_linear(mod, group_size, method, quantized.get(mod))
             new.prepare()
             setattr(parent, attr, new)
     model.quantization = quantization_settings(group_size, method)
 
 
-def calibrated_weights(model: nn.Module, group_size: int, method: str) -> dict[int, tuple]:
-    """For a calibrated method, ``(qweight, scales, zeros)`` of each still-float target linear by its
-    position in :func:`iter_targets`; ``{}`` for the data-free methods."""
+def calibrated_weights(model: nn.Module, group_size: int, method: str) -> dict[nn.Module, tuple]:
+    """For a calibrated method, ``(qweight, scales, zeros)`` of each still-float target linear
+    (keyed by the module); ``{}`` for the data-free methods."""
     if method not in CALIBRATED:
         return {}
     from model.quant.gptq import gptq_quantize_model
-    targets = list(iter_targets(model))
-    floats = {i: mod for i, (_, _, mod) in enumerate(targets) if type(mod) is nn.Linear}
-    return gptq_quantize_model(model, floats, group_size)
+    return gptq_quantize_model(model, [mod for _, _, mod in iter_targets(model) if type(mod) is nn.Linear],
+                               group_size)
 
 
 def quantization_settings(group_size: int, method: str) -> dict:

@@ -65,7 +65,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, group_size: int = 128,
         state.pop("lm_head.weight", None)
     calibrated = calibrated_weights(model, group_size, method)          # GPTQ: all layers at once
     for i, layer in enumerate(model.layers):
-        for j, path in enumerate(TARGET_MODULES):
+        for path in TARGET_MODULES:
             prefix = f"layers.{i}.{path}"
             mod = layer.get_submodule(path)
             if isinstance(mod, Int4Linear):                      # already converted: take its buffers
@@ -74,7 +74,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, group_size: int = 128,
                                      f"not {group_size}")
                 q, s, z = mod.qweight, mod.scales, mod.zeros
             else:
-                q, s, z = calibrated.get(i * len(TARGET_MODULES) + j) or quantize_weight(mod.weight, group_size, method)
+                q, s, z = calibrated.get(mod) or quantize_weight(mod.weight, group_size, method)
             state.pop(f"{prefix}.weight", None)
             state |= {f"{prefix}.qweight": q, f"{prefix}.scales": s, f"{prefix}.zeros": z}
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
