@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(PY) bench/prefill.py --out bench/out/prefill
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/pdserve.proto proto/worker.proto
+	$(PY) -m pdserve.proto.codegen
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from pdserve.deploy import client
+from pdserve.deploy.processes import RoleProcess, spawn_role
 
-from deploy import client  # noqa: E402
-from deploy.processes import RoleProcess, spawn_role  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
@@ -38,7 +36,7 @@ def memory_bandwidths() -> dict[str, float]:
     """Measured memory bandwidth in bytes/s on the calling thread(s): a 256 MiB float32 copy
     (read + write counted) and a sum reduction over it (read), each in 4 KiB pages and in
     huge pages (:mod:`model.hugepages`, where the decode worker keeps weights and KV)."""
-    from model.hugepages import empty_huge
+    from pdserve.model.hugepages import empty_huge
 
     n, out = 64 * 1024 * 1024, {}
     for pages, alloc in (("4k", lambda: torch.empty(n)), ("huge", lambda: empty_huge(n, torch.float32))):
@@ -121,7 +119,7 @@ def replay_trace(argv: list[str], out_dir: Path) -> dict:
     """Run ``pdserve bench`` with ``argv`` (``--out`` is set to ``out_dir``) and return its ``results.json``."""
     import argparse
 
-    from bench.replay import cli as replay
+    from pdserve.bench.replay import cli as replay
 
     parser = argparse.ArgumentParser()
     replay.add_arguments(parser)

@@ -14,19 +14,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, median_time, write_result  # noqa: E402
-
-from kernels.cpu.attention import paged_attention_cpu  # noqa: E402
-from kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_bf16, pack_weight  # noqa: E402
-from kernels.paged_attention import build_attention_metadata, paged_attention_torch  # noqa: E402
-from model.hugepages import copies_in_huge_pages, empty_huge  # noqa: E402
+from pdserve.bench.common import ROOT, median_time, write_result
+from pdserve.kernels.cpu.attention import paged_attention_cpu
+from pdserve.kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_bf16, pack_weight
+from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch
+from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
 
 BENCH_80M = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12   # (out, in) of a step's projections
 

@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, hf_generate_seconds, memory_bandwidths, write_result  # noqa: E402
-
-from decode_worker.config import DecodeWorkerConfig  # noqa: E402
-from decode_worker.engine import DecodeEngine  # noqa: E402
-from decode_worker.request import TokensEvent  # noqa: E402
-from decode_worker.server import load_decode_model  # noqa: E402
-from deploy.make_model import make_model  # noqa: E402
-from model.cpu_linear import PackedBF16Linear  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from model.tokenizer import Tokenizer  # noqa: E402
+from pdserve.bench.common import ROOT, hf_generate_seconds, memory_bandwidths, write_result
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.request import TokensEvent
+from pdserve.decode_worker.server import load_decode_model
+from pdserve.deploy.make_model import make_model
+from pdserve.model.cpu_linear import PackedBF16Linear
+from pdserve.model.sampling import SamplingParams
+from pdserve.model.tokenizer import Tokenizer
 
 TINY = str(ROOT / "assets" / "models" / "tinystories-656k")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

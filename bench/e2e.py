@@ -23,17 +23,14 @@ from pathlib import Path
 import grpc
 import torch
 
+from pdserve.bench.common import hf_generate_seconds
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy import client
+from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.processes import spawn_role
+from pdserve.deploy.redis_server import ensure_redis
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "bench"))
-from common import hf_generate_seconds  # noqa: E402
-
-from deploy import client  # noqa: E402
-from deploy.cli import EMBEDDED_MODEL  # noqa: E402
-from deploy.processes import spawn_role  # noqa: E402
-from deploy.redis_server import ensure_redis  # noqa: E402
-from deploy.worker_process import default_redis_url  # noqa: E402
 
 
 async def _timed_stream(channel, request) -> tuple[float, float, int]:

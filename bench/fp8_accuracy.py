@@ -29,20 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from pdserve.model.config import ModelConfig
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.quant.fp8 import _PROJECTIONS, convert_for_runtime
+from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.tokenizer import Tokenizer
 
-from model.config import ModelConfig  # noqa: E402
-from model.kv_cache import KVCacheSpec  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.quant.fp8 import _PROJECTIONS, convert_for_runtime  # noqa: E402
-from model.runner import ModelRunner, StepInput  # noqa: E402
-from model.tokenizer import Tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_MODEL = ROOT / "assets" / "models" / "tinystories-656k"
 DEFAULT_OUT = ROOT / "bench" / "out" / "fp8_accuracy.json"

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import uuid
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, replay_trace, stop_all, write_result  # noqa: E402
-
-from deploy.make_model import make_model  # noqa: E402
-from deploy.processes import spawn_role  # noqa: E402
-from deploy.redis_server import ensure_redis  # noqa: E402
-from deploy.worker_process import default_redis_url  # noqa: E402
+from pdserve.bench.common import ROOT, replay_trace, stop_all, write_result
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy.make_model import make_model
+from pdserve.deploy.processes import spawn_role
+from pdserve.deploy.redis_server import ensure_redis
 
 
 def start(kind: str, model: str, redis_url: str, dtype: str) -> list:

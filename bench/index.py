@@ -32,14 +32,12 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
+
+from pdserve.cluster.kv_events import REMOVED, STORED, KVEvent, _encode, decode_event
+from pdserve.router.prefix_index import PrefixIndex
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-
-from prefill_worker.kv_events import REMOVED, STORED, KVEvent, _encode, decode_event  # noqa: E402
-from router.prefix_index import PrefixIndex  # noqa: E402
 
 BS, WORKERS, PROMPT_BLOCKS, QUERY_BLOCKS, EVENT_BLOCKS = 16, 8, 100, 64, 16
 
@@ -138,8 +136,8 @@ def bench_sync(url: str, n: int) -> dict | None:
     """IndexSync.sync_once over ``n`` 16-block events per worker (2 workers) published to Redis."""
     import redis
 
-    from prefill_worker.kv_events import KVEventPublisher
-    from router.index_sync import IndexSync
+    from pdserve.cluster.kv_events import KVEventPublisher
+    from pdserve.router.index_sync import IndexSync
 
     try:
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()

@@ -9,8 +9,8 @@ import time
 
 import grpc
 
-from deploy import client
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.deploy import client
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 WORDS = ("once upon a time there was a little girl named Lily she liked to play with her dog in the park one day "
          "the sun was big and bright Tom saw a red ball under the tree and they were happy").split()

@@ -18,25 +18,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 from pathlib import Path
 
 import grpc
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, LocalCluster, matmul_peak, median_time, timed_stream, write_result  # noqa: E402
-
-from deploy import client  # noqa: E402
-from deploy.make_model import make_model  # noqa: E402
-from deploy.redis_server import ensure_redis  # noqa: E402
-from deploy.worker_process import default_redis_url  # noqa: E402
-from model.kv_cache import KVCacheSpec  # noqa: E402
-from model.loader import load_model  # noqa: E402
-from model.runner import ModelRunner, StepInput  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from proto import worker_pb2, worker_pb2_grpc  # noqa: E402
-from proto.convert import sampling_to_wire  # noqa: E402
+from pdserve.bench.common import ROOT, LocalCluster, matmul_peak, median_time, timed_stream, write_result
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy import client
+from pdserve.deploy.make_model import make_model
+from pdserve.deploy.redis_server import ensure_redis
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.sampling import SamplingParams
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import sampling_to_wire
 
 
 def prompt(n: int, seed: int, vocab: int = 2048) -> list[int]:

@@ -14,19 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import uuid
 from fractions import Fraction
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, replay_trace, stop_all, write_result  # noqa: E402
-
-from bench.replay.traces import Trace, TraceOptions, load_trace  # noqa: E402
-from deploy.make_model import make_model  # noqa: E402
-from deploy.processes import spawn_role  # noqa: E402
-from deploy.redis_server import ensure_redis  # noqa: E402
-from deploy.worker_process import default_redis_url  # noqa: E402
+from pdserve.bench.common import ROOT, replay_trace, stop_all, write_result
+from pdserve.bench.replay.traces import Trace, TraceOptions, load_trace
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy.make_model import make_model
+from pdserve.deploy.processes import spawn_role
+from pdserve.deploy.redis_server import ensure_redis
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 

@@ -9,10 +9,10 @@ import uuid
 
 import grpc
 
-from bench.load import make_prompts, percentiles, stream_once
-from deploy import client
-from deploy.processes import RoleProcess, spawn_role
-from proto import worker_pb2, worker_pb2_grpc
+from pdserve.bench.load import make_prompts, percentiles, stream_once
+from pdserve.deploy import client
+from pdserve.deploy.processes import RoleProcess, spawn_role
+from pdserve.proto import worker_pb2, worker_pb2_grpc
 
 
 async def _direct(stub, ids: list[int], max_tokens: int) -> tuple[float, float]:

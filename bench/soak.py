@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import threading
 import time
 import uuid
@@ -40,16 +39,14 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+import grpc
+
+from pdserve.bench.load import make_prompts, make_request, percentiles, stream_once
+from pdserve.bench.router_overhead import measure_router_overhead
+from pdserve.deploy import client
+from pdserve.deploy.processes import RoleProcess, spawn_role
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import grpc  # noqa: E402
-
-from bench.load import make_prompts, make_request, percentiles, stream_once  # noqa: E402
-from bench.router_overhead import measure_router_overhead  # noqa: E402
-from deploy import client  # noqa: E402
-from deploy.processes import RoleProcess, spawn_role  # noqa: E402
 
 CLIENTS_PER_CHANNEL = 50  # separate HTTP/2 connections, as many independent clients would open
 
@@ -282,9 +279,9 @@ def plot_rss(soak_result: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     """Command line: router overhead, then the soak; prints tables, writes ``results.json`` and
     ``rss.png`` under ``--out``. Returns the result dict."""
-    from bench.common import write_result
-    from deploy.cli import EMBEDDED_MODEL
-    from deploy.worker_process import default_redis_url
+    from pdserve.bench.common import write_result
+    from pdserve.cluster.worker_process import default_redis_url
+    from pdserve.deploy.cli import EMBEDDED_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=500)

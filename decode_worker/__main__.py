@@ -1,14 +1,14 @@
-"""``python -m decode_worker --model-dir DIR --worker-id ID ...``: one decode worker process."""
+"""``python -m pdserve.decode_worker --model-dir DIR --worker-id ID ...``: one decode worker process."""
 
 import argparse
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.server import DecodeWorker
-from deploy.args import add_config_args, config_from_args
-from deploy.service import run_foreground
+from pdserve.cluster.args import add_config_args, config_from_args
+from pdserve.cluster.service import run_foreground
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.decode_worker.server import DecodeWorker
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m decode_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pdserve.decode_worker", description=__doc__)
     add_config_args(parser, DecodeWorkerConfig)
     cfg = config_from_args(DecodeWorkerConfig, parser.parse_args())
     run_foreground(lambda: DecodeWorker(cfg))

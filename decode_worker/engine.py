@@ -23,16 +23,23 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
-from decode_worker.request import DecodeEventSink, DecodeRequest, DecodeStatus, ErrorEvent, FinishedEvent, TokensEvent
-from decode_worker.speculative import DraftModelProposer, NgramProposer, Proposer, SelfDraftProposer, verify
-from kvtransfer.select import local_backends, make_receiver
-from model.config import ModelConfig
-from model.kv_cache import BlockPool, KVCacheSpec
-from model.llama import LlamaForCausalLM
-from model.runner import ModelRunner, StepInput
-from model.sampling import SamplingParams, sample
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
+from pdserve.decode_worker.request import (
+    DecodeEventSink,
+    DecodeRequest,
+    DecodeStatus,
+    ErrorEvent,
+    FinishedEvent,
+    TokensEvent,
+)
+from pdserve.decode_worker.speculative import DraftModelProposer, NgramProposer, Proposer, SelfDraftProposer, verify
+from pdserve.kvtransfer.select import local_backends, make_receiver
+from pdserve.model.config import ModelConfig
+from pdserve.model.kv_cache import BlockPool, KVCacheSpec
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +73,7 @@ def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | No
     if cfg.speculative == "self":
         return SelfDraftProposer(runner, cfg.spec_draft_layers)
     if cfg.speculative == "draft":
-        from model.loader import load_model
+        from pdserve.model.loader import load_model
         draft, _ = load_model(cfg.spec_draft_model, cfg.torch_dtype)
         return DraftModelProposer(draft, runner.spec)
     return None

@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.paged_attention import AttentionMetadata, cpu_kernels_apply
-from model.kv_cache import BlockPool
-from model.runner import ModelRunner, StepInput
+from pdserve.kernels.paged_attention import AttentionMetadata, cpu_kernels_apply
+from pdserve.model.kv_cache import BlockPool
+from pdserve.model.runner import ModelRunner, StepInput
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 

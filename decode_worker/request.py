@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from model.sampling import SamplingParams
+from pdserve.model.sampling import SamplingParams
 
 
 class DecodeStatus(enum.Enum):

@@ -8,18 +8,18 @@ import logging
 import grpc
 import torch
 
-from decode_worker.config import DecodeWorkerConfig
-from decode_worker.engine import DecodeEngine
-from decode_worker.request import FinishedEvent, TokensEvent
-from deploy.worker_process import WorkerProcess
-from model.cpu_linear import pack_for_cpu_decode
-from model.hugepages import move_to_huge_pages
-from model.kv_cache import NoFreeBlocks
-from model.loader import load_model
-from model.quant import int4
-from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import FINISH_REASONS, sampling_from_wire
-from router.registry import WorkerInfo
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.worker_process import WorkerProcess
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.request import FinishedEvent, TokensEvent
+from pdserve.model.cpu_linear import pack_for_cpu_decode
+from pdserve.model.hugepages import move_to_huge_pages
+from pdserve.model.kv_cache import NoFreeBlocks
+from pdserve.model.loader import load_model
+from pdserve.model.quant import int4
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import FINISH_REASONS, sampling_from_wire
 
 log = logging.getLogger(__name__)
 

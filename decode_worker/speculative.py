@@ -32,11 +32,11 @@ from typing import Protocol
 
 import torch
 
-from decode_worker.request import DecodeRequest
-from model.kv_cache import KVCacheSpec
-from model.llama import LlamaForCausalLM
-from model.runner import ModelRunner, StepInput
-from model.sampling import SamplingParams, draw, filtered_probs, request_generator
+from pdserve.decode_worker.request import DecodeRequest
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.sampling import SamplingParams, draw, filtered_probs, request_generator
 
 ACCEPT_STREAM, DRAFT_STREAM = 1, 2  # generator streams, apart from the token draws (stream 0)
 

@@ -7,12 +7,13 @@ import asyncio
 import signal
 import sys
 import threading
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import grpc
 
-from deploy import client
-from deploy.worker_process import default_redis_url
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy import client
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models" / "tinystories-656k")
 
@@ -77,9 +78,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _start_cluster(args: argparse.Namespace):
-    from deploy.planner import PlannerConfig
-    from deploy.ray_cluster import ClusterConfig, RayCluster
-    from deploy.redis_server import ensure_redis
+    from pdserve.deploy.planner import PlannerConfig
+    from pdserve.deploy.ray_cluster import ClusterConfig, RayCluster
+    from pdserve.deploy.redis_server import ensure_redis
 
     autoscale = None
     if args.autoscale:
@@ -190,7 +191,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from deploy.make_model import PRESETS, make_model, num_parameters
+    from pdserve.deploy.make_model import PRESETS, make_model, num_parameters
 
     out = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
     print(f"wrote {args.preset} ({num_parameters(PRESETS[args.preset]) / 1e6:.1f}M parameters, {args.dtype}) to {out}")
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.set_defaults(func=cmd_demo)
 
-    from deploy import pool_cli
+    from pdserve.deploy import pool_cli
 
     pool_cli.add_commands(sub)
 
@@ -236,11 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     mk.set_defaults(func=cmd_make_model)
 
-    from bench.replay import cli as bench_cli
-
-    bench = sub.add_parser("bench", help="replay a trace against a running router; SLO attainment and goodput")
-    bench_cli.add_arguments(bench)
-    bench.set_defaults(func=bench_cli.main)
+    for command in entry_points(group="pdserve.commands"):  # e.g. `pdserve bench`, from pdserve.bench
+        command.load()(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)

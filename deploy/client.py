@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from deploy.grpc_auth import bearer_interceptors
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.cluster.grpc_auth import bearer_interceptors
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
 

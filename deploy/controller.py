@@ -30,9 +30,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deploy.placement import Placement, cluster_has_pool_resources
-from deploy.planner import Action, PlannerConfig, PlannerState, Window, plan
-from deploy.ray_cluster import ClusterConfig, RoleActor
+from pdserve.deploy.placement import Placement, cluster_has_pool_resources
+from pdserve.deploy.planner import Action, PlannerConfig, PlannerState, Window, plan
+from pdserve.deploy.ray_cluster import ClusterConfig, RoleActor
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class PoolController:
         Raises:
             RuntimeError: not enough Ray resources, or a worker did not start in time.
         """
-        from router.config import RouterConfig
+        from pdserve.router.config import RouterConfig
 
         cfg, total = self.cfg, ray.cluster_resources()
         separate = cluster_has_pool_resources(total) if cfg.separate_nodes is None else cfg.separate_nodes
@@ -210,7 +210,7 @@ class PoolController:
     async def _remove(self, role: str, n: int, prefer: list[str], drain_timeout_s: float | None) -> list[str]:
         """Drain ``n`` workers of ``role``: those in ``prefer``, then the least loaded (registry),
         the newest on ties."""
-        from router.registry import RegistryReader
+        from pdserve.cluster.registry import RegistryReader
 
         reader = RegistryReader(self.cfg.redis_url, self.cfg.cluster)
         try:
@@ -249,8 +249,8 @@ class PoolController:
         ray.kill(actor, no_restart=True)
 
     def _worker_config(self, role: str, worker_id: str):
-        from decode_worker.config import DecodeWorkerConfig
-        from prefill_worker.config import PrefillWorkerConfig
+        from pdserve.decode_worker.config import DecodeWorkerConfig
+        from pdserve.prefill_worker.config import PrefillWorkerConfig
 
         cfg = self.cfg
         common = dict(model_dir=cfg.model_dir, worker_id=worker_id, cluster=cfg.cluster, redis_url=cfg.redis_url,
@@ -264,8 +264,8 @@ class PoolController:
     async def observe(self, window_s: float = 60.0) -> Window:
         """One planner window from Redis (attainment counters of the last ``window_s`` seconds,
         worker load) and Ray (free resources)."""
-        from router.admission import Admission
-        from router.registry import RegistryReader
+        from pdserve.cluster.registry import RegistryReader
+        from pdserve.router.admission import Admission
 
         admission, reader = Admission(self.cfg.redis_url, self.cfg.cluster), RegistryReader(
             self.cfg.redis_url, self.cfg.cluster)

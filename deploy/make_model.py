@@ -74,7 +74,7 @@ def make_model(preset: str, out: str | Path, seed: int = 0, dtype: str = "bfloat
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     if tokenizer_from is None:
-        from deploy.cli import EMBEDDED_MODEL
+        from pdserve.deploy.cli import EMBEDDED_MODEL
         tokenizer_from = EMBEDDED_MODEL
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = Path(tokenizer_from) / name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deploy.worker_process import default_redis_url
+from pdserve.cluster.worker_process import default_redis_url
 
 
 def add_commands(sub) -> None:
@@ -39,7 +39,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     or 2 (no size given)."""
     import ray
 
-    from deploy.ray_cluster import NAMESPACE, controller_name
+    from pdserve.deploy.ray_cluster import NAMESPACE, controller_name
 
     sizes = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode), ("both", args.colocated))
              if n is not None}
@@ -69,7 +69,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print the pools table; exit 1 when Redis is unreachable."""
     import redis
 
-    from deploy.status import status_text
+    from pdserve.deploy.status import status_text
 
     try:
         print(status_text(args.redis_url, args.cluster))

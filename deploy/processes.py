@@ -1,4 +1,4 @@
-"""Starting role processes as plain subprocesses (``python -m <role>``) and waiting
+"""Starting role processes as plain subprocesses (``python -m pdserve.<role>``) and waiting
 until they are ready. Used by tests and benchmarks; ``pdserve up`` uses Ray."""
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ class RoleProcess:
         return self.proc.returncode
 
 
-def spawn_role(module: str, flags: dict[str, object], name: str = "", timeout_s: float = 120.0,
+def spawn_role(role: str, flags: dict[str, object], name: str = "", timeout_s: float = 120.0,
                env: dict[str, str] | None = None, cpus: str | None = None) -> RoleProcess:
-    """Run ``python -m module --flag value ...`` and wait for its ``ready host:port`` line.
+    """Run ``python -m pdserve.<role> --flag value ...`` (``role``: ``router``, ``prefill_worker`` or
+    ``decode_worker``) and wait for its ``ready host:port`` line.
     ``cpus`` (e.g. ``"0"`` or ``"0-1"``) pins the process to those cores with ``taskset``.
 
     Raises:
         RuntimeError: the process exited or did not get ready within ``timeout_s`` seconds
             (its stderr is included).
     """
-    argv = (["taskset", "-c", cpus] if cpus else []) + [sys.executable, "-m", module]
+    argv = (["taskset", "-c", cpus] if cpus else []) + [sys.executable, "-m", f"pdserve.{role}"]
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -51,11 +52,11 @@ def spawn_role(module: str, flags: dict[str, object], name: str = "", timeout_s:
         if ready:
             line = proc.stdout.readline()
             if line.startswith("ready "):
-                return RoleProcess(name or module, proc, line.split()[1])
+                return RoleProcess(name or role, proc, line.split()[1])
             if line == "" and proc.poll() is not None:
                 break
         elif proc.poll() is not None:
             break
     proc.kill()
     _, err = proc.communicate(timeout=5)
-    raise RuntimeError(f"{name or module} did not start: exit {proc.returncode}\n{err[-4000:]}")
+    raise RuntimeError(f"{name or role} did not start: exit {proc.returncode}\n{err[-4000:]}")

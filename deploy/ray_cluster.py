@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from deploy.planner import PlannerConfig
-from deploy.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from deploy.service import ServiceThread
-from deploy.worker_process import default_redis_url
+from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
+from pdserve.cluster.service import ServiceThread
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy.planner import PlannerConfig
 
 NAMESPACE = "pdserve"
 
@@ -156,12 +156,12 @@ class RoleActor:
 
 def _make_service(role: str, cfg):
     if role == "prefill":
-        from prefill_worker.server import PrefillWorker
+        from pdserve.prefill_worker.server import PrefillWorker
         return PrefillWorker(cfg)
     if role in ("decode", "both"):
-        from decode_worker.server import DecodeWorker
+        from pdserve.decode_worker.server import DecodeWorker
         return DecodeWorker(cfg)
-    from router.server import Router
+    from pdserve.router.server import Router
     return Router(cfg)
 
 
@@ -190,7 +190,7 @@ class RayCluster:
             ValueError: a controller of this cluster id is already running.
             Exception: an actor failed to start (everything started is stopped again).
         """
-        from deploy.controller import PoolController
+        from pdserve.deploy.controller import PoolController
 
         cfg = self.cfg
         if not ray.is_initialized():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from router.registry import RegistryReader, WorkerInfo
+from pdserve.cluster.registry import RegistryReader, WorkerInfo
 
 POOL_ORDER = {"prefill": 0, "decode": 1, "both": 2}
 COLUMNS = ("POOL", "WORKER", "ADDRESS", "RUNNING", "WAITING", "FREE KV BLOCKS", "LEASE AGE")
@@ -25,7 +25,7 @@ async def read_status(redis_url: str, cluster: str, window_s: float = 60.0) -> t
     Raises:
         redis.RedisError: Redis is unreachable.
     """
-    from router.admission import Admission
+    from pdserve.router.admission import Admission
 
     reader, admission = RegistryReader(redis_url, cluster), Admission(redis_url, cluster)
     try:

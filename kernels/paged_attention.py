@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import DTYPES, available
-from kernels.cpu.attention import attention_available, paged_attention_cpu
-from kernels.cpu.fused import MAX_ROWS
+from pdserve.kernels.cpu import DTYPES, available
+from pdserve.kernels.cpu.attention import attention_available, paged_attention_cpu
+from pdserve.kernels.cpu.fused import MAX_ROWS
 
 CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel beats gather + SDPA (even at 16)
 
@@ -186,7 +186,7 @@ def paged_attention(
     :data:`CPU_KERNEL_MAX_QUERY` new tokens per sequence (decode, speculative verification);
     the torch path otherwise. Arguments and result as :func:`paged_attention_torch`."""
     if q.is_cuda and meta.decode_only and not meta.fresh_prefill:
-        from kernels.paged_attention_triton import paged_attention_decode_triton
+        from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
         return paged_attention_decode_triton(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale)
     if meta.cpu_kernels:
         return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)

@@ -1,5 +1,5 @@
 """KV page transfer between prefill and decode workers (see :mod:`kvtransfer.base`)."""
 
-from kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError, TransferStats
+from pdserve.kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError, TransferStats
 
 __all__ = ["KVChannel", "KVReceiver", "KVSender", "TransferError", "TransferStats"]

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError
-from kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError
+from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
+from pdserve.model.kv_cache import KVCacheSpec
 
 BACKEND_PREFERENCE = ("nccl", "tcp")
 """Known backends, best first."""
@@ -42,7 +42,7 @@ def backend_of_address(address: str) -> str:
 
 def nccl_status(library_path: str | None = None) -> str | None:
     """None when the NCCL library loads (see :mod:`kvtransfer.nccl.library`), else why it does not."""
-    from kvtransfer.nccl.library import NcclUnavailable, load_library
+    from pdserve.kvtransfer.nccl.library import NcclUnavailable, load_library
 
     try:
         load_library(library_path)
@@ -105,10 +105,10 @@ def make_receiver(kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.
         OSError: the address cannot be bound.
     """
     if _only_backend(kv_cache, nccl_library_path) == "nccl":
-        from kvtransfer.nccl import NcclKVReceiver, load_library
+        from pdserve.kvtransfer.nccl import NcclKVReceiver, load_library
 
         return NcclKVReceiver(kv_cache, spec, host, port, io_timeout_s, library=load_library(nccl_library_path))
-    from kvtransfer.tcp import TcpKVReceiver
+    from pdserve.kvtransfer.tcp import TcpKVReceiver
 
     return TcpKVReceiver(kv_cache, spec, host=host, port=port, io_timeout_s=io_timeout_s)
 
@@ -160,11 +160,11 @@ def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: fl
         ValueError: ``kv_cache`` does not match ``spec``.
     """
     if _only_backend(kv_cache, nccl_library_path) == "nccl":
-        from kvtransfer.nccl import NcclKVSender, load_library
+        from pdserve.kvtransfer.nccl import NcclKVSender, load_library
 
         sender: KVSender = NcclKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s,
                                         library=load_library(nccl_library_path))
         return SelectingKVSender({"nccl": sender})
-    from kvtransfer.tcp import TcpKVSender
+    from pdserve.kvtransfer.tcp import TcpKVSender
 
     return SelectingKVSender({"tcp": TcpKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s)})

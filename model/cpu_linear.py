@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu.gemv import gemm_amx_available, gemv_available, pack_weight, run_unchecked, unpack_weight
+from pdserve.kernels.cpu.gemv import gemm_amx_available, gemv_available, pack_weight, run_unchecked, unpack_weight
 
 GEMV_MAX_ROWS = 2    # bench/cpu_kernels.py: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
 AMX_MAX_ROWS = 256   # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.hugepages import empty_huge
+from pdserve.model.hugepages import empty_huge
 
 
 class NoFreeBlocks(RuntimeError):

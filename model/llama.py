@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import fused
-from kernels.cpu.attention import paged_attention_cpu
-from kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from model.config import ModelConfig
-from model.rope import RotaryEmbedding, apply_rotary
+from pdserve.kernels.cpu import fused
+from pdserve.kernels.cpu.attention import paged_attention_cpu
+from pdserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from pdserve.model.config import ModelConfig
+from pdserve.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model.config import ModelConfig
-from model.llama import LlamaForCausalLM
-from model.rope import RotaryEmbedding
+from pdserve.model.config import ModelConfig
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.rope import RotaryEmbedding
 
 _FUSED = {  # our fused parameter -> the checkpoint's parts, in concatenation order
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from model.config import ModelConfig
+from pdserve.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import build_attention_metadata
-from model.kv_cache import KVCacheSpec
-from model.llama import LlamaForCausalLM
+from pdserve.kernels.paged_attention import build_attention_metadata
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)

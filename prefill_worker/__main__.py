@@ -1,14 +1,14 @@
-"""``python -m prefill_worker --model-dir DIR --worker-id ID ...``: one prefill worker process."""
+"""``python -m pdserve.prefill_worker --model-dir DIR --worker-id ID ...``: one prefill worker process."""
 
 import argparse
 
-from deploy.args import add_config_args, config_from_args
-from deploy.service import run_foreground
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.server import PrefillWorker
+from pdserve.cluster.args import add_config_args, config_from_args
+from pdserve.cluster.service import run_foreground
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.prefill_worker.server import PrefillWorker
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m prefill_worker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pdserve.prefill_worker", description=__doc__)
     add_config_args(parser, PrefillWorkerConfig)
     cfg = config_from_args(PrefillWorkerConfig, parser.parse_args())
     run_foreground(lambda: PrefillWorker(cfg))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from model.kv_cache import BlockPool
-from prefill_worker.prefix_cache import PrefixMatch
+from pdserve.model.kv_cache import BlockPool
+from pdserve.prefill_worker.prefix_cache import PrefixMatch
 
 
 class BlockSource(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deploy.worker_process import WorkerConfig
+from pdserve.cluster.worker_process import WorkerConfig
 
 
 @dataclass(frozen=True)

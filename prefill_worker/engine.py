@@ -23,18 +23,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from kvtransfer.select import make_sender
-from model.config import ModelConfig
-from model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
-from model.llama import LlamaForCausalLM
-from model.runner import ModelRunner, StepInput
-from model.sampling import sample
-from prefill_worker.blocks import BlockSource, PlainBlocks
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.kv_events import KVEvent
-from prefill_worker.prefix_cache import PrefixCache
-from prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
-from prefill_worker.sender import Finish, KVSendLoop, Release, SendPages
+from pdserve.cluster.kv_events import KVEvent
+from pdserve.kvtransfer.select import make_sender
+from pdserve.model.config import ModelConfig
+from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.sampling import sample
+from pdserve.prefill_worker.blocks import BlockSource, PlainBlocks
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.prefill_worker.prefix_cache import PrefixCache
+from pdserve.prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
+from pdserve.prefill_worker.sender import Finish, KVSendLoop, Release, SendPages
 
 log = logging.getLogger(__name__)
 

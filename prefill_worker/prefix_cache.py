@@ -32,9 +32,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from model.block_hash import block_hashes, root_hash
-from model.kv_cache import BlockPool, NoFreeBlocks
-from prefill_worker.kv_events import REMOVED, STORED, KVEvent
+from pdserve.cluster.kv_events import REMOVED, STORED, KVEvent
+from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.model.kv_cache import BlockPool, NoFreeBlocks
 
 
 @dataclass(frozen=True)

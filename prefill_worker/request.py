@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtransfer import KVChannel
-from model.sampling import SamplingParams
+from pdserve.kvtransfer import KVChannel
+from pdserve.model.sampling import SamplingParams
 
 
 class PrefillStatus(enum.Enum):

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtransfer import KVSender, TransferError
-from prefill_worker.blocks import BlockSource
-from prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
+from pdserve.kvtransfer import KVSender, TransferError
+from pdserve.prefill_worker.blocks import BlockSource
+from pdserve.prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
 
 log = logging.getLogger(__name__)
 

@@ -8,16 +8,16 @@ import time
 import grpc
 import torch
 
-from deploy.worker_process import WorkerProcess
-from model.loader import load_model
-from model.quant import fp8
-from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.engine import PrefillEngine
-from prefill_worker.kv_events import KVEventPublisher
-from prefill_worker.request import PrefillRequest, PrefillResult
-from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import sampling_from_wire
-from router.registry import WorkerInfo
+from pdserve.cluster.kv_events import KVEventPublisher
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.worker_process import WorkerProcess
+from pdserve.model.loader import load_model
+from pdserve.model.quant import fp8
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.prefill_worker.engine import PrefillEngine
+from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import sampling_from_wire
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from model.sampling import SamplingParams
-from proto import pdserve_pb2, worker_pb2
+from pdserve.model.sampling import SamplingParams
+from pdserve.proto import pdserve_pb2, worker_pb2
 
 FINISH_REASONS = {
     "stop": pdserve_pb2.FINISH_REASON_STOP,

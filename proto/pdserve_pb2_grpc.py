@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import pdserve_pb2 as proto_dot_pdserve__pb2
+from pdserve.proto import pdserve_pb2 as pdserve_dot_proto_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class RouterStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Router/Generate',
-                request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetClusterState = channel.unary_unary(
                 '/pdserve.v1.Router/GetClusterState',
-                request_serializer=proto_dot_pdserve__pb2.GetClusterStateRequest.SerializeToString,
-                response_deserializer=proto_dot_pdserve__pb2.ClusterState.FromString,
+                request_serializer=pdserve_dot_proto_dot_pdserve__pb2.GetClusterStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_pdserve__pb2.ClusterState.FromString,
                 _registered_method=True)
 
 
@@ -73,13 +73,13 @@ def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'GetClusterState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClusterState,
-                    request_deserializer=proto_dot_pdserve__pb2.GetClusterStateRequest.FromString,
-                    response_serializer=proto_dot_pdserve__pb2.ClusterState.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_pdserve__pb2.GetClusterStateRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_pdserve__pb2.ClusterState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -107,8 +107,8 @@ class Router:
             request,
             target,
             '/pdserve.v1.Router/Generate',
-            proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -134,8 +134,8 @@ class Router:
             request,
             target,
             '/pdserve.v1.Router/GetClusterState',
-            proto_dot_pdserve__pb2.GetClusterStateRequest.SerializeToString,
-            proto_dot_pdserve__pb2.ClusterState.FromString,
+            pdserve_dot_proto_dot_pdserve__pb2.GetClusterStateRequest.SerializeToString,
+            pdserve_dot_proto_dot_pdserve__pb2.ClusterState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import worker_pb2 as proto_dot_worker__pb2
+from pdserve.proto import worker_pb2 as pdserve_dot_proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/proto/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,8 +36,8 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.worker.v1.PrefillWorker/Prefill',
-                request_serializer=proto_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
 
 
@@ -57,8 +57,8 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,8 +86,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.worker.v1.PrefillWorker/Prefill',
-            proto_dot_worker__pb2.PrefillRequest.SerializeToString,
-            proto_dot_worker__pb2.PrefillResponse.FromString,
+            pdserve_dot_proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -110,8 +110,8 @@ class DecodeWorkerStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.worker.v1.DecodeWorker/Generate',
-                request_serializer=proto_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.DecodeEvent.FromString,
+                request_serializer=pdserve_dot_proto_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_proto_dot_worker__pb2.DecodeEvent.FromString,
                 _registered_method=True)
 
 
@@ -134,8 +134,8 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.DecodeEvent.SerializeToString,
+                    request_deserializer=pdserve_dot_proto_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_proto_dot_worker__pb2.DecodeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -163,8 +163,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.worker.v1.DecodeWorker/Generate',
-            proto_dot_worker__pb2.DecodeRequest.SerializeToString,
-            proto_dot_worker__pb2.DecodeEvent.FromString,
+            pdserve_dot_proto_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_proto_dot_worker__pb2.DecodeEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from deploy.worker_process import default_redis_url
+from pdserve.cluster.worker_process import default_redis_url
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
 MIN_TOKEN_CHARS = 16

@@ -23,8 +23,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-from kvtransfer.select import choose_backend
-from router.registry import WorkerInfo
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.kvtransfer.select import choose_backend
 
 DEFAULT_SECONDS_PER_BLOCK = 1e-3  # before any measurement: only ratios between workers matter then
 

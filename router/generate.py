@@ -22,23 +22,23 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
-from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from proto.convert import FINISH_REASONS, sampling_to_wire
-from router.admission import Admission
-from router.config import RouterConfig
-from router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, rank_decode, rank_prefill
-from router.recovery import (
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import FINISH_REASONS, sampling_to_wire
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, rank_decode, rank_prefill
+from pdserve.router.recovery import (
     NOT_RETRIABLE,
     GenerateError,
     Progress,
     WorkerFailure,
     avoiding,
 )
-from router.registry import WorkerInfo
-from router.request import RequestState, RequestTimes
-from router.slo import SloGate
-from router.validation import ValidRequest
+from pdserve.router.request import RequestState, RequestTimes
+from pdserve.router.slo import SloGate
+from pdserve.router.validation import ValidRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Keeps a :class:`~router.prefix_index.PrefixIndex` exact from the prefill workers' KV events.
 
 Each live prefill worker publishes its cache changes to a Redis stream and, every
-few seconds, a snapshot (``prefill_worker/kv_events.py``, ``docs/kv_events.md``).
+few seconds, a snapshot (``cluster/kv_events.py``, ``docs/kv_events.md``).
 :class:`IndexSync` polls all the streams with one non-blocking ``XREAD`` per round
 (``redis.asyncio``: it never blocks the router's event loop on Redis) and tracks,
 per worker, ``(epoch, last seq, last stream entry id)``:
@@ -45,8 +45,8 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from prefill_worker.kv_events import KVEvent, decode_event, events_key, snapshot_key
-from router.prefix_index import PrefixIndex
+from pdserve.cluster.kv_events import KVEvent, decode_event, events_key, snapshot_key
+from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class IndexSync:
 
     async def run(self, interval_s: float = 0.05, registry=None, registry_interval_s: float = 1.0) -> None:
         """Call :meth:`sync_once` every ``interval_s`` seconds until cancelled; Redis errors are
-        logged and retried. With ``registry`` (a ``router.registry.RegistryReader``), also
+        logged and retried. With ``registry`` (a ``cluster.registry.RegistryReader``), also
         refresh the live prefill workers every ``registry_interval_s`` seconds."""
         listed = float("-inf")
         while True:

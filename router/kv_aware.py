@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import time
 
-from router.index_sync import IndexSync
-from router.prefix_index import PrefixIndex
-from router.registry import WorkerInfo
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.router.index_sync import IndexSync
+from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

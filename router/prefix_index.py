@@ -42,8 +42,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from model.block_hash import block_hashes, root_hash
-from prefill_worker.kv_events import CLEARED, REMOVED, STORED, KVEvent
+from pdserve.cluster.kv_events import CLEARED, REMOVED, STORED, KVEvent
+from pdserve.model.block_hash import block_hashes, root_hash
 
 
 class PrefixIndex:

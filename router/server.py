@@ -6,7 +6,7 @@ Workers are discovered only from the Redis registry (re-read every
 Client security (``RouterConfig``): TLS with ``grpc.ssl_server_credentials`` when a certificate
 and key are configured, and a bearer token checked by :class:`BearerTokenInterceptor` on every
 RPC except the health service, so that load balancers can probe without the token. With a
-cluster secret, the router's own calls to workers carry ``deploy.secret.worker_rpc_token``.
+cluster secret, the router's own calls to workers carry ``cluster.secret.worker_rpc_token``.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deploy.grpc_auth import BearerTokenInterceptor, bearer_interceptors
-from deploy.secret import cluster_secret, worker_rpc_token
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
-from proto import pdserve_pb2
-from router.admission import Admission
-from router.config import RouterConfig
-from router.dispatch import PrefillStats
-from router.generate import ClusterView, GenerateError, run_generate
-from router.kv_aware import KVAwareness
-from router.recovery import RegistryMemory
-from router.registry import RegistryReader, WorkerInfo
-from router.request import RequestTimes
-from router.slo import Slo, SloGate
-from router.validation import parse_request, validate
+from pdserve.cluster.grpc_auth import BearerTokenInterceptor, bearer_interceptors
+from pdserve.cluster.registry import RegistryReader, WorkerInfo
+from pdserve.cluster.secret import cluster_secret, worker_rpc_token
+from pdserve.model.config import ModelConfig
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.proto import pdserve_pb2
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import PrefillStats
+from pdserve.router.generate import ClusterView, GenerateError, run_generate
+from pdserve.router.kv_aware import KVAwareness
+from pdserve.router.recovery import RegistryMemory
+from pdserve.router.request import RequestTimes
+from pdserve.router.slo import Slo, SloGate
+from pdserve.router.validation import parse_request, validate
 
 log = logging.getLogger(__name__)
 

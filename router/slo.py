@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.admission import Admission, Decision, TpotParams
-from router.registry import WorkerInfo
-from router.step_model import StepTimeModel
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.router.admission import Admission, Decision, TpotParams
+from pdserve.router.step_model import StepTimeModel
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from google.protobuf import message as pb_message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from model.config import ModelConfig
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from proto import pdserve_pb2
-from router.slo import Slo
+from pdserve.model.config import ModelConfig
+from pdserve.model.sampling import SamplingParams
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.proto import pdserve_pb2
+from pdserve.router.slo import Slo
 
 MAX_REQUEST_ID_CHARS = 256
 

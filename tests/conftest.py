@@ -16,11 +16,11 @@ import grpc
 import pytest
 import torch
 
-from deploy import client
-from deploy.cli import EMBEDDED_MODEL
-from deploy.processes import RoleProcess, spawn_role
-from deploy.redis_server import ensure_redis, redis_answers, redis_server_binary
-from deploy.worker_process import default_redis_url
+from pdserve.cluster.worker_process import default_redis_url
+from pdserve.deploy import client
+from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.processes import RoleProcess, spawn_role
+from pdserve.deploy.redis_server import ensure_redis, redis_answers, redis_server_binary
 
 AWKWARD_SHAPES = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=2, num_attention_heads=3,
                       num_key_value_heads=1, head_dim=24, vocab_size=1000, max_position_embeddings=256,
@@ -242,9 +242,9 @@ def fresh_cluster(cluster):
 def engine(model_dir):
     """A colocated decode engine in process on the embedded model: 64 blocks of 4 tokens, batch
     bound 4, an 8-token step budget (longer prompts are prefilled in chunks beside decodes)."""
-    from decode_worker.config import DecodeWorkerConfig
-    from decode_worker.engine import DecodeEngine
-    from model.loader import load_model
+    from pdserve.decode_worker.config import DecodeWorkerConfig
+    from pdserve.decode_worker.engine import DecodeEngine
+    from pdserve.model.loader import load_model
 
     model, cfg = load_model(model_dir)
     e = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from model.kv_cache import KVCacheSpec
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 def make_spec(dtype: torch.dtype = torch.float32, **kw: int) -> KVCacheSpec:

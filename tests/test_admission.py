@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from router.admission import Admission, TpotParams
+from pdserve.router.admission import Admission, TpotParams
 
 LOOSE = TpotParams(0.0, 0.0, 0.0, 0)  # decode side never binds
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from deploy import client
-from proto import pdserve_pb2
+from pdserve.deploy import client
+from pdserve.proto import pdserve_pb2
 from tests.conftest import Cluster
 
 

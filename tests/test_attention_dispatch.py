@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from kernels.paged_attention import build_attention_metadata, paged_attention_torch
-    from kernels.paged_attention_triton import paged_attention_decode_triton
-    from model.kv_cache import KVCacheSpec
+    from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch
+    from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
+    from pdserve.model.kv_cache import KVCacheSpec
 
     torch.manual_seed(0)
     spec = KVCacheSpec(num_blocks=20, num_layers=2, block_size=5, num_kv_heads=1, head_dim=24)

@@ -8,8 +8,8 @@ import math
 import grpc
 import pytest
 
-from deploy import client
-from proto import pdserve_pb2
+from pdserve.deploy import client
+from pdserve.proto import pdserve_pb2
 
 VOCAB, CONTEXT = 2048, 512
 

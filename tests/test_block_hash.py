@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model.block_hash import block_hashes, hash_block, root_hash
+from pdserve.model.block_hash import block_hashes, hash_block, root_hash
 
 
 def _reference(tokens: list[int], bs: int, model_id: str = "") -> list[int]:

@@ -30,7 +30,7 @@ import msgpack
 import pytest
 import redis
 
-from deploy import client
+from pdserve.deploy import client
 from tests.conftest import Cluster, PrivateRedis
 
 PROMPTS = [

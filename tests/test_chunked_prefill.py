@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from deploy import client
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
+from pdserve.deploy import client
+from pdserve.model.config import ModelConfig
+from pdserve.model.tokenizer import Tokenizer
 from tests.conftest import Cluster, hf_greedy
 
 
@@ -41,9 +41,9 @@ def test_chunked_prefill_reports_transfer_timings(chunked_cluster):
     """The prefill RPC's timings are consistent: the unhidden tail never exceeds the transfer itself."""
     import grpc
 
-    from model.sampling import SamplingParams
-    from proto import worker_pb2, worker_pb2_grpc
-    from proto.convert import sampling_to_wire
+    from pdserve.model.sampling import SamplingParams
+    from pdserve.proto import worker_pb2, worker_pb2_grpc
+    from pdserve.proto.convert import sampling_to_wire
 
     state = chunked_cluster.state()
     prefill = next(w for w in state.workers if w.role == "prefill")

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from deploy import client
-from model.tokenizer import Tokenizer
-from proto import pdserve_pb2
+from pdserve.deploy import client
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.proto import pdserve_pb2
 from tests.conftest import Cluster, hf_greedy
 
 PROMPTS = [
@@ -23,7 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
-    from model.config import ModelConfig
+    from pdserve.model.config import ModelConfig
     return Tokenizer(model_dir, ModelConfig.from_hf_dir(model_dir).bos_token_id)
 
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from deploy import client
-from deploy.processes import spawn_role
+from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
 from tests.conftest import Cluster, hf_greedy
 
 

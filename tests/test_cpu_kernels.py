@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import KernelUnavailable, _build, available
-from kernels.cpu import fused as cfused
-from kernels.cpu.attention import attention_available, paged_attention_cpu
-from kernels.cpu.gemv import (
+from pdserve.kernels.cpu import KernelUnavailable, _build, available
+from pdserve.kernels.cpu import fused as cfused
+from pdserve.kernels.cpu.attention import attention_available, paged_attention_cpu
+from pdserve.kernels.cpu.gemv import (
     gemm_amx_available,
     gemm_bf16_amx,
     gemv_available,
@@ -22,14 +22,14 @@ from kernels.cpu.gemv import (
     pack_weight,
     unpack_weight,
 )
-from kernels.paged_attention import build_attention_metadata, paged_attention_torch, write_kv
-from model.cpu_linear import PackedBF16Linear, pack_for_cpu_decode
-from model.hugepages import HUGE_PAGE, empty_huge, move_to_huge_pages
-from model.kv_cache import KVCacheSpec
-from model.llama import RMSNorm
-from model.loader import load_model
-from model.rope import apply_rotary
-from model.runner import ModelRunner, StepInput
+from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch, write_kv
+from pdserve.model.cpu_linear import PackedBF16Linear, pack_for_cpu_decode
+from pdserve.model.hugepages import HUGE_PAGE, empty_huge, move_to_huge_pages
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.llama import RMSNorm
+from pdserve.model.loader import load_model
+from pdserve.model.rope import apply_rotary
+from pdserve.model.runner import ModelRunner, StepInput
 
 needs_gemv = pytest.mark.skipif(not gemv_available(), reason="no AVX512-BF16 or no C compiler")
 needs_amx = pytest.mark.skipif(not gemm_amx_available(), reason="no AMX-BF16")

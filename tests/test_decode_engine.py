@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from decode_worker.request import ErrorEvent, FinishedEvent, TokensEvent
-from model.sampling import SamplingParams
+from pdserve.decode_worker.request import ErrorEvent, FinishedEvent, TokensEvent
+from pdserve.model.sampling import SamplingParams
 from tests.conftest import hf_greedy
 
 
@@ -60,7 +60,7 @@ def test_a_failing_step_fails_the_batch_and_frees_its_blocks(engine, monkeypatch
 def test_a_first_token_outside_the_vocabulary_fails_only_its_request(engine):
     """A KV sender's ``done`` carrying a first token outside the vocabulary ends that request with
     UNAVAILABLE and frees its blocks; a request decoding beside it finishes normally."""
-    from decode_worker.engine import _KVArrived
+    from pdserve.decode_worker.engine import _KVArrived
 
     events: dict[str, list] = {"bad": [], "good": []}
     engine.add_request("bad", [1, 400, 500], SamplingParams(temperature=0, max_tokens=4), 30.0,

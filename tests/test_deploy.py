@@ -12,9 +12,9 @@ import time
 
 import redis
 
-from deploy.redis_server import ensure_redis, redis_answers
+from pdserve.deploy.redis_server import ensure_redis, redis_answers
 
-PDSERVE = [sys.executable, "-m", "deploy.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.deploy.cli"]
 
 
 def _free_port() -> int:
@@ -82,8 +82,8 @@ def test_up_generate_and_clean_shutdown(redis_url, model_dir):
 def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     import torch
 
-    from deploy.make_model import PRESETS, make_model, num_parameters
-    from model.loader import load_model
+    from pdserve.deploy.make_model import PRESETS, make_model, num_parameters
+    from pdserve.model.loader import load_model
 
     out = make_model("bench-9m", tmp_path / "m", seed=3, dtype="float32")
     model, cfg = load_model(out)

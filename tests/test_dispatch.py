@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from router.dispatch import PrefillStats, rank_decode, rank_prefill
-from router.registry import WorkerInfo
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.router.dispatch import PrefillStats, rank_decode, rank_prefill
 
 
 def P(wid: str, queued_tokens: int = 0, running: int = 0) -> WorkerInfo:

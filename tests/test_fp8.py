@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from model.quant.fp8 import (
+from pdserve.model.quant.fp8 import (
     E4M3_MAX,
     Fp8Linear,
     convert_for_runtime,
@@ -191,7 +191,7 @@ def test_fp8linear_grouped_cpu_matches_per_group_reference(k, n, bias, g):
     exact = lin(x).detach()
     assert (y - exact).norm() / exact.norm() < 0.04
     # the kernels' torch reference (one fp32 matmul per K-group) agrees with the CPU path
-    from kernels.fp8_gemm_triton import fp8_gemm_reference
+    from pdserve.kernels.fp8_gemm_triton import fp8_gemm_reference
     xq, sx = quantize_e4m3_groups(x.reshape(-1, k), g)
     kref = fp8_gemm_reference(xq, sx, f.weight.t(), f.weight_scale.t(), torch.float32, f.bias, group_size=g)
     torch.testing.assert_close(kref, y.reshape(-1, n), rtol=1e-5, atol=1e-6)
@@ -235,8 +235,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     import json, os, sys
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
-    from kernels.fp8_gemm_triton import fp8_gemm_reference, fp8_gemm_triton
-    from model.quant.fp8 import Fp8Linear, quantize_e4m3
+    from pdserve.kernels.fp8_gemm_triton import fp8_gemm_reference, fp8_gemm_triton
+    from pdserve.model.quant.fp8 import Fp8Linear, quantize_e4m3
     out = {}
     # every finite e4m3 code through the in-kernel bit decoding: column of codes times 1.0
     codes = torch.arange(256, dtype=torch.uint8)
@@ -265,7 +265,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     got = fp8_gemm_triton(xq, sx, f.weight.t(), f.weight_scale, torch.float32, bias=f.bias)
     out["fp8linear_max_abs"] = (got - f(x)).abs().max().item()
     # per-group scales inside the K loop: K and N not multiples of G; K tile = G or smaller than G
-    from model.quant.fp8 import quantize_e4m3_blocks, quantize_e4m3_groups
+    from pdserve.model.quant.fp8 import quantize_e4m3_blocks, quantize_e4m3_groups
     grouped = {}
     for m, n, k, g, bk in [(1, 17, 33, 16, None), (37, 45, 70, 32, None), (37, 45, 70, 32, 16),
                            (70, 19, 129, 64, 32), (20, 130, 96, 128, None)]:
@@ -313,7 +313,7 @@ def test_triton_kernel_under_interpreter_matches_reference():
 
 
 def _agreement(**kw):
-    bench = pytest.importorskip("bench.fp8_accuracy")
+    bench = pytest.importorskip("pdserve.bench.fp8_accuracy")
     prompts = bench.build_prompts()                                  # the full bench prompt set
     assert len(prompts) >= 64
     return bench.measure_first_token_agreement(TINYSTORIES, prompts, **kw)
@@ -330,7 +330,7 @@ def tinystories_agreement_g16():
 
 
 def test_convert_for_runtime_swaps_only_decoder_projections():
-    from model.loader import load_model
+    from pdserve.model.loader import load_model
 
     model, cfg = load_model(TINYSTORIES)
     convert_for_runtime(model)
@@ -345,7 +345,7 @@ def test_convert_for_runtime_swaps_only_decoder_projections():
 
 
 def test_convert_for_runtime_group_size_and_keep_high_precision():
-    from model.loader import load_model
+    from pdserve.model.loader import load_model
 
     model, cfg = load_model(TINYSTORIES)
     with pytest.raises(ValueError, match="keep_high_precision"):

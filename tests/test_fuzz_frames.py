@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the TCP KV frame codec (``kvtransfer/tcp/frames.py``).
+"""Property-based fuzzing of the TCP KV frame codec (``kvtransfer/wire/frames.py``).
 
 Properties, each over thousands of generated inputs (hypothesis, derandomized so CI runs
 the same cases every time):
@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.tcp.frames import (
+from pdserve.kvtransfer.wire.frames import (
     MAX_HEADER_BYTES,
     Abort,
     Ack,
@@ -41,7 +41,7 @@ from kvtransfer.tcp.frames import (
     read_frame,
     unpack_header,
 )
-from model.kv_cache import KVCacheSpec
+from pdserve.model.kv_cache import KVCacheSpec
 
 pytestmark = pytest.mark.timeout(240)
 

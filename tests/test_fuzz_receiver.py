@@ -31,9 +31,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvtransfer.tcp.frames import Ack, FrameError, PeerClosed, read_frame
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from pdserve.kvtransfer.wire.frames import Ack, FrameError, PeerClosed, read_frame
+from pdserve.model.kv_cache import KVCacheSpec
 from tests.kv_helpers import Outcome
 
 pytestmark = pytest.mark.timeout(240)

@@ -23,13 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy import client
-from deploy.cli import EMBEDDED_MODEL
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
-from proto import pdserve_pb2
-from router.slo import Slo
-from router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, parse_request, validate
+from pdserve.deploy import client
+from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.model.config import ModelConfig
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.proto import pdserve_pb2
+from pdserve.router.slo import Slo
+from pdserve.router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, parse_request, validate
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.graph_runner import GraphRunner
-from model.kv_cache import BlockPool, KVCacheSpec
-from model.loader import load_model
-from model.runner import ModelRunner, StepInput
+from pdserve.decode_worker.graph_runner import GraphRunner
+from pdserve.model.kv_cache import BlockPool, KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.runner import ModelRunner, StepInput
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.block_hash import block_hashes
-from model.kv_cache import BlockPool, NoFreeBlocks
-from prefill_worker.kv_events import KVEventPublisher, events_key, read_events
-from prefill_worker.prefix_cache import PrefixCache
-from router.index_sync import IndexSync
-from router.prefix_index import PrefixIndex
-from router.registry import RegistryReader, WorkerInfo, WorkerLease
+from pdserve.cluster.kv_events import KVEventPublisher, events_key, read_events
+from pdserve.cluster.registry import RegistryReader, WorkerInfo, WorkerLease
+from pdserve.model.block_hash import block_hashes
+from pdserve.model.kv_cache import BlockPool, NoFreeBlocks
+from pdserve.prefill_worker.prefix_cache import PrefixCache
+from pdserve.router.index_sync import IndexSync
+from pdserve.router.prefix_index import PrefixIndex
 
 BS = 4
 DOWN = "redis://127.0.0.1:1/0"  # nothing listens: publishing fails at once, events are dropped

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kernels.paged_attention import build_attention_metadata
-from model.kv_cache import KVCacheSpec
-from model.loader import load_model
-from model.quant.int4 import (
+from pdserve.kernels.paged_attention import build_attention_metadata
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.quant.int4 import (
     METADATA_KEY,
     Int4Linear,
     convert_for_runtime,
@@ -32,7 +32,7 @@ from model.quant.int4 import (
     save_quantized_checkpoint,
     unpack_int4,
 )
-from model.runner import ModelRunner, StepInput
+from pdserve.model.runner import ModelRunner, StepInput
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,8 +151,8 @@ def test_int4_linear_state_dict_round_trip_rebuilds_kernel_layout():
 _TRITON_SCRIPT = r"""
 import torch
 from torch import nn
-from kernels.w4a16_triton import w4a16_matmul, w4a16_matmul_reference
-from model.quant.int4 import Int4Linear, dequantize_weight
+from pdserve.kernels.w4a16_triton import w4a16_matmul, w4a16_matmul_reference
+from pdserve.model.quant.int4 import Int4Linear, dequantize_weight
 torch.manual_seed(0)
 for k, n, g, bias, m_rows in [(72, 100, 32, True, 1), (384, 128, 128, False, 5), (130, 40, 64, True, 20)]:
     lin = nn.Linear(k, n, bias=bias)
@@ -189,7 +189,7 @@ def test_triton_w4a16_kernel_under_interpreter_matches_reference():
 @pytest.fixture(scope="module")
 def tiny(model_dir):
     """The float model and 3 greedy continuations of it to 171 tokens (513 teacher-forced positions)."""
-    from model.tokenizer import Tokenizer
+    from pdserve.model.tokenizer import Tokenizer
 
     model, cfg = load_model(model_dir)
     tok = Tokenizer(model_dir, cfg.bos_token_id)
@@ -329,7 +329,7 @@ def test_missing_or_unknown_metadata_is_a_clear_error(tmp_path, model_dir):
 def test_gptq_with_an_identity_hessian_is_the_clip_search(k):
     """No input correlations: nothing to compensate, so GPTQ must give quantize_weight's tensors exactly,
     including a last group with padding columns (kept out of its statistics)."""
-    from model.quant.gptq import gptq_quantize_weight
+    from pdserve.model.quant.gptq import gptq_quantize_weight
 
     torch.manual_seed(k)
     w = torch.rand(24, k) + 0.5                                # all positive: padding zeros would widen the range

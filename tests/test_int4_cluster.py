@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from model.kv_cache import KVCacheSpec
-from model.loader import load_model
-from model.quant import int4
-from model.runner import ModelRunner, StepInput
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.quant import int4
+from pdserve.model.runner import ModelRunner, StepInput
 from tests.conftest import Cluster
 
 

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from kernels.paged_attention import build_attention_metadata
-from model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
+from pdserve.kernels.paged_attention import build_attention_metadata
+from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 
 
 def test_allocate_and_free_account_exactly():

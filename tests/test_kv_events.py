@@ -9,10 +9,10 @@ import uuid
 import pytest
 import redis
 
-from model.block_hash import block_hashes, root_hash
-from model.kv_cache import BlockPool
-from prefill_worker.kv_events import KVEvent, KVEventPublisher, events_key, read_events, read_snapshot, snapshot_key
-from prefill_worker.prefix_cache import PrefixCache
+from pdserve.cluster.kv_events import KVEvent, KVEventPublisher, events_key, read_events, read_snapshot, snapshot_key
+from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.model.kv_cache import BlockPool
+from pdserve.prefill_worker.prefix_cache import PrefixCache
 
 BS = 4
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvtransfer.base import KVReceiver, TransferError
-from kvtransfer.select import make_receiver, make_sender, nccl_status
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.base import KVReceiver, TransferError
+from pdserve.kvtransfer.select import make_receiver, make_sender, nccl_status
+from pdserve.model.kv_cache import KVCacheSpec
 from tests.kv_helpers import Outcome
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,10 +14,10 @@ import msgpack
 import pytest
 import torch
 
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvtransfer.tcp.frames import MAX_HEADER_BYTES, Ack, read_frame
-from kvtransfer.tcp.pages import PageMemory
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.wire.frames import MAX_HEADER_BYTES, Ack, read_frame
+from pdserve.model.kv_cache import KVCacheSpec
 from tests.kv_helpers import Outcome, make_spec
 
 pytestmark = pytest.mark.timeout(20)

@@ -15,13 +15,13 @@ import msgpack
 import pytest
 import redis
 
-from decode_worker.request import FinishedEvent, TokensEvent
-from deploy import client
-from deploy.processes import spawn_role
-from model.sampling import SamplingParams
-from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from proto.convert import sampling_to_wire
-from router.recovery import GenerateError, Progress, WorkerFailure
+from pdserve.decode_worker.request import FinishedEvent, TokensEvent
+from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
+from pdserve.model.sampling import SamplingParams
+from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import sampling_to_wire
+from pdserve.router.recovery import GenerateError, Progress, WorkerFailure
 from tests.conftest import Cluster
 
 PROMPT = "Once upon a time, there was a little dog named Max. He"

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.kv_cache import KVCacheSpec
-from model.loader import load_model
-from model.runner import ModelRunner, StepInput
+from pdserve.model.config import ModelConfig
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.runner import ModelRunner, StepInput
 
 
 def _runner(model_dir, block_size=4, num_blocks=128):

@@ -22,12 +22,12 @@ import torch
 # NCCL reads this once, at its first call: keep its bootstrap socket (opened by ncclGetUniqueId) on loopback.
 os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
-from kvtransfer.base import TransferError  # noqa: E402
-from kvtransfer.nccl import NcclKVReceiver, NcclKVSender  # noqa: E402
-from kvtransfer.nccl.comms import CommCache  # noqa: E402
-from kvtransfer.nccl.control import Bye, ClearToSend, Hello, Welcome, encode_control, read_any  # noqa: E402
-from kvtransfer.nccl.handshake import negotiate_receiver, negotiate_sender  # noqa: E402
-from kvtransfer.nccl.library import (  # noqa: E402
+from pdserve.kvtransfer.base import TransferError  # noqa: E402
+from pdserve.kvtransfer.nccl import NcclKVReceiver, NcclKVSender  # noqa: E402
+from pdserve.kvtransfer.nccl.comms import CommCache  # noqa: E402
+from pdserve.kvtransfer.nccl.control import Bye, ClearToSend, Hello, Welcome, encode_control, read_any  # noqa: E402
+from pdserve.kvtransfer.nccl.handshake import negotiate_receiver, negotiate_sender  # noqa: E402
+from pdserve.kvtransfer.nccl.library import (  # noqa: E402
     RESULT_NAMES,
     UNIQUE_ID_BYTES,
     NcclError,
@@ -35,7 +35,7 @@ from kvtransfer.nccl.library import (  # noqa: E402
     NcclUnavailable,
     load_library,
 )
-from kvtransfer.select import (  # noqa: E402
+from pdserve.kvtransfer.select import (  # noqa: E402
     backend_of_address,
     choose_backend,
     explain_no_backend,
@@ -44,8 +44,8 @@ from kvtransfer.select import (  # noqa: E402
     make_sender,
     nccl_status,
 )
-from kvtransfer.tcp.frames import Ack, Done, FrameError, Pages, encode  # noqa: E402
-from model.kv_cache import KVCacheSpec  # noqa: E402
+from pdserve.kvtransfer.wire.frames import Ack, Done, FrameError, Pages, encode  # noqa: E402
+from pdserve.model.kv_cache import KVCacheSpec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 WHEEL = importlib.util.find_spec("nvidia.nccl")

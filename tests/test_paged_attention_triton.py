@@ -20,7 +20,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.paged_attention_triton import (  # noqa: E402
+from pdserve.kernels.paged_attention_triton import (  # noqa: E402
     _kernel_is_interpreted,
     paged_attention_decode_reference,
     paged_attention_decode_triton,

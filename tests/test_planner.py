@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.planner import Action, PlannerConfig, PlannerState, Window, plan, signal
+from pdserve.deploy.planner import Action, PlannerConfig, PlannerState, Window, plan, signal
 
 CFG = PlannerConfig(min_prefill=1, max_prefill=3, min_decode=1, max_decode=3, target_attainment=0.9,
                     shrink_attainment=0.98, low_load=1.0, min_requests=10, hold_windows=3, cooldown_s=60.0,

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.block_hash import block_hashes, root_hash
-from model.kv_cache import BlockPool, NoFreeBlocks
-from prefill_worker.prefix_cache import PrefixCache
+from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.model.kv_cache import BlockPool, NoFreeBlocks
+from pdserve.prefill_worker.prefix_cache import PrefixCache
 
 BS = 4
 

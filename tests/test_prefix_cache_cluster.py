@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from prefill_worker.kv_events import read_events
+from pdserve.cluster.kv_events import read_events
 from tests.conftest import hf_greedy
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.block_hash import block_hashes, root_hash
-from model.kv_cache import BlockPool
-from prefill_worker.kv_events import CLEARED, REMOVED, STORED, KVEvent
-from prefill_worker.prefix_cache import PrefixCache
-from router.prefix_index import PrefixIndex
+from pdserve.cluster.kv_events import CLEARED, REMOVED, STORED, KVEvent
+from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.model.kv_cache import BlockPool
+from pdserve.prefill_worker.prefix_cache import PrefixCache
+from pdserve.router.prefix_index import PrefixIndex
 
 BS = 4
 
@@ -173,9 +173,9 @@ def test_kv_awareness_records_prompts_in_flight_on_exact_workers(redis_url):
     import asyncio
     import uuid
 
-    from prefill_worker.kv_events import KVEventPublisher
-    from router.kv_aware import KVAwareness
-    from router.registry import WorkerInfo
+    from pdserve.cluster.kv_events import KVEventPublisher
+    from pdserve.cluster.registry import WorkerInfo
+    from pdserve.router.kv_aware import KVAwareness
 
     cluster = "pending-" + uuid.uuid4().hex[:8]
     kv = KVAwareness(redis_url, cluster, pending_ttl_s=30.0)

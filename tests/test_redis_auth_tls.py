@@ -14,13 +14,13 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from deploy.redis_server import ensure_redis, ping_error, redact, redis_server_binary
-from model.block_hash import block_hashes, root_hash
-from prefill_worker.kv_events import KVEvent, KVEventPublisher, read_events
-from router.admission import Admission
-from router.index_sync import IndexSync
-from router.prefix_index import PrefixIndex
-from router.registry import RegistryReader, WorkerInfo, WorkerLease
+from pdserve.cluster.kv_events import KVEvent, KVEventPublisher, read_events
+from pdserve.cluster.registry import RegistryReader, WorkerInfo, WorkerLease
+from pdserve.deploy.redis_server import ensure_redis, ping_error, redact, redis_server_binary
+from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.router.admission import Admission
+from pdserve.router.index_sync import IndexSync
+from pdserve.router.prefix_index import PrefixIndex
 from tests.tls_files import make_tls_files
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,11 +12,11 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from deploy import client
-from deploy.processes import spawn_role
-from model.sampling import SamplingParams
-from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import sampling_to_wire
+from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
+from pdserve.model.sampling import SamplingParams
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import sampling_to_wire
 from tests.conftest import Cluster
 
 

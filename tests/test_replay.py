@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.replay import cli, goodput
-from bench.replay.goodput import SLO, attainment
-from bench.replay.prompts import CORPUS, PromptBuilder
-from bench.replay.records import RequestRecord
-from bench.replay.traces import (
+from pdserve.bench.replay import cli, goodput
+from pdserve.bench.replay.goodput import SLO, attainment
+from pdserve.bench.replay.prompts import CORPUS, PromptBuilder
+from pdserve.bench.replay.records import RequestRecord
+from pdserve.bench.replay.traces import (
     TraceOptions,
     TraceRequest,
     detect_format,
@@ -27,7 +27,7 @@ from bench.replay.traces import (
     read_mooncake,
     rescale_arrivals,
 )
-from deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.cli import EMBEDDED_MODEL
 
 DATA = Path(__file__).parent / "data"
 AZURE = DATA / "azure_code_sample.csv"
@@ -186,7 +186,7 @@ def test_cli_rejects_requests_beyond_the_context(tmp_path, capsys):
 
 def test_replay_end_to_end(redis_url, tmp_path):
     """12 Azure requests (prompts /16, at most 48 tokens; outputs at most 12) at 8 and 24 req/s."""
-    from bench.common import LocalCluster
+    from pdserve.bench.common import LocalCluster
 
     cluster = LocalCluster(EMBEDDED_MODEL, redis_url)
     try:

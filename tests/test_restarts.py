@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import redis
 
-from deploy import client
-from prefill_worker.kv_events import events_key, snapshot_key
+from pdserve.cluster.kv_events import events_key, snapshot_key
+from pdserve.deploy import client
 from tests.conftest import Cluster, PrivateRedis
 
 PROMPT = "Lily and Ben went to the park. They saw a big"
@@ -111,8 +111,8 @@ def test_router_killed_mid_stream_clients_get_unavailable_workers_free_blocks(pr
 def test_index_sync_is_exact_again_after_a_redis_restart():
     """The router's KV-event index across a Redis restart: events published while Redis is down are lost
     (a seq gap); the snapshot the worker republishes when Redis lost it re-syncs the index exactly."""
-    from router.index_sync import IndexSync
-    from router.prefix_index import PrefixIndex
+    from pdserve.router.index_sync import IndexSync
+    from pdserve.router.prefix_index import PrefixIndex
     from tests.test_index_sync import BS, PROMPTS, Worker, check
 
     r = PrivateRedis()
@@ -154,8 +154,8 @@ def test_index_sync_is_exact_again_after_a_redis_restart():
 
 def test_registry_memory_bridges_a_redis_restart_but_not_a_released_lease():
     """The router's view across a Redis restart (router/server.py's _refresh) and a drain."""
-    from router.recovery import RegistryMemory
-    from router.registry import WorkerInfo
+    from pdserve.cluster.registry import WorkerInfo
+    from pdserve.router.recovery import RegistryMemory
 
     def w(wid: str, beat: float) -> WorkerInfo:
         return WorkerInfo(worker_id=wid, role="decode", address="x", heartbeat_at=beat)

@@ -20,13 +20,13 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy import client
-from deploy.processes import spawn_role
-from deploy.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from kvtransfer.tcp.handshake import PROTO, read_message
-from proto import pdserve_pb2
-from router.config import RouterConfig
-from router.registry import WorkerInfo
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
+from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
+from pdserve.kvtransfer.wire.handshake import PROTO, read_message
+from pdserve.proto import pdserve_pb2
+from pdserve.router.config import RouterConfig
 from tests.tls_files import make_tls_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -180,7 +180,7 @@ def test_local_mode_binds_every_listener_to_loopback(secure_cluster):
 
 def test_plaintext_router_with_token_in_process(tmp_path, redis_url, model_dir):
     """Token without TLS (local use): ``open_channel`` sends it as metadata; the Router class in-process."""
-    from router.server import Router
+    from pdserve.router.server import Router
 
     token = new_secret()
     (tmp_path / "token").write_text(token)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.config import ModelConfig
-from model.sampling import SamplingParams, sample
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.model.config import ModelConfig
+from pdserve.model.sampling import SamplingParams, sample
+from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax():

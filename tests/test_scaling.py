@@ -23,14 +23,14 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy import cli, client
-from deploy.make_model import make_model
-from deploy.planner import PlannerConfig, PlannerState
-from deploy.ray_cluster import ClusterConfig, RayCluster
-from proto import pdserve_pb2
-from router.registry import RegistryReader, WorkerInfo
+from pdserve.cluster.registry import RegistryReader, WorkerInfo
+from pdserve.deploy import cli, client
+from pdserve.deploy.make_model import make_model
+from pdserve.deploy.planner import PlannerConfig, PlannerState
+from pdserve.deploy.ray_cluster import ClusterConfig, RayCluster
+from pdserve.proto import pdserve_pb2
 
-PDSERVE = [sys.executable, "-m", "deploy.cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.deploy.cli"]
 LONG = 600  # output tokens of a long request (several seconds on bench-9m)
 
 

@@ -17,11 +17,11 @@ import pytest
 import redis
 import torch
 
-from deploy.secret import SECRET_ENV, SECRET_FILE_ENV, cluster_secret, new_secret
-from kvtransfer.base import TransferError
-from kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from kvtransfer.tcp.handshake import PROTO, read_message, write_message
-from router.registry import RegistryReader, WorkerInfo, WorkerLease, entry_mac
+from pdserve.cluster.registry import RegistryReader, WorkerInfo, WorkerLease, entry_mac
+from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, cluster_secret, new_secret
+from pdserve.kvtransfer.base import TransferError
+from pdserve.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
+from pdserve.kvtransfer.wire.handshake import PROTO, read_message, write_message
 from tests.kv_helpers import Outcome, make_spec
 
 pytestmark = pytest.mark.timeout(30)
@@ -253,7 +253,7 @@ def test_registry_lists_only_signed_entries(redis_url, caplog):
             finally:
                 await reader.close()
 
-        with caplog.at_level("WARNING", logger="router.registry"):
+        with caplog.at_level("WARNING", logger="pdserve.cluster.registry"):
             first, second = asyncio.run(read(SECRET))
         assert [w.worker_id for w in first] == [w.worker_id for w in second] == ["d0"]
         assert first[0].kv_address == "127.0.0.1:2" and first[0].heartbeat_at > 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import soak
+from pdserve.bench.soak import soak
 
 pytestmark = pytest.mark.timeout(400)
 

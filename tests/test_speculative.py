@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from decode_worker.speculative import NgramProposer, Proposal, verify
-from deploy import client
-from model.sampling import SamplingParams, draw, request_generator
+from pdserve.decode_worker.speculative import NgramProposer, Proposal, verify
+from pdserve.deploy import client
+from pdserve.model.sampling import SamplingParams, draw, request_generator
 from tests.conftest import Cluster, hf_greedy
 
 P = torch.tensor([0.45, 0.25, 0.15, 0.10, 0.05])
@@ -60,14 +60,14 @@ PROMPTS = ["Once upon a time, there was a little dog", "Tom and Tom and Tom went
 
 @pytest.fixture(scope="module")
 def draft_model_dir(tmp_path_factory):
-    from deploy.make_model import make_model
+    from pdserve.deploy.make_model import make_model
     return str(make_model("bench-9m", tmp_path_factory.mktemp("draft"), seed=5, dtype="float32"))
 
 
 @pytest.mark.parametrize("mode", ["ngram", "self", "draft"])
 def test_greedy_output_with_speculation_is_identical(mode, redis_url, model_dir, hf_model, draft_model_dir):
-    from model.config import ModelConfig
-    from model.tokenizer import Tokenizer
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir, ModelConfig.from_hf_dir(model_dir).bos_token_id)
     flags = {"speculative": mode, "spec_k": 3, "spec_draft_layers": 1, "spec_max_batch_size": 8}

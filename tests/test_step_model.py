@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.step_model import StepTimeModel
+from pdserve.router.step_model import StepTimeModel
 
 A, B, C = 0.008, 3e-4, 2e-7  # s, s/request, s/token
 

@@ -30,16 +30,21 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.replay import goodput as gp
-from bench.replay import runner
-from bench.replay.prompts import PromptBuilder
-from bench.replay.records import OK
-from bench.replay.traces import Trace, TraceOptions, load_trace
-from deploy import client
-from model.config import ModelConfig
+from pdserve.bench.replay import goodput as gp
+from pdserve.bench.replay import runner
+from pdserve.bench.replay.prompts import PromptBuilder
+from pdserve.bench.replay.records import OK
+from pdserve.bench.replay.traces import Trace, TraceOptions, load_trace
+from pdserve.deploy import client
+from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.model.config import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED_MODEL = str(ROOT / "assets" / "models" / "tinystories-656k")  # = deploy.cli.EMBEDDED_MODEL
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``pdserve bench`` (the ``pdserve.commands`` entry point in pyproject.toml)."""
+    bench = sub.add_parser("bench", help="replay a trace against a running router; SLO attainment and goodput")
+    add_arguments(bench)
+    bench.set_defaults(func=main)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,11 +118,11 @@ def main(args: argparse.Namespace) -> int:
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "target": args.target,
         "goodput": good.to_dict() if good else None, "runs": runs,
     }
-    out = Path(args.out) if args.out else ROOT / "bench" / "out" / "replay" / args.label
+    out = Path(args.out) if args.out else Path("bench") / "out" / "replay" / args.label
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1))
     if not args.no_plots and runs:
-        from bench.replay import plots
+        from pdserve.bench.replay import plots
         plots.plot_comparison([result], out / "attainment.png")
         plots.plot_rates(result, out / "latency.png")
     print(_table(result, good))
@@ -248,7 +253,7 @@ def _number(text: str) -> Fraction:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m bench.replay.cli", description=__doc__,
+    _parser = argparse.ArgumentParser(prog="python -m pdserve.bench.replay.cli", description=__doc__,
                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from bench.replay.records import RequestRecord
+from pdserve.bench.replay.records import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
 CDFs count every request of a replay: failed or unfinished ones never arrive, so a curve
 that stops below 1 shows them. Combine several configurations into one figure::
 
-    python -m bench.replay.plots OUT_DIR1 OUT_DIR2 ... --out compare.png [--rate 2]
+    python -m pdserve.bench.replay.plots OUT_DIR1 OUT_DIR2 ... --out compare.png [--rate 2]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def _save(fig, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.replay.plots", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m pdserve.bench.replay.plots", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="output directories (or results.json files) of pdserve bench")
     ap.add_argument("--out", required=True, help="PNG to write")

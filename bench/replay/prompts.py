@@ -23,9 +23,9 @@ import math
 import random
 from pathlib import Path
 
-from bench.replay.traces import TraceRequest
-from model.config import ModelConfig
-from model.tokenizer import Tokenizer
+from pdserve.bench.replay.traces import TraceRequest
+from pdserve.model.config import ModelConfig
+from pdserve.model.tokenizer import Tokenizer
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 DEFAULT_BLOCK_TOKENS = 16  # tokens per hash id when the caller gives none

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from bench.replay.records import OK, TIME_LIMIT, RequestRecord
-from bench.replay.traces import TraceRequest
-from deploy import client
-from proto import pdserve_pb2
+from pdserve.bench.replay.records import OK, TIME_LIMIT, RequestRecord
+from pdserve.bench.replay.traces import TraceRequest
+from pdserve.deploy import client
+from pdserve.proto import pdserve_pb2
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu import DTYPES, available, library
+from pdserve.kernels.cpu import DTYPES, available, library
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu import DTYPES, library
+from pdserve.kernels.cpu import DTYPES, library
 
 _i64, _p, _int, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win (used by cpu_kernels_apply)

@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu import KernelUnavailable, available, library
+from pdserve.kernels.cpu import KernelUnavailable, available, library
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtransfer.nccl.library import NcclError, NcclLibrary
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.nccl.library import NcclError, NcclLibrary
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 def check_cuda_cache(kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:

@@ -1,4 +1,4 @@
-"""Control channel of the NCCL KV transport: the TCP frames of :mod:`kvtransfer.tcp.frames` plus four of its own.
+"""Control channel of the NCCL KV transport: the TCP frames of :mod:`kvtransfer.wire.frames` plus four of its own.
 
 Same wire shape (``u32 big-endian header length | msgpack map``); pages frames carry no payload
 here, the bytes go over NCCL once the receiver has posted its receives. One control connection
@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from kvtransfer.tcp.frames import Frame, FrameError, decode_tagged, read_header_bytes, unpack_header
+from pdserve.kvtransfer.wire.frames import Frame, FrameError, decode_tagged, read_header_bytes, unpack_header
 
 _LEN = struct.Struct(">I")  # the frames' length prefix
 SCHEME = "nccl://"  # prefix of an NCCL receiver's address: "nccl://host:port" (a bare "host:port" is TCP)
@@ -99,7 +99,7 @@ def _decode_control(kind: str, header: dict[str, Any]) -> ControlFrame:
 
 
 def read_any(sock: socket.socket) -> Frame | ControlFrame | None:
-    """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.tcp.frames`.
+    """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.wire.frames`.
     Returns None on a clean EOF before the frame starts.
 
     Raises:

@@ -18,10 +18,10 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from kvtransfer.nccl.comms import CommCache, PairComm
-from kvtransfer.nccl.control import Hello, Welcome, encode_control, expect, read_any
-from kvtransfer.nccl.library import UNIQUE_ID_BYTES
-from kvtransfer.tcp.frames import Ack, FrameError
+from pdserve.kvtransfer.nccl.comms import CommCache, PairComm
+from pdserve.kvtransfer.nccl.control import Hello, Welcome, encode_control, expect, read_any
+from pdserve.kvtransfer.nccl.library import UNIQUE_ID_BYTES
+from pdserve.kvtransfer.wire.frames import Ack, FrameError
 
 
 def negotiate_sender(sock: socket.socket, request_id: str, key: str, comms: CommCache, nccl_version: int,

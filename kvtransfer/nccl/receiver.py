@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from deploy.secret import check_secret, cluster_secret
-from kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
-from kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, Hello, Welcome, encode_control, expect, read_any
-from kvtransfer.nccl.handshake import negotiate_receiver
-from kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
-from kvtransfer.tcp.frames import Abort, Ack, Done, FrameError, Pages, PeerClosed, encode
-from kvtransfer.tcp.listener import Conn, ListeningReceiver
-from kvtransfer.tcp.registry import Registry
-from model.kv_cache import KVCacheSpec
+from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
+from pdserve.kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, Hello, Welcome, encode_control, expect, read_any
+from pdserve.kvtransfer.nccl.handshake import negotiate_receiver
+from pdserve.kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
+from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, PeerClosed, encode
+from pdserve.kvtransfer.wire.listener import Conn, ListeningReceiver
+from pdserve.kvtransfer.wire.pending import Registry
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 @dataclass(eq=False)
@@ -43,7 +43,7 @@ class NcclKVReceiver(ListeningReceiver):
         init_timeout_s: seconds a communicator init may wait for the sender.
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
         secret: cluster secret every control connection must prove first (the TCP transport's HMAC
-            handshake, :mod:`kvtransfer.tcp.handshake`); None: :func:`deploy.secret.cluster_secret`.
+            handshake, :mod:`kvtransfer.wire.handshake`); None: :func:`cluster.secret.cluster_secret`.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.

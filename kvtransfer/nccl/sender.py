@@ -10,17 +10,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from deploy.secret import check_secret, cluster_secret
-from kvtransfer.base import TransferError, TransferStats
-from kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
-from kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, encode_control, expect, read_any
-from kvtransfer.nccl.handshake import negotiate_sender
-from kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
-from kvtransfer.tcp.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
-from kvtransfer.tcp.frames import Ack, Done, FrameError, Pages, dtype_name, encode
-from kvtransfer.tcp.handshake import authenticate_receiver
-from kvtransfer.tcp.sender import parse_address
-from model.kv_cache import KVCacheSpec
+from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.kvtransfer.base import TransferError, TransferStats
+from pdserve.kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
+from pdserve.kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, encode_control, expect, read_any
+from pdserve.kvtransfer.nccl.handshake import negotiate_sender
+from pdserve.kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
+from pdserve.kvtransfer.tcp.sender import parse_address
+from pdserve.kvtransfer.wire.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
+from pdserve.kvtransfer.wire.frames import Ack, Done, FrameError, Pages, dtype_name, encode
+from pdserve.kvtransfer.wire.handshake import authenticate_receiver
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 class NcclKVChannel(SocketChannel):
@@ -120,7 +120,7 @@ class NcclKVSender(SocketSender):
         init_timeout_s: seconds a communicator init may wait for the receiver.
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
         secret: cluster secret proved on every control connection (the TCP transport's HMAC handshake);
-            None: :func:`deploy.secret.cluster_secret` from the environment.
+            None: :func:`cluster.secret.cluster_secret` from the environment.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.

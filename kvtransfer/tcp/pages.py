@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model.kv_cache import KVCacheSpec
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 class PageMemory:

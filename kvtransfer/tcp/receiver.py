@@ -1,7 +1,7 @@
 """Decode side of the TCP KV transport: accepts pages straight into the local KV cache.
 
 With a cluster secret, a connection must pass the mutual handshake of
-:mod:`kvtransfer.tcp.handshake` (within ``io_timeout_s``) before its first frame is
+:mod:`kvtransfer.wire.handshake` (within ``io_timeout_s``) before its first frame is
 read; a peer that fails it is logged and closed, and has touched neither the cache
 nor any registration.
 """
@@ -13,8 +13,9 @@ import time
 
 import torch
 
-from deploy.secret import check_secret, cluster_secret
-from kvtransfer.tcp.frames import (
+from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.wire.frames import (
     Ack,
     Done,
     Frame,
@@ -25,10 +26,9 @@ from kvtransfer.tcp.frames import (
     read_frame,
     recv_exact_into,
 )
-from kvtransfer.tcp.listener import Conn, ListeningReceiver
-from kvtransfer.tcp.pages import PageMemory
-from kvtransfer.tcp.registry import Registry
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.wire.listener import Conn, ListeningReceiver
+from pdserve.kvtransfer.wire.pending import Registry
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 class TcpKVReceiver(ListeningReceiver):
@@ -50,7 +50,7 @@ class TcpKVReceiver(ListeningReceiver):
             before it is dropped and its request failed; also the bound on the whole
             authentication handshake of a new connection.
         secret: cluster secret (at least 16 bytes) every sender must prove it holds;
-            None: :func:`deploy.secret.cluster_secret` from the environment, and no
+            None: :func:`cluster.secret.cluster_secret` from the environment, and no
             authentication when that is None too.
     Raises:
         ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its

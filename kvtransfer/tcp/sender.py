@@ -1,7 +1,7 @@
 """Prefill side of the TCP KV transport: streams KV pages from the local cache, zero-copy.
 
 With a cluster secret, every connection first runs the mutual handshake of
-:mod:`kvtransfer.tcp.handshake`, and :meth:`TcpKVSender.open` fails unless the receiver
+:mod:`kvtransfer.wire.handshake`, and :meth:`TcpKVSender.open` fails unless the receiver
 proves that it holds the secret too: pages never go to an impostor.
 """
 
@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from deploy.secret import check_secret, cluster_secret
-from kvtransfer.base import TransferError, TransferStats
-from kvtransfer.tcp.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
-from kvtransfer.tcp.frames import Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
-from kvtransfer.tcp.handshake import HandshakeError, authenticate_receiver
-from kvtransfer.tcp.pages import PageMemory
-from model.kv_cache import KVCacheSpec
+from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.kvtransfer.base import TransferError, TransferStats
+from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.wire.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
+from pdserve.kvtransfer.wire.frames import Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
+from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_receiver
+from pdserve.model.kv_cache import KVCacheSpec
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -130,7 +130,7 @@ class TcpKVSender(SocketSender):
             secret) the authentication handshake, each within this bound.
         io_timeout_s: seconds any single send or the wait for the ack may take.
         secret: cluster secret (at least 16 bytes) that receivers must prove they hold;
-            None: :func:`deploy.secret.cluster_secret` from the environment, and no
+            None: :func:`cluster.secret.cluster_secret` from the environment, and no
             authentication when that is None too.
     Raises:
         ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its

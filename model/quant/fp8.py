@@ -276,7 +276,7 @@ class Fp8Linear(nn.Module):
                                                            else x.device.index):
             y = self._scaled_mm(xq, sx, x.dtype)
         elif on_cuda:
-            from kernels.fp8_gemm_triton import fp8_gemm_triton  # Triton only where it can run
+            from pdserve.kernels.fp8_gemm_triton import fp8_gemm_triton  # Triton only where it can run
             sw = self.weight_scale if g is None else self.weight_scale.t()   # [N] or B's [Kg, Ng]
             y = fp8_gemm_triton(xq, sx, self.weight.t(), sw, out_dtype=x.dtype, bias=self.bias, group_size=g)
         else:

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.paged_attention import build_attention_metadata
-from model.kv_cache import KVCacheSpec
-from model.quant.int4 import _quantize_groups, _round_q, pack_int4, padded_in_features
+from pdserve.kernels.paged_attention import build_attention_metadata
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.quant.int4 import _quantize_groups, _round_q, pack_int4, padded_in_features
 
 DAMP = 0.01          # fraction of the mean Hessian diagonal added to it (GPTQ's percdamp)
 BLOCK = 128          # columns per lazy batch update

@@ -278,7 +278,7 @@ class Int4Linear(nn.Module):
             x = x.float()
         x2 = x.reshape(-1, k)
         if x2.device.type == "cuda":
-            from kernels.w4a16_triton import w4a16_matmul  # triton only where it can run natively
+            from pdserve.kernels.w4a16_triton import w4a16_matmul  # triton only where it can run natively
             y = w4a16_matmul(x2, self._rt["qweight_t"], self._rt["sz"], self.group_size, self.bias)
         else:
             y = self._forward_cpu(x2)
@@ -341,7 +341,7 @@ def calibrated_weights(model: nn.Module, group_size: int, method: str) -> dict[n
     (keyed by the module); ``{}`` for the data-free methods."""
     if method not in CALIBRATED:
         return {}
-    from model.quant.gptq import gptq_quantize_model
+    from pdserve.model.quant.gptq import gptq_quantize_model
     return gptq_quantize_model(model, [mod for _, _, mod in iter_targets(model) if type(mod) is nn.Linear],
                                group_size)
 
@@ -361,7 +361,7 @@ def __getattr__(name: str):
     """The offline half lives in :mod:`model.quant.int4_checkpoint` (which imports this module);
     its functions are re-exported here lazily so either module can be imported first."""
     if name in _OFFLINE:
-        from model.quant import int4_checkpoint
+        from pdserve.model.quant import int4_checkpoint
         return getattr(int4_checkpoint, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

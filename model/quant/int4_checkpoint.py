@@ -23,10 +23,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model.config import ModelConfig
-from model.llama import LlamaForCausalLM
-from model.loader import expected_tensors, load_model, read_safetensors
-from model.quant.int4 import (
+from pdserve.model.config import ModelConfig
+from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.loader import expected_tensors, load_model, read_safetensors
+from pdserve.model.quant.int4 import (
     FORMAT_VERSION,
     METADATA_KEY,
     METHODS,
@@ -38,7 +38,7 @@ from model.quant.int4 import (
     quantization_settings,
     quantize_weight,
 )
-from model.rope import RotaryEmbedding
+from pdserve.model.rope import RotaryEmbedding
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

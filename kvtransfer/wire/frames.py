@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import torch
 
-from model.kv_cache import KVCacheSpec
+from pdserve.model.kv_cache import KVCacheSpec
 
 MAX_HEADER_BYTES = 64 * 1024
 _LEN = struct.Struct(">I")

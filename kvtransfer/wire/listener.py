@@ -16,10 +16,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtransfer.base import KVReceiver, OnComplete, OnFailed
-from kvtransfer.tcp.frames import Abort, Ack, Done, FrameError, Pages, check_pages
-from kvtransfer.tcp.handshake import HandshakeError, authenticate_sender
-from kvtransfer.tcp.registry import Registration, Registry
+from pdserve.kvtransfer.base import KVReceiver, OnComplete, OnFailed
+from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, check_pages
+from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_sender
+from pdserve.kvtransfer.wire.pending import Registration, Registry
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
-from kvtransfer.base import KVChannel, KVSender, TransferError
-from kvtransfer.tcp.frames import Abort, Ack, FrameError, encode
-from model.kv_cache import KVCacheSpec
+from pdserve.kvtransfer.base import KVChannel, KVSender, TransferError
+from pdserve.kvtransfer.wire.frames import Abort, Ack, FrameError, encode
+from pdserve.model.kv_cache import KVCacheSpec
 
 MAX_BLOCKS_PER_FRAME = 4096  # keeps a pages header (~5 bytes per id) far below the 64 KiB header limit
 REFUSAL_WAIT_S = 1.0  # how long to look for the receiver's nack after a send fails

@@ -9,7 +9,7 @@ Each worker owns one key whose time-to-live is its lease::
 A worker that stops heartbeating disappears when its key expires, and with it
 from every router's view: a worker whose lease lapsed receives no new request.
 
-With a cluster secret (:mod:`deploy.secret`) the entry is signed, and a reader that
+With a cluster secret (:mod:`cluster.secret`) the entry is signed, and a reader that
 has the secret lists only entries whose MAC checks out for that cluster and worker id:
 a process without the secret cannot register as a worker (and so never receives a
 request or a decode worker's KV address). A reader without a secret accepts both forms
@@ -30,7 +30,7 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from deploy.secret import check_secret, cluster_secret
+from pdserve.cluster.secret import check_secret, cluster_secret
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class WorkerLease:
         redis_url: the registry (``redis://`` or ``rediss://``, with password if Redis requires one).
         cluster: registry namespace.
         lease_s: lease length in seconds.
-        secret: cluster secret that signs the entry; None: :func:`deploy.secret.cluster_secret`
+        secret: cluster secret that signs the entry; None: :func:`cluster.secret.cluster_secret`
             from the environment, and an unsigned entry when that is None too.
     Raises:
         ValueError: ``lease_s <= 0``; unusable secret.
@@ -181,7 +181,7 @@ class RegistryReader:
     Args:
         redis_url: the registry.
         cluster: registry namespace.
-        secret: cluster secret entries must be signed with; None: :func:`deploy.secret.cluster_secret`
+        secret: cluster secret entries must be signed with; None: :func:`cluster.secret.cluster_secret`
             from the environment, and no check when that is None too.
     Raises:
         ValueError: unusable secret.

@@ -6,7 +6,7 @@ stays open so load balancers can probe. Client: :func:`bearer_interceptors` add 
 plaintext channels (over TLS, ``grpc.access_token_call_credentials`` does the same).
 
 Used by the router's public API (the client's token, router/server.py), by the router's calls
-to workers (a token derived from the cluster secret, :func:`deploy.secret.worker_rpc_token`),
+to workers (a token derived from the cluster secret, :func:`cluster.secret.worker_rpc_token`),
 and by ``deploy.client.open_channel``.
 """
 

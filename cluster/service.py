@@ -1,5 +1,5 @@
 """Running a process role (router, prefill worker, decode worker) as a service:
-in the foreground until a signal (``python -m <role>``), or on a background
+in the foreground until a signal (``python -m pdserve.<role>``), or on a background
 event-loop thread inside a Ray actor."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Service(Protocol):
 def run_foreground(factory: Callable[[], Service]) -> None:
     """Build the service, start it, print ``ready <host:port>`` on stdout, serve until
     SIGINT/SIGTERM, then stop it cleanly."""
-    from deploy.worker_process import wait_for_shutdown_signal
+    from pdserve.cluster.worker_process import wait_for_shutdown_signal
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -60,7 +60,7 @@ class ServiceThread:
         self._finish(self._service.stop(), timeout_s)
 
     def drain(self, grace_s: float, unroute_s: float) -> None:
-        """Drain a worker (see :meth:`deploy.worker_process.WorkerProcess.drain`), or stop a
+        """Drain a worker (see :meth:`cluster.worker_process.WorkerProcess.drain`), or stop a
         service that has no drain; then stop the loop. Returns within about
         ``unroute_s + grace_s`` plus the engine's shutdown."""
         drain = getattr(self._service, "drain", None)

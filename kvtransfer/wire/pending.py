@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtransfer.base import OnComplete, OnFailed
-from kvtransfer.tcp.frames import FrameError
+from pdserve.kvtransfer.base import OnComplete, OnFailed
+from pdserve.kvtransfer.wire.frames import FrameError
 
 
 @dataclass(eq=False)

@@ -16,9 +16,9 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deploy.grpc_auth import BearerTokenInterceptor
-from deploy.secret import cluster_secret, worker_rpc_token
-from router.registry import WorkerInfo, WorkerLease
+from pdserve.cluster.grpc_auth import BearerTokenInterceptor
+from pdserve.cluster.registry import WorkerInfo, WorkerLease
+from pdserve.cluster.secret import cluster_secret, worker_rpc_token
 
 log = logging.getLogger(__name__)
 

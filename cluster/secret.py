@@ -3,9 +3,9 @@
 It guards the two doors through which a process could inject state into a running cluster:
 
     KV port (decode worker)   mutual HMAC challenge-response before any KV frame is read
-                              (kvtransfer/tcp/handshake.py)
+                              (kvtransfer/wire/handshake.py)
     worker registry (Redis)   every lease entry carries an HMAC; the router ignores entries
-                              without a valid one (router/registry.py)
+                              without a valid one (cluster/registry.py)
     worker gRPC (router side) the router sends ``authorization: Bearer worker_rpc_token(K)`` on
                               its calls to workers (router/server.py), for workers to check
 
