@@ -30,7 +30,7 @@ import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.cluster.secret import check_secret
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,6 @@ class WorkerInfo:
 
 def _key(cluster: str, worker_id: str) -> str:
     return f"pdserve:{cluster}:worker:{worker_id}"
-
-
-def _resolve_secret(secret: bytes | None) -> bytes | None:
-    return check_secret(secret, "the registry secret") if secret is not None else cluster_secret()
 
 
 def entry_mac(secret: bytes, cluster: str, worker_id: str, info_bytes: bytes) -> bytes:
@@ -144,8 +140,7 @@ class WorkerLease:
         redis_url: the registry (``redis://`` or ``rediss://``, with password if Redis requires one).
         cluster: registry namespace.
         lease_s: lease length in seconds.
-        secret: cluster secret that signs the entry; None: :func:`cluster.secret.cluster_secret`
-            from the environment, and an unsigned entry when that is None too.
+        secret: cluster secret that signs the entry; None: the entry is unsigned.
     Raises:
         ValueError: ``lease_s <= 0``; unusable secret.
     """
@@ -153,7 +148,7 @@ class WorkerLease:
     def __init__(self, redis_url: str, cluster: str, lease_s: float, secret: bytes | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
-        self._secret = _resolve_secret(secret)
+        self._secret = check_secret(secret, "the registry secret")
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
         self._cluster, self._lease_ms = cluster, int(lease_s * 1000)
 
@@ -181,14 +176,13 @@ class RegistryReader:
     Args:
         redis_url: the registry.
         cluster: registry namespace.
-        secret: cluster secret entries must be signed with; None: :func:`cluster.secret.cluster_secret`
-            from the environment, and no check when that is None too.
+        secret: cluster secret entries must be signed with; None: no check.
     Raises:
         ValueError: unusable secret.
     """
 
     def __init__(self, redis_url: str, cluster: str, secret: bytes | None = None) -> None:
-        self._secret = _resolve_secret(secret)
+        self._secret = check_secret(secret, "the registry secret")
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
         self._cluster = cluster
         self._prefix = _key(cluster, "")

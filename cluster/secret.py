@@ -15,6 +15,10 @@ Where it comes from, in this order:
     PDSERVE_CLUSTER_SECRET       the secret itself
     neither                      None: local development mode, no authentication
 
+Each process resolves it once, at start (:func:`cluster_secret`: the worker process base, the
+router, the pool controller), and passes it to the KV transport, the registry and the gRPC auth
+it builds; none of those reads the environment.
+
 The Ray launcher makes one per cluster with :func:`new_secret` and hands it to every actor
 through these variables. The secret is never logged and never sent on the wire.
 """
@@ -32,13 +36,18 @@ SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 MIN_SECRET_BYTES = 16
 
 
-def check_secret(secret: bytes, source: str = "the cluster secret") -> bytes:
-    """Return ``secret`` if it is long enough to be a key.
+def check_secret(secret: bytes | None, source: str = "the cluster secret") -> bytes | None:
+    """Return ``secret`` if it is long enough to be a key; None (no authentication) passes through.
+
+    Components never look the secret up themselves: a process resolves it once with
+    :func:`cluster_secret` and hands it to what it builds, which checks it with this.
 
     Raises:
         TypeError: ``secret`` is not bytes.
         ValueError: shorter than :data:`MIN_SECRET_BYTES` bytes (``source`` names where it came from).
     """
+    if secret is None:
+        return None
     if not isinstance(secret, bytes):
         raise TypeError(f"{source} must be bytes, got {type(secret).__name__}")
     if len(secret) < MIN_SECRET_BYTES:

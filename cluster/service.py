@@ -1,15 +1,21 @@
-"""Running a process role (router, prefill worker, decode worker) as a service:
-in the foreground until a signal (``python -m pdserve.<role>``), or on a background
-event-loop thread inside a Ray actor."""
+"""Running a process role (router, prefill worker, decode worker) as a service: its gRPC server
+with health checking and reflection (:func:`start_grpc_server`, the one bring-up every role uses),
+in the foreground until a signal (``python -m pdserve.<role>``), or on a background event-loop
+thread inside a Ray actor (:class:`ServiceThread`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 
 class Service(Protocol):
@@ -22,8 +28,6 @@ class Service(Protocol):
 def run_foreground(factory: Callable[[], Service]) -> None:
     """Build the service, start it, print ``ready <host:port>`` on stdout, serve until
     SIGINT/SIGTERM, then stop it cleanly."""
-    from pdserve.cluster.worker_process import wait_for_shutdown_signal
-
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def main() -> None:
@@ -73,3 +77,41 @@ class ServiceThread:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout_s)
+
+
+async def start_grpc_server(host: str, port: int, add_services: Callable[[grpc.aio.Server], None],
+                            service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                            credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start a ``grpc.aio`` server with the role's services (``add_services`` registers them), the
+    ``grpc.health.v1`` service (SERVING for ``""`` and each of ``service_names``) and reflection.
+
+    Args:
+        interceptors: e.g. a bearer-token check (:mod:`cluster.grpc_auth`).
+        credentials: TLS server credentials; None: plaintext.
+    Returns:
+        The started server and the bound port.
+    Raises:
+        RuntimeError: ``host:port`` could not be bound.
+    """
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=list(interceptors) or None)
+    add_services(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bind = f"{host}:{port}"
+    bound = server.add_insecure_port(bind) if credentials is None else server.add_secure_port(bind, credentials)
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
+    await server.start()
+    for name in ["", *service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+async def wait_for_shutdown_signal() -> None:
+    """Return on SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

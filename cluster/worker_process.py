@@ -1,24 +1,22 @@
-"""What every worker process shares: its base config, the gRPC server with health
-checking and reflection, the Redis lease heartbeat, and the engine thread."""
+"""What every worker process shares: its base config, the gRPC server (:mod:`cluster.service`),
+the Redis lease heartbeat, and the engine thread."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
-from pdserve.cluster.secret import cluster_secret, worker_rpc_token
+from pdserve.cluster.secret import worker_rpc_token
+from pdserve.cluster.service import start_grpc_server
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +73,13 @@ class WorkerConfig:
 
 
 class Heartbeat(threading.Thread):
-    """Renews the worker's lease with its current load until stopped; on stop, releases it."""
+    """Renews the worker's lease with its current load until stopped; on stop, releases it.
+    ``secret``: the cluster secret that signs the entry (None: unsigned)."""
 
-    def __init__(self, cfg: WorkerConfig, info: Callable[[], WorkerInfo],
-                 tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, cfg: WorkerConfig, info: Callable[[], WorkerInfo], tick: Callable[[], None] = lambda: None,
+                 secret: bytes | None = None) -> None:
         super().__init__(name="heartbeat", daemon=True)
-        self._lease = WorkerLease(cfg.redis_url, cfg.cluster, cfg.lease_s)
+        self._lease = WorkerLease(cfg.redis_url, cfg.cluster, cfg.lease_s, secret=secret)
         self._info, self._tick, self._period, self._halt = info, tick, cfg.lease_s / 4, threading.Event()
         self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
 
@@ -106,12 +105,17 @@ class WorkerProcess:
     """A worker's running parts, started in this order: engine thread, gRPC server, and
     last the Redis lease, so that traffic arrives only when the worker can take it.
     Subclasses build the engine (anything with ``run_forever(stop_event)``) and say
-    which servicer to serve and what load to report."""
+    which servicer to serve and what load to report.
+
+    ``secret`` is the process's cluster secret (:func:`cluster.secret.cluster_secret`, resolved once
+    by the subclass, which also hands it to the engine's KV transport): it signs the registry entry
+    and, through :func:`cluster.secret.worker_rpc_token`, guards the gRPC port. None: neither.
+    """
 
     service_name = ""
 
-    def __init__(self, cfg: WorkerConfig, engine) -> None:
-        self.cfg, self.engine = cfg, engine
+    def __init__(self, cfg: WorkerConfig, engine, secret: bytes | None = None) -> None:
+        self.cfg, self.engine, self._secret = cfg, engine, secret
         self._halt = threading.Event()
         self._thread = threading.Thread(target=engine.run_forever, args=(self._halt,),
                                         name=f"{type(self).__name__}-engine", daemon=True)
@@ -136,10 +140,12 @@ class WorkerProcess:
             redis.RedisError: the registry is unreachable.
         """
         self._thread.start()
+        # with a secret, only the router (which derives the same token) may call
+        auth = [BearerTokenInterceptor(worker_rpc_token(self._secret))] if self._secret is not None else []
         self._server, port = await start_grpc_server(self.cfg.host, self.cfg.port, self.add_servicer,
-                                                     [self.service_name])
+                                                     [self.service_name], auth)
         self.address = f"{self.cfg.host}:{port}"
-        self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat)
+        self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat, self._secret)
         self._heartbeat.start()
         return self.address
 
@@ -163,37 +169,3 @@ class WorkerProcess:
         await self._server.stop(grace=self._grace_s)
         self._halt.set()
         await asyncio.to_thread(self._thread.join, 5)
-
-
-async def start_grpc_server(host: str, port: int, add_servicer: Callable[[grpc.aio.Server], None],
-                            service_names: list[str]) -> tuple[grpc.aio.Server, int]:
-    """Start a ``grpc.aio`` server with the given servicer plus health and reflection.
-
-    Returns:
-        The server and the bound port.
-    Raises:
-        RuntimeError: the port could not be bound.
-    """
-    secret = cluster_secret()  # with one, only the router (which derives the same token) may call
-    interceptors = [BearerTokenInterceptor(worker_rpc_token(secret))] if secret is not None else None
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-    add_servicer(server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC server to {host}:{port}")
-    await server.start()
-    for name in ["", *service_names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
-
-
-async def wait_for_shutdown_signal() -> None:
-    """Return on SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

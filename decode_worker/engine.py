@@ -80,9 +80,11 @@ def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | No
 
 
 class DecodeEngine:
-    """Owns the decode worker's model, KV cache, block pool and KV receiver."""
+    """Owns the decode worker's model, KV cache, block pool and KV receiver. ``secret``: the cluster
+    secret KV senders must prove (None: none)."""
 
-    def __init__(self, cfg: DecodeWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig) -> None:
+    def __init__(self, cfg: DecodeWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig,
+                 secret: bytes | None = None) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         self.runner = ModelRunner(model, self.spec)
@@ -92,7 +94,7 @@ class DecodeEngine:
                                  [b for b in DEFAULT_BUCKETS if b < cfg.max_batch_size] + [cfg.max_batch_size]
                                  ) if cfg.graph else None
         self.receiver = make_receiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
-                                      io_timeout_s=cfg.kv_io_timeout_s)
+                                      io_timeout_s=cfg.kv_io_timeout_s, secret=secret)
         self.kv_backends = local_backends(self.runner.kv_cache)  # advertised in the registry entry
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, DecodeRequest] = {}   # every unfinished request (engine thread)

@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.secret import cluster_secret
 from pdserve.cluster.worker_process import WorkerProcess
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine
@@ -123,7 +124,8 @@ class DecodeWorker(WorkerProcess):
     def __init__(self, cfg: DecodeWorkerConfig) -> None:
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_decode_model(cfg)
-        super().__init__(cfg, DecodeEngine(cfg, model, model_cfg))
+        secret = cluster_secret()
+        super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self.engine), server)

@@ -211,8 +211,9 @@ class PoolController:
         """Drain ``n`` workers of ``role``: those in ``prefer``, then the least loaded (registry),
         the newest on ties."""
         from pdserve.cluster.registry import RegistryReader
+        from pdserve.cluster.secret import cluster_secret
 
-        reader = RegistryReader(self.cfg.redis_url, self.cfg.cluster)
+        reader = RegistryReader(self.cfg.redis_url, self.cfg.cluster, secret=cluster_secret())
         try:
             load = {w.worker_id: w.num_running + w.num_waiting for w in await reader.list_workers()}
         finally:
@@ -265,10 +266,11 @@ class PoolController:
         """One planner window from Redis (attainment counters of the last ``window_s`` seconds,
         worker load) and Ray (free resources)."""
         from pdserve.cluster.registry import RegistryReader
+        from pdserve.cluster.secret import cluster_secret
         from pdserve.router.admission import Admission
 
         admission, reader = Admission(self.cfg.redis_url, self.cfg.cluster), RegistryReader(
-            self.cfg.redis_url, self.cfg.cluster)
+            self.cfg.redis_url, self.cfg.cluster, secret=cluster_secret())
         try:
             a = await admission.attainment(window_s)
             registered = await reader.list_workers()

@@ -14,6 +14,7 @@ import asyncio
 import time
 
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
+from pdserve.cluster.secret import cluster_secret
 
 POOL_ORDER = {"prefill": 0, "decode": 1, "both": 2}
 COLUMNS = ("POOL", "WORKER", "ADDRESS", "RUNNING", "WAITING", "FREE KV BLOCKS", "LEASE AGE")
@@ -27,7 +28,7 @@ async def read_status(redis_url: str, cluster: str, window_s: float = 60.0) -> t
     """
     from pdserve.router.admission import Admission
 
-    reader, admission = RegistryReader(redis_url, cluster), Admission(redis_url, cluster)
+    reader, admission = RegistryReader(redis_url, cluster, secret=cluster_secret()), Admission(redis_url, cluster)
     try:
         return await reader.list_workers(), await admission.attainment(window_s)
     finally:

@@ -95,22 +95,25 @@ def _only_backend(kv_cache: torch.Tensor, nccl_library_path: str | None) -> str:
 
 
 def make_receiver(kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
-                  io_timeout_s: float = 10.0, nccl_library_path: str | None = None) -> KVReceiver:
+                  io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
+                  secret: bytes | None = None) -> KVReceiver:
     """The receiver for ``kv_cache``'s memory: :class:`~kvtransfer.nccl.NcclKVReceiver` for a CUDA cache,
     :class:`~kvtransfer.tcp.TcpKVReceiver` for a CPU cache. Its ``address`` names the backend.
 
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
-        ValueError: ``kv_cache`` does not match ``spec``.
+        ValueError: ``kv_cache`` does not match ``spec``; ``secret`` (the cluster secret senders must
+            prove; None: no authentication) is shorter than 16 bytes.
         OSError: the address cannot be bound.
     """
     if _only_backend(kv_cache, nccl_library_path) == "nccl":
         from pdserve.kvtransfer.nccl import NcclKVReceiver, load_library
 
-        return NcclKVReceiver(kv_cache, spec, host, port, io_timeout_s, library=load_library(nccl_library_path))
+        return NcclKVReceiver(kv_cache, spec, host, port, io_timeout_s, library=load_library(nccl_library_path),
+                              secret=secret)
     from pdserve.kvtransfer.tcp import TcpKVReceiver
 
-    return TcpKVReceiver(kv_cache, spec, host=host, port=port, io_timeout_s=io_timeout_s)
+    return TcpKVReceiver(kv_cache, spec, host=host, port=port, io_timeout_s=io_timeout_s, secret=secret)
 
 
 class SelectingKVSender(KVSender):
@@ -151,20 +154,22 @@ class SelectingKVSender(KVSender):
 
 
 def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
-                io_timeout_s: float = 10.0, nccl_library_path: str | None = None) -> SelectingKVSender:
+                io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
+                secret: bytes | None = None) -> SelectingKVSender:
     """The sender for ``kv_cache``'s memory (NCCL for a CUDA cache, TCP for a CPU cache), wrapped so that
     opening a channel to a receiver of another backend fails with a clear :class:`TransferError`.
 
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
-        ValueError: ``kv_cache`` does not match ``spec``.
+        ValueError: ``kv_cache`` does not match ``spec``; ``secret`` (the cluster secret receivers must
+            prove; None: no authentication) is shorter than 16 bytes.
     """
     if _only_backend(kv_cache, nccl_library_path) == "nccl":
         from pdserve.kvtransfer.nccl import NcclKVSender, load_library
 
         sender: KVSender = NcclKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s,
-                                        library=load_library(nccl_library_path))
+                                        library=load_library(nccl_library_path), secret=secret)
         return SelectingKVSender({"nccl": sender})
     from pdserve.kvtransfer.tcp import TcpKVSender
 
-    return SelectingKVSender({"tcp": TcpKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s)})
+    return SelectingKVSender({"tcp": TcpKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s, secret=secret)})

@@ -40,10 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class PrefillEngine:
-    """Owns the prefill worker's model, KV cache, blocks and KV sender thread."""
+    """Owns the prefill worker's model, KV cache, blocks and KV sender thread. ``secret``: the cluster
+    secret its KV connections authenticate with (None: none)."""
 
     def __init__(self, cfg: PrefillWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig,
-                 on_kv_event: Callable[[KVEvent], None] | None = None) -> None:
+                 on_kv_event: Callable[[KVEvent], None] | None = None, secret: bytes | None = None) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         if self.spec.num_blocks_for(model_cfg.max_position_embeddings) > cfg.num_blocks:
@@ -53,7 +54,8 @@ class PrefillEngine:
         self.pool = BlockPool(cfg.num_blocks)
         self.blocks: BlockSource = (PrefixCache(self.pool, cfg.block_size, on_kv_event) if cfg.prefix_cache
                                     else PlainBlocks(self.pool))
-        self.kv_sender = make_sender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s, cfg.kv_io_timeout_s)
+        self.kv_sender = make_sender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s, cfg.kv_io_timeout_s,
+                                     secret=secret)
         self.sender = KVSendLoop(self.kv_sender, self.blocks, model_cfg.num_layers, self._finished,
                                  cfg.fault_hold_transfer_s)
         self._lock = threading.Condition()

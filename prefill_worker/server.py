@@ -10,6 +10,7 @@ import torch
 
 from pdserve.cluster.kv_events import KVEventPublisher
 from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.secret import cluster_secret
 from pdserve.cluster.worker_process import WorkerProcess
 from pdserve.model.loader import load_model
 from pdserve.model.quant import fp8
@@ -80,7 +81,9 @@ class PrefillWorker(WorkerProcess):
         if cfg.prefix_cache and cfg.kv_events:
             self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id)
             self.events.publish_cleared(cfg.block_size)  # a (re)started worker holds nothing
-        super().__init__(cfg, PrefillEngine(cfg, model, model_cfg, self.events.publish if self.events else None))
+        secret = cluster_secret()
+        engine = PrefillEngine(cfg, model, model_cfg, self.events.publish if self.events else None, secret)
+        super().__init__(cfg, engine, secret)
         self._last_snapshot = 0.0
 
     def add_servicer(self, server: grpc.aio.Server) -> None:

@@ -18,12 +18,11 @@ import time
 from collections import Counter
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor, bearer_interceptors
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
 from pdserve.cluster.secret import cluster_secret, worker_rpc_token
+from pdserve.cluster.service import start_grpc_server
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
@@ -55,7 +54,8 @@ class Router:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
         self.tokenizer = Tokenizer(cfg.model_dir, self.model_cfg.bos_token_id)
-        self.registry = RegistryReader(cfg.redis_url, cfg.cluster)
+        secret = cluster_secret()  # resolved once: signed registry entries, and a token on calls to workers
+        self.registry = RegistryReader(cfg.redis_url, cfg.cluster, secret=secret)
         self.workers: list[WorkerInfo] = []
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
         self.inflight: Counter = Counter()
@@ -65,7 +65,6 @@ class Router:
         # SLO outcomes are counted with or without admission (GetClusterState, the autoscaling planner)
         self.outcomes = self.gate.admission if self.gate is not None else Admission(cfg.redis_url, cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        secret = cluster_secret()  # with one, worker calls carry a token derived from it
         self._worker_auth = bearer_interceptors(worker_rpc_token(secret)) if secret is not None else None
         self.address = ""
 
@@ -154,8 +153,16 @@ class Router:
         if token is not None and key_pair is None and not _is_loopback(self.cfg.host):
             log.warning("router: bearer token over plaintext on %s: anyone on the network can read it; "
                         "configure tls_cert_file / tls_key_file", self.cfg.host)
-        self._server = grpc.aio.server(interceptors=[BearerTokenInterceptor(token)] if token else None)
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+        credentials = grpc.ssl_server_credentials([key_pair]) if key_pair is not None else None
+        self._server, port = await start_grpc_server(
+            self.cfg.host, self.cfg.port, self._add_services, [SERVICE],
+            [BearerTokenInterceptor(token)] if token else [], credentials)
+        self._poller = asyncio.create_task(self._poll_registry())
+        self.address = f"{self.cfg.host}:{port}"
+        return self.address
+
+    def _add_services(self, server: grpc.aio.Server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             # Generate takes raw bytes so that malformed requests get INVALID_ARGUMENT, not INTERNAL.
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.Generate, response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
@@ -163,22 +170,6 @@ class Router:
                 self.GetClusterState, request_deserializer=pdserve_pb2.GetClusterStateRequest.FromString,
                 response_serializer=pdserve_pb2.ClusterState.SerializeToString),
         }),))
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
-        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        bind = f"{self.cfg.host}:{self.cfg.port}"
-        if key_pair is None:
-            port = self._server.add_insecure_port(bind)
-        else:
-            port = self._server.add_secure_port(bind, grpc.ssl_server_credentials([key_pair]))
-        if port == 0:
-            raise RuntimeError(f"cannot bind the router to {self.cfg.host}:{self.cfg.port}")
-        await self._server.start()
-        for name in ("", SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._poller = asyncio.create_task(self._poll_registry())
-        self.address = f"{self.cfg.host}:{port}"
-        return self.address
 
     async def stop(self) -> None:
         """Stop accepting, cancel what is in flight (workers free their blocks), close channels."""

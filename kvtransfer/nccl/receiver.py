@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
 from pdserve.kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, Hello, Welcome, encode_control, expect, read_any
 from pdserve.kvtransfer.nccl.handshake import negotiate_receiver
@@ -43,7 +43,7 @@ class NcclKVReceiver(ListeningReceiver):
         init_timeout_s: seconds a communicator init may wait for the sender.
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
         secret: cluster secret every control connection must prove first (the TCP transport's HMAC
-            handshake, :mod:`kvtransfer.wire.handshake`); None: :func:`cluster.secret.cluster_secret`.
+            handshake, :mod:`kvtransfer.wire.handshake`); None: no authentication.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.
@@ -59,7 +59,7 @@ class NcclKVReceiver(ListeningReceiver):
                  io_timeout_s: float = 10.0, init_timeout_s: float = 30.0, library: NcclLibrary | None = None,
                  secret: bytes | None = None) -> None:
         check_cuda_cache(kv_cache, spec)
-        secret = check_secret(secret, "the KV receiver's secret") if secret is not None else cluster_secret()
+        secret = check_secret(secret, "the KV receiver's secret")
         self._lib = library or load_library()
         self._version = self._lib.version()
         self._pages = DevicePages(kv_cache, spec)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.base import TransferError, TransferStats
 from pdserve.kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, check_cuda_cache
 from pdserve.kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, encode_control, expect, read_any
@@ -120,7 +120,7 @@ class NcclKVSender(SocketSender):
         init_timeout_s: seconds a communicator init may wait for the receiver.
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
         secret: cluster secret proved on every control connection (the TCP transport's HMAC handshake);
-            None: :func:`cluster.secret.cluster_secret` from the environment.
+            None: no authentication.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.
@@ -130,7 +130,7 @@ class NcclKVSender(SocketSender):
                  io_timeout_s: float = 10.0, init_timeout_s: float = 30.0, library: NcclLibrary | None = None,
                  secret: bytes | None = None) -> None:
         check_cuda_cache(kv_cache, spec)
-        secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
+        secret = check_secret(secret, "the KV sender's secret")
         self._lib = library or load_library()
         self._version = self._lib.version()
         self._pages = DevicePages(kv_cache, spec)

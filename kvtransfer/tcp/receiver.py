@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.tcp.pages import PageMemory
 from pdserve.kvtransfer.wire.frames import (
     Ack,
@@ -50,8 +50,7 @@ class TcpKVReceiver(ListeningReceiver):
             before it is dropped and its request failed; also the bound on the whole
             authentication handshake of a new connection.
         secret: cluster secret (at least 16 bytes) every sender must prove it holds;
-            None: :func:`cluster.secret.cluster_secret` from the environment, and no
-            authentication when that is None too.
+            None: no authentication.
     Raises:
         ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its
             environment variable is unusable.
@@ -60,7 +59,7 @@ class TcpKVReceiver(ListeningReceiver):
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
                  io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
-        secret = check_secret(secret, "the KV receiver's secret") if secret is not None else cluster_secret()
+        secret = check_secret(secret, "the KV receiver's secret")
         self._pages = PageMemory(kv_cache, spec)
         self._spec = spec
         self._listen(host, port, io_timeout_s, secret, Registry(spec.num_blocks, spec.num_layers))

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.cluster.secret import check_secret, cluster_secret
+from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.base import TransferError, TransferStats
 from pdserve.kvtransfer.tcp.pages import PageMemory
 from pdserve.kvtransfer.wire.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
@@ -130,8 +130,7 @@ class TcpKVSender(SocketSender):
             secret) the authentication handshake, each within this bound.
         io_timeout_s: seconds any single send or the wait for the ack may take.
         secret: cluster secret (at least 16 bytes) that receivers must prove they hold;
-            None: :func:`cluster.secret.cluster_secret` from the environment, and no
-            authentication when that is None too.
+            None: no authentication.
     Raises:
         ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its
             environment variable is unusable.
@@ -139,7 +138,7 @@ class TcpKVSender(SocketSender):
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
-        secret = check_secret(secret, "the KV sender's secret") if secret is not None else cluster_secret()
+        secret = check_secret(secret, "the KV sender's secret")
         self._pages = PageMemory(kv_cache, spec)
         self._init_channels(connect_timeout_s, io_timeout_s, secret)
 
