@@ -26,7 +26,7 @@ import torch
 from pdserve.bench.common import hf_generate_seconds
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
-from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.deploy.processes import spawn_role
 from pdserve.deploy.redis_server import ensure_redis
 

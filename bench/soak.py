@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     ``rss.png`` under ``--out``. Returns the result dict."""
     from pdserve.bench.common import write_result
     from pdserve.cluster.worker_process import default_redis_url
-    from pdserve.deploy.cli import EMBEDDED_MODEL
+    from pdserve.deploy.config import EMBEDDED_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=500)

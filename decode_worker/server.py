@@ -18,7 +18,7 @@ from pdserve.model.cpu_linear import pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.kv_cache import NoFreeBlocks
 from pdserve.model.loader import load_model
-from pdserve.model.quant import int4
+from pdserve.model.quant import int4, int4_checkpoint
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import FINISH_REASONS, sampling_from_wire
 
@@ -101,8 +101,8 @@ def load_decode_model(cfg: DecodeWorkerConfig):
     """The model as ``cfg.weights`` asks: a pre-quantized INT4 checkpoint as stored, a float one
     quantized at load (gpt-fast's ``convert_for_runtime``), or the weights as they are (bf16
     projections on a CPU packed for :mod:`kernels.cpu.gemv`); then moved into huge pages."""
-    if cfg.weights == "int4" and int4.is_int4_checkpoint(cfg.model_dir):
-        model, model_cfg = int4.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
+    if cfg.weights == "int4" and int4_checkpoint.is_int4_checkpoint(cfg.model_dir):
+        model, model_cfg = int4_checkpoint.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
     else:
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.weights == "int4":

@@ -14,8 +14,7 @@ import grpc
 
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
-
-EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models" / "tinystories-656k")
+from pdserve.deploy.config import EMBEDDED_MODEL
 
 DEMO_PROMPTS = [
     "Once upon a time, there was a little dog",
@@ -78,8 +77,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def _start_cluster(args: argparse.Namespace):
+    from pdserve.deploy.config import ClusterConfig
     from pdserve.deploy.planner import PlannerConfig
-    from pdserve.deploy.ray_cluster import ClusterConfig, RayCluster
+    from pdserve.deploy.ray_cluster import RayCluster
     from pdserve.deploy.redis_server import ensure_redis
 
     autoscale = None

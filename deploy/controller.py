@@ -30,9 +30,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.placement import Placement, cluster_has_pool_resources
 from pdserve.deploy.planner import Action, PlannerConfig, PlannerState, Window, plan
-from pdserve.deploy.ray_cluster import ClusterConfig, RoleActor
+from pdserve.deploy.roles import RoleActor
 
 log = logging.getLogger(__name__)
 

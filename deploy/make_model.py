@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pdserve.deploy.config import EMBEDDED_MODEL
+
 PRESETS: dict[str, dict] = {
     # ~78.6M parameters: the decode/prefill benchmark model.
     "bench-80m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -74,7 +76,6 @@ def make_model(preset: str, out: str | Path, seed: int = 0, dtype: str = "bfloat
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     if tokenizer_from is None:
-        from pdserve.deploy.cli import EMBEDDED_MODEL
         tokenizer_from = EMBEDDED_MODEL
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = Path(tokenizer_from) / name

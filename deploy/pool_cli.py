@@ -39,7 +39,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     or 2 (no size given)."""
     import ray
 
-    from pdserve.deploy.ray_cluster import NAMESPACE, controller_name
+    from pdserve.deploy.config import NAMESPACE, controller_name
 
     sizes = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode), ("both", args.colocated))
              if n is not None}

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.deploy import client
-from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2

@@ -20,18 +20,9 @@ from torch import nn
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
-from pdserve.model.quant.int4 import (
-    METADATA_KEY,
-    Int4Linear,
-    convert_for_runtime,
-    dequantize_weight,
-    is_int4_checkpoint,
-    load_int4_checkpoint,
-    pack_int4,
-    quantize_weight,
-    save_quantized_checkpoint,
-    unpack_int4,
-)
+from pdserve.model.quant.int4 import Int4Linear, convert_for_runtime
+from pdserve.model.quant.int4_checkpoint import is_int4_checkpoint, load_int4_checkpoint, save_quantized_checkpoint
+from pdserve.model.quant.int4_format import METADATA_KEY, dequantize_weight, pack_int4, quantize_weight, unpack_int4
 from pdserve.model.runner import ModelRunner, StepInput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,7 +143,8 @@ _TRITON_SCRIPT = r"""
 import torch
 from torch import nn
 from pdserve.kernels.w4a16_triton import w4a16_matmul, w4a16_matmul_reference
-from pdserve.model.quant.int4 import Int4Linear, dequantize_weight
+from pdserve.model.quant.int4 import Int4Linear
+from pdserve.model.quant.int4_format import dequantize_weight
 torch.manual_seed(0)
 for k, n, g, bias, m_rows in [(72, 100, 32, True, 1), (384, 128, 128, False, 5), (130, 40, 64, True, 20)]:
     lin = nn.Linear(k, n, bias=bias)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pdserve.deploy.config import secret_env
 from pdserve.deploy.placement import Placement, cluster_has_pool_resources
-from pdserve.deploy.ray_cluster import secret_env
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

@@ -27,7 +27,7 @@ from pdserve.bench.replay.traces import (
     read_mooncake,
     rescale_arrivals,
 )
-from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.config import EMBEDDED_MODEL
 
 DATA = Path(__file__).parent / "data"
 AZURE = DATA / "azure_code_sample.csv"

@@ -25,9 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
 from pdserve.deploy import cli, client
+from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.make_model import make_model
 from pdserve.deploy.planner import PlannerConfig, PlannerState
-from pdserve.deploy.ray_cluster import ClusterConfig, RayCluster
+from pdserve.deploy.ray_cluster import RayCluster
 from pdserve.proto import pdserve_pb2
 
 PDSERVE = [sys.executable, "-m", "pdserve.deploy.cli"]

@@ -36,7 +36,7 @@ from pdserve.bench.replay.prompts import PromptBuilder
 from pdserve.bench.replay.records import OK
 from pdserve.bench.replay.traces import Trace, TraceOptions, load_trace
 from pdserve.deploy import client
-from pdserve.deploy.cli import EMBEDDED_MODEL
+from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.model.config import ModelConfig
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.kv_cache import KVCacheSpec
-from pdserve.model.quant.int4 import _quantize_groups, _round_q, pack_int4, padded_in_features
+from pdserve.model.quant.int4_format import pack_int4, padded_in_features, quantize_groups, round_q
 
 DAMP = 0.01          # fraction of the mean Hessian diagonal added to it (GPTQ's percdamp)
 BLOCK = 128          # columns per lazy batch update
@@ -73,10 +73,10 @@ def gptq_quantize_weight(weight: torch.Tensor, hessian: torch.Tensor, group_size
                 grp = wb[:, i:i + group_size] if i + group_size <= b1 - b0 else w[:, col:col + group_size]
                 valid = None if col + group_size <= k else (torch.arange(col, col + group_size) < k).float().view(
                     1, 1, group_size)                 # padding columns stay out of the statistics
-                _, s, m = _quantize_groups(grp.reshape(n, 1, group_size).clone(), valid, method)
+                _, s, m = quantize_groups(grp.reshape(n, 1, group_size).clone(), valid, method)
                 scales[:, g], mins[:, g] = s.view(n), m.view(n)
             s, m = scales[:, g], mins[:, g]
-            qc = _round_q(wb[:, i], s, m)
+            qc = round_q(wb[:, i], s, m)
             q[:, col] = qc
             e = (wb[:, i] - (qc * s + m)) / hinv[col, col]
             wb[:, i:] -= e[:, None] * hinv[col, col:b1][None, :]

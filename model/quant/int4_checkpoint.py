@@ -26,15 +26,13 @@ from safetensors.torch import save_file
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import expected_tensors, load_model, read_safetensors
-from pdserve.model.quant.int4 import (
+from pdserve.model.quant.int4 import Int4Linear, calibrated_weights, iter_targets
+from pdserve.model.quant.int4_format import (
     FORMAT_VERSION,
     METADATA_KEY,
     METHODS,
     SUPPORTED_GROUP_SIZES,
     TARGET_MODULES,
-    Int4Linear,
-    calibrated_weights,
-    iter_targets,
     quantization_settings,
     quantize_weight,
 )
