@@ -15,7 +15,7 @@ import torch
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
-from pdserve.cluster.secret import worker_rpc_token
+from pdserve.cluster.secret import InsecureReminder, check_exposure, cluster_secret, worker_rpc_token
 from pdserve.cluster.service import start_grpc_server
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class WorkerConfig:
         dtype: weight and KV dtype name (``float32``, ``bfloat16``, ``float16``).
         num_threads: torch intra-op threads.
         lease_s: Redis lease; renewed every ``lease_s / 4`` seconds.
+        insecure: on a non-loopback ``host``, serve without the cluster secret instead of refusing
+            to start (logged at start and every minute).
     """
 
     model_dir: str
@@ -57,6 +59,7 @@ class WorkerConfig:
     dtype: str = "float32"
     num_threads: int = 1
     lease_s: float = 3.0
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -72,6 +75,20 @@ class WorkerConfig:
         return DTYPES[self.dtype]
 
 
+def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:
+    """The worker process's cluster secret (:func:`cluster.secret.cluster_secret`), resolved once at
+    start, before anything binds.
+
+    Raises:
+        cluster.secret.InsecureBindError: ``cfg.host`` is not loopback, there is no secret, and
+            ``cfg.insecure`` is not set.
+        ValueError: the configured secret is unreadable or too short.
+    """
+    secret = cluster_secret()
+    check_exposure(who, cfg.host, secret, cfg.insecure)
+    return secret
+
+
 class Heartbeat(threading.Thread):
     """Renews the worker's lease with its current load until stopped; on stop, releases it.
     ``secret``: the cluster secret that signs the entry (None: unsigned)."""
@@ -80,11 +97,15 @@ class Heartbeat(threading.Thread):
                  secret: bytes | None = None) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self._lease = WorkerLease(cfg.redis_url, cfg.cluster, cfg.lease_s, secret=secret)
+        exposed = secret is None and cfg.insecure and check_exposure(cfg.worker_id, cfg.host, None, True)
+        self._insecure = InsecureReminder(f"worker {cfg.worker_id}", cfg.host, log=log) if exposed else None
         self._info, self._tick, self._period, self._halt = info, tick, cfg.lease_s / 4, threading.Event()
         self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
 
     def run(self) -> None:
         while not self._halt.wait(self._period):
+            if self._insecure is not None:
+                self._insecure.tick()
             try:
                 self._lease.renew(self._info())
                 self._tick()

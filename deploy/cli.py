@@ -38,6 +38,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="router port (0: any free port)")
     p.add_argument("--tls-cert", default="", help="router: PEM certificate chain; with --tls-key the API is TLS-only")
     p.add_argument("--tls-key", default="", help="router: PEM private key of --tls-cert")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow the router and workers to listen on the network without the cluster secret "
+                        "(and the router without a token or TLS); warned about every minute")
     p.add_argument("--token-file", default="",
                    help="router: file holding the bearer token clients must send (else env PDSERVE_ROUTER_TOKEN)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
@@ -101,7 +104,8 @@ def _start_cluster(args: argparse.Namespace):
                         "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
                         "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "graph": not args.no_graph},
-        router_options={"admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
+        worker_options={"insecure": True} if args.insecure else {},
+        router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
                         "default_tpot_slo_s": args.tpot_slo,
                         **{name: str(Path(path).resolve()) for name, path in (
                             ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key),

@@ -11,6 +11,7 @@ from pathlib import Path
 from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy.planner import PlannerConfig
+from pdserve.router.config import TOKEN_ENV
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models" / "tinystories-656k")
 """The checkpoint that ships with pdserve (TinyStories-656K; ``pdserve demo`` serves it)."""
@@ -121,3 +122,11 @@ def secret_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     given = {k: environ[k] for k in (SECRET_ENV, SECRET_FILE_ENV) if environ.get(k)}
     return given or {SECRET_ENV: new_secret()}
+
+
+def router_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Env vars only the router actor gets: the driver's ``PDSERVE_ROUTER_TOKEN`` when set (a Ray
+    actor does not inherit the driver's environment, so without this a router on the node IP would
+    serve its public API without the token the operator configured)."""
+    environ = os.environ if environ is None else environ
+    return {TOKEN_ENV: environ[TOKEN_ENV]} if environ.get(TOKEN_ENV, "").strip() else {}

@@ -55,10 +55,11 @@ class PoolController:
     Args:
         cfg: the cluster to run.
         env: env vars every actor gets (the cluster secret).
+        router_env: env vars only the router gets besides (its bearer token, :func:`deploy.config.router_env`).
     """
 
-    def __init__(self, cfg: ClusterConfig, env: dict[str, str]) -> None:
-        self.cfg, self._env = cfg, env
+    def __init__(self, cfg: ClusterConfig, env: dict[str, str], router_env: dict[str, str] | None = None) -> None:
+        self.cfg, self._env, self._router_env = cfg, env, dict(router_env or {})
         self.workers: dict[str, _Worker] = {}
         self.router = None
         self.router_address = ""
@@ -92,7 +93,8 @@ class PoolController:
         async with self._lock:
             await asyncio.gather(*(self._add(role, n) for role, n in sizes.items()))
         self.router = ray.remote(RoleActor).options(
-            num_cpus=ROUTER_CPUS, max_restarts=cfg.max_restarts, runtime_env={"env_vars": self._env}).remote(
+            num_cpus=ROUTER_CPUS, max_restarts=cfg.max_restarts,
+            runtime_env={"env_vars": {**self._env, **self._router_env}}).remote(
             "router", RouterConfig(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url,
                                    host=cfg.host, port=cfg.port, **cfg.router_options))
         self.router_address = await self.router.address.remote()

@@ -19,7 +19,7 @@ import os
 
 import ray
 
-from pdserve.deploy.config import NAMESPACE, ClusterConfig, controller_name, secret_env
+from pdserve.deploy.config import NAMESPACE, ClusterConfig, controller_name, router_env, secret_env
 from pdserve.deploy.controller import PoolController
 
 
@@ -57,7 +57,7 @@ class RayCluster:
         env = secret_env()
         self.controller = ray.remote(PoolController).options(
             name=controller_name(cfg.cluster), namespace=NAMESPACE, num_cpus=0, max_concurrency=64,
-            runtime_env={"env_vars": env}).remote(cfg, env)
+            runtime_env={"env_vars": env}).remote(cfg, env, router_env())
         try:
             self.router_address = ray.get(self.controller.start.remote())
         except Exception:

@@ -61,6 +61,8 @@ class RouterConfig:
             (a retry before the first token was streamed, a migration after; router/recovery.py).
         registry_grace_s: a worker missing from a registry read is kept this long when Redis lost
             it (restarted empty): since its last heartbeat, or since Redis answered again.
+        insecure: on a non-loopback ``host``, serve without the cluster secret or without a bearer
+            token and TLS instead of refusing to start (logged at start and every minute).
     """
 
     model_dir: str
@@ -82,6 +84,7 @@ class RouterConfig:
     token_file: str = ""
     max_attempts: int = 4
     registry_grace_s: float = 2.0
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         for name in ("registry_poll_s", "kv_timeout_s", "prefill_timeout_s"):

@@ -12,7 +12,6 @@ cluster secret, the router's own calls to workers carry ``cluster.secret.worker_
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections import Counter
@@ -21,7 +20,13 @@ import grpc
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor, bearer_interceptors
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
-from pdserve.cluster.secret import cluster_secret, worker_rpc_token
+from pdserve.cluster.secret import (
+    InsecureReminder,
+    check_exposure,
+    cluster_secret,
+    is_loopback,
+    worker_rpc_token,
+)
 from pdserve.cluster.service import start_grpc_server
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
@@ -40,21 +45,22 @@ log = logging.getLogger(__name__)
 
 SERVICE = "pdserve.v1.Router"
 LONG_TEXT_CHARS = 4096  # text prompts longer than this are tokenized on a worker thread
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 class Router:
-    """A running router: gRPC server, registry poller and worker channels."""
+    """A running router: gRPC server, registry poller and worker channels.
+
+    Raises:
+        cluster.secret.InsecureBindError: from the constructor, ``cfg.host`` is not loopback and the
+            cluster secret or client authentication (token or TLS) is missing, without ``cfg.insecure``.
+    """
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
         self.tokenizer = Tokenizer(cfg.model_dir, self.model_cfg.bos_token_id)
         secret = cluster_secret()  # resolved once: signed registry entries, and a token on calls to workers
+        client_auth = cfg.bearer_token() is not None or cfg.tls_key_pair() is not None
+        exposed = check_exposure("the router", cfg.host, secret, cfg.insecure, client_auth)
+        self._insecure = InsecureReminder("the router", cfg.host, log=log) if exposed else None
         self.registry = RegistryReader(cfg.redis_url, cfg.cluster, secret=secret)
         self.workers: list[WorkerInfo] = []
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
@@ -133,6 +139,8 @@ class Router:
     async def _poll_registry(self) -> None:
         while True:
             await self._refresh()
+            if self._insecure is not None:
+                self._insecure.tick()
             self.kv.update_workers(self.workers)
             for w in self.workers:  # the prefill workers' own throughput measurements
                 if w.role == "prefill" and w.prefill_s_per_block > 0:
@@ -150,7 +158,7 @@ class Router:
             ValueError: the TLS files or the token became unreadable since the config was made.
         """
         token, key_pair = self.cfg.bearer_token(), self.cfg.tls_key_pair()
-        if token is not None and key_pair is None and not _is_loopback(self.cfg.host):
+        if token is not None and key_pair is None and not is_loopback(self.cfg.host):
             log.warning("router: bearer token over plaintext on %s: anyone on the network can read it; "
                         "configure tls_cert_file / tls_key_file", self.cfg.host)
         credentials = grpc.ssl_server_credentials([key_pair]) if key_pair is not None else None
