@@ -25,6 +25,7 @@ import hmac
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
+from urllib.parse import urlsplit, urlunsplit
 
 import msgpack
 import redis
@@ -215,3 +216,16 @@ class RegistryReader:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (``redis://user:PASSWORD@host``) replaced by ``***``, for messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

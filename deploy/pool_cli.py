@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.cluster.registry import redact_url
 from pdserve.cluster.worker_process import default_redis_url
 
 
@@ -74,7 +75,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         print(status_text(args.redis_url, args.cluster))
     except redis.RedisError as exc:
-        print(f"error: registry at {args.redis_url} unreachable: {exc}", file=sys.stderr)
+        print(f"error: registry at {redact_url(args.redis_url)} unreachable: {exc}", file=sys.stderr)
         return 1
     return 0
 

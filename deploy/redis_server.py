@@ -19,6 +19,8 @@ from urllib.parse import urlparse, urlunparse
 
 import redis
 
+from pdserve.cluster.registry import redact_url
+
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -125,4 +127,4 @@ def ensure_redis(url: str, timeout_s: float = 10.0) -> subprocess.Popen | None:
             break
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError(f"started redis-server for {url} but it did not answer within {timeout_s} s")
+    raise RuntimeError(f"started redis-server for {redact_url(url)} but it did not answer within {timeout_s} s")

@@ -63,9 +63,20 @@ def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
     return req
 
 
+def printable_id(request_id: str) -> str:
+    """``request_id`` safe to write into a log line: every control or other non-printable character
+    (newlines, ANSI escapes, ...) replaced by its ``\\x..``/``\\u....`` escape, so a client cannot forge
+    or hide log lines. The router uses (and echoes in ``Final.request_id``) this form."""
+    if request_id.isprintable():
+        return request_id
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in request_id)
+
+
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
              default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1)) -> ValidRequest:
     """Check a parsed request against the model.
+
+    The request id is kept as given when printable, else escaped (:func:`printable_id`).
 
     Raises:
         ValueError: request_id over 256 characters; empty prompt; text prompt longer than
@@ -124,4 +135,4 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         if not math.isfinite(value) or value < 0 or (value == 0 and name != "queue_timeout_s"):
             kind = "a finite non-negative" if name == "queue_timeout_s" else "a finite positive"
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
-    return ValidRequest(req.request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s)
+    return ValidRequest(printable_id(req.request_id) or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s)
