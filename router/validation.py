@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import unicodedata
 import uuid
 from dataclasses import dataclass
 
@@ -63,13 +64,16 @@ def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
     return req
 
 
+_UNSAFE = frozenset({"Cc", "Cf", "Zl", "Zp"})
+
+
 def printable_id(request_id: str) -> str:
-    """``request_id`` safe to write into a log line: every control or other non-printable character
-    (newlines, ANSI escapes, ...) replaced by its ``\\x..``/``\\u....`` escape, so a client cannot forge
-    or hide log lines. The router uses (and echoes in ``Final.request_id``) this form."""
-    if request_id.isprintable():
-        return request_id
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in request_id)
+    """``request_id`` safe to write into a log line: control, format and line/paragraph separator
+    characters (Unicode categories Cc, Cf, Zl, Zp: newlines, ANSI escapes, bidirectional overrides)
+    replaced by their ``\\x..``/``\\u....`` escapes, so a client cannot forge or hide log lines; any
+    other text is kept. The router uses (and echoes in ``Final.request_id``) this form."""
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in _UNSAFE else c
+                   for c in request_id)
 
 
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,

@@ -29,7 +29,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.slo import Slo
-from pdserve.router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, parse_request, validate
+from pdserve.router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, parse_request, printable_id, validate
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -186,7 +186,7 @@ def test_well_formed_requests_match_the_oracle(req):
         assert isinstance(got, ValidRequest), f"rejected a valid request: {got}"
         assert_in_range(got)
         assert got.prompt_ids == list(req.token_ids.ids)
-        assert got.request_id == (req.request_id or got.request_id)
+        assert got.request_id == (printable_id(req.request_id) or got.request_id)  # escaped for the logs
     else:
         assert isinstance(got, ValueError), f"accepted a request with {bad}"
         assert any(word in str(got) for word in bad), (bad, str(got))

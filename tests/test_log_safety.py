@@ -19,6 +19,7 @@ TOKENIZER = Tokenizer(EMBEDDED_MODEL, CFG.bos_token_id)
 @pytest.mark.parametrize("given, logged", [
     ("req-42", "req-42"),
     ("café ✓ 名前", "café ✓ 名前"),  # printable Unicode stays
+    ("\ud7fc", "\ud7fc"),  # so does an unassigned code point: it cannot move the cursor
     ("a\nINFO forged line", "a\\nINFO forged line"),
     ("\x1b[2Jcleared", "\\x1b[2Jcleared"),
     ("tab\tcr\r\x00nul", "tab\\tcr\\r\\x00nul"),
@@ -26,7 +27,7 @@ TOKENIZER = Tokenizer(EMBEDDED_MODEL, CFG.bos_token_id)
 ])
 def test_request_ids_reach_logs_printable(given, logged):
     assert printable_id(given) == logged
-    assert printable_id(logged) == logged and logged.isprintable()
+    assert printable_id(logged) == logged
     valid = validate(pdserve_pb2.GenerateRequest(request_id=given, text="Once upon a time"), CFG, TOKENIZER, 4)
     assert valid.request_id == logged  # what the router logs and echoes in Final.request_id
 
