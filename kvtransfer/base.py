@@ -17,7 +17,8 @@ callback, whether the request's KV arrived complete or failed::
 
 Modelled on SGLang's ``srt/disaggregation/base/conn.py`` (a poll state machine
 that ends in success or failure) and vLLM's KV connector interface; kept to a
-handful of methods. Backends live in one sub-package each (``kvtransfer/tcp``).
+handful of methods. Backends live in one sub-package each (``kvtransfer/tcp``,
+``kvtransfer/nccl``) over the socket layer they share (``kvtransfer/wire``).
 """
 
 from __future__ import annotations

@@ -3,34 +3,18 @@
 Each live prefill worker publishes its cache changes to a Redis stream and, every
 few seconds, a snapshot (``cluster/kv_events.py``, ``docs/kv_events.md``).
 :class:`IndexSync` polls all the streams with one non-blocking ``XREAD`` per round
-(``redis.asyncio``: it never blocks the router's event loop on Redis) and tracks,
-per worker, ``(epoch, last seq, last stream entry id)``:
+(``redis.asyncio``: it never blocks the router's event loop on Redis) and hands each
+worker's new entries to :func:`router.worker_stream.apply_entries`, which applies
+them in order and stops at a gap (a lost seq, a new epoch past seq 1, a ``stored``
+event whose parent the index does not hold). A worker stopped at a gap is re-synced
+from its snapshot if the snapshot covers the gap, else degraded until one does
+(:mod:`router.snapshot_resync`).
 
-* next seq of the same epoch: apply it;
-* an epoch seen before (a previous run's stale tail): skip;
-* a new epoch at seq 1 (the worker restarted, its cache starts empty): drop the
-  worker's entries and apply it -- exact, no snapshot needed;
-* a seq gap, a new epoch past seq 1, or a ``stored`` event whose parent the index
-  does not hold (``PrefixIndex.apply`` returns False): the worker is re-synced;
-* lost LAST events show no gap until the worker's next event; the snapshot's seq
-  shows them too: a snapshot that stays ahead of the stream for ``trailing_gap_s``
-  means a re-sync (the snapshot seqs of all workers are polled in one round trip).
+Lost LAST events show no gap until the worker's next event; the snapshot's seq
+shows them too: a snapshot that stays ahead of the stream for ``trailing_gap_s``
+means a re-sync (the snapshot seqs of all workers are polled in one round trip).
 
-Re-sync: read the snapshot; if it covers the missing events (same epoch, seq at
-least the last one missed), walk the stream back (``XREVRANGE``) from its end to the
-snapshot's seq, then load the snapshot and replay the newer entries with set
-semantics, all at once (no ``await`` in between: lookups never see a half-synced
-worker). A snapshot may already contain a few events after its seq, so events
-stamped no later than the snapshot are applied non-strictly. Without such a
-snapshot the worker is *degraded*: its exact entries are dropped and events are
-applied from the current position on (strictly, so the set stays prefix-closed).
-That loses what the worker cached before, until its next snapshot (one every
-``snapshot_interval_s``, 10 s by default), which the sync polls for and then
-re-syncs from. A degraded worker's entries are a subset of its real cache, so its
-lookup counts never exceed what it really holds.
-
-Dynamo's KV-aware router consumes the same kind of per-worker event stream; the
-snapshot-plus-replay re-sync is the usual log/snapshot recovery.
+Dynamo's KV-aware router consumes the same kind of per-worker event stream.
 """
 
 from __future__ import annotations
@@ -39,46 +23,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-import msgpack
 import redis
 import redis.asyncio as aioredis
 
-from pdserve.cluster.kv_events import KVEvent, decode_event, events_key, snapshot_key
+from pdserve.cluster.kv_events import events_key, snapshot_key
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.snapshot_resync import commit_resync, degrade, read_snapshot, read_snapshot_head, walk_back
+from pdserve.router.worker_stream import StreamState, SyncStats, apply_entries
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Worker:
-    """What the sync knows of one worker's stream."""
-
-    epoch: str | None = None  # None: nothing seen yet
-    seq: int = 0  # last seq applied (or skipped as already contained)
-    entry_id: str = "0-0"  # read on after this stream entry id
-    lenient_until: float = 0.0  # events stamped (Unix s) up to this may be in the loaded snapshot
-    retired: list[str] = field(default_factory=list)  # earlier epochs: their entries are ignored
-    need: int | None = None  # degraded: a snapshot of `epoch` with seq >= need allows a re-sync
-    tried: tuple[str, int] | None = None  # last snapshot (epoch, seq) tried while degraded
-    behind: tuple[tuple[str, int], float] | None = None  # (snapshot head ahead of seq, monotonic time first seen)
-    pending: int | None = None  # a gap seen in this sync round: re-sync needs a snapshot seq >= this
-    synced: bool = False  # had its first sync
-
-
-@dataclass
-class SyncStats:
-    """Counters since start (for metrics)."""
-
-    events: int = 0  # entries applied
-    gaps: int = 0  # seq gaps, new epochs past seq 1, rejected stored events
-    restarts: int = 0  # new epochs seen from seq 1
-    resyncs: int = 0  # exact re-syncs (snapshot + replay, or replay from seq 1), initial syncs included
-    degraded: int = 0  # times a worker's entries were dropped for want of a covering snapshot
-    stale: int = 0  # entries of retired epochs skipped
-    malformed: int = 0  # undecodable entries skipped
-    errors: int = 0  # failed rounds of run() (Redis errors mostly)
 
 
 class IndexSync:
@@ -113,7 +67,7 @@ class IndexSync:
         self.snapshot_poll_s, self.trailing_gap_s, self.max_replay = snapshot_poll_s, trailing_gap_s, max_replay
         self._heads_at = float("-inf")
         self.stats = SyncStats()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, StreamState] = {}
         self._lock = asyncio.Lock()
 
     # ---- membership -----------------------------------------------------------------------------
@@ -125,7 +79,7 @@ class IndexSync:
             del self._workers[w]
             self.index.drop_worker(w)
         for w in live - set(self._workers):
-            self._workers[w] = _Worker()
+            self._workers[w] = StreamState()
 
     def exact_workers(self) -> set[str]:
         """Workers whose stream has shown events (the others need ``record_routing`` to be indexed)."""
@@ -166,7 +120,7 @@ class IndexSync:
                     w = (key.decode() if isinstance(key, bytes) else key)[prefix:]
                     st = polled.get(w)
                     if st is not None and self._workers.get(w) is st:  # not dropped during the await
-                        self._consume(w, st, entries)
+                        apply_entries(self.index, self.stats, w, st, entries)
                         more |= len(entries) >= self.count
                 for w, st in polled.items():
                     if st.pending is not None and self._workers.get(w) is st:
@@ -203,69 +157,18 @@ class IndexSync:
         if self._own:
             await self._redis.aclose()
 
-    # ---- the live path -----------------------------------------------------------------------------
-    def _consume(self, w: str, st: _Worker, entries: list) -> None:
-        """Apply a worker's new entries in order, up to the first one that needs a re-sync."""
-        index, stats = self.index, self.stats
-        for eid, fields in entries:
-            eid = eid.decode() if isinstance(eid, bytes) else eid
-            try:
-                ev = decode_event(eid, fields)
-            except ValueError as exc:
-                stats.malformed += 1
-                log.warning("skipping KV event of %s: %s", w, exc)
-                st.entry_id = eid  # its seq is unknown: the next entry shows the gap
-                continue
-            if ev.epoch != st.epoch:
-                if ev.epoch in st.retired:  # a previous run's stale tail
-                    stats.stale += 1
-                    st.entry_id = eid
-                    continue
-                if ev.seq != 1:  # a restart whose first events are missing
-                    self._gap(st, ev, ev.seq - 1)
-                    return
-                stats.restarts += 1  # a new run, from seq 1: its cache starts empty
-                _set_epoch(st, ev.epoch)
-                index.load_snapshot(w, ())
-                st.seq, st.lenient_until, st.need, st.tried = 0, 0.0, None, None
-            elif ev.seq <= st.seq:  # already contained in the loaded snapshot
-                st.entry_id = eid
-                continue
-            elif ev.seq != st.seq + 1:
-                self._gap(st, ev, ev.seq - 1)
-                return
-            if not index.apply(w, ev, strict=ev.ts > st.lenient_until) and st.need is None:
-                self._gap(st, ev, ev.seq)  # a prefix the index lost: the snapshot must include ev
-                return
-            st.seq, st.entry_id = ev.seq, eid
-            stats.events += 1
-
-    def _gap(self, st: _Worker, ev: KVEvent, need: int) -> None:
-        """Stop before ``ev``: a re-sync needs a snapshot of ``ev.epoch`` with seq >= ``need``."""
-        self.stats.gaps += 1
-        if ev.epoch != st.epoch:
-            _set_epoch(st, ev.epoch)
-            st.seq = 0
-        st.pending = need
-
-    async def _on_gap(self, w: str, st: _Worker) -> None:
+    # ---- gaps and re-syncs -----------------------------------------------------------------------
+    async def _on_gap(self, w: str, st: StreamState) -> None:
         """Re-sync if the snapshot covers the gap; else degrade and read on from the gap."""
         need, st.pending = st.pending, None
-        head = await self._snapshot_head(w)
+        head = await read_snapshot_head(self._redis, self.cluster, w)
         if self._workers.get(w) is not st:
             return
         if head is not None and head[0] == st.epoch and head[1] >= need:
             await self._resync(w, st)
             return
-        self._degrade(w, st, need)
+        degrade(self.index, self.stats, w, st, need)
         st.seq = max(st.seq, need)  # st.entry_id is still just before the gap: read on from there
-
-    def _degrade(self, w: str, st: _Worker, need: int) -> None:
-        if st.need is None:
-            self.stats.degraded += 1
-            log.warning("KV index of %s degraded until a snapshot covers seq %d", w, need)
-        self.index.load_snapshot(w, ())
-        st.need, st.lenient_until = need, 0.0
 
     async def _check_heads(self) -> None:
         """Poll every worker's snapshot seq (one pipelined round trip): re-sync a degraded worker
@@ -298,111 +201,11 @@ class IndexSync:
                 self.stats.gaps += 1
                 await self._resync(w, st)
 
-    # ---- re-sync -------------------------------------------------------------------------------------
-    async def _snapshot_head(self, w: str) -> tuple[str, int] | None:
-        epoch, seq = await self._redis.hmget(snapshot_key(self.cluster, w), ["epoch", "seq"])
-        return None if epoch is None or seq is None else (epoch.decode(), int(seq))
-
-    async def _read_snapshot(self, w: str) -> tuple[str, int, list[int], float] | None:
-        """(epoch, seq, hashes, ts) of the worker's snapshot, or None."""
-        raw = await self._redis.hgetall(snapshot_key(self.cluster, w))
-        if not raw:
-            return None
-        try:
-            return (raw[b"epoch"].decode(), int(raw[b"seq"]), list(msgpack.unpackb(raw[b"hashes"])),
-                    float(raw[b"ts"]))
-        except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
-            self.stats.malformed += 1
-            log.warning("ignoring malformed KV snapshot of %s: %s", w, exc)
-            return None
-
-    async def _walk_back(self, w: str, snap: tuple | None) -> tuple[list[KVEvent], KVEvent | None, str | None, str]:
-        """The newest epoch's entries past the re-sync base, oldest first.
-
-        Returns:
-            (tail, newest entry, the epoch before the newest if reached, base) with base
-            ``"snapshot"`` (stopped at the snapshot's seq), ``"empty"`` (reached seq 1)
-            or ``""`` (neither: the stream does not reach back to a base).
-        """
-        key, cursor, tail = events_key(self.cluster, w), "+", []
-        newest, base, older = None, "", None
-        while not base and older is None and len(tail) <= self.max_replay:
-            page = await self._redis.xrevrange(key, max=cursor, min="-", count=max(self.count, 100))
-            if not page:
-                break
-            for eid, fields in page:
-                cursor = "(" + (eid.decode() if isinstance(eid, bytes) else eid)
-                try:
-                    ev = decode_event(eid, fields)
-                except ValueError:
-                    self.stats.malformed += 1
-                    continue
-                newest = newest or ev
-                if ev.epoch != newest.epoch:
-                    older = ev.epoch
-                    break
-                if snap is not None and ev.epoch == snap[0] and ev.seq <= snap[1]:
-                    base = "snapshot"
-                    break
-                tail.append(ev)
-                if ev.seq == 1:
-                    base = "empty"
-                    break
-        tail.reverse()
-        if not base and snap is not None and tail and tail[0].epoch == snap[0] and tail[0].seq == snap[1] + 1:
-            base = "snapshot"  # the stream starts (or the epoch changes) right after the snapshot
-        return tail, newest, older, base
-
-    async def _resync(self, w: str, st: _Worker) -> None:
-        """Rebuild ``w``'s exact entries from its snapshot and stream (see the module docstring).
+    async def _resync(self, w: str, st: StreamState) -> None:
+        """Rebuild ``w``'s exact entries from its snapshot and stream (:mod:`router.snapshot_resync`).
         Reads first, then commits without awaiting: lookups see the old state or the new one."""
-        snap = await self._read_snapshot(w)
-        tail, newest, older, base = await self._walk_back(w, snap)
+        snap = await read_snapshot(self._redis, self.cluster, w, self.stats)
+        walked = await walk_back(self._redis, self.cluster, w, snap, self.count, self.max_replay, self.stats)
         if self._workers.get(w) is not st:
             return  # dropped meanwhile
-        st.synced, st.pending = True, None
-        if newest is None or (snap is not None and snap[0] != newest.epoch and snap[3] > newest.ts):
-            # an empty stream, or a snapshot of a newer run than the stream shows yet
-            tail, base = [], ("snapshot" if snap is not None else "empty")
-            if newest is not None:
-                older = newest.epoch
-        seqs = [ev.seq for ev in tail]
-        first = snap[1] + 1 if base == "snapshot" else 1
-        if not base or seqs != list(range(first, first + len(seqs))):
-            i = len(seqs) - 1  # the contiguous run that ends at the newest entry starts at i
-            while i > 0 and seqs[i - 1] == seqs[i] - 1:
-                i -= 1
-            _set_epoch(st, newest.epoch)
-            _retire(st, older)
-            st.seq, st.entry_id = newest.seq, newest.entry_id  # read on from the current position
-            self._degrade(w, st, seqs[i] - 1 if seqs else newest.seq)
-            return
-        self.index.load_snapshot(w, snap[2] if base == "snapshot" else ())
-        for ev in tail:
-            self.index.apply(w, ev, strict=False)
-        self.stats.resyncs += 1
-        self.stats.events += len(tail)
-        if base == "snapshot":
-            _set_epoch(st, snap[0])
-            st.seq, st.lenient_until = max([snap[1], *seqs]), snap[3]
-        else:
-            _set_epoch(st, newest.epoch if newest is not None else None)
-            st.seq, st.lenient_until = (seqs[-1] if seqs else 0), 0.0
-        _retire(st, older)
-        st.entry_id = newest.entry_id if newest is not None else "0-0"
-        st.need = st.tried = st.behind = None
-
-
-def _retire(st: _Worker, epoch: str | None) -> None:
-    """Ignore ``epoch``'s entries from now on (an earlier run of the worker)."""
-    if epoch is not None and epoch != st.epoch and epoch not in st.retired:
-        st.retired = (st.retired + [epoch])[-16:]
-
-
-def _set_epoch(st: _Worker, epoch: str | None) -> None:
-    """Make ``epoch`` current; the current one, if different, is retired."""
-    if epoch != st.epoch:
-        old, st.epoch = st.epoch, epoch
-        if epoch in st.retired:
-            st.retired.remove(epoch)
-        _retire(st, old)
+        commit_resync(self.index, self.stats, w, st, snap, walked)

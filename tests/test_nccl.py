@@ -2,7 +2,7 @@
 ``nvidia-nccl-cu12`` wheel, its version, unique ids, the control-frame codec, the unique-id
 exchange over a real control connection (up to the communicator init, which needs CUDA), the
 errors when the library or CUDA is missing, and backend selection. The data path (ncclSend/ncclRecv
-between two GPUs) is exercised by tests/test_kvtransfer_conformance.py on a machine with 2 GPUs.
+between two GPUs) is exercised by tests/test_kvtransfer_conformance*.py on a machine with 2 GPUs.
 """
 
 from __future__ import annotations

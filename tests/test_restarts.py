@@ -113,7 +113,7 @@ def test_index_sync_is_exact_again_after_a_redis_restart():
     (a seq gap); the snapshot the worker republishes when Redis lost it re-syncs the index exactly."""
     from pdserve.router.index_sync import IndexSync
     from pdserve.router.prefix_index import PrefixIndex
-    from tests.test_index_sync import BS, PROMPTS, Worker, check
+    from tests.index_sync_helpers import BS, PROMPTS, Worker, check
 
     r = PrivateRedis()
 

@@ -1,4 +1,4 @@
-"""Control channel of the NCCL KV transport: the TCP frames of :mod:`kvtransfer.wire.frames` plus four of its own.
+"""Control channel of the NCCL KV transport: the frames of :mod:`kvtransfer.wire.frames` plus four of its own.
 
 Same wire shape (``u32 big-endian header length | msgpack map``); pages frames carry no payload
 here, the bytes go over NCCL once the receiver has posted its receives. One control connection

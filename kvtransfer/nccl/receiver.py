@@ -15,7 +15,7 @@ from pdserve.kvtransfer.nccl.handshake import negotiate_receiver
 from pdserve.kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
 from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, PeerClosed, encode
 from pdserve.kvtransfer.wire.listener import Conn, ListeningReceiver
-from pdserve.kvtransfer.wire.pending import Registry
+from pdserve.kvtransfer.wire.pending import PendingTransfers
 from pdserve.model.kv_cache import KVCacheSpec
 
 
@@ -31,8 +31,9 @@ class NcclKVReceiver(ListeningReceiver):
 
     Same contract and threads as :class:`kvtransfer.tcp.TcpKVReceiver` (accept loop, one handler per
     control connection, a deadline reaper; callbacks run without internal locks held), and the same
-    registration table. A pair's communicator is created when a sender's hello carries a unique id, and
-    aborted and forgotten when an NCCL call on it fails or times out, or when the sender says bye.
+    table of pending transfers (:mod:`kvtransfer.wire.pending`). A pair's communicator is created when a
+    sender's hello carries a unique id, and aborted and forgotten when an NCCL call on it fails or times
+    out, or when the sender says bye.
 
     Args:
         kv_cache: contiguous CUDA tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
@@ -42,8 +43,8 @@ class NcclKVReceiver(ListeningReceiver):
         io_timeout_s: seconds a control read or one NCCL receive may take.
         init_timeout_s: seconds a communicator init may wait for the sender.
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
-        secret: cluster secret every control connection must prove first (the TCP transport's HMAC
-            handshake, :mod:`kvtransfer.wire.handshake`); None: no authentication.
+        secret: cluster secret every control connection must prove first (the HMAC handshake both
+            transports share, :mod:`kvtransfer.wire.handshake`); None: no authentication.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.
@@ -65,10 +66,10 @@ class NcclKVReceiver(ListeningReceiver):
         self._pages = DevicePages(kv_cache, spec)
         self._spec = spec
         self._comms = CommCache(self._lib, kv_cache.device, init_timeout_s)
-        self._listen(host, port, io_timeout_s, secret, Registry(spec.num_blocks, spec.num_layers), SCHEME)
+        self._listen(host, port, io_timeout_s, secret, PendingTransfers(spec.num_blocks, spec.num_layers), SCHEME)
 
     def close(self) -> None:
-        """Stop listening, fail pending registrations (``"receiver closed"``, on this thread), cut every
+        """Stop listening, fail pending transfers (``"receiver closed"``, on this thread), cut every
         connection and destroy the communicators. Idempotent."""
         if self._stop():
             self._comms.close()
@@ -92,42 +93,43 @@ class NcclKVReceiver(ListeningReceiver):
             frame = read_any(conn.sock)
             if frame is None:
                 raise PeerClosed("EOF before done")
-            if getattr(frame, "request_id", None) != conn.reg.request_id or not isinstance(frame, Pages | Done | Abort):
-                raise FrameError(f"unexpected {frame!r} on the control connection of request "
-                                 f"{conn.reg.request_id!r}", conn.reg.request_id)
+            request_id = conn.transfer.request_id
+            if getattr(frame, "request_id", None) != request_id or not isinstance(frame, Pages | Done | Abort):
+                raise FrameError(f"unexpected {frame!r} on the control connection of request {request_id!r}",
+                                 request_id)
             if isinstance(frame, Pages):
                 self._on_pages(conn, frame)
             elif isinstance(frame, Done):
-                self._reply(conn, self._finish(conn.reg, frame))
+                self._reply(conn, self._finish(conn.transfer, frame))
                 return
             else:
-                self._on_abort(conn.reg, frame)
+                self._on_abort(conn.transfer, frame)
                 return
 
     def _handshake(self, conn: NcclConn, hello: Hello) -> None:
         """Bind the request, then find or create the pair's communicator (see :mod:`.handshake`)."""
-        conn.reg = self._registry.bind(hello.request_id, conn.sock)
+        conn.transfer = self._pending.bind(hello.request_id, conn.sock)
         conn.comm = negotiate_receiver(conn.sock, hello, self._comms, self._version.code)
 
     def _on_pages(self, conn: NcclConn, frame: Pages) -> None:
-        reg, pc = conn.reg, conn.comm
-        self._check_pages(reg, frame)
+        transfer, pc = conn.transfer, conn.comm
+        self._check_pages(transfer, frame)
         buffers = self._pages.buffers(frame.block_ids, frame.layer_start, frame.layer_end)
-        with pc.lock, reg.write_lock:
-            self._check_live(reg)
+        with pc.lock, transfer.write_lock:
+            self._check_live(transfer)
             try:
                 pc.move(buffers, send=False, timeout_s=self._io_timeout_s,
-                        before_post=lambda: self._reply(conn, ClearToSend(reg.request_id), strict=True))
+                        before_post=lambda: self._reply(conn, ClearToSend(transfer.request_id), strict=True))
             except NcclError:  # the communicator was aborted: forget it (the sender re-creates one)
                 self._comms.evict(pc.comm_id, "an NCCL receive failed", match=lambda c: c is pc)
                 raise
-            self._registry.mark(reg, frame.block_ids, frame.layer_start, frame.layer_end)
+            self._pending.mark(transfer, frame.block_ids, frame.layer_start, frame.layer_end)
 
     def _end(self, conn: Conn, why: str, linger: bool = True) -> None:
         """The connection failed with ``why``: fail its request (if this call takes it), nack, close.
         Always nacks and lingers (``linger`` is ignored): a control peer waits for an answer."""
         error = self._take_failed(conn, why)
-        self._reply(conn, Ack(conn.reg.request_id if conn.reg else "", False, error or why))
+        self._reply(conn, Ack(conn.transfer.request_id if conn.transfer else "", False, error or why))
         try:  # half-close and drain briefly so the nack is not lost to a reset
             conn.sock.shutdown(socket.SHUT_WR)
             conn.sock.settimeout(min(self._io_timeout_s, 1.0))

@@ -16,8 +16,13 @@ from pdserve.kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, chec
 from pdserve.kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, encode_control, expect, read_any
 from pdserve.kvtransfer.nccl.handshake import negotiate_sender
 from pdserve.kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
-from pdserve.kvtransfer.tcp.sender import parse_address
-from pdserve.kvtransfer.wire.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
+from pdserve.kvtransfer.wire.channel import (
+    MAX_BLOCKS_PER_FRAME,
+    SocketChannel,
+    SocketSender,
+    check_send_args,
+    parse_address,
+)
 from pdserve.kvtransfer.wire.frames import Ack, Done, FrameError, Pages, dtype_name, encode
 from pdserve.kvtransfer.wire.handshake import authenticate_receiver
 from pdserve.model.kv_cache import KVCacheSpec
@@ -119,8 +124,8 @@ class NcclKVSender(SocketSender):
         io_timeout_s: seconds a control reply or one NCCL send may take.
         init_timeout_s: seconds a communicator init may wait for the receiver.
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
-        secret: cluster secret proved on every control connection (the TCP transport's HMAC handshake);
-            None: no authentication.
+        secret: cluster secret proved on every control connection (the HMAC handshake both transports
+            share, :mod:`kvtransfer.wire.handshake`); None: no authentication.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.

@@ -3,7 +3,7 @@
 With a cluster secret, a connection must pass the mutual handshake of
 :mod:`kvtransfer.wire.handshake` (within ``io_timeout_s``) before its first frame is
 read; a peer that fails it is logged and closed, and has touched neither the cache
-nor any registration.
+nor any pending transfer.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from pdserve.kvtransfer.wire.frames import (
     recv_exact_into,
 )
 from pdserve.kvtransfer.wire.listener import Conn, ListeningReceiver
-from pdserve.kvtransfer.wire.pending import Registry
+from pdserve.kvtransfer.wire.pending import PendingTransfers
 from pdserve.model.kv_cache import KVCacheSpec
 
 
 class TcpKVReceiver(ListeningReceiver):
     """Listens on ``host:port`` and writes incoming KV pages directly into ``kv_cache``.
 
-    Threads (all daemon): one accept loop, one handler per connection, one reaper for
-    registration deadlines. Callbacks run on those threads (or on the caller's thread
+    Threads (all daemon): one accept loop, one handler per connection, one reaper for the
+    pending transfers' deadlines. Callbacks run on those threads (or on the caller's thread
     inside :meth:`close`) with no internal lock held, so they may call :meth:`expect`
     or :meth:`cancel`. Once :meth:`cancel` returns, or a failure callback starts, no
     more bytes are written into that request's blocks.
@@ -62,62 +62,62 @@ class TcpKVReceiver(ListeningReceiver):
         secret = check_secret(secret, "the KV receiver's secret")
         self._pages = PageMemory(kv_cache, spec)
         self._spec = spec
-        self._listen(host, port, io_timeout_s, secret, Registry(spec.num_blocks, spec.num_layers))
+        self._listen(host, port, io_timeout_s, secret, PendingTransfers(spec.num_blocks, spec.num_layers))
 
     def close(self) -> None:
-        """Stop listening, fail pending registrations (``on_failed(..., "receiver closed")``, on this
+        """Stop listening, fail pending transfers (``on_failed(..., "receiver closed")``, on this
         thread) and cut every connection. Returns within about a second; idempotent."""
         self._stop()
 
     # -- one connection ------------------------------------------------------------------------
 
     def _progress(self, conn: Conn) -> str:
-        reg = conn.reg
-        return "" if reg is None else f" ({len(reg.arrived)} of {reg.num_pages} pages received)"
+        transfer = conn.transfer
+        return "" if transfer is None else f" ({len(transfer.arrived)} of {transfer.num_pages} pages received)"
 
     def _serve_frames(self, conn: Conn) -> None:
         """Handle frames until ``done``/``abort`` or a clean EOF of an idle connection."""
         while True:
             frame = read_frame(conn.sock)
             if frame is None:
-                if conn.reg is None:
+                if conn.transfer is None:
                     return
                 raise PeerClosed("EOF before done")
             self._bind(conn, frame)
             if isinstance(frame, Pages):
                 self._on_pages(conn, frame)
             elif isinstance(frame, Done):
-                self._send(conn.sock, self._finish(conn.reg, frame))
+                self._send(conn.sock, self._finish(conn.transfer, frame))
                 return
             else:
-                self._on_abort(conn.reg, frame)
+                self._on_abort(conn.transfer, frame)
                 return
 
     def _bind(self, conn: Conn, frame: Frame) -> None:
         if isinstance(frame, Ack):
             raise FrameError("unexpected ack frame from a sender", frame.request_id)
-        if conn.reg is None:
-            conn.reg = self._registry.bind(frame.request_id, conn.sock)
-        elif frame.request_id != conn.reg.request_id:
+        if conn.transfer is None:
+            conn.transfer = self._pending.bind(frame.request_id, conn.sock)
+        elif frame.request_id != conn.transfer.request_id:
             raise FrameError(f"frame for request {frame.request_id!r} on the connection of "
-                             f"request {conn.reg.request_id!r}")
+                             f"request {conn.transfer.request_id!r}")
 
     def _on_pages(self, conn: Conn, frame: Pages) -> None:
-        reg = conn.reg
-        assert reg is not None
-        self._check_pages(reg, frame)
-        with reg.write_lock:
-            self._check_live(reg)
+        transfer = conn.transfer
+        assert transfer is not None
+        self._check_pages(transfer, frame)
+        with transfer.write_lock:
+            self._check_live(transfer)
             for block in frame.block_ids:  # payload lands straight in the destination pages
                 recv_exact_into(conn.sock, self._pages.page(block, frame.layer_start, frame.layer_end))
-            self._registry.mark(reg, frame.block_ids, frame.layer_start, frame.layer_end)
+            self._pending.mark(transfer, frame.block_ids, frame.layer_start, frame.layer_end)
 
     def _end(self, conn: Conn, why: str, linger: bool = False) -> None:
         """A connection failed with ``why``: fail its request (if this call takes it), nack, close."""
         error = self._take_failed(conn, why)
         if error is None and not linger:
             return  # an idle connection broke: nobody to tell
-        self._send(conn.sock, Ack(conn.reg.request_id if conn.reg else "", False, error or why))
+        self._send(conn.sock, Ack(conn.transfer.request_id if conn.transfer else "", False, error or why))
         if linger:
             self._linger(conn.sock)
 

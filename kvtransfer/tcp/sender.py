@@ -18,22 +18,16 @@ import torch
 from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.base import TransferError, TransferStats
 from pdserve.kvtransfer.tcp.pages import PageMemory
-from pdserve.kvtransfer.wire.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, SocketSender, check_send_args
+from pdserve.kvtransfer.wire.channel import (
+    MAX_BLOCKS_PER_FRAME,
+    SocketChannel,
+    SocketSender,
+    check_send_args,
+    parse_address,
+)
 from pdserve.kvtransfer.wire.frames import Ack, Done, FrameError, Pages, dtype_name, encode, read_frame
 from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_receiver
 from pdserve.model.kv_cache import KVCacheSpec
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6host]:port"`` -> (host, port).
-
-    Raises:
-        ValueError: no port, or the port is not an integer in [1, 65535].
-    """
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"KV address must be 'host:port', got {address!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 class TcpKVChannel(SocketChannel):

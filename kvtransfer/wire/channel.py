@@ -1,5 +1,5 @@
-"""Sender plumbing shared by the TCP and NCCL KV transports: argument checks, the per-request channel's
-lock/close/abort/error handling, and the sender's connect + channel bookkeeping.
+"""Sender plumbing shared by the TCP and NCCL KV transports: receiver addresses and argument checks, the
+per-request channel's lock/close/abort/error handling, and the sender's connect + channel bookkeeping.
 
 A backend channel subclasses :class:`SocketChannel` and sets ``_read_reply`` (how to read one frame
 header from the socket); a backend sender subclasses :class:`SocketSender`.
@@ -20,6 +20,18 @@ from pdserve.model.kv_cache import KVCacheSpec
 
 MAX_BLOCKS_PER_FRAME = 4096  # keeps a pages header (~5 bytes per id) far below the 64 KiB header limit
 REFUSAL_WAIT_S = 1.0  # how long to look for the receiver's nack after a send fails
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6host]:port"`` -> (host, port).
+
+    Raises:
+        ValueError: no port, or the port is not an integer in [1, 65535].
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"KV address must be 'host:port', got {address!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def check_send_args(spec: KVCacheSpec, layer_range: tuple[int, int], src: Sequence[int],

@@ -1,4 +1,4 @@
-"""Wire format of the TCP KV transport: framing, header codec and validation.
+"""Wire format of the KV transports: framing, header codec and validation.
 
 Every frame is ``u32 big-endian header length | msgpack map header | payload``;
 only ``pages`` frames carry a payload (``nbytes`` raw bytes: the listed blocks'
@@ -12,7 +12,8 @@ pages in order). One connection carries one request's transfer::
     abort{request_id, reason}       ──►  (no reply)
 
 The receiver also sends a not-ok ``ack`` before it closes a connection whose
-frame it refused.
+frame it refused. The NCCL backend sends the same frames on its control connection,
+its pages' payload going over NCCL instead (:mod:`kvtransfer.nccl.control`).
 """
 
 from __future__ import annotations

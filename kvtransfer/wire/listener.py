@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from pdserve.kvtransfer.base import KVReceiver, OnComplete, OnFailed
 from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, check_pages
 from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_sender
-from pdserve.kvtransfer.wire.pending import Registration, Registry
+from pdserve.kvtransfer.wire.pending import PendingTransfer, PendingTransfers
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class Conn:
-    """One accepted connection and the registration its first frame names (None until then)."""
+    """One accepted connection and the pending transfer its first frame names (None until then)."""
 
     sock: socket.socket
-    reg: Registration | None = None
+    transfer: PendingTransfer | None = None
 
 
 def shutdown_quietly(sock: socket.socket, how: int) -> None:
@@ -61,7 +61,7 @@ class ListeningReceiver(KVReceiver):
     _conn_type: type[Conn] = Conn
 
     def _listen(self, host: str, port: int, io_timeout_s: float, secret: bytes | None,
-                registry: Registry, scheme: str = "") -> None:
+                pending: PendingTransfers, scheme: str = "") -> None:
         """Bind ``host:port`` and start the accept and reaper threads (daemons).
 
         Raises:
@@ -69,7 +69,7 @@ class ListeningReceiver(KVReceiver):
         """
         self._secret = secret
         self._io_timeout_s = io_timeout_s
-        self._registry = registry
+        self._pending = pending
         self._num_refused = 0
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -104,17 +104,17 @@ class ListeningReceiver(KVReceiver):
                 ``timeout_s <= 0``.
             RuntimeError: the receiver is closed.
         """
-        self._registry.add(request_id, block_ids, timeout_s, on_complete, on_failed)
+        self._pending.add(request_id, block_ids, timeout_s, on_complete, on_failed)
 
     def cancel(self, request_id: str) -> None:
         """Forget ``request_id`` without a callback; its connection, if any, is cut and an in-flight write
         into its blocks is waited out. Idempotent."""
-        reg = self._registry.take_id(request_id, "cancelled by the receiver")
-        if reg is not None:
-            self._stop_writes(reg)
+        transfer = self._pending.take_id(request_id, "cancelled by the receiver")
+        if transfer is not None:
+            self._stop_writes(transfer)
 
     def _stop(self) -> bool:
-        """Shared part of ``close()``: stop listening, fail pending registrations ("receiver closed", on
+        """Shared part of ``close()``: stop listening, fail pending transfers ("receiver closed", on
         this thread), cut every connection, join the threads. Returns False if already stopped."""
         with self._conns_lock:
             if self._stopping.is_set():
@@ -122,9 +122,9 @@ class ListeningReceiver(KVReceiver):
             self._stopping.set()
             conns = list(self._conns)
         shutdown_quietly(self._listener, socket.SHUT_RDWR)  # wakes accept() (Linux)
-        for reg in self._registry.close():
-            self._stop_writes(reg)
-            call_quietly(reg.on_failed, reg.request_id, reg.ended)
+        for transfer in self._pending.close():
+            self._stop_writes(transfer)
+            call_quietly(transfer.on_failed, transfer.request_id, transfer.ended)
         for sock in conns:
             shutdown_quietly(sock, socket.SHUT_RDWR)
         for thread in self._threads:
@@ -153,17 +153,17 @@ class ListeningReceiver(KVReceiver):
                              daemon=True).start()
 
     def _reap_loop(self) -> None:
-        while (expired := self._registry.wait_expired()) is not None:
-            for reg in expired:
-                self._stop_writes(reg)
-                call_quietly(reg.on_failed, reg.request_id, reg.ended)
+        while (expired := self._pending.wait_expired()) is not None:
+            for transfer in expired:
+                self._stop_writes(transfer)
+                call_quietly(transfer.on_failed, transfer.request_id, transfer.ended)
 
-    def _stop_writes(self, reg: Registration) -> None:
-        """After ``reg`` was taken by a non-handler thread: cut its connection's reads and wait
+    def _stop_writes(self, transfer: PendingTransfer) -> None:
+        """After ``transfer`` was taken by a non-handler thread: cut its connection's reads and wait
         out an in-flight page write, so its blocks can be reused."""
-        if reg.conn is not None:
-            shutdown_quietly(reg.conn, socket.SHUT_RD)  # recv returns EOF at once; the handler can still nack
-        with reg.write_lock:
+        if transfer.conn is not None:
+            shutdown_quietly(transfer.conn, socket.SHUT_RD)  # recv returns EOF at once; the handler can still nack
+        with transfer.write_lock:
             pass
 
     # -- one connection ------------------------------------------------------------------------
@@ -175,9 +175,9 @@ class ListeningReceiver(KVReceiver):
                 return
             self._serve_frames(conn)
         except FrameError as e:
-            if conn.reg is None and e.request_id is not None:
+            if conn.transfer is None and e.request_id is not None:
                 try:  # fail the registered request the bad frame names, unless another connection feeds it
-                    conn.reg = self._registry.bind(e.request_id, sock)
+                    conn.transfer = self._pending.bind(e.request_id, sock)
                 except FrameError:
                     pass
             self._end(conn, f"bad frame: {e}", linger=True)
@@ -220,46 +220,47 @@ class ListeningReceiver(KVReceiver):
     def _take_failed(self, conn: Conn, why: str) -> str | None:
         """Fail ``conn``'s request with ``why`` if this call takes it. Returns the nack's error text:
         ``why``, or why the request is no longer registered; None when no request is bound."""
-        reg = conn.reg
-        if reg is None:
+        transfer = conn.transfer
+        if transfer is None:
             return None
-        if self._registry.take(reg, why):
-            call_quietly(reg.on_failed, reg.request_id, why)
+        if self._pending.take(transfer, why):
+            call_quietly(transfer.on_failed, transfer.request_id, why)
             return why
-        return f"request {reg.request_id!r} is no longer registered: {reg.ended}"  # ended elsewhere
+        return f"request {transfer.request_id!r} is no longer registered: {transfer.ended}"  # ended elsewhere
 
-    def _check_pages(self, reg: Registration, frame: Pages) -> None:
-        """Raise :class:`FrameError` unless ``frame`` matches the cache layout and names only ``reg``'s blocks."""
+    def _check_pages(self, transfer: PendingTransfer, frame: Pages) -> None:
+        """Raise :class:`FrameError` unless ``frame`` matches the cache layout and names only ``transfer``'s blocks."""
         check_pages(frame, self._spec)
-        foreign = [b for b in frame.block_ids if b not in reg.block_set]
+        foreign = [b for b in frame.block_ids if b not in transfer.block_set]
         if foreign:
-            raise FrameError(f"request {reg.request_id!r}: block ids {foreign[:16]} are not registered for it")
+            raise FrameError(f"request {transfer.request_id!r}: block ids {foreign[:16]} are not registered for it")
 
-    def _check_live(self, reg: Registration) -> None:
-        """Raise :class:`FrameError` if ``reg`` was ended (cancel, deadline, close); hold ``reg.write_lock``."""
-        if not self._registry.is_live(reg):
-            raise FrameError(f"request {reg.request_id!r} is no longer registered: {reg.ended}")
+    def _check_live(self, transfer: PendingTransfer) -> None:
+        """Raise :class:`FrameError` if ``transfer`` was ended (cancel, deadline, close). Call it holding
+        ``transfer.write_lock``."""
+        if not self._pending.is_live(transfer):
+            raise FrameError(f"request {transfer.request_id!r} is no longer registered: {transfer.ended}")
 
-    def _finish(self, reg: Registration, frame: Done) -> Ack:
-        """``done`` arrived: end ``reg``, run its callback and return the ack to send.
+    def _finish(self, transfer: PendingTransfer, frame: Done) -> Ack:
+        """``done`` arrived: end ``transfer``, run its callback and return the ack to send.
 
         Raises:
-            FrameError: ``reg`` was already ended elsewhere.
+            FrameError: ``transfer`` was already ended elsewhere.
         """
-        taken, complete = self._registry.finish(reg)
+        taken, complete = self._pending.finish(transfer)
         if not taken:
-            raise FrameError(f"request {reg.request_id!r} is no longer registered: {reg.ended}")
+            raise FrameError(f"request {transfer.request_id!r} is no longer registered: {transfer.ended}")
         if complete:
-            call_quietly(reg.on_complete, reg.request_id, frame.first_token)
+            call_quietly(transfer.on_complete, transfer.request_id, frame.first_token)
         else:
-            call_quietly(reg.on_failed, reg.request_id, reg.ended)
-        return Ack(reg.request_id, complete, "" if complete else reg.ended or "")
+            call_quietly(transfer.on_failed, transfer.request_id, transfer.ended)
+        return Ack(transfer.request_id, complete, "" if complete else transfer.ended or "")
 
-    def _on_abort(self, reg: Registration, frame: Abort) -> None:
-        """The sender gave up: fail ``reg`` with its reason (if it is still registered)."""
+    def _on_abort(self, transfer: PendingTransfer, frame: Abort) -> None:
+        """The sender gave up: fail ``transfer`` with its reason (if it is still registered)."""
         why = f"aborted by sender: {frame.reason}"
-        if self._registry.take(reg, why):
-            call_quietly(reg.on_failed, reg.request_id, why)
+        if self._pending.take(transfer, why):
+            call_quietly(transfer.on_failed, transfer.request_id, why)
 
     def _serve_frames(self, conn: Conn) -> None:
         raise NotImplementedError

@@ -1,8 +1,9 @@
-"""The receiver's table of expected requests: page bookkeeping, deadlines, exactly-once endings.
+"""The KV receiver's table of pending transfers: the requests it expects pages for (registered
+with ``KVReceiver.expect``), their page bookkeeping, deadlines and exactly-once endings.
 
-A registration leaves the table exactly once, under the table lock, through one of
-the ``take*`` methods; whoever takes it owns its single callback. Nothing here
-calls callbacks or touches sockets.
+Not to be confused with the worker registry (:mod:`cluster.registry`). A pending transfer
+leaves the table exactly once, under the table lock, through one of the ``take*`` methods;
+whoever takes it owns its single callback. Nothing here calls callbacks or touches sockets.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from pdserve.kvtransfer.wire.frames import FrameError
 
 
 @dataclass(eq=False)
-class Registration:
-    """One expected request.
+class PendingTransfer:
+    """One expected request's transfer.
 
     ``conn`` is the connection feeding it (at most one). ``write_lock`` is held by
     that connection's handler while it writes pages into the request's blocks, so
-    whoever takes the registration can wait out an in-flight write before the blocks
+    whoever takes the transfer can wait out an in-flight write before the blocks
     are reused. ``ended`` says why it left the table.
     """
 
@@ -47,13 +48,13 @@ class Registration:
         return len(self.block_ids) * self.num_layers
 
 
-class Registry:
-    """Thread-safe table of :class:`Registration` keyed by request id."""
+class PendingTransfers:
+    """Thread-safe table of :class:`PendingTransfer` keyed by request id."""
 
     def __init__(self, num_blocks: int, num_layers: int) -> None:
         self._num_blocks = num_blocks
         self._num_layers = num_layers
-        self._regs: dict[str, Registration] = {}
+        self._transfers: dict[str, PendingTransfer] = {}
         self._cond = threading.Condition()
         self._closed = False
 
@@ -74,88 +75,88 @@ class Registry:
                              f"got {list(ids)}")
         if not timeout_s > 0:
             raise ValueError(f"request {request_id!r}: timeout_s must be positive, got {timeout_s}")
-        reg = Registration(request_id, ids, self._num_layers, timeout_s, time.monotonic() + timeout_s,
-                           on_complete, on_failed, block_set=frozenset(ids))
+        transfer = PendingTransfer(request_id, ids, self._num_layers, timeout_s, time.monotonic() + timeout_s,
+                                   on_complete, on_failed, block_set=frozenset(ids))
         with self._cond:
             if self._closed:
                 raise RuntimeError("receiver is closed")
-            if request_id in self._regs:
+            if request_id in self._transfers:
                 raise ValueError(f"request {request_id!r} is already registered")
-            self._regs[request_id] = reg
+            self._transfers[request_id] = transfer
             self._cond.notify_all()
 
-    def bind(self, request_id: str, conn: socket.socket) -> Registration:
+    def bind(self, request_id: str, conn: socket.socket) -> PendingTransfer:
         """Attach ``conn`` as the one connection feeding ``request_id``.
 
         Raises:
             FrameError: the request is not registered or already has a connection.
         """
         with self._cond:
-            reg = self._regs.get(request_id)
-            if reg is None:
+            transfer = self._transfers.get(request_id)
+            if transfer is None:
                 raise FrameError(f"unknown request {request_id!r} (not registered, cancelled or already ended)")
-            if reg.conn is not None:
+            if transfer.conn is not None:
                 raise FrameError(f"request {request_id!r} already has a connection")
-            reg.conn = conn
-            return reg
+            transfer.conn = conn
+            return transfer
 
-    def is_live(self, reg: Registration) -> bool:
-        """Whether ``reg`` is still in the table."""
+    def is_live(self, transfer: PendingTransfer) -> bool:
+        """Whether ``transfer`` is still in the table."""
         with self._cond:
-            return self._regs.get(reg.request_id) is reg
+            return self._transfers.get(transfer.request_id) is transfer
 
-    def mark(self, reg: Registration, block_ids: Sequence[int], layer_start: int, layer_end: int) -> None:
+    def mark(self, transfer: PendingTransfer, block_ids: Sequence[int], layer_start: int, layer_end: int) -> None:
         """Record that the pages ``block_ids x [layer_start, layer_end)`` arrived."""
         with self._cond:
-            reg.arrived.update((b, layer) for b in block_ids for layer in range(layer_start, layer_end))
+            transfer.arrived.update((b, layer) for b in block_ids for layer in range(layer_start, layer_end))
 
-    def finish(self, reg: Registration) -> tuple[bool, bool]:
-        """On ``done``: take ``reg`` if still live. Returns (taken, complete); when taken
-        incomplete, ``reg.ended`` is the failure reason."""
+    def finish(self, transfer: PendingTransfer) -> tuple[bool, bool]:
+        """On ``done``: take ``transfer`` if still live. Returns (taken, complete); when taken
+        incomplete, ``transfer.ended`` is the failure reason."""
         with self._cond:
-            n, m = len(reg.arrived), reg.num_pages
-            taken = self._take(reg, "completed" if n == m else f"incomplete transfer: {n} of {m} pages")
+            n, m = len(transfer.arrived), transfer.num_pages
+            taken = self._take(transfer, "completed" if n == m else f"incomplete transfer: {n} of {m} pages")
             return taken, n == m
 
-    def take(self, reg: Registration, why: str) -> bool:
-        """Remove ``reg`` if still live; True if this call removed it (and owns its callback)."""
+    def take(self, transfer: PendingTransfer, why: str) -> bool:
+        """Remove ``transfer`` if still live; True if this call removed it (and owns its callback)."""
         with self._cond:
-            return self._take(reg, why)
+            return self._take(transfer, why)
 
-    def take_id(self, request_id: str, why: str) -> Registration | None:
-        """Remove and return the registration of ``request_id``, if any."""
+    def take_id(self, request_id: str, why: str) -> PendingTransfer | None:
+        """Remove and return the pending transfer of ``request_id``, if any."""
         with self._cond:
-            reg = self._regs.get(request_id)
-            return reg if reg is not None and self._take(reg, why) else None
+            transfer = self._transfers.get(request_id)
+            return transfer if transfer is not None and self._take(transfer, why) else None
 
-    def wait_expired(self) -> list[Registration] | None:
-        """Block until some registrations pass their deadline; take and return them.
+    def wait_expired(self) -> list[PendingTransfer] | None:
+        """Block until some pending transfers pass their deadline; take and return them.
         Returns None once the table is closed."""
         with self._cond:
             while not self._closed:
                 now = time.monotonic()
-                expired = [r for r in self._regs.values() if r.deadline <= now]
+                expired = [r for r in self._transfers.values() if r.deadline <= now]
                 if expired:
-                    for reg in expired:
-                        self._take(reg, f"timed out after {reg.timeout_s:g} s waiting for KV pages")
+                    for transfer in expired:
+                        self._take(transfer, f"timed out after {transfer.timeout_s:g} s waiting for KV pages")
                     return expired
-                nxt = min((r.deadline for r in self._regs.values()), default=None)
+                nxt = min((r.deadline for r in self._transfers.values()), default=None)
                 self._cond.wait(None if nxt is None else nxt - now)
             return None
 
-    def close(self) -> list[Registration]:
-        """Refuse further registrations; take and return every pending one."""
+    def close(self) -> list[PendingTransfer]:
+        """Refuse further registrations; take and return every pending transfer."""
         with self._cond:
             self._closed = True
-            regs = list(self._regs.values())
-            for reg in regs:
-                self._take(reg, "receiver closed")
+            transfers = list(self._transfers.values())
+            for transfer in transfers:
+                self._take(transfer, "receiver closed")
             self._cond.notify_all()
-            return regs
+            return transfers
 
-    def _take(self, reg: Registration, why: str) -> bool:
-        if self._regs.get(reg.request_id) is not reg:
+    def _take(self, transfer: PendingTransfer, why: str) -> bool:
+        if self._transfers.get(transfer.request_id) is not transfer:
             return False
-        del self._regs[reg.request_id]
-        reg.ended = why
+        del self._transfers[transfer.request_id]
+        transfer.ended = why
         return True

@@ -1,0 +1,114 @@
+"""Helpers of the KV transfer conformance suite (tests/test_kvtransfer_conformance*.py): the backends
+this machine can run, sender/receiver pairs built by :mod:`kvtransfer.select` from the caches' devices,
+and byte checks. Each test file turns :data:`BACKENDS` and :func:`pair_factory` into its ``backend``,
+``make_pair`` and ``pair`` fixtures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pdserve.kvtransfer.base import KVReceiver
+from pdserve.kvtransfer.select import make_receiver, make_sender, nccl_status
+from pdserve.model.kv_cache import KVCacheSpec
+from tests.kv_helpers import Outcome, make_spec
+
+SRC, DST = [5, 1, 6], [2, 7, 0]  # source ids differ from destination ids on purpose
+RECEIVER_CLASS = {"tcp": "TcpKVReceiver", "nccl": "NcclKVReceiver"}
+
+
+def _nccl_skip_reason() -> str | None:
+    if torch.cuda.device_count() < 2:
+        return f"NCCL KV transport needs 2 CUDA devices, this machine has {torch.cuda.device_count()}"
+    return nccl_status()
+
+
+BACKENDS = [pytest.param(("tcp", "cpu", "cpu"), id="tcp"),
+            pytest.param(("nccl", "cuda:0", "cuda:1"), id="nccl",
+                         marks=pytest.mark.skipif(_nccl_skip_reason() is not None, reason=str(_nccl_skip_reason())))]
+
+
+def random_cache(spec: KVCacheSpec, device: str, seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as the cache dtype: every bit pattern (NaNs included) must survive."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (*spec.shape[:-1], spec.head_dim * spec.dtype.itemsize), dtype=torch.uint8,
+                        generator=g)
+    return raw.view(spec.dtype).reshape(spec.shape).contiguous().to(device)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+@dataclass
+class Pair:
+    backend: str
+    spec: KVCacheSpec
+    src: torch.Tensor
+    dst: torch.Tensor
+    rx: KVReceiver
+    tx: object
+
+    def expect(self, rid: str, blocks: list[int] = DST, timeout_s: float = 5.0) -> Outcome:
+        out = Outcome()
+        self.rx.expect(rid, blocks, timeout_s, out.on_complete, out.on_failed)
+        return out
+
+    def transfer(self, rid: str, token: int = 7, src: list[int] = SRC, dst: list[int] = DST):
+        ch = self.tx.open(rid, self.rx.address)
+        ch.send_pages((0, self.spec.num_layers), src, dst)
+        return ch.finish(token)
+
+    def address_for(self, hostport: str) -> str:
+        return ("nccl://" if self.backend == "nccl" else "") + hostport
+
+    def hostport(self) -> tuple[str, int]:
+        host, port = self.rx.address.removeprefix("nccl://").rsplit(":", 1)
+        return host, int(port)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+
+def pair_factory(backend: tuple[str, str, str]) -> Iterator[Callable[..., Pair]]:
+    """Body of the ``make_pair`` fixture: yields a factory of sender/receiver pairs for ``backend``
+    (name, sender device, receiver device), then closes every pair it made."""
+    name, tx_device, rx_device = backend
+    made: list[Pair] = []
+
+    def make(dtype: torch.dtype = torch.float32, rx_io_timeout_s: float = 2.0, tx_io_timeout_s: float = 2.0,
+             **kw: int) -> Pair:
+        spec = make_spec(dtype, **kw)
+        src, dst = random_cache(spec, tx_device), spec.allocate(rx_device)
+        rx = make_receiver(dst, spec, io_timeout_s=rx_io_timeout_s)
+        tx = make_sender(src, spec, connect_timeout_s=1.0, io_timeout_s=tx_io_timeout_s)
+        assert type(rx).__name__ == RECEIVER_CLASS[name] and tx.backends == (name,)
+        made.append(Pair(name, spec, src, dst, rx, tx))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def assert_copied(p: Pair, src_ids: list[int], dst_ids: list[int], src_before: torch.Tensor) -> None:
+    dst, src = as_bytes(p.dst), as_bytes(p.src)
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(dst[d], src[s]), f"block {s} -> {d} differs"
+    untouched = [b for b in range(p.spec.num_blocks) if b not in dst_ids]
+    assert not dst[untouched].any(), "bytes landed outside the destination blocks"
+    assert torch.equal(src, as_bytes(src_before)), "the sender's cache changed"
+
+
+def wait_for_pages(p: Pair, src_ids: list[int], dst_ids: list[int], layers: slice, timeout_s: float = 5.0) -> None:
+    """Until those pages have landed: proof that the receiver has read the channel's first frame."""
+    deadline = time.monotonic() + timeout_s
+    want = as_bytes(p.src)[src_ids, layers]
+    while not torch.equal(as_bytes(p.dst)[dst_ids, layers], want):
+        assert time.monotonic() < deadline, "pages did not arrive"
+        time.sleep(0.005)
