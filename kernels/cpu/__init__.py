@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -75,8 +76,34 @@ def _compiler() -> str:
     raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
 
 
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and parents) with owner-only permissions; tighten it if it is ours and open to others.
+
+    Raises:
+        OSError: it cannot be created, or it belongs to another user.
+    """
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this user")
+    if st.st_mode & 0o077:
+        path.chmod(0o700)
+
+
+def _trusted(lib: Path) -> bool:
+    """Whether ``lib`` may be loaded as built: it exists, is a regular file owned by this user, and
+    nobody else can write it (a library planted or swapped by another user is rebuilt instead)."""
+    try:
+        st = lib.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build(name: str) -> Path:
     """Compile ``name.c`` into the cache (once per source/flags/compiler/CPU) and return the library path.
+    The cache directory is owner-only; a cached library that is not this user's own, or that others
+    can write, is rebuilt rather than loaded.
 
     Raises:
         KernelUnavailable: no compiler, an unwritable cache, or the build failed.
@@ -88,10 +115,10 @@ def _build(name: str) -> Path:
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
-    if out.exists():
+    if _trusted(out):
         return out
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        _private_dir(out.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     except OSError as exc:
         raise KernelUnavailable(f"cannot write the kernel cache {out.parent}: {exc}") from exc
