@@ -30,6 +30,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from pdserve.cluster.secret import cluster_secret
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.placement import Placement, cluster_has_pool_resources
 from pdserve.deploy.planner import Action, PlannerConfig, PlannerState, Window, plan
@@ -60,6 +61,7 @@ class PoolController:
 
     def __init__(self, cfg: ClusterConfig, env: dict[str, str], router_env: dict[str, str] | None = None) -> None:
         self.cfg, self._env, self._router_env = cfg, env, dict(router_env or {})
+        self._secret = cluster_secret()  # this actor's copy, from env: verifies the registry entries it reads
         self.workers: dict[str, _Worker] = {}
         self.router = None
         self.router_address = ""
@@ -214,9 +216,8 @@ class PoolController:
         """Drain ``n`` workers of ``role``: those in ``prefer``, then the least loaded (registry),
         the newest on ties."""
         from pdserve.cluster.registry import RegistryReader
-        from pdserve.cluster.secret import cluster_secret
 
-        reader = RegistryReader(self.cfg.redis_url, self.cfg.cluster, secret=cluster_secret())
+        reader = RegistryReader(self.cfg.redis_url, self.cfg.cluster, secret=self._secret)
         try:
             load = {w.worker_id: w.num_running + w.num_waiting for w in await reader.list_workers()}
         finally:
@@ -269,11 +270,10 @@ class PoolController:
         """One planner window from Redis (attainment counters of the last ``window_s`` seconds,
         worker load) and Ray (free resources)."""
         from pdserve.cluster.registry import RegistryReader
-        from pdserve.cluster.secret import cluster_secret
         from pdserve.router.admission import Admission
 
         admission, reader = Admission(self.cfg.redis_url, self.cfg.cluster), RegistryReader(
-            self.cfg.redis_url, self.cfg.cluster, secret=cluster_secret())
+            self.cfg.redis_url, self.cfg.cluster, secret=self._secret)
         try:
             a = await admission.attainment(window_s)
             registered = await reader.list_workers()
