@@ -86,7 +86,7 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmu
     drafted = sum(r.num_draft_tokens for r in reqs)
     accepted = sum(r.num_accepted_tokens for r in reqs)
     for r in reqs:
-        engine.abort(r.request_id)
+        engine.abort(r.attempt_id)
     engine.step()
     return {"tokens_per_s": counted["n"] / seconds, "step_s": seconds / steps,
             "acceptance": accepted / drafted if drafted else None}

@@ -4,13 +4,14 @@ Other threads talk to it only through :meth:`DecodeEngine.add_request`,
 :meth:`DecodeEngine.abort` and the KV receiver's callbacks, all of which post to
 an inbox; the engine thread alone owns request state. Each :meth:`step`:
 
-    1. drain the inbox   (KV arrived -> DECODING; failures and aborts -> FINISHED)
+    1. drain the inbox   (KV arrived: TRANSFERRING -> DECODING; failures and aborts -> FINISHED)
     2. schedule          (up to max_batch_size DECODING requests, oldest first)
     3. run               (one batched forward, one new token per request)
     4. postprocess       (sample, stream, retire finished requests, free their blocks)
 
 Requests join and leave at every token boundary (continuous batching, Yu et al.,
-"Orca", OSDI 2022).
+"Orca", OSDI 2022). The states (:class:`~cluster.lifecycle.RequestState`) are drawn in
+:mod:`decode_worker.request`; requests are keyed by their attempt id.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.cluster.lifecycle import RequestState
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from pdserve.decode_worker.request import (
     DecodeEventSink,
     DecodeRequest,
-    DecodeStatus,
     ErrorEvent,
     FinishedEvent,
     TokensEvent,
@@ -46,24 +47,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _KVArrived:
-    request_id: str
+    attempt_id: str
     first_token: int
 
 
 @dataclass(frozen=True)
 class _KVFailed:
-    request_id: str
+    attempt_id: str
     reason: str
 
 
 @dataclass(frozen=True)
-class _LocalPrefill:
-    request_id: str
-
-
-@dataclass(frozen=True)
 class _Abort:
-    request_id: str
+    attempt_id: str
 
 
 def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | None:
@@ -111,9 +107,10 @@ class DecodeEngine:
         return self.pool.num_blocks - (self.graph is not None)
 
     # ---- called from other threads -------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+    def add_request(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     kv_timeout_s: float, emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> list[int]:
-        """Pre-allocate the request's blocks and wait for its KV pages.
+        """Pre-allocate the request's blocks and wait for its KV pages (TRANSFERRING), received
+        under ``attempt_id``.
 
         Blocks cover ``len(prompt_ids) + max_tokens - 1`` positions (capped at the model's
         context), so decoding never runs out of blocks midway. A migrated request brings the
@@ -123,33 +120,32 @@ class DecodeEngine:
         Returns:
             The block ids the KV pages (of prompt + prior output) must be written into (the first blocks).
         Raises:
-            ValueError: duplicate request id, prompt and max_tokens beyond the context, or prior
+            ValueError: duplicate attempt id, prompt and max_tokens beyond the context, or prior
                 output that already ends the request.
             model.kv_cache.NoFreeBlocks: the pool cannot hold the request now.
         """
-        req = self._allocate(request_id, prompt_ids, sampling, emit, prior_output_ids)
+        req = self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids, RequestState.TRANSFERRING)
         prompt_blocks = req.block_table[: self.spec.num_blocks_for(req.num_tokens)]
         self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
-        self.receiver.expect(request_id, prompt_blocks, kv_timeout_s,
+        self.receiver.expect(attempt_id, prompt_blocks, kv_timeout_s,
                              on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
                              on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
         return prompt_blocks
 
-    def add_local(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+    def add_local(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
                   emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> None:
         """Admit a request whose prompt (plus ``prior_output_ids``, for a migrated request) this
-        worker prefills itself (no KV transfer); its next token is streamed too. Used in process
-        by benchmarks and colocated serving.
+        worker prefills itself (PREFILLING, no KV transfer); its next token is streamed too. Used in
+        process by benchmarks and colocated serving.
 
         Raises:
             ValueError, NoFreeBlocks: as :meth:`add_request`.
         """
-        req = self._allocate(request_id, prompt_ids, sampling, emit, prior_output_ids)
-        self._inbox.put(req)
-        self._inbox.put(_LocalPrefill(request_id))
+        self._inbox.put(self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids,
+                                       RequestState.PREFILLING))  # chunks run in the next steps, mixed with decodes
 
-    def _allocate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                  emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> DecodeRequest:
+    def _allocate(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                  emit: DecodeEventSink, prior_output_ids: list[int], state: RequestState) -> DecodeRequest:
         max_ctx = self.model_cfg.max_position_embeddings
         if len(prompt_ids) + sampling.max_tokens > max_ctx:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
@@ -161,20 +157,20 @@ class DecodeEngine:
         if prior_output_ids and prior_output_ids[-1] in stop_ids:
             raise ValueError("the prior output already ends with a stop token: nothing left to decode")
         with self._ids_lock:
-            if request_id in self._live_ids:
-                raise ValueError(f"request id {request_id!r} is already in use on this worker")
-            self._live_ids.add(request_id)
+            if attempt_id in self._live_ids:
+                raise ValueError(f"request id {attempt_id!r} is already in use on this worker")
+            self._live_ids.add(attempt_id)
         try:
             table = self.pool.allocate(self.spec.num_blocks_for(len(prompt_ids) + sampling.max_tokens - 1))
         except Exception:
-            self._release_id(request_id)
+            self._release_id(attempt_id)
             raise
-        return DecodeRequest(request_id, list(prompt_ids), sampling, stop_ids, max_ctx, table, emit,
+        return DecodeRequest(attempt_id, list(prompt_ids), sampling, stop_ids, max_ctx, table, emit, state,
                              output_ids=list(prior_output_ids))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, attempt_id: str) -> None:
         """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(_Abort(attempt_id))
 
     # ---- engine thread ---------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -193,13 +189,13 @@ class DecodeEngine:
         self._shutdown()
 
     def _fail_decoding(self, message: str) -> None:
-        for req in [r for r in self._requests.values() if r.status in (DecodeStatus.DECODING, DecodeStatus.PREFILLING)]:
+        for req in [r for r in self._requests.values() if r.state in (RequestState.DECODING, RequestState.PREFILLING)]:
             self._retire(req, ErrorEvent(grpc.StatusCode.INTERNAL, message))
 
     def step(self) -> None:
         """One engine iteration: inbox, schedule, run, postprocess."""
         self._drain_inbox()
-        batch = [r for r in self._requests.values() if r.status is DecodeStatus.DECODING][: self.cfg.max_batch_size]
+        batch = [r for r in self._requests.values() if r.state is RequestState.DECODING][: self.cfg.max_batch_size]
         chunks = self._prefill_chunks(self.cfg.max_num_batched_tokens - len(batch))
         if chunks:
             self._mixed_run(batch, chunks)
@@ -225,7 +221,7 @@ class DecodeEngine:
         chunks = []
         budget = max(budget, 1)
         for req in self._requests.values():
-            if req.status is DecodeStatus.PREFILLING and budget > 0:
+            if req.state is RequestState.PREFILLING and budget > 0:
                 n = min(req.num_tokens - req.num_computed, budget)
                 chunks.append((req, n))
                 budget -= n
@@ -284,35 +280,35 @@ class DecodeEngine:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, DecodeRequest):
-            self._requests[msg.request_id] = msg
-            self.num_transferring += 1
+            self._requests[msg.attempt_id] = msg
+            if msg.state is RequestState.PREFILLING:
+                self.num_prefilling += 1
+            else:
+                self.num_transferring += 1
             return
-        req = self._requests.get(msg.request_id)
+        req = self._requests.get(msg.attempt_id)
         if req is None:
             return  # already finished (e.g. aborted, then a late callback)
-        if isinstance(msg, _KVArrived) and req.status is DecodeStatus.TRANSFERRING:
+        if isinstance(msg, _KVArrived) and req.state is RequestState.TRANSFERRING:
             vocab = self.model_cfg.vocab_size
             if 0 <= msg.first_token < vocab:  # sampled by the prefill worker (index len(prior output))
                 self._start_decoding(req, msg.first_token)
             else:  # a bad sender must not fail the whole batch at the next step
                 self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: first token "
                                              f"{msg.first_token} outside the vocabulary [0, {vocab})"))
-        elif isinstance(msg, _LocalPrefill) and req.status is DecodeStatus.TRANSFERRING:
-            self.num_transferring -= 1
-            self.num_prefilling += 1
-            req.status = DecodeStatus.PREFILLING  # chunks run in the next steps, mixed with decodes
         elif isinstance(msg, _KVFailed):
             self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}"))
         elif isinstance(msg, _Abort):
             self._retire(req, None)
 
     def _start_decoding(self, req: DecodeRequest, first_token: int) -> None:
-        if req.status is DecodeStatus.PREFILLING:
+        """TRANSFERRING or PREFILLING -> DECODING, with the first token (sampled by P, or here)."""
+        if req.state is RequestState.PREFILLING:
             self.num_prefilling -= 1
         else:
             self.num_transferring -= 1
         self.num_decoding += 1
-        req.status, req.kv_ready_at = DecodeStatus.DECODING, time.monotonic()
+        req.state, req.kv_ready_at = RequestState.DECODING, time.monotonic()
         req.output_ids.append(first_token)
         self._finish_if_done(req)
 
@@ -324,25 +320,25 @@ class DecodeEngine:
 
     def _retire(self, req: DecodeRequest, event: FinishedEvent | ErrorEvent | None) -> None:
         """FINISHED: free the blocks, forget the request, send the last event."""
-        if req.status is DecodeStatus.TRANSFERRING:
-            self.receiver.cancel(req.request_id)
+        if req.state is RequestState.TRANSFERRING:
+            self.receiver.cancel(req.attempt_id)
             self.num_transferring -= 1
-        elif req.status is DecodeStatus.PREFILLING:
+        elif req.state is RequestState.PREFILLING:
             self.num_prefilling -= 1
         else:
             self.num_decoding -= 1
-        req.status = DecodeStatus.FINISHED
-        del self._requests[req.request_id]
+        req.state = RequestState.FINISHED
+        del self._requests[req.attempt_id]
         if self.proposer is not None:
             self.proposer.forget(req)
         self.pool.free(req.block_table)
-        self._release_id(req.request_id)
+        self._release_id(req.attempt_id)
         if event is not None:
             req.emit(event)
 
-    def _release_id(self, request_id: str) -> None:
+    def _release_id(self, attempt_id: str) -> None:
         with self._ids_lock:
-            self._live_ids.discard(request_id)
+            self._live_ids.discard(attempt_id)
 
     def _shutdown(self) -> None:
         self._drain_inbox()

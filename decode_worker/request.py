@@ -1,35 +1,31 @@
-"""A request's life on the decode worker, and the events it streams back.
+"""A request's life on the decode worker, and the events it streams back. The decode worker owns
+``TRANSFERRING``, ``PREFILLING`` (colocated only), ``DECODING`` and ``FINISHED`` of
+:class:`~cluster.lifecycle.RequestState` (the whole lifecycle: :mod:`cluster.lifecycle`)::
 
-::
-
-    add_local ───► PREFILLING ──(last chunk, first token sampled here)─┐   (colocated mode)
-                                                                       ▼
+    add_local ────► PREFILLING ──(last chunk, first token sampled here)─┐   (colocated mode)
+       (blocks        │  chunks mixed with decodes                       │
+        allocated)    │                                                  ▼
     add_request ──► TRANSFERRING ──(all KV pages + first token)──► DECODING ──► FINISHED
        (blocks       │  waits for the prefill worker's pages          │  one token    (stop, length)
         allocated)   │  (deadline: kv_timeout_s)                      │  per step
                      └──(transfer failed / timed out / aborted)───────┴──► FINISHED (error / abort)
 
-Owner of the blocks in every state: the decode engine, which frees them on every
-path into FINISHED.
+A locally prefilled request is never TRANSFERRING. Owner of the blocks in every state: the decode
+engine, which frees them on every path into FINISHED. A request is known by its ``attempt_id``:
+the ``request_id`` of the router's Generate call, which names one attempt of a client's request
+(:mod:`router.recovery`), and the request id of its KV transfer.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.cluster.lifecycle import RequestState
 from pdserve.model.sampling import SamplingParams
-
-
-class DecodeStatus(enum.Enum):
-    TRANSFERRING = "transferring"
-    PREFILLING = "prefilling"        # colocated mode: the prompt is prefilled here, chunk by chunk
-    DECODING = "decoding"
-    FINISHED = "finished"
 
 
 @dataclass(frozen=True)
@@ -63,16 +59,17 @@ DecodeEventSink = Callable[[TokensEvent | FinishedEvent | ErrorEvent], None]
 
 @dataclass
 class DecodeRequest:
-    """Mutable state of one request on the decode worker (engine thread only)."""
+    """Mutable state of one request on the decode worker (engine thread only); ``state`` is
+    TRANSFERRING (KV from a prefill worker) or PREFILLING (colocated) at first."""
 
-    request_id: str
+    attempt_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
     max_context: int
     block_table: list[int]
     emit: DecodeEventSink
-    status: DecodeStatus = DecodeStatus.TRANSFERRING
+    state: RequestState
     output_ids: list[int] = field(default_factory=list)  # starts with a migrated request's prior output
     num_computed: int = 0            # colocated mode: prompt (+ prior output) tokens prefilled here so far
     num_draft_tokens: int = 0        # speculative proposals verified

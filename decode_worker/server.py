@@ -1,4 +1,8 @@
-"""The decode worker process: gRPC ``DecodeWorker`` service over a :class:`DecodeEngine`."""
+"""The decode worker process: gRPC ``DecodeWorker`` service over a :class:`DecodeEngine`.
+
+A Generate call's ``request_id`` is the router's attempt id (:mod:`router.recovery`): the engine
+keys the request by it (``attempt_id``) and expects its KV pages under it.
+"""
 
 from __future__ import annotations
 
@@ -26,12 +30,18 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    """Streams one request's output: ``allocated``, token deltas, ``finished``."""
+    """Streams one request's output: ``allocated``, token deltas, ``finished``; a cancelled call
+    aborts the request (its blocks are freed)."""
 
     def __init__(self, engine: DecodeEngine) -> None:
         self.engine = engine
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+        """Pre-allocate the request's blocks (or prefill it here, colocated) and stream its events.
+        Ends INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION for ``local_prefill`` on a worker
+        that is not colocated, RESOURCE_EXHAUSTED when the blocks cannot be had, UNAVAILABLE when the
+        KV transfer failed or timed out."""
+        attempt_id = request.request_id  # the router's attempt id
         sampling = sampling_from_wire(request.sampling)
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
@@ -51,10 +61,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                 "this decode worker does not prefill (not colocated)")
         try:
             if request.local_prefill:
-                self.engine.add_local(request.request_id, list(request.prompt_token_ids), sampling, emit, prior)
+                self.engine.add_local(attempt_id, list(request.prompt_token_ids), sampling, emit, prior)
                 blocks = []
             else:
-                blocks = self.engine.add_request(request.request_id, list(request.prompt_token_ids), sampling,
+                blocks = self.engine.add_request(attempt_id, list(request.prompt_token_ids), sampling,
                                                  request.kv_timeout_s or 30.0, emit, prior)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -83,7 +93,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         await context.abort(ev.code, ev.message)
         finally:
             if not ended:  # cancelled by the router or the client: free the blocks
-                self.engine.abort(request.request_id)
+                self.engine.abort(attempt_id)
 
 
 def _coalesce(events: list) -> list:

@@ -173,11 +173,11 @@ class DraftModelProposer:
         self._computed: dict[str, int] = {}
 
     def propose(self, reqs: list[DecodeRequest], ks: list[int]) -> list[Proposal]:
-        computed = [min(self._computed.get(r.request_id, 0), r.num_tokens - 1) for r in reqs]
+        computed = [min(self._computed.get(r.attempt_id, 0), r.num_tokens - 1) for r in reqs]
         proposals = _draft_loop(self.runner, reqs, ks, computed, None)
         for r, c in zip(reqs, computed):
-            self._computed[r.request_id] = c  # valid up to here; verification decides what stays
+            self._computed[r.attempt_id] = c  # valid up to here; verification decides what stays
         return proposals
 
     def forget(self, req: DecodeRequest) -> None:
-        self._computed.pop(req.request_id, None)
+        self._computed.pop(req.attempt_id, None)

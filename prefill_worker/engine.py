@@ -12,7 +12,8 @@ Each :meth:`PrefillEngine.step`:
                     prompts that are done, sample the first token and queue ``Finish``
 
 Chunked prefill: Agrawal et al., "Sarathi-Serve" (OSDI 2024); vLLM's chunked prefill.
-The request lifecycle is drawn in :mod:`prefill_worker.request`.
+The prefill worker's states (``QUEUED``, ``PREFILLING``, ``TRANSFERRING``, ``FINISHED`` of
+:class:`~cluster.lifecycle.RequestState`) are drawn in :mod:`prefill_worker.request`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pdserve.cluster.kv_events import KVEvent
+from pdserve.cluster.lifecycle import RequestState
 from pdserve.kvtransfer.select import make_sender
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
@@ -33,7 +35,7 @@ from pdserve.model.sampling import sample
 from pdserve.prefill_worker.blocks import BlockSource, PlainBlocks
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.prefix_cache import PrefixCache
-from pdserve.prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
+from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
 from pdserve.prefill_worker.sender import Finish, KVSendLoop, Release, SendPages
 
 log = logging.getLogger(__name__)
@@ -69,24 +71,24 @@ class PrefillEngine:
         """Queue a prompt.
 
         Raises:
-            ValueError: duplicate request id, or a destination block table that does not fit the prompt.
+            ValueError: duplicate attempt id, or a destination block table that does not fit the prompt.
         """
         need = self.spec.num_blocks_for(len(req.token_ids))
         if len(req.dst_block_ids) != need:
             raise ValueError(f"{len(req.dst_block_ids)} destination blocks for a {len(req.token_ids)}-token "
                              f"prompt; need {need}")
         with self._lock:
-            if req.request_id in self._live:
-                raise ValueError(f"request id {req.request_id!r} is already in use on this worker")
-            self._live[req.request_id] = req
+            if req.attempt_id in self._live:
+                raise ValueError(f"request id {req.attempt_id!r} is already in use on this worker")
+            self._live[req.attempt_id] = req
             self._queue.append(req)
             self._lock.notify()
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, attempt_id: str) -> None:
         """Stop the request wherever it is; its blocks are released. Idempotent."""
         with self._lock:
-            if request_id in self._live:
-                self._live[request_id].aborted = True
+            if attempt_id in self._live:
+                self._live[attempt_id].aborted = True
 
     @property
     def num_queued(self) -> int:
@@ -144,7 +146,7 @@ class PrefillEngine:
         for req, n in chunks:
             req.num_computed += n
         for (_, req), token in zip(done, firsts):
-            req.first_token, req.computed_at, req.status = token, now, PrefillStatus.TRANSFERRING
+            req.first_token, req.computed_at, req.state = token, now, RequestState.TRANSFERRING
             self.blocks.insert(req.token_ids, req.block_table)
             self._running.remove(req)
         for req, _ in chunks:
@@ -202,11 +204,12 @@ class PrefillEngine:
             return False
         req.block_table = match.block_ids + fresh
         req.num_cached_tokens = req.num_computed = match.num_cached_tokens
-        req.status, req.admitted_at = PrefillStatus.PREFILLING, time.monotonic()
+        req.state, req.admitted_at = RequestState.PREFILLING, time.monotonic()
         return True
 
     def _finished(self, req: PrefillRequest, result: PrefillResult) -> None:
-        """Deliver a request's result (sender thread, or the engine for never-admitted requests)."""
+        """FINISHED: deliver a request's result (sender thread, or the engine for never-admitted requests)."""
+        req.state = RequestState.FINISHED
         with self._lock:
-            self._live.pop(req.request_id, None)
+            self._live.pop(req.attempt_id, None)
         req.on_done(result)

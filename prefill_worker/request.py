@@ -1,4 +1,5 @@
-"""A request's life on the prefill worker::
+"""A request's life on the prefill worker: ``QUEUED``, ``PREFILLING``, ``TRANSFERRING`` and
+``FINISHED`` of :class:`~cluster.lifecycle.RequestState` (the whole lifecycle: :mod:`cluster.lifecycle`)::
 
     add_request ─► QUEUED ─(admitted: cached prefix matched, blocks allocated)─► PREFILLING
                                                                                    │ one chunk per step;
@@ -9,27 +10,23 @@
     FINISHED ◄─(sender: ack from the decode worker, or failure)── TRANSFERRING (last pages + first token)
 
 Abort (the router cancelled) or a failed transfer sends the request to FINISHED from
-any state. Owner of its blocks: the engine until admission fails or the request is
-admitted; from admission on, blocks are released only by the sender thread, after
-its last job for the request, so no page is read after its block is reused.
+QUEUED or PREFILLING at the next step; a TRANSFERRING one ends when its transfer does (the
+decode worker refuses the pages of a request it no longer expects). Owner of its blocks: the
+engine until admission fails or the request is admitted; from admission on, blocks are
+released only by the sender thread, after its last job for the request, so no page is read
+after its block is reused. A request is known by its ``attempt_id``: the ``request_id`` of
+the router's Prefill call, which names one attempt of a client's request (:mod:`router.recovery`).
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdserve.cluster.lifecycle import RequestState
 from pdserve.kvtransfer import KVChannel
 from pdserve.model.sampling import SamplingParams
-
-
-class PrefillStatus(enum.Enum):
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    TRANSFERRING = "transferring"
-    FINISHED = "finished"
 
 
 @dataclass(frozen=True)
@@ -60,16 +57,17 @@ class PrefillResult:
 
 @dataclass
 class PrefillRequest:
-    """One prompt to prefill and where its KV goes (mutable engine state)."""
+    """One prompt to prefill and where its KV goes (mutable engine state); ``attempt_id`` names it
+    on this worker and on the KV transfer."""
 
-    request_id: str
+    attempt_id: str
     token_ids: list[int]
     sampling: SamplingParams
     dst_kv_address: str
     dst_block_ids: list[int]
     on_done: Callable[[PrefillResult], None]
     first_output_index: int = 0        # output index of the sampled token (> 0: a migrated request)
-    status: PrefillStatus = PrefillStatus.QUEUED
+    state: RequestState = RequestState.QUEUED
     aborted: bool = False
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0

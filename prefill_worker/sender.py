@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.cluster.lifecycle import RequestState
 from pdserve.kvtransfer import KVSender, TransferError
 from pdserve.prefill_worker.blocks import BlockSource
-from pdserve.prefill_worker.request import PrefillRequest, PrefillResult, PrefillStatus
+from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class KVSendLoop(threading.Thread):
                 self._run(job)
             except Exception as exc:  # the request fails; the thread and the worker live on
                 if not isinstance(exc, TransferError):
-                    log.exception("KV transfer of %s failed", job.req.request_id)
+                    log.exception("KV transfer of %s failed", job.req.attempt_id)
                 job.req.error = job.req.error or f"KV transfer to {job.req.dst_kv_address} failed: {exc}"
                 if isinstance(job, (Finish, Release)):
                     self._end(job.req)
@@ -89,26 +90,27 @@ class KVSendLoop(threading.Thread):
         elif isinstance(job, SendPages):
             if req.channel is None:
                 req.first_page_at = time.monotonic()
-                req.channel = self._sender.open(req.request_id, req.dst_kv_address)
+                req.channel = self._sender.open(req.attempt_id, req.dst_kv_address)  # the transfer's request id
             req.channel.send_pages((0, self._num_layers), req.block_table[job.start:job.end],
                                    req.dst_block_ids[job.start:job.end])
         else:
             if self._hold_s and req.channel is not None:
                 time.sleep(self._hold_s)  # fault injection: pages sent, done frame not yet
             stats = req.channel.finish(req.first_token)
-            self._num_bytes[req.request_id] = stats.num_bytes
+            self._num_bytes[req.attempt_id] = stats.num_bytes
             self._end(req)
 
     def _end(self, req: PrefillRequest) -> None:
-        """Last job of the request: close the channel if it failed, release its blocks, deliver."""
-        if req.status is PrefillStatus.FINISHED:
+        """Last job of the request (TRANSFERRING, or PREFILLING when it failed): close the channel if it
+        failed, release its blocks, deliver; the request is FINISHED."""
+        if req.state is RequestState.FINISHED:
             return
         done_at = time.monotonic()
         if req.error and req.channel is not None:
             req.channel.abort(req.error)
-        req.status = PrefillStatus.FINISHED
+        req.state = RequestState.FINISHED
         self._blocks.release(req.block_table)
-        num_bytes = self._num_bytes.pop(req.request_id, 0)
+        num_bytes = self._num_bytes.pop(req.attempt_id, 0)
         if req.error:
             result = PrefillResult(error=req.error)
         else:

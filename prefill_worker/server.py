@@ -1,4 +1,8 @@
-"""The prefill worker process: gRPC ``PrefillWorker`` service over a :class:`PrefillEngine`."""
+"""The prefill worker process: gRPC ``PrefillWorker`` service over a :class:`PrefillEngine`.
+
+A Prefill call's ``request_id`` is the router's attempt id (:mod:`router.recovery`): the worker
+knows the request by it (``attempt_id``) and so does the KV transfer to the decode worker.
+"""
 
 from __future__ import annotations
 
@@ -22,12 +26,16 @@ from pdserve.proto.convert import sampling_from_wire
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    """Answers once the request's KV pages and first token reached the decode worker."""
+    """Answers once the request's KV pages and first token reached the decode worker; a cancelled call
+    aborts the request (:meth:`PrefillEngine.abort`)."""
 
     def __init__(self, engine: PrefillEngine) -> None:
         self.engine = engine
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        """Prefill the prompt and push its KV and first token to the decode worker; answer with the
+        first token and timings once the decode worker acknowledged. Ends INVALID_ARGUMENT for a bad
+        prompt, sampling or block table, UNAVAILABLE when the prefill or the transfer failed."""
         vocab = self.engine.model_cfg.vocab_size
         ids = list(request.token_ids)
         if not ids:
@@ -48,7 +56,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
         on_done = lambda r: loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))  # noqa: E731
-        req = PrefillRequest(request.request_id, ids, sampling, request.dst_kv_address,
+        attempt_id = request.request_id  # the router's attempt id
+        req = PrefillRequest(attempt_id, ids, sampling, request.dst_kv_address,
                              list(request.dst_block_ids), on_done, first_output_index=request.first_output_index)
         try:
             self.engine.add_request(req)
@@ -57,7 +66,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             result = await done
         except asyncio.CancelledError:
-            self.engine.abort(request.request_id)
+            self.engine.abort(attempt_id)
             raise
         if result.error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, result.error)
@@ -77,11 +86,11 @@ class PrefillWorker(WorkerProcess):
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.activations == "fp8":
             fp8.convert_for_runtime(model)
+        secret = cluster_secret()
         self.events = None
         if cfg.prefix_cache and cfg.kv_events:
-            self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id)
+            self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, secret=secret)
             self.events.publish_cleared(cfg.block_size)  # a (re)started worker holds nothing
-        secret = cluster_secret()
         engine = PrefillEngine(cfg, model, model_cfg, self.events.publish if self.events else None, secret)
         super().__init__(cfg, engine, secret)
         self._last_snapshot = 0.0

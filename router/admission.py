@@ -7,9 +7,9 @@ reads, decides and reserves atomically, so routers sharing one Redis never over-
 
 Keys, all under ``pdserve:{cluster}:``, all with a TTL::
 
-    adm:prefill:{worker}  HASH  request_id -> "deadline_ms:prefill_s"
+    adm:prefill:{worker}  HASH  attempt_id -> "deadline_ms:prefill_s"
                                 prefill seconds reserved (queued or running) on the worker
-    adm:decode:{worker}   HASH  request_id -> "deadline_ms:tpot_slo_s:context_tokens"
+    adm:decode:{worker}   HASH  attempt_id -> "deadline_ms:tpot_slo_s:context_tokens"
                                 requests admitted to the worker's decode batch
     slo:{bucket_start}    HASH  finished, met_ttft, met_tpot, met_both, rejected
                                 outcomes in the 10-s window from bucket_start (Unix seconds)
@@ -19,9 +19,10 @@ Keys, all under ``pdserve:{cluster}:``, all with a TTL::
     request ended (any way) ─release_decode──► HDEL adm:decode:D
     request ended ─────────record_outcome───► HINCRBY slo:{bucket}
 
-Deadlines are Redis server time (``TIME``), so router clocks do not matter. A reservation whose
-router crashed lapses at its deadline: the next script run on that key purges it, and the
-key expires after its latest deadline.
+Reservations are keyed by the router's attempt id (:mod:`router.recovery`; only a request's first
+attempt is admitted). Deadlines are Redis server time (``TIME``), so router clocks do not matter.
+A reservation whose router crashed lapses at its deadline: the next script run on that key purges
+it, and the key expires after its latest deadline.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import redis.asyncio as aioredis
 
 # Decide and reserve, atomically.
 # KEYS[1] adm:prefill:{P}  KEYS[2] adm:decode:{D}
-# ARGV[1] request_id  [2] prefill_s  [3] ttft_slo_s  [4] a (s)  [5] b (s/request)  [6] c (s/token)
+# ARGV[1] attempt_id  [2] prefill_s  [3] ttft_slo_s  [4] a (s)  [5] b (s/request)  [6] c (s/token)
 #     [7] context_tokens  [8] tpot_slo_s  [9] prefill_ttl_ms  [10] decode_ttl_ms  [11] tpot_retry_s
 # Returns {admitted 0/1, reason, ttft_s, tpot_s, retry_after_s (-1: retrying cannot help)};
 # floats as strings (a Lua number reply would be truncated to an integer).
@@ -173,7 +174,7 @@ class Admission:
     def slo_key(self, bucket_start: int) -> str:
         return f"{self._prefix}slo:{bucket_start}"
 
-    async def try_admit(self, request_id: str, prefill_worker: str, prefill_seconds: float, ttft_slo_s: float,
+    async def try_admit(self, attempt_id: str, prefill_worker: str, prefill_seconds: float, ttft_slo_s: float,
                         decode_worker: str, tpot_params: TpotParams | tuple[float, float, float, int],
                         tpot_slo_s: float, decode_ttl_s: float | None = None) -> Decision:
         """Admit the request and reserve ``prefill_seconds`` on ``prefill_worker`` and a batch slot
@@ -196,19 +197,19 @@ class Admission:
         ttl_ms = _ms(decode_ttl_s) if decode_ttl_s else self._decode_ttl_ms
         ok, reason, ttft, tpot, retry = await self._admit(
             keys=[self.prefill_key(prefill_worker), self.decode_key(decode_worker)],
-            args=[request_id, repr(float(prefill_seconds)), repr(float(ttft_slo_s)), repr(float(a)), repr(float(b)),
+            args=[attempt_id, repr(float(prefill_seconds)), repr(float(ttft_slo_s)), repr(float(a)), repr(float(b)),
                   repr(float(c)), int(ctx), repr(float(tpot_slo_s)), self._prefill_ttl_ms, ttl_ms,
                   repr(float(self._tpot_retry_s))])
         retry_s = float(_s(retry))
         return Decision(bool(int(ok)), _s(reason), float(_s(ttft)), float(_s(tpot)), None if retry_s < 0 else retry_s)
 
-    async def release_prefill(self, request_id: str, prefill_worker: str) -> None:
+    async def release_prefill(self, attempt_id: str, prefill_worker: str) -> None:
         """The prefill answered (or failed): its work is no longer queued. Idempotent."""
-        await self._redis.hdel(self.prefill_key(prefill_worker), request_id)
+        await self._redis.hdel(self.prefill_key(prefill_worker), attempt_id)
 
-    async def release_decode(self, request_id: str, decode_worker: str) -> None:
+    async def release_decode(self, attempt_id: str, decode_worker: str) -> None:
         """The request ended, however it ended: it leaves the decode batch. Idempotent."""
-        await self._redis.hdel(self.decode_key(decode_worker), request_id)
+        await self._redis.hdel(self.decode_key(decode_worker), attempt_id)
 
     async def load(self, prefill_worker: str, decode_worker: str) -> dict:
         """Live (unexpired) reservations: ``prefill_reserved_s`` (seconds) on the prefill worker;

@@ -19,11 +19,18 @@ to an uninterrupted run and no token is duplicated or dropped.
 Workers that failed under this request are *avoided*, not banned: they go last in every ranking
 (a dead worker is in the registry until its lease lapses; one that failed for a passing reason may
 be the only one left).
+
+Every attempt is a new request on the workers, under its own **attempt id**: the router's id for
+the request (drawn per request: clients' ids need not be unique), with ``-k`` appended for attempt
+``k >= 2`` (a failed attempt may still be live on a worker for a moment, and a worker refuses an id
+it holds). The workers see it as the ``request_id`` of their RPCs and KV transfers. States and
+their names: :mod:`cluster.lifecycle`.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -72,6 +79,7 @@ class Progress:
         num_retries: attempts restarted before any token was streamed.
         num_migrations: attempts restarted after tokens were streamed.
         cached_tokens: prompt tokens the first successful prefill served from its prefix cache.
+        request_uid: the router's id for the request, the stem of its attempt ids.
     """
 
     generated: list[int] = field(default_factory=list)
@@ -80,10 +88,18 @@ class Progress:
     num_retries: int = 0
     num_migrations: int = 0
     cached_tokens: int | None = None
+    request_uid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def num_attempts(self) -> int:
+        """Attempts so far, the current one included."""
         return 1 + self.num_retries + self.num_migrations
+
+    @property
+    def attempt_id(self) -> str:
+        """The current attempt's id, the request id its workers see: ``request_uid`` for the first
+        attempt, ``request_uid-k`` for the k-th."""
+        return self.request_uid if self.num_attempts == 1 else f"{self.request_uid}-{self.num_attempts}"
 
     def history(self) -> str:
         """The failures so far, for error messages (empty when none)."""

@@ -1,35 +1,27 @@
-"""A request's life as the router sees it, with per-state timestamps.
+"""The router's part of a request's lifecycle (:mod:`cluster.lifecycle`) and the request's timestamps.
 
-::
+The router owns ``QUEUED``, ``PREFILLING``, ``DECODING`` and ``FINISHED`` of
+:class:`~cluster.lifecycle.RequestState`::
 
-    QUEUED ──► PREFILLING ──► TRANSFERRING ──► DECODING ──► FINISHED
-    (validated,   (prefill worker    (pages in flight;   (decode worker   (stop, length,
-     workers       runs the prompt)   decode worker has   streams tokens)  abort, error)
-     chosen, KV                       pre-allocated
-     allocated)                       blocks)
+    QUEUED ──────────► PREFILLING ─────────────► DECODING ──────────► FINISHED
+    (validated; P       (P.Prefill outstanding:   (first token from    (stop, length,
+     chosen, admission,  P computes the KV and     P's answer, then     abort, error)
+     D.Generate opened:  pushes it to D; P's       D's tokens relayed)
+     D pre-allocated     PREFILLING and
+     the blocks)         TRANSFERRING are one
+                         call here)
 
-A worker failure sends the request back to QUEUED on other workers (a retry, before the first
-token was streamed) or to PREFILLING of prompt + streamed tokens (a migration, after it), a
-bounded number of times (:mod:`router.recovery`); the client sees one stream either way.
-
-The router sees PREFILLING and TRANSFERRING as one call (the prefill RPC returns
-when the decode worker acknowledged the pages). Owners of the KV blocks: the
-decode worker from allocation on (it frees them when its stream ends, however
-it ends), the prefill worker for its own copy until the transfer ends.
+A worker failure sends the request back to QUEUED for a new attempt on other workers: a retry
+(before the first token was streamed) or a migration (after it: the prefill runs prompt + the
+streamed tokens), a bounded number of times (:mod:`router.recovery`); the client sees one stream
+either way. Owners of the KV blocks: the decode worker from allocation on (it frees them when its
+stream ends, however it ends), the prefill worker for its own copy until the transfer ends.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
-
-
-class RequestState(enum.Enum):
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    FINISHED = "finished"
 
 
 @dataclass

@@ -44,14 +44,28 @@ class SloGate:
                 self.step_models.setdefault(w.worker_id, StepTimeModel()).observe(
                     w.step_batch, w.step_context_tokens, w.step_seconds)
 
-    async def admit(self, request_id: str, prefill_worker: str, prefill_s: float, decodes: list[WorkerInfo],
+    def forget(self, worker_id: str) -> None:
+        """Drop what this gate keeps of ``worker_id`` (it left the registry); a no-op if nothing."""
+        self.step_models.pop(worker_id, None)
+        self._seen.pop(worker_id, None)
+
+    async def admit(self, attempt_id: str, prefill_worker: str, prefill_s: float, decodes: list[WorkerInfo],
                     context_tokens: int, slo: Slo, decode_ttl_s: float) -> tuple[WorkerInfo | None, Decision | None]:
-        """Try the best few decode workers; the first that admits wins (its reservations are held)."""
+        """Try the best few decode workers for the attempt ``attempt_id``; the first that admits wins (its
+        reservations are held, keyed by ``attempt_id``). ``prefill_s``: predicted prefill seconds on
+        ``prefill_worker``; ``decode_ttl_s``: lifetime of the decode reservation (seconds).
+
+        Returns:
+            (the admitting decode worker, its decision), or (None, the last rejection; None if no
+            decode worker was tried). A rejection is counted in Redis.
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
         decision = None
         for d in decodes[:3]:
             model = self.step_models.setdefault(d.worker_id, StepTimeModel())
             decision = await self.admission.try_admit(
-                request_id, prefill_worker, prefill_s, slo.ttft_s, d.worker_id,
+                attempt_id, prefill_worker, prefill_s, slo.ttft_s, d.worker_id,
                 TpotParams(*model.coefficients(), context_tokens), slo.tpot_s, decode_ttl_s=decode_ttl_s)
             if decision.admitted:
                 return d, decision

@@ -1,0 +1,292 @@
+"""Choosing one attempt's workers: the router's ``QUEUED`` state (:mod:`cluster.lifecycle`)::
+
+    1. choose P (rank_prefill)         P counted in flight (InFlight) from here
+    2. admission (first attempt only)  reservations on P and D in Redis (Reservation)
+    3. open D.Generate                 each D asked counted while it answers; the one that
+                                       pre-allocates the blocks stays counted (DecodeStream)
+    ──► Chosen, for the streaming (router.generate), which gives each back exactly once:
+        P's count and reservation when P.Prefill returns, D's when the request leaves D
+
+A worker is counted from the moment it is chosen, so that concurrent arrivals spread out. If
+choosing fails, whatever it took is given back before the error propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.proto import worker_pb2, worker_pb2_grpc
+from pdserve.proto.convert import sampling_to_wire
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, rank_decode, rank_prefill
+from pdserve.router.recovery import GenerateError, Progress, WorkerFailure, avoiding
+from pdserve.router.slo import SloGate
+from pdserve.router.validation import ValidRequest
+
+
+class InFlight:
+    """One request counted on one worker in a router's in-flight counts (``counts[worker_id]``),
+    from construction until :meth:`release` or the end of its ``with`` block, whichever comes
+    first: every exit path uncounts exactly once."""
+
+    def __init__(self, counts: Counter, worker_id: str) -> None:
+        self._counts, self.worker_id, self._held = counts, worker_id, True
+        counts[worker_id] += 1
+
+    def release(self) -> None:
+        """Uncount the worker; later calls do nothing."""
+        if self._held:
+            self._held = False
+            self._counts[self.worker_id] -= 1
+
+    def __enter__(self) -> InFlight:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+@dataclass
+class ClusterView:
+    """What the router knows when it dispatches: live workers, its own in-flight counts,
+    and a gRPC channel per worker address. ``workers`` returns the registry's latest read
+    (retries then see workers that appeared or lapsed meanwhile); ``eos_token_ids`` are the
+    checkpoint's, for the stop check of a request whose worker failed after its last token."""
+
+    workers: Callable[[], list[WorkerInfo]]
+    inflight: Counter
+    channel: Callable[[str], grpc.aio.Channel]
+    stats: dict[str, PrefillStats] = field(default_factory=dict)
+    cached_blocks: Callable[[list[int], int], dict[str, int]] = lambda ids, block_size: {}
+    on_routed: Callable[[str, list[int], int], None] = lambda worker_id, ids, block_size: None
+    gate: SloGate | None = None
+    outcomes: Admission | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def current(self) -> list[WorkerInfo]:
+        """The workers to dispatch to now."""
+        return self.workers()
+
+    def counting(self, worker_id: str) -> InFlight:
+        """Count a request on ``worker_id`` in ``inflight`` from now until the result is released."""
+        return InFlight(self.inflight, worker_id)
+
+
+@dataclass
+class Reservation:
+    """An attempt's admission reservations in Redis: prefill seconds on P, a batch slot on D.
+    The prefill one is given back once, when P answers or at the end; both at the end."""
+
+    admission: Admission
+    attempt_id: str
+    prefill_id: str
+    decode_id: str
+    prefill_held: bool = True
+
+    async def release_prefill(self) -> None:
+        """P answered (or failed): its reserved work is no longer queued. Later calls do nothing.
+
+        Raises:
+            redis.RedisError: Redis is unreachable (the reservation lapses at its deadline).
+        """
+        if self.prefill_held:
+            self.prefill_held = False
+            await self.admission.release_prefill(self.attempt_id, self.prefill_id)
+
+    async def release(self) -> None:
+        """The attempt ended, however it ended: give back what is still held.
+
+        Raises:
+            redis.RedisError: as :meth:`release_prefill`.
+        """
+        await self.release_prefill()
+        await self.admission.release_decode(self.attempt_id, self.decode_id)
+
+
+@dataclass
+class DecodeStream:
+    """An open ``DecodeWorker.Generate`` call: the worker (counted by ``count``), the call and
+    the blocks it pre-allocated (``allocated``: block ids and KV address)."""
+
+    worker: WorkerInfo
+    call: grpc.aio.UnaryStreamCall
+    allocated: worker_pb2.Allocated
+    count: InFlight
+
+
+@dataclass
+class Chosen:
+    """One disaggregated attempt's workers, each counted in flight.
+
+    Attributes:
+        prefill: the prefill worker P; ``prefill_count`` counts it.
+        decode: the open decode stream on D (counted by ``decode.count``).
+        reservation: admission's reservations, or None (admission off, or a later attempt).
+        context: token ids whose KV P computes (prompt + the tokens already streamed).
+        block_size: tokens per KV block.
+        work_blocks: blocks of ``context`` P's prefix cache lacks (the work this router queues there).
+    """
+
+    prefill: WorkerInfo
+    prefill_count: InFlight
+    decode: DecodeStream
+    reservation: Reservation | None
+    context: list[int]
+    block_size: int
+    work_blocks: int
+
+
+async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig, attempt_id: str,
+                         progress: Progress) -> Chosen:
+    """Choose P, take admission (first attempt only) and open the decode stream on D.
+
+    Raises:
+        GenerateError: not retriable (no worker, no room, bad request, not admitted).
+        WorkerFailure: the decode workers to try were unreachable.
+    """
+    pool = [w for w in view.current() if w.role == "prefill"]
+    if not pool:
+        raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no prefill worker is available{progress.history()}")
+    context = req.prompt_ids + progress.generated  # tokens whose KV the prefill computes
+    block_size = pool[0].block_size
+    prompt_blocks = len(context) // block_size
+    cached = view.cached_blocks(context, block_size)
+    prefill = avoiding(rank_prefill(view.current(), prompt_blocks, cached, view.stats, view.inflight,
+                                    cfg.spill_queue_s), progress.avoid)[0]
+    num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
+    work = -(-len(context) // block_size) - min(cached.get(prefill.worker_id, 0), prompt_blocks)  # to compute
+    gate = view.gate if progress.num_attempts == 1 else None  # admission counts a request once, at its first dispatch
+    prefill_count = view.counting(prefill.worker_id)  # from the moment it is chosen, so concurrent arrivals spread out
+    reservation = candidates = None
+    try:
+        if gate is not None:
+            candidates = [await _admit(view, req, attempt_id, prefill, work, num_tokens)]
+            reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
+        decode = await open_decode(view, req, attempt_id, num_tokens, cfg, progress, candidates=candidates,
+                                   kv_backends=prefill.kv_backends)
+    except BaseException:
+        prefill_count.release()
+        if reservation is not None:
+            await reservation.release()
+        raise
+    return Chosen(prefill, prefill_count, decode, reservation, context, block_size, work)
+
+
+async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int, cfg: RouterConfig,
+                      progress: Progress, role: str = "decode", candidates: list[WorkerInfo] | None = None,
+                      kv_backends: tuple[str, ...] | None = None) -> DecodeStream:
+    """Open a decode stream on the best worker of ``role`` that has room for ``num_tokens`` positions
+    (or the first of ``candidates`` that takes it), workers that failed this request last. Each worker
+    asked is counted while it answers; the returned one stays counted until the caller releases it.
+    Colocated workers (role ``both``) are asked to prefill the prompt themselves. A migrated request's
+    streamed tokens go along as ``prior_output_token_ids``.
+
+    Raises:
+        GenerateError: UNAVAILABLE (no worker of ``role``, or none answered), RESOURCE_EXHAUSTED
+            (no room), INVALID_ARGUMENT (the worker refused the request).
+        WorkerFailure: a worker to try was unreachable (dead or stuck).
+    """
+    if candidates is None:
+        candidates = avoiding(rank_decode(view.current(), view.inflight, num_tokens, role, kv_backends),
+                              progress.avoid)
+    if not candidates:
+        if not any(w.role == role for w in view.current()):
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no decode worker is available{progress.history()}")
+        raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
+    last_error, unreachable = "", set()
+    for worker in candidates:
+        count = view.counting(worker.worker_id)  # counted while it answers, so concurrent arrivals spread out
+        try:
+            call, allocated = await _allocate(view, worker, req, attempt_id, cfg, progress, role)
+        except BaseException as exc:
+            count.release()
+            if not isinstance(exc, _Refused):
+                raise
+            if exc.unreachable:
+                unreachable.add(worker.worker_id)  # dead or stuck: the next attempt avoids it
+            last_error = f"{worker.worker_id}: {exc}"
+            continue
+        return DecodeStream(worker, call, allocated, count)
+    if unreachable:  # e.g. the one worker admission reserved died: retry the dispatch without it
+        raise WorkerFailure(unreachable, f"no decode worker could take the request (last: {last_error})")
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if "blocks" in last_error else grpc.StatusCode.UNAVAILABLE
+    raise GenerateError(code, f"no decode worker could take the request (last: {last_error}){progress.history()}")
+
+
+class _Refused(Exception):
+    """A decode worker did not allocate the request; ``unreachable``: it is dead or stuck (not merely full)."""
+
+    def __init__(self, message: str, unreachable: bool) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+async def _allocate(view: ClusterView, worker: WorkerInfo, req: ValidRequest, attempt_id: str, cfg: RouterConfig,
+                    progress: Progress, role: str) -> tuple[grpc.aio.UnaryStreamCall, worker_pb2.Allocated]:
+    """Call ``worker``'s Generate and read its first event, the allocation; the call is cancelled
+    if that fails (or the caller is cancelled).
+
+    Raises:
+        _Refused: no answer within ``prefill_timeout_s``, an error status, or no allocation.
+        GenerateError: INVALID_ARGUMENT, the worker refused the request itself.
+    """
+    call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
+        request_id=attempt_id, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
+        kv_timeout_s=cfg.kv_timeout_s, local_prefill=role == "both", prior_output_token_ids=progress.generated))
+    try:
+        first = await asyncio.wait_for(call.read(), timeout=cfg.prefill_timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        call.cancel()
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            raise GenerateError(exc.code(), exc.details()) from None
+        raise _Refused(exc.details(), unreachable=exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+    except asyncio.TimeoutError:
+        call.cancel()
+        raise _Refused("timeout", unreachable=True) from None
+    except BaseException:  # cancelled: the client left
+        call.cancel()
+        raise
+    if first is grpc.aio.EOF or first.WhichOneof("event") != "allocated":
+        call.cancel()
+        raise _Refused("no allocation", unreachable=False)
+    return call, first.allocated
+
+
+async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo, work_blocks: int,
+                 num_tokens: int) -> WorkerInfo:
+    """SLO admission: the decode worker whose reservation was taken, waiting up to the request's
+    ``queue_timeout_s`` for room.
+
+    Raises:
+        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint.
+    """
+    stats = view.stats.get(prefill.worker_id)
+    prefill_s = work_blocks * (stats.seconds_per_block if stats and stats.seconds_per_block
+                               else DEFAULT_SECONDS_PER_BLOCK)
+    decode_ttl_s = req.slo.ttft_s + 2 * req.sampling.max_tokens * req.slo.tpot_s + 5
+    deadline = time.monotonic() + req.queue_timeout_s
+    while True:
+        decodes = rank_decode(view.current(), view.inflight, num_tokens, kv_backends=prefill.kv_backends)
+        chosen, decision = await view.gate.admit(attempt_id, prefill.worker_id, prefill_s, decodes,
+                                                 len(req.prompt_ids) + req.sampling.max_tokens // 2, req.slo,
+                                                 decode_ttl_s)
+        if chosen is not None:
+            return chosen
+        if decision is None:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
+        wait = decision.retry_after_s
+        if wait is None or time.monotonic() + wait > deadline:
+            hint = "retrying cannot help" if wait is None else f"retry after {wait:.3f} s"
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"not admitted: {decision.reason} (predicted TTFT {decision.predicted_ttft_s:.3f} s,"
+                                f" TPOT {decision.predicted_tpot_s:.4f} s); {hint}")
+        await asyncio.sleep(wait)
