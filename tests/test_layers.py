@@ -60,21 +60,24 @@ def layer_violations(path: Path, source: str) -> list[str]:
     """What is wrong with the imports of ``source`` (the text of ``path``), one line each."""
     module = module_name(path)
     own = module.split(".")[1]
-    problems = []
+    problems: dict[tuple[int, str], str] = {}  # one line per import statement and folder it reaches
     for target, line in imports_of(source, module, path.name == "__init__.py"):
         top = target.split(".")[0]
         where = f"{path.relative_to(ROOT)}:{line}"
         if top in RANK:
-            problems.append(f"{where}: imports {target!r} by its folder name; import it as 'pdserve.{target}'")
+            problems.setdefault((line, top), f"{where}: imports {target!r} by its folder name; "
+                                              f"import it as 'pdserve.{target}'")
             continue
         if top != "pdserve" or len(target.split(".")) < 2 or target.split(".")[1] not in RANK:
             continue
         folder = target.split(".")[1]
         if RANK[folder] > RANK[own]:
-            problems.append(f"{where}: {own}/ imports {target!r}, which is above it (layers: {LAYERS})")
+            problems.setdefault((line, folder), f"{where}: {own}/ imports {target!r}, which is above it "
+                                                f"(layers: {LAYERS})")
         elif RANK[folder] == RANK[own] and folder != own:
-            problems.append(f"{where}: {own}/ imports {target!r}: the roles never import each other")
-    return problems
+            problems.setdefault((line, folder), f"{where}: {own}/ imports {target!r}: the roles never "
+                                                "import each other")
+    return list(problems.values())
 
 
 def import_graph() -> dict[str, dict[str, tuple[Path, int]]]:
