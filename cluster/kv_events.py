@@ -11,25 +11,119 @@ thread drains with pipelined XADDs. When the queue is full, or Redis fails, even
 are dropped, but their seq numbers are used up all the same: a consumer sees a gap
 in ``seq`` and re-syncs from the snapshot. A new publisher (a worker restart) has a
 new random ``epoch`` and starts again at seq 1.
+
+With the cluster secret every stream entry and snapshot carries an HMAC-SHA256 (``mac``)
+over its fields, the cluster and the worker id (:func:`event_mac`, :func:`snapshot_mac`):
+a consumer with the secret refuses (:class:`ForgedEntry`) what a process without it wrote,
+or what was copied from another worker's or cluster's keys.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import msgpack
 import redis
 
+from pdserve.cluster.secret import check_secret
+
 log = logging.getLogger(__name__)
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 EVENT_TYPES = (STORED, REMOVED, CLEARED)
+
+_EVENT_MAC_LABEL = b"pdserve-kv-event/1"
+_SNAPSHOT_MAC_LABEL = b"pdserve-kv-snapshot/1"
+_EVENT_SIGNED_FIELDS = ("seq", "epoch", "type", "hashes", "parent", "block_size", "ts")
+SNAPSHOT_HEAD_FIELDS = ("epoch", "seq", "ts", "digest", "mac")
+"""Snapshot fields a consumer reads to check (with :func:`verify_snapshot_head`) a snapshot's epoch and seq
+without its hashes."""
+
+
+class ForgedEntry(ValueError):
+    """A KV event or snapshot whose ``mac`` is missing or wrong for the cluster secret: written without
+    the secret, copied from another worker's or cluster's keys, or altered."""
+
+
+def _as_bytes(value: bytes | str | int | float | None) -> bytes | None:
+    """A field value as Redis stores it (redis-py's encoding: ``str(int)``, ``repr(float)``, UTF-8)."""
+    if value is None or isinstance(value, bytes):
+        return value
+    if isinstance(value, float):
+        return repr(value).encode()
+    return str(value).encode()
+
+
+def _field(fields: Mapping, name: str) -> bytes | None:
+    """``fields[name]`` as bytes, for maps keyed by str (publisher) or by bytes (what redis-py returns)."""
+    value = fields.get(name)
+    if value is None:
+        value = fields.get(name.encode())
+    return _as_bytes(value)
+
+
+def event_mac(secret: bytes, cluster: str, worker_id: str, fields: Mapping) -> bytes:
+    """``HMAC-SHA256(secret, msgpack([label, cluster, worker_id, seq, epoch, type, hashes, parent, block_size,
+    ts]))`` of one stream entry, each field as the bytes Redis stores (a missing ``parent`` as nil): the
+    ``mac`` field of a signed entry. ``fields`` may be keyed by str or bytes."""
+    msg = msgpack.packb([_EVENT_MAC_LABEL, cluster.encode(), worker_id.encode(),
+                         *(_field(fields, name) for name in _EVENT_SIGNED_FIELDS)], use_bin_type=True)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def snapshot_mac(secret: bytes, cluster: str, worker_id: str, fields: Mapping) -> bytes:
+    """``HMAC-SHA256(secret, msgpack([label, cluster, worker_id, epoch, seq, ts, digest]))`` of a snapshot,
+    ``digest`` being the hex SHA-256 of its ``hashes`` bytes: the head (epoch, seq) can be checked without
+    reading the hashes. ``fields`` may be keyed by str or bytes."""
+    msg = msgpack.packb([_SNAPSHOT_MAC_LABEL, cluster.encode(), worker_id.encode(),
+                         *(_field(fields, name) for name in ("epoch", "seq", "ts", "digest"))], use_bin_type=True)
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def _check_mac(what: str, mac: bytes | None, want: bytes) -> None:
+    if mac is None:
+        raise ForgedEntry(f"unsigned {what} (written without the cluster secret)")
+    if not hmac.compare_digest(mac, want):
+        raise ForgedEntry(f"wrong MAC on the {what} (written without the cluster secret, for another worker or "
+                          "cluster, or altered)")
+
+
+def verify_event(fields: Mapping, secret: bytes, cluster: str, worker_id: str) -> None:
+    """Check a stream entry's ``mac`` (fields as redis-py returns them).
+
+    Raises:
+        ForgedEntry: ``mac`` missing or wrong.
+    """
+    _check_mac("KV event", _field(fields, "mac"), event_mac(secret, cluster, worker_id, fields))
+
+
+def verify_snapshot_head(fields: Mapping, secret: bytes, cluster: str, worker_id: str) -> None:
+    """Check a snapshot's ``mac`` over its head (:data:`SNAPSHOT_HEAD_FIELDS`); not its hashes.
+
+    Raises:
+        ForgedEntry: ``mac`` missing or wrong.
+    """
+    _check_mac("KV snapshot", _field(fields, "mac"), snapshot_mac(secret, cluster, worker_id, fields))
+
+
+def verify_snapshot(fields: Mapping, secret: bytes, cluster: str, worker_id: str) -> None:
+    """Check a whole snapshot: its head's ``mac`` and that ``hashes`` matches the signed ``digest``.
+
+    Raises:
+        ForgedEntry: ``mac`` missing or wrong, or ``hashes`` altered.
+    """
+    verify_snapshot_head(fields, secret, cluster, worker_id)
+    hashes = _field(fields, "hashes") or b""
+    if not hmac.compare_digest(hashlib.sha256(hashes).hexdigest().encode(), _field(fields, "digest") or b""):
+        raise ForgedEntry("the KV snapshot's hashes do not match its signed digest (altered)")
 
 
 @dataclass(frozen=True)
@@ -97,6 +191,9 @@ class KVEventPublisher:
         maxlen: approximate stream length kept (entries; XADD ``MAXLEN ~``).
         queue_size: events buffered while the sender catches up; beyond it they are dropped.
         retry_s: seconds the sender waits after a Redis error before sending again.
+        secret: the cluster secret that signs every entry and snapshot (``mac``); None: unsigned.
+    Raises:
+        ValueError: ``maxlen`` or ``queue_size`` not positive; unusable secret.
 
     Usable directly as the prefix cache's ``on_event`` callback (``publisher.publish``
     or the publisher itself). Starts its sender thread at construction; :meth:`close`
@@ -104,9 +201,10 @@ class KVEventPublisher:
     """
 
     def __init__(self, redis_url: str, cluster: str, worker_id: str, maxlen: int = 100_000,
-                 queue_size: int = 10_000, retry_s: float = 0.5) -> None:
+                 queue_size: int = 10_000, retry_s: float = 0.5, secret: bytes | None = None) -> None:
         if maxlen <= 0 or queue_size <= 0:
             raise ValueError(f"maxlen and queue_size must be positive, got {maxlen}, {queue_size}")
+        self._secret = check_secret(secret, "the KV events secret")
         self.cluster, self.worker_id, self.maxlen = cluster, worker_id, maxlen
         self.epoch = secrets.token_hex(8)
         self._key, self._snap_key = events_key(cluster, worker_id), snapshot_key(cluster, worker_id)
@@ -167,8 +265,13 @@ class KVEventPublisher:
         """
         seq = self.seq
         hs = [int(h) for h in (hashes() if callable(hashes) else hashes)]
-        self._redis.hset(self._snap_key, mapping={"epoch": self.epoch, "seq": seq, "hashes": msgpack.packb(hs),
-                                                  "ts": repr(time.time())})
+        packed = msgpack.packb(hs)
+        mapping: dict[str, bytes | str | int] = {"epoch": self.epoch, "seq": seq, "hashes": packed,
+                                                 "ts": repr(time.time())}
+        if self._secret is not None:
+            mapping["digest"] = hashlib.sha256(packed).hexdigest()
+            mapping["mac"] = snapshot_mac(self._secret, self.cluster, self.worker_id, mapping)
+        self._redis.hset(self._snap_key, mapping=mapping)
         return KVSnapshot(self.epoch, seq, hs)
 
     def snapshot_missing(self) -> bool:
@@ -228,7 +331,7 @@ class KVEventPublisher:
             try:
                 pipe = self._redis.pipeline(transaction=False)
                 for ev in batch:
-                    pipe.xadd(self._key, _encode(ev), maxlen=self.maxlen, approximate=True)
+                    pipe.xadd(self._key, self._encode(ev), maxlen=self.maxlen, approximate=True)
                 pipe.execute()
                 ok = True
             except Exception as exc:  # RedisError, or anything: drop this batch, keep the thread
@@ -244,22 +347,28 @@ class KVEventPublisher:
             if not ok and not stop:
                 time.sleep(self._retry_s)  # meanwhile the queue fills and overflows: more drops, one gap
 
+    def _encode(self, ev: KVEvent) -> dict[str, bytes | str | int]:
+        fields: dict[str, bytes | str | int] = {
+            "seq": ev.seq, "epoch": ev.epoch, "type": ev.type, "hashes": msgpack.packb(list(ev.hashes)),
+            "block_size": ev.block_size, "ts": repr(ev.ts)}
+        if ev.type == STORED and ev.parent is not None:
+            fields["parent"] = ev.parent
+        if self._secret is not None:
+            fields["mac"] = event_mac(self._secret, self.cluster, self.worker_id, fields)
+        return fields
 
-def _encode(ev: KVEvent) -> dict[str, bytes | str | int]:
-    fields: dict[str, bytes | str | int] = {
-        "seq": ev.seq, "epoch": ev.epoch, "type": ev.type, "hashes": msgpack.packb(list(ev.hashes)),
-        "block_size": ev.block_size, "ts": repr(ev.ts)}
-    if ev.type == STORED and ev.parent is not None:
-        fields["parent"] = ev.parent
-    return fields
 
-
-def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> KVEvent:
-    """One stream entry (as redis-py returns it) as a :class:`KVEvent`.
+def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes], secret: bytes | None = None,
+                 cluster: str = "", worker_id: str = "") -> KVEvent:
+    """One stream entry (as redis-py returns it) as a :class:`KVEvent`; with ``secret``, only if its
+    ``mac`` is right for ``cluster`` and ``worker_id`` (the stream's owner).
 
     Raises:
+        ForgedEntry: with ``secret``, the entry is unsigned or wrongly signed.
         ValueError: a field is missing or malformed.
     """
+    if secret is not None:
+        verify_event(fields, secret, cluster, worker_id)
     try:
         parent = fields.get(b"parent")
         return KVEvent(type=fields[b"type"].decode(), hashes=list(msgpack.unpackb(fields[b"hashes"])),
@@ -271,14 +380,15 @@ def decode_event(entry_id: bytes | str, fields: dict[bytes, bytes]) -> KVEvent:
 
 
 def read_events(redis_url: str | redis.Redis, cluster: str, worker_id: str, after_id: str = "0-0",
-                count: int = 1000, block_ms: int | None = None) -> list[KVEvent]:
+                count: int = 1000, block_ms: int | None = None, secret: bytes | None = None) -> list[KVEvent]:
     """Up to ``count`` events of a worker's stream with entry ids after ``after_id``, oldest first.
 
     Continue with ``after_id=events[-1].entry_id``. ``block_ms`` waits that long for
-    new entries when there are none (``None``: do not wait).
+    new entries when there are none (``None``: do not wait). With ``secret``, every entry must be signed.
 
     Raises:
         redis.RedisError: Redis is unreachable.
+        ForgedEntry: with ``secret``, an unsigned or wrongly signed entry.
         ValueError: a malformed entry.
     """
     r = _client(redis_url)
@@ -287,14 +397,16 @@ def read_events(redis_url: str | redis.Redis, cluster: str, worker_id: str, afte
     finally:
         if r is not redis_url:
             r.close()
-    return [decode_event(eid, fields) for _, entries in reply for eid, fields in entries]
+    return [decode_event(eid, fields, secret, cluster, worker_id) for _, entries in reply for eid, fields in entries]
 
 
-def read_snapshot(redis_url: str | redis.Redis, cluster: str, worker_id: str) -> KVSnapshot | None:
-    """A worker's last published snapshot, or ``None`` if it has none.
+def read_snapshot(redis_url: str | redis.Redis, cluster: str, worker_id: str,
+                  secret: bytes | None = None) -> KVSnapshot | None:
+    """A worker's last published snapshot, or ``None`` if it has none. With ``secret``, it must be signed.
 
     Raises:
         redis.RedisError: Redis is unreachable.
+        ForgedEntry: with ``secret``, an unsigned, wrongly signed or altered snapshot.
         ValueError: a malformed snapshot.
     """
     r = _client(redis_url)
@@ -305,6 +417,8 @@ def read_snapshot(redis_url: str | redis.Redis, cluster: str, worker_id: str) ->
             r.close()
     if not raw:
         return None
+    if secret is not None:
+        verify_snapshot(raw, secret, cluster, worker_id)
     try:
         return KVSnapshot(raw[b"epoch"].decode(), int(raw[b"seq"]), list(msgpack.unpackb(raw[b"hashes"])))
     except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:

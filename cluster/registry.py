@@ -13,9 +13,13 @@ With a cluster secret (:mod:`cluster.secret`) the entry is signed, and a reader 
 has the secret lists only entries whose MAC checks out for that cluster and worker id:
 a process without the secret cannot register as a worker (and so never receives a
 request or a decode worker's KV address). A reader without a secret accepts both forms
-unchecked. The MAC binds the entry's bytes, heartbeat time included, but not the key's
-TTL: whoever can write to Redis can still replay an old signed entry until it is
-overwritten, so Redis itself should require a password (see tests/test_redis_auth_tls.py).
+unchecked. The MAC binds the entry's bytes, heartbeat time and lease included, but not
+the key's TTL, so a reader with a secret also checks the time: an entry whose
+``heartbeat_at`` is more than its ``lease_s`` plus ``max_clock_skew_s`` (30 s) in the
+past (or more than ``max_clock_skew_s`` in the future) is ignored. Whoever can write to
+Redis can thus replay a captured signed entry only within that window after its
+heartbeat; Redis itself should still require a password (see tests/test_redis_auth_tls.py
+and docs/operations.md).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class WorkerInfo:
         step_batch / step_context_tokens / step_seconds: the decode worker's last plain decode
             step (batch size, context tokens summed over the batch, seconds), for step-time models.
         heartbeat_at: Unix time (seconds) of the last renewal.
+        lease_s: the lease the renewal took (seconds; stamped by :meth:`WorkerLease.renew`): a signed
+            entry older than ``heartbeat_at + lease_s`` plus the readers' clock-skew bound is stale.
     """
 
     worker_id: str
@@ -78,6 +84,11 @@ class WorkerInfo:
     step_context_tokens: int = 0
     step_seconds: float = 0.0
     heartbeat_at: float = 0.0
+    lease_s: float = 0.0
+
+
+DEFAULT_MAX_CLOCK_SKEW_S = 30.0
+"""How far readers allow the workers' clocks to be from theirs (seconds) when checking an entry's age."""
 
 
 def _key(cluster: str, worker_id: str) -> str:
@@ -134,6 +145,56 @@ def decode_entry(raw: bytes, cluster: str, worker_id: str, secret: bytes | None)
     return info
 
 
+def check_fresh(info: WorkerInfo, now: float, max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S) -> None:
+    """Refuse an entry outside its lease: ``heartbeat_at`` more than ``lease_s + max_clock_skew_s``
+    seconds before ``now`` (Unix time), or more than ``max_clock_skew_s`` after it.
+
+    Raises:
+        ValueError: the entry is stale (a replayed or leftover entry) or dated in the future (a clock
+            that is off); the message says by how much.
+    """
+    age = now - info.heartbeat_at
+    if age > max(info.lease_s, 0.0) + max_clock_skew_s:
+        raise ValueError(f"stale entry: last heartbeat {age:.1f} s ago, beyond its {info.lease_s:g} s lease "
+                         f"+ {max_clock_skew_s:g} s allowed clock skew (replayed, or written without a TTL?)")
+    if -age > max_clock_skew_s:
+        raise ValueError(f"entry dated {-age:.1f} s in the future (beyond the {max_clock_skew_s:g} s allowed "
+                         "clock skew: is the worker's clock off?)")
+
+
+class _EntryParser:
+    """Parses the values read from the registry keys, checking them as the readers must; logs each
+    refused worker id once (bounded)."""
+
+    def __init__(self, cluster: str, secret: bytes | None, max_clock_skew_s: float) -> None:
+        if not max_clock_skew_s >= 0:
+            raise ValueError(f"max_clock_skew_s must be >= 0, got {max_clock_skew_s}")
+        self.cluster, self.secret, self.max_clock_skew_s = cluster, secret, max_clock_skew_s
+        self.prefix = _key(cluster, "")
+        self._warned: set[str] = set()  # worker ids whose bad entry was already logged
+
+    def parse(self, keys: list, values: list) -> list[WorkerInfo]:
+        now = time.time()
+        workers = []
+        for key, raw in zip(keys, values):
+            if raw is None:  # expired between SCAN and MGET
+                continue
+            worker_id = (key.decode(errors="replace") if isinstance(key, bytes) else key)[len(self.prefix):]
+            try:
+                info = decode_entry(raw, self.cluster, worker_id, self.secret)
+                if self.secret is not None:
+                    check_fresh(info, now, self.max_clock_skew_s)
+                workers.append(info)
+            except ValueError as e:
+                if worker_id not in self._warned:
+                    if len(self._warned) >= 4096:  # bounded even if someone writes endless forged ids
+                        self._warned.clear()
+                    self._warned.add(worker_id)
+                    log.warning("registry: ignoring the entry of worker %r in cluster %r: %s",
+                                worker_id, self.cluster, e)
+        return sorted(workers, key=lambda w: w.worker_id)
+
+
 class WorkerLease:
     """Worker side: registers and renews one worker's lease (synchronous client).
 
@@ -151,15 +212,17 @@ class WorkerLease:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
         self._secret = check_secret(secret, "the registry secret")
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0)
-        self._cluster, self._lease_ms = cluster, int(lease_s * 1000)
+        self._cluster, self._lease_ms, self._lease_s = cluster, int(lease_s * 1000), lease_s
+        self._parser = _EntryParser(cluster, self._secret, DEFAULT_MAX_CLOCK_SKEW_S)
 
     def renew(self, info: WorkerInfo) -> None:
-        """Write ``info`` (stamped with the current time, signed if there is a secret) with a fresh lease.
+        """Write ``info`` (stamped with the current time and the lease, signed if there is a secret) with a
+        fresh lease.
 
         Raises:
             redis.RedisError: Redis is unreachable (``redis.AuthenticationError``: wrong password).
         """
-        info = replace(info, heartbeat_at=time.time())
+        info = replace(info, heartbeat_at=time.time(), lease_s=self._lease_s)
         value = encode_entry(info, self._cluster, self._secret)
         self._redis.set(_key(self._cluster, info.worker_id), value, px=self._lease_ms)
 
@@ -167,7 +230,17 @@ class WorkerLease:
         """Drop the lease at once (clean shutdown)."""
         self._redis.delete(_key(self._cluster, worker_id))
 
+    def list_workers(self) -> list[WorkerInfo]:
+        """Every registered worker, checked as :meth:`RegistryReader.list_workers` checks them (synchronous).
+
+        Raises:
+            redis.RedisError: Redis is unreachable.
+        """
+        keys = list(self._redis.scan_iter(match=self._parser.prefix + "*", count=500))
+        return self._parser.parse(keys, self._redis.mget(keys) if keys else [])
+
     def close(self) -> None:
+        """Close the Redis client."""
         self._redis.close()
 
 
@@ -178,43 +251,34 @@ class RegistryReader:
         redis_url: the registry.
         cluster: registry namespace.
         secret: cluster secret entries must be signed with; None: no check.
+        max_clock_skew_s: with a secret, how far (seconds) a worker's clock may be from this one's: a
+            signed entry is listed only until ``heartbeat_at + lease_s + max_clock_skew_s`` (and not if
+            dated more than this in the future), whatever its key's TTL says (:func:`check_fresh`).
     Raises:
-        ValueError: unusable secret.
+        ValueError: unusable secret; ``max_clock_skew_s < 0``.
     """
 
-    def __init__(self, redis_url: str, cluster: str, secret: bytes | None = None) -> None:
+    def __init__(self, redis_url: str, cluster: str, secret: bytes | None = None,
+                 max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S) -> None:
         self._secret = check_secret(secret, "the registry secret")
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
         self._cluster = cluster
-        self._prefix = _key(cluster, "")
-        self._warned: set[str] = set()  # worker ids whose bad entry was already logged
+        self._parser = _EntryParser(cluster, self._secret, max_clock_skew_s)
 
     async def list_workers(self) -> list[WorkerInfo]:
-        """Every registered worker, sorted by id. Malformed entries, and with a secret unsigned or
-        wrongly signed ones, are skipped (logged once per worker id).
+        """Every registered worker, sorted by id. Malformed entries, and with a secret unsigned, wrongly
+        signed or stale ones (outside their lease plus the clock-skew bound), are skipped (logged once
+        per worker id).
 
         Raises:
             redis.RedisError: Redis is unreachable (``redis.AuthenticationError``: wrong password).
         """
-        keys = [k async for k in self._redis.scan_iter(match=self._prefix + "*", count=500)]
+        keys = [k async for k in self._redis.scan_iter(match=self._parser.prefix + "*", count=500)]
         values = await self._redis.mget(keys) if keys else []
-        workers = []
-        for key, raw in zip(keys, values):
-            if raw is None:  # expired between SCAN and MGET
-                continue
-            worker_id = (key.decode(errors="replace") if isinstance(key, bytes) else key)[len(self._prefix):]
-            try:
-                workers.append(decode_entry(raw, self._cluster, worker_id, self._secret))
-            except ValueError as e:
-                if worker_id not in self._warned:
-                    if len(self._warned) >= 4096:  # bounded even if someone writes endless forged ids
-                        self._warned.clear()
-                    self._warned.add(worker_id)
-                    log.warning("registry: ignoring the entry of worker %r in cluster %r: %s",
-                                worker_id, self._cluster, e)
-        return sorted(workers, key=lambda w: w.worker_id)
+        return self._parser.parse(keys, values)
 
     async def close(self) -> None:
+        """Close the Redis client."""
         await self._redis.aclose()
 
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,15 +92,23 @@ def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:
 
 class Heartbeat(threading.Thread):
     """Renews the worker's lease with its current load until stopped; on stop, releases it.
-    ``secret``: the cluster secret that signs the entry (None: unsigned)."""
+    ``secret``: the cluster secret that signs the entry (None: unsigned). ``healthy`` is asked before
+    each renewal: while it says False the lease is released and not renewed, so routers stop sending
+    work the worker cannot do. ``on_registry(workers)``, if given, runs every ``lease_s`` seconds with the
+    live workers the registry lists, while ``wants_registry()`` says True."""
 
     def __init__(self, cfg: WorkerConfig, info: Callable[[], WorkerInfo], tick: Callable[[], None] = lambda: None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, healthy: Callable[[], bool] = lambda: True,
+                 on_registry: Callable[[list[WorkerInfo]], None] | None = None,
+                 wants_registry: Callable[[], bool] = lambda: True) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self._lease = WorkerLease(cfg.redis_url, cfg.cluster, cfg.lease_s, secret=secret)
         exposed = secret is None and cfg.insecure and check_exposure(cfg.worker_id, cfg.host, None, True)
         self._insecure = InsecureReminder(f"worker {cfg.worker_id}", cfg.host, log=log) if exposed else None
         self._info, self._tick, self._period, self._halt = info, tick, cfg.lease_s / 4, threading.Event()
+        self._healthy, self._left = healthy, False
+        self._on_registry, self._wants_registry = on_registry, wants_registry
+        self._registry_every_s, self._registry_at = cfg.lease_s, time.monotonic()
         self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
 
     def run(self) -> None:
@@ -107,10 +116,29 @@ class Heartbeat(threading.Thread):
             if self._insecure is not None:
                 self._insecure.tick()
             try:
+                if not self._healthy():
+                    self._leave()
+                    continue
                 self._lease.renew(self._info())
+                if self._left:
+                    log.warning("worker %s is healthy again: renewing its lease", self._info().worker_id)
+                    self._left = False
                 self._tick()
+                if self._on_registry is not None and time.monotonic() - self._registry_at >= self._registry_every_s:
+                    self._registry_at = time.monotonic()
+                    if self._wants_registry():
+                        self._on_registry(self._lease.list_workers())
             except Exception as exc:  # Redis down: keep trying, the lease lapses meanwhile
                 log.warning("lease renewal failed: %s", exc)
+
+    def _leave(self) -> None:
+        """Unhealthy: release the lease once (retried while Redis fails) and log it once."""
+        if not self._left:
+            worker_id = self._info().worker_id
+            self._lease.release(worker_id)
+            self._left = True
+            log.error("worker %s is unhealthy (its KV transport stopped?): released its lease, not renewing it",
+                      worker_id)
 
     def stop(self) -> None:
         self._halt.set()
@@ -153,6 +181,34 @@ class WorkerProcess:
     def on_heartbeat(self) -> None:
         """Periodic work on the heartbeat thread after each lease renewal (default: none)."""
 
+    def _kv_ends(self) -> list:
+        """The engine's KV transport ends: its ``receiver`` and ``kv_sender`` attributes, where present."""
+        return [end for end in (getattr(self.engine, "receiver", None), getattr(self.engine, "kv_sender", None))
+                if end is not None]
+
+    def healthy(self) -> bool:
+        """Whether this worker can still serve, asked before each lease renewal: while False the worker
+        leaves the registry (routers stop choosing it; its in-flight requests go on). Default: every KV
+        transport end of the engine that reports ``alive`` (a KV receiver: its accept and deadline
+        threads run) is alive."""
+        return all(getattr(end, "alive", True) for end in self._kv_ends())
+
+    def keeps_peer_state(self) -> bool:
+        """Whether the engine's KV transport holds per-peer state (NCCL communicators) that
+        :meth:`on_registry` should prune; only then does the heartbeat read the registry."""
+        return any(getattr(end, "keeps_peer_state", False) for end in self._kv_ends())
+
+    def on_registry(self, workers: list[WorkerInfo]) -> None:
+        """Every ``lease_s`` on the heartbeat thread, with the live workers the registry lists: the KV
+        transport forgets its state of peers that left (a receiver's communicators of senders whose worker
+        id is gone, a sender's communicators to KV addresses no worker advertises)."""
+        for end in self._kv_ends():
+            evict = getattr(end, "evict_peers_except", None)
+            if evict is not None:
+                live = [w.worker_id for w in workers] if end is getattr(self.engine, "receiver", None) \
+                    else [w.kv_address for w in workers if w.kv_address]
+                evict(live)
+
     async def start(self) -> str:
         """Start serving and register. Returns the gRPC ``host:port``.
 
@@ -166,7 +222,8 @@ class WorkerProcess:
         self._server, port = await start_grpc_server(self.cfg.host, self.cfg.port, self.add_servicer,
                                                      [self.service_name], auth)
         self.address = f"{self.cfg.host}:{port}"
-        self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat, self._secret)
+        self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat, self._secret, self.healthy,
+                                    self.on_registry, self.keeps_peer_state)
         self._heartbeat.start()
         return self.address
 

@@ -8,25 +8,75 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.cluster.secret import cluster_secret
-from pdserve.cluster.worker_process import WorkerProcess
+from pdserve.cluster.rpc_fields import check_attempt_id, check_sampling, check_token_ids
+from pdserve.cluster.worker_process import WorkerProcess, worker_secret
 from pdserve.decode_worker.config import DecodeWorkerConfig
-from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.engine import DecodeEngine, check_kv_timeout
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent
 from pdserve.model.cpu_linear import pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.kv_cache import NoFreeBlocks
 from pdserve.model.loader import load_model
 from pdserve.model.quant import int4, int4_checkpoint
+from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import FINISH_REASONS, sampling_from_wire
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckedDecodeRequest:
+    """A ``DecodeRequest`` whose every field is in range (:func:`check_decode_request`); ``kv_timeout_s`` in
+    seconds (None with ``local_prefill``, which waits for no pages)."""
+
+    attempt_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    prior_output_ids: list[int]
+    kv_timeout_s: float | None
+    local_prefill: bool
+
+
+def check_decode_request(request: worker_pb2.DecodeRequest, vocab_size: int, max_context: int,
+                         eos_token_ids: tuple[int, ...] = ()) -> CheckedDecodeRequest:
+    """Check every field of a decode ``Generate`` request before anything is allocated for it.
+
+    Args:
+        vocab_size, max_context: the model's vocabulary and context (positions).
+        eos_token_ids: the model's EOS tokens (stop tokens unless ``ignore_eos``).
+    Raises:
+        ValueError: naming the field: ``request_id`` empty, over 256 characters or with control characters;
+            ``prompt_token_ids`` empty or outside the vocabulary; sampling fields not finite or out of range
+            (:func:`cluster.rpc_fields.check_sampling`); prompt + max_tokens beyond ``max_context``;
+            ``prior_output_token_ids`` outside the vocabulary, reaching ``max_tokens`` or ending in a stop token;
+            ``kv_timeout_s`` not finite in (0, :data:`~decode_worker.engine.MAX_KV_TIMEOUT_S`] seconds (with
+            ``local_prefill`` it is unused and may also be 0, unset).
+    """
+    attempt_id = check_attempt_id(request.request_id)
+    prompt = check_token_ids("prompt_token_ids", request.prompt_token_ids, vocab_size, max_context - 1,
+                             bound="the model's context less one output position")
+    sampling = check_sampling(sampling_from_wire(request.sampling), vocab_size)
+    if len(prompt) + sampling.max_tokens > max_context:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the model's "
+                         f"context of {max_context} tokens")
+    prior = check_token_ids("prior_output_token_ids", request.prior_output_token_ids, vocab_size,
+                            sampling.max_tokens - 1, allow_empty=True, bound="fewer than max_tokens")
+    if prior and prior[-1] in sampling.stop_ids(eos_token_ids):
+        raise ValueError("prior_output_token_ids already end with a stop token: nothing left to decode")
+    if request.local_prefill:  # no pages to wait for: the field is unused, but must still be sane
+        if request.kv_timeout_s != 0:
+            check_kv_timeout(request.kv_timeout_s)
+        kv_timeout_s = None
+    else:
+        kv_timeout_s = check_kv_timeout(request.kv_timeout_s)
+    return CheckedDecodeRequest(attempt_id, prompt, sampling, prior, kv_timeout_s, request.local_prefill)
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -38,38 +88,34 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         """Pre-allocate the request's blocks (or prefill it here, colocated) and stream its events.
-        Ends INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION for ``local_prefill`` on a worker
-        that is not colocated, RESOURCE_EXHAUSTED when the blocks cannot be had, UNAVAILABLE when the
-        KV transfer failed or timed out."""
-        attempt_id = request.request_id  # the router's attempt id
-        sampling = sampling_from_wire(request.sampling)
-        if not request.prompt_token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
+        Ends INVALID_ARGUMENT for a bad request (every field is checked before anything is allocated:
+        :func:`check_decode_request`), FAILED_PRECONDITION for ``local_prefill`` on a worker that is not
+        colocated, RESOURCE_EXHAUSTED when the blocks cannot be had, UNAVAILABLE when the KV transfer
+        failed or timed out (or the worker is shutting down)."""
+        cfg = self.engine.model_cfg
         try:
-            sampling.validate(self.engine.model_cfg.vocab_size)
+            req = check_decode_request(request, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        prior = list(request.prior_output_token_ids)
-        vocab = self.engine.model_cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prior):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prior_output_token_ids outside the vocabulary [0, {vocab})")
+        attempt_id = req.attempt_id  # the router's attempt id
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)  # noqa: E731
-        if request.local_prefill and not self.engine.cfg.colocated:
+        if req.local_prefill and not self.engine.cfg.colocated:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this decode worker does not prefill (not colocated)")
         try:
-            if request.local_prefill:
-                self.engine.add_local(attempt_id, list(request.prompt_token_ids), sampling, emit, prior)
+            if req.local_prefill:
+                self.engine.add_local(attempt_id, req.prompt_ids, req.sampling, emit, req.prior_output_ids)
                 blocks = []
             else:
-                blocks = self.engine.add_request(attempt_id, list(request.prompt_token_ids), sampling,
-                                                 request.kv_timeout_s or 30.0, emit, prior)
+                blocks = self.engine.add_request(attempt_id, req.prompt_ids, req.sampling, req.kv_timeout_s, emit,
+                                                 req.prior_output_ids)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:  # the KV receiver closed under us: the worker is shutting down
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker cannot take requests now: {exc}")
         ended = False
         try:
             yield worker_pb2.DecodeEvent(allocated=worker_pb2.Allocated(
@@ -132,9 +178,9 @@ class DecodeWorker(WorkerProcess):
     service_name = "pdserve.worker.v1.DecodeWorker"
 
     def __init__(self, cfg: DecodeWorkerConfig) -> None:
+        secret = worker_secret(cfg, f"decode worker {cfg.worker_id}")  # refuse an unguarded bind first
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_decode_model(cfg)
-        secret = cluster_secret()
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:

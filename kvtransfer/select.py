@@ -15,12 +15,13 @@ from the address it is handed, with no extra field on the wire::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from pdserve.kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
+from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS
 from pdserve.model.kv_cache import KVCacheSpec
 
 BACKEND_PREFERENCE = ("nccl", "tcp")
@@ -96,24 +97,28 @@ def _only_backend(kv_cache: torch.Tensor, nccl_library_path: str | None) -> str:
 
 def make_receiver(kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
                   io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
-                  secret: bytes | None = None) -> KVReceiver:
+                  secret: bytes | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> KVReceiver:
     """The receiver for ``kv_cache``'s memory: :class:`~kvtransfer.nccl.NcclKVReceiver` for a CUDA cache,
-    :class:`~kvtransfer.tcp.TcpKVReceiver` for a CPU cache. Its ``address`` names the backend.
+    :class:`~kvtransfer.tcp.TcpKVReceiver` for a CPU cache. Its ``address`` names the backend; its
+    ``alive`` says whether it still accepts transfers, its ``stats`` counts refused and dropped connections.
 
+    Args:
+        max_connections: connections served at once (:mod:`kvtransfer.wire.listener`).
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
         ValueError: ``kv_cache`` does not match ``spec``; ``secret`` (the cluster secret senders must
-            prove; None: no authentication) is shorter than 16 bytes.
+            prove; None: no authentication) is shorter than 16 bytes; ``max_connections < 1``.
         OSError: the address cannot be bound.
     """
     if _only_backend(kv_cache, nccl_library_path) == "nccl":
         from pdserve.kvtransfer.nccl import NcclKVReceiver, load_library
 
         return NcclKVReceiver(kv_cache, spec, host, port, io_timeout_s, library=load_library(nccl_library_path),
-                              secret=secret)
+                              secret=secret, max_connections=max_connections)
     from pdserve.kvtransfer.tcp import TcpKVReceiver
 
-    return TcpKVReceiver(kv_cache, spec, host=host, port=port, io_timeout_s=io_timeout_s, secret=secret)
+    return TcpKVReceiver(kv_cache, spec, host=host, port=port, io_timeout_s=io_timeout_s, secret=secret,
+                         max_connections=max_connections)
 
 
 class SelectingKVSender(KVSender):
@@ -147,6 +152,19 @@ class SelectingKVSender(KVSender):
             raise TransferError(f"KV transfer of request {request_id!r} to {dst_address}: {e}") from None
         return self.senders[backend].open(request_id, dst_address)
 
+    @property
+    def keeps_peer_state(self) -> bool:
+        """Whether some backend caches state per receiver (NCCL communicators)."""
+        return any(getattr(sender, "keeps_peer_state", False) for sender in self.senders.values())
+
+    def evict_peers_except(self, live_addresses: Iterable[str]) -> list[str]:
+        """Let every backend drop its state of receivers that left the registry (``live_addresses``: the
+        live decode workers' KV addresses); see :meth:`kvtransfer.nccl.NcclKVSender.evict_peers_except`.
+        Returns what was dropped."""
+        live = list(live_addresses)
+        return [key for sender in self.senders.values() if hasattr(sender, "evict_peers_except")
+                for key in sender.evict_peers_except(live)]
+
     def close(self) -> None:
         """Close every backend's sender. Idempotent."""
         for sender in self.senders.values():
@@ -155,9 +173,11 @@ class SelectingKVSender(KVSender):
 
 def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                 io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
-                secret: bytes | None = None) -> SelectingKVSender:
+                secret: bytes | None = None, sender_id: str | None = None) -> SelectingKVSender:
     """The sender for ``kv_cache``'s memory (NCCL for a CUDA cache, TCP for a CPU cache), wrapped so that
     opening a channel to a receiver of another backend fails with a clear :class:`TransferError`.
+    ``sender_id`` (the worker id) names this sender to NCCL receivers, which then drop its communicators
+    once it leaves the registry; None: a random id.
 
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
@@ -168,7 +188,8 @@ def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: fl
         from pdserve.kvtransfer.nccl import NcclKVSender, load_library
 
         sender: KVSender = NcclKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s,
-                                        library=load_library(nccl_library_path), secret=secret)
+                                        library=load_library(nccl_library_path), secret=secret,
+                                        sender_id=sender_id)
         return SelectingKVSender({"nccl": sender})
     from pdserve.kvtransfer.tcp import TcpKVSender
 

@@ -7,22 +7,109 @@ knows the request by it (``attempt_id``) and so does the KV transfer to the deco
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections.abc import Collection
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from pdserve.cluster.kv_events import KVEventPublisher
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.cluster.secret import cluster_secret
-from pdserve.cluster.worker_process import WorkerProcess
+from pdserve.cluster.rpc_fields import check_attempt_id, check_block_ids, check_sampling, check_token_ids
+from pdserve.cluster.worker_process import WorkerProcess, worker_secret
+from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
+from pdserve.kvtransfer.select import backend_of_address
+from pdserve.kvtransfer.wire.channel import parse_address
 from pdserve.model.loader import load_model
 from pdserve.model.quant import fp8
+from pdserve.model.sampling import SamplingParams
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_from_wire
+
+MAX_KV_ADDRESS_CHARS = 300
+"""Longest ``dst_kv_address`` taken: a 253-character host name, a port and a scheme fit."""
+_HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Za-z.:%_-]+\]")  # a name, an IPv4 or a bracketed IPv6 address
+
+
+def check_kv_address(address: str, backends: Collection[str]) -> str:
+    """Return ``address`` if it is a KV receiver address this worker can send to: ``host:port``
+    (TCP), ``[v6]:port`` or ``nccl://host:port``, a port in [1, 65535], a host of name or address
+    characters only, of a transport in ``backends``.
+
+    Raises:
+        ValueError: empty, over :data:`MAX_KV_ADDRESS_CHARS` characters, malformed, or a transport this
+            worker does not have.
+    """
+    if not address:
+        raise ValueError("dst_kv_address is empty")
+    if len(address) > MAX_KV_ADDRESS_CHARS:
+        raise ValueError(f"dst_kv_address of {len(address)} characters exceeds {MAX_KV_ADDRESS_CHARS}")
+    backend = backend_of_address(address)
+    if backend not in backends:
+        raise ValueError(f"dst_kv_address {address!r} names the {backend} KV transport; this prefill worker has "
+                         f"{', '.join(backends) or 'none'}")
+    hostport = address.removeprefix(NCCL_SCHEME)
+    parse_address(hostport)  # the port
+    host = hostport.rpartition(":")[0]
+    if not _HOST.fullmatch(host):
+        raise ValueError(f"KV address must be 'host:port', got {address!r}")
+    return address
+
+
+@dataclass(frozen=True)
+class CheckedPrefillRequest:
+    """A ``PrefillRequest`` whose every field is in range (:func:`check_prefill_request`)."""
+
+    attempt_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    dst_kv_address: str
+    dst_block_ids: list[int]
+    first_output_index: int
+
+
+def check_prefill_request(request: worker_pb2.PrefillRequest, vocab_size: int, max_context: int, block_size: int,
+                          kv_backends: Collection[str]) -> CheckedPrefillRequest:
+    """Check every field of a ``Prefill`` request before it is queued.
+
+    The decode worker's pool size is unknown here, so ``dst_block_ids`` are checked for shape only: one
+    distinct non-negative id per ``block_size`` tokens of ``token_ids`` (the decode worker's receiver
+    refuses pages for blocks it did not register).
+
+    Args:
+        vocab_size, max_context: the model's vocabulary and context (positions).
+        block_size: tokens per KV block.
+        kv_backends: the KV transports this worker sends over.
+    Raises:
+        ValueError: naming the field: ``request_id`` empty, over 256 characters or with control characters;
+            ``token_ids`` empty, outside the vocabulary or leaving no room in the context for one output token;
+            sampling fields not finite or out of range (:func:`cluster.rpc_fields.check_sampling`);
+            ``first_output_index`` outside [0, max_tokens) or the prompt before it plus max_tokens beyond the
+            context; ``dst_block_ids`` of the wrong count, negative or repeated; ``dst_kv_address`` malformed
+            (:func:`check_kv_address`).
+    """
+    attempt_id = check_attempt_id(request.request_id)
+    ids = check_token_ids("token_ids", request.token_ids, vocab_size, max_context - 1,
+                          bound="the model's context less one output position")
+    sampling = check_sampling(sampling_from_wire(request.sampling), vocab_size)
+    first = request.first_output_index
+    if not 0 <= first < sampling.max_tokens:
+        raise ValueError(f"first_output_index must be in [0, max_tokens={sampling.max_tokens}), got {first}")
+    if first > len(ids) - 1 or len(ids) - first + sampling.max_tokens > max_context:
+        raise ValueError(f"token_ids ({len(ids)} tokens, {first} of them prior output) + max_tokens "
+                         f"({sampling.max_tokens}) exceed the model's context of {max_context} tokens")
+    need = -(-len(ids) // block_size)
+    if len(request.dst_block_ids) != need:
+        raise ValueError(f"{len(request.dst_block_ids)} destination blocks for a {len(ids)}-token prompt; "
+                         f"need {need}")
+    blocks = check_block_ids("dst_block_ids", request.dst_block_ids)
+    address = check_kv_address(request.dst_kv_address, kv_backends)
+    return CheckedPrefillRequest(attempt_id, ids, sampling, address, blocks, first)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -35,30 +122,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         """Prefill the prompt and push its KV and first token to the decode worker; answer with the
         first token and timings once the decode worker acknowledged. Ends INVALID_ARGUMENT for a bad
-        prompt, sampling or block table, UNAVAILABLE when the prefill or the transfer failed."""
-        vocab = self.engine.model_cfg.vocab_size
-        ids = list(request.token_ids)
-        if not ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids outside the vocabulary [0, {vocab})")
-        if len(ids) > self.engine.model_cfg.max_position_embeddings:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt longer than the model's context")
-        sampling = sampling_from_wire(request.sampling)
+        field (every one is checked before the request is queued: :func:`check_prefill_request`),
+        UNAVAILABLE when the prefill or the transfer failed."""
+        cfg = self.engine.model_cfg
         try:
-            sampling.validate(vocab)
+            checked = check_prefill_request(request, cfg.vocab_size, cfg.max_position_embeddings,
+                                            self.engine.spec.block_size, self.engine.kv_sender.backends)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not 0 <= request.first_output_index < sampling.max_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"first_output_index must be in [0, max_tokens={sampling.max_tokens}), "
-                                f"got {request.first_output_index}")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[PrefillResult] = loop.create_future()
         on_done = lambda r: loop.call_soon_threadsafe(lambda: done.done() or done.set_result(r))  # noqa: E731
-        attempt_id = request.request_id  # the router's attempt id
-        req = PrefillRequest(attempt_id, ids, sampling, request.dst_kv_address,
-                             list(request.dst_block_ids), on_done, first_output_index=request.first_output_index)
+        attempt_id = checked.attempt_id  # the router's attempt id
+        req = PrefillRequest(attempt_id, checked.token_ids, checked.sampling, checked.dst_kv_address,
+                             checked.dst_block_ids, on_done, first_output_index=checked.first_output_index)
         try:
             self.engine.add_request(req)
         except ValueError as exc:
@@ -82,11 +159,11 @@ class PrefillWorker(WorkerProcess):
     service_name = "pdserve.worker.v1.PrefillWorker"
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
+        secret = worker_secret(cfg, f"prefill worker {cfg.worker_id}")  # refuse an unguarded bind first
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.activations == "fp8":
             fp8.convert_for_runtime(model)
-        secret = cluster_secret()
         self.events = None
         if cfg.prefix_cache and cfg.kv_events:
             self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, secret=secret)

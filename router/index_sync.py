@@ -14,6 +14,10 @@ Lost LAST events show no gap until the worker's next event; the snapshot's seq
 shows them too: a snapshot that stays ahead of the stream for ``trailing_gap_s``
 means a re-sync (the snapshot seqs of all workers are polled in one round trip).
 
+With the cluster secret, every entry and snapshot (head included) must carry the
+worker's MAC: forged ones are counted in ``stats.forged`` and treated as absent
+(:mod:`router.worker_stream` says why that keeps the index exact).
+
 Dynamo's KV-aware router consumes the same kind of per-worker event stream.
 """
 
@@ -28,9 +32,18 @@ import redis
 import redis.asyncio as aioredis
 
 from pdserve.cluster.kv_events import events_key, snapshot_key
+from pdserve.cluster.secret import check_secret
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.snapshot_resync import commit_resync, degrade, read_snapshot, read_snapshot_head, walk_back
-from pdserve.router.worker_stream import StreamState, SyncStats, apply_entries
+from pdserve.router.snapshot_resync import (
+    commit_resync,
+    degrade,
+    head_fields,
+    head_of,
+    read_snapshot,
+    read_snapshot_head,
+    walk_back,
+)
+from pdserve.router.worker_stream import StreamAuth, StreamState, SyncStats, apply_entries
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +64,12 @@ class IndexSync:
         trailing_gap_s: a worker whose snapshot stays ahead of every entry read for this long
             lost its last events (nothing after them shows the gap): it is re-synced.
         max_replay: stream entries a re-sync walks back at most before giving up (degraded).
+        secret: the cluster secret the workers sign their entries and snapshots with; None: no check.
+        max_clock_skew_s: with a secret, a new epoch whose first entry is older than the current epoch's
+            newest by more than this (seconds) is a replay of an earlier run, ignored.
+
+    Raises:
+        ValueError: unusable secret.
 
     Call :meth:`set_workers` with the live prefill workers whenever the registry is
     read, and :meth:`sync_once` periodically (or run :meth:`run` as a task); concurrent
@@ -59,7 +78,9 @@ class IndexSync:
 
     def __init__(self, redis_or_url: str | aioredis.Redis, cluster: str, index: PrefixIndex, count: int = 128,
                  max_rounds: int = 8, snapshot_poll_s: float = 1.0, trailing_gap_s: float = 2.0,
-                 max_replay: int = 50_000) -> None:
+                 max_replay: int = 50_000, secret: bytes | None = None, max_clock_skew_s: float = 30.0) -> None:
+        secret = check_secret(secret, "the KV events secret")
+        self._auth = StreamAuth(secret, cluster, max_clock_skew_s) if secret is not None else None
         self._own = not isinstance(redis_or_url, aioredis.Redis)
         self._redis = (aioredis.Redis.from_url(redis_or_url, socket_timeout=2.0, socket_connect_timeout=2.0)
                        if self._own else redis_or_url)
@@ -120,7 +141,7 @@ class IndexSync:
                     w = (key.decode() if isinstance(key, bytes) else key)[prefix:]
                     st = polled.get(w)
                     if st is not None and self._workers.get(w) is st:  # not dropped during the await
-                        apply_entries(self.index, self.stats, w, st, entries)
+                        apply_entries(self.index, self.stats, w, st, entries, self._auth)
                         more |= len(entries) >= self.count
                 for w, st in polled.items():
                     if st.pending is not None and self._workers.get(w) is st:
@@ -161,7 +182,7 @@ class IndexSync:
     async def _on_gap(self, w: str, st: StreamState) -> None:
         """Re-sync if the snapshot covers the gap; else degrade and read on from the gap."""
         need, st.pending = st.pending, None
-        head = await read_snapshot_head(self._redis, self.cluster, w)
+        head = await read_snapshot_head(self._redis, self.cluster, w, self.stats, self._auth, st)
         if self._workers.get(w) is not st:
             return
         if head is not None and head[0] == st.epoch and head[1] >= need:
@@ -173,19 +194,26 @@ class IndexSync:
     async def _check_heads(self) -> None:
         """Poll every worker's snapshot seq (one pipelined round trip): re-sync a degraded worker
         whose snapshot now covers its gap, and a healthy one whose snapshot stays ahead of the
-        stream for ``trailing_gap_s`` (its last events were lost: no later entry shows the gap)."""
+        stream for ``trailing_gap_s`` (its last events were lost: no later entry shows the gap).
+        With the secret, also one whose signed snapshot is of another epoch and newer, by more than
+        ``max_clock_skew_s``, than anything of the epoch it follows: that epoch was a replayed run."""
         self._heads_at = now = time.monotonic()
         workers = list(self._workers.items())
         async with self._redis.pipeline(transaction=False) as pipe:
             for w, _ in workers:
-                pipe.hmget(snapshot_key(self.cluster, w), ["epoch", "seq"])
+                pipe.hmget(snapshot_key(self.cluster, w), head_fields(self._auth))
             replies = await pipe.execute()
-        for (w, st), (epoch, seq) in zip(workers, replies):
-            if epoch is None or seq is None or self._workers.get(w) is not st:
+        for (w, st), fields in zip(workers, replies):
+            if self._workers.get(w) is not st:
                 continue
-            head = (epoch.decode(), int(seq))
+            head = head_of(fields, w, self.stats, self._auth, st)
+            if head is None:
+                continue
             if head[0] != st.epoch:
                 st.behind = None
+                if self._auth is not None and float(fields[2]) > st.last_ts + self._auth.max_clock_skew_s:
+                    self.stats.gaps += 1  # following a replayed run: the signed snapshot is of a newer one
+                    await self._resync(w, st)
             elif st.need is not None:
                 if head[1] >= st.need and head != st.tried:
                     st.tried = head
@@ -204,8 +232,9 @@ class IndexSync:
     async def _resync(self, w: str, st: StreamState) -> None:
         """Rebuild ``w``'s exact entries from its snapshot and stream (:mod:`router.snapshot_resync`).
         Reads first, then commits without awaiting: lookups see the old state or the new one."""
-        snap = await read_snapshot(self._redis, self.cluster, w, self.stats)
-        walked = await walk_back(self._redis, self.cluster, w, snap, self.count, self.max_replay, self.stats)
+        snap = await read_snapshot(self._redis, self.cluster, w, self.stats, self._auth, st)
+        walked = await walk_back(self._redis, self.cluster, w, snap, self.count, self.max_replay, self.stats,
+                                 self._auth, st)
         if self._workers.get(w) is not st:
             return  # dropped meanwhile
         commit_resync(self.index, self.stats, w, st, snap, walked)

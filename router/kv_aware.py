@@ -25,10 +25,13 @@ WARN_EVERY_S = 10.0  # while Redis is away, one warning per this many seconds
 
 
 class KVAwareness:
-    """Prefix lookups for dispatch; created with the first prefill worker's block size."""
+    """Prefix lookups for dispatch; created with the first prefill worker's block size. ``secret``: the
+    cluster secret the workers sign their KV events and snapshots with (None: unchecked)."""
 
-    def __init__(self, redis_url: str, cluster: str, approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0) -> None:
+    def __init__(self, redis_url: str, cluster: str, approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0,
+                 secret: bytes | None = None) -> None:
         self._redis_url, self._cluster, self._ttl, self._pending_ttl = redis_url, cluster, approx_ttl_s, pending_ttl_s
+        self._secret = secret
         self.index: PrefixIndex | None = None
         self.sync: IndexSync | None = None
         self._warned_at = float("-inf")
@@ -38,7 +41,7 @@ class KVAwareness:
         prefill = [w for w in workers if w.role == "prefill"]
         if self.index is None and prefill:
             self.index = PrefixIndex(block_size=prefill[0].block_size)
-            self.sync = IndexSync(self._redis_url, self._cluster, self.index)
+            self.sync = IndexSync(self._redis_url, self._cluster, self.index, secret=self._secret)
         if self.sync is not None:
             self.sync.set_workers(w.worker_id for w in prefill)
 
@@ -67,6 +70,12 @@ class KVAwareness:
             return
         ttl = self._pending_ttl if worker_id in self.sync.exact_workers() else self._ttl
         self.index.record_routing(worker_id, self.index.hash_prompt(token_ids), ttl)
+
+    def forget(self, worker_id: str) -> None:
+        """Drop ``worker_id`` (not listed in the registry any more) from the index, where a prompt
+        routed to it just before it left may have put it back after :meth:`update_workers` dropped it."""
+        if self.index is not None:
+            self.index.drop_worker(worker_id)
 
     async def close(self) -> None:
         if self.sync is not None:

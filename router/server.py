@@ -3,6 +3,14 @@
 Workers are discovered only from the Redis registry (re-read every
 ``registry_poll_s``); a worker whose lease lapsed is gone from the next read.
 
+Limits (``RouterConfig``, :mod:`router.limits`): concurrent ``Generate`` streams in all and per
+bearer token (RESOURCE_EXHAUSTED beyond), gRPC's ``maximum_concurrent_rpcs`` above them as a backstop,
+message sizes, and ``max_tokens`` per request (INVALID_ARGUMENT beyond). ``GetClusterState`` answers
+from the poller's last registry read (a read at most every ``registry_poll_s``, whoever asks) and
+cached SLO counters. What the router keeps per worker (channels, in-flight counts, prefill stats,
+SLO step-time models, prefix-index entries) is dropped ``registry_grace_s`` after the worker left the
+registry (:meth:`Router._prune`).
+
 Client security (``RouterConfig``): TLS with ``grpc.ssl_server_credentials`` when a certificate
 and key are configured, and a bearer token checked by :class:`BearerTokenInterceptor` on every
 RPC except the health service, so that load balancers can probe without the token. With a
@@ -15,6 +23,9 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 
@@ -36,6 +47,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import PrefillStats
 from pdserve.router.generate import ClusterView, GenerateError, run_generate
 from pdserve.router.kv_aware import KVAwareness
+from pdserve.router.limits import StreamLimitExceeded, StreamSlots
 from pdserve.router.recovery import RegistryMemory
 from pdserve.router.request import RequestTimes
 from pdserve.router.slo import Slo, SloGate
@@ -66,46 +78,88 @@ class Router:
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
-        self.kv = KVAwareness(cfg.redis_url, cfg.cluster)
+        self.kv = KVAwareness(cfg.redis_url, cfg.cluster, secret=secret)
         self.gate = SloGate(cfg.redis_url, cfg.cluster, cfg.prefill_timeout_s + 5) if cfg.admission else None
         # SLO outcomes are counted with or without admission (GetClusterState, the autoscaling planner)
         self.outcomes = self.gate.admission if self.gate is not None else Admission(cfg.redis_url, cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._worker_auth = bearer_interceptors(worker_rpc_token(secret)) if secret is not None else None
         self.address = ""
+        self._slots = StreamSlots(cfg.max_concurrent_streams, cfg.bearer_tokens(), cfg.max_streams_per_token)
+        self._read_lock, self._read_at = asyncio.Lock(), float("-inf")  # registry reads: one at a time
+        self._attainment_lock, self._attainment_at = asyncio.Lock(), float("-inf")
+        self._attainment: dict | None = None
+        self._ids_at: dict[str, set[str]] = {}  # address -> worker ids listed at it (kept while in use)
+        self._gone_ids: dict[str, float] = {}  # worker id -> monotonic time it was first seen unlisted
+        self._gone_addresses: dict[str, float] = {}  # the same for addresses
 
     # ---- RPCs --------------------------------------------------------------------
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext):
-        times = RequestTimes()
+        """``Router.Generate``: the request bytes parsed strictly (INVALID_ARGUMENT), then :meth:`generate`
+        under the client's deadline; its errors end the stream with their status."""
         try:
             parsed = parse_request(raw)
-            args = (parsed, self.model_cfg, self.tokenizer, self.cfg.default_max_tokens,
-                    Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s))
-            # tokenizing a long text takes milliseconds: off the event loop, so other streams keep flowing
-            req = await asyncio.to_thread(validate, *args) if len(parsed.text) > LONG_TEXT_CHARS else validate(*args)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not self.workers:
-            await self._refresh()
-        lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
-        view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
-                           lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids)
         remaining = context.time_remaining()  # the client's deadline: no retry or migration starts past it
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for msg in run_generate(view, req, self.tokenizer, self.cfg, times, deadline):
-                yield msg
+            async with aclosing(self.generate(parsed, deadline, context.invocation_metadata() or ())) as messages:
+                async for msg in messages:
+                    yield msg
         except GenerateError as exc:
             await context.abort(exc.code, exc.message)
 
-    async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest, context) -> pdserve_pb2.ClusterState:
-        await self._refresh()
-        now = time.time()
+    async def generate(self, parsed: pdserve_pb2.GenerateRequest, deadline: float | None = None,
+                       metadata: Iterable[tuple[str, str | bytes]] = (),
+                       ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """One request's path, whichever front end took it (gRPC :meth:`Generate`, the HTTP API of
+        :mod:`router.http`): a stream slot (:mod:`router.limits`), validation, then its run
+        (:func:`router.generate.run_generate`), yielding the client's messages. Closing the iterator
+        early (client gone) cancels the request on its workers, which free its blocks.
+
+        Args:
+            deadline: ``time.monotonic()`` by which the client stops waiting (None: none given).
+            metadata: the call's ``authorization`` metadata, whose bearer token picks the per-token quota.
+        Raises:
+            GenerateError: RESOURCE_EXHAUSTED (no stream slot, no KV room, not admitted), INVALID_ARGUMENT
+                (:func:`router.validation.validate`'s message), UNAVAILABLE (no worker, workers kept failing).
+        """
         try:
-            a = await self.outcomes.attainment(60)
-        except Exception as exc:  # Redis away: the workers are still worth showing
-            log.warning("SLO attainment read failed: %s", exc)
-            a = None
+            slot = self._slots.acquire(metadata)
+        except StreamLimitExceeded as exc:
+            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        try:
+            with slot:  # held until the stream ends, however it ends
+                times = RequestTimes()
+                args = (parsed, self.model_cfg, self.tokenizer, self.cfg.default_max_tokens,
+                        Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s), self.cfg.max_tokens_limit)
+                try:  # tokenizing a long text takes milliseconds: off the event loop, so other streams keep flowing
+                    req = (await asyncio.to_thread(validate, *args) if len(parsed.text) > LONG_TEXT_CHARS
+                           else validate(*args))
+                except ValueError as exc:
+                    raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+                # into the operator's ranges before admission and the attainment counters see them
+                req = replace(req, slo=req.slo.clamped(self.cfg.min_slo_s, self.cfg.max_ttft_slo_s,
+                                                       self.cfg.max_tpot_slo_s))
+                if not self.workers:
+                    await self._refresh_if_stale()
+                lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
+                view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
+                                   lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids)
+                async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
+                    async for msg in messages:
+                        yield msg
+        finally:  # its SLO outcome or rejection shows in the next GetClusterState
+            self._attainment_at = float("-inf")
+
+    async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest, context) -> pdserve_pb2.ClusterState:
+        """``Router.GetClusterState`` from the last registry read and SLO counters (read from Redis at
+        most every ``registry_poll_s``, and the counters once after a stream ended, however often this
+        is called)."""
+        await self._refresh_if_stale()  # normally a no-op: the poller's last read is fresh enough
+        now = time.time()
+        a = await self._slo_attainment()
         slo = None
         if a is not None:
             slo = pdserve_pb2.SloAttainment(
@@ -127,6 +181,7 @@ class Router:
         return self._channels[address]
 
     async def _refresh(self) -> None:
+        self._read_at = time.monotonic()
         try:
             fresh = await self.registry.list_workers()
         except Exception as exc:  # Redis away: keep serving from the last known registry
@@ -135,10 +190,88 @@ class Router:
             return
         # Redis restarted empty: keep the workers it does not list yet until they re-register
         self.workers = self._registry_memory.merge(self.workers, fresh)
+        for w in self.workers:
+            self._ids_at.setdefault(w.address, set()).add(w.worker_id)
+
+    async def _refresh_if_stale(self) -> None:
+        """Read the registry unless the last read (usually the poller's) started less than
+        ``registry_poll_s`` ago; concurrent callers wait for one read, so Redis sees at most one
+        registry read per ``registry_poll_s`` however many clients ask."""
+        async with self._read_lock:
+            if time.monotonic() - self._read_at >= self.cfg.registry_poll_s:
+                await self._refresh()
+
+    async def _slo_attainment(self) -> dict | None:
+        """The SLO attainment counters of the last minute, read from Redis at most every
+        ``registry_poll_s`` and once after each of this router's streams ended (so a client sees its own
+        rejection at once); None while Redis is away: the workers are still worth showing."""
+        async with self._attainment_lock:
+            if time.monotonic() - self._attainment_at >= self.cfg.registry_poll_s:
+                self._attainment_at = time.monotonic()
+                try:
+                    self._attainment = await self.outcomes.attainment(60)
+                except Exception as exc:
+                    log.warning("SLO attainment read failed: %s", exc)
+                    self._attainment = None
+        return self._attainment
+
+    async def _prune(self, now: float | None = None) -> None:
+        """Forget what the router keeps per worker once the worker has been out of the registry view
+        for ``registry_grace_s`` (``now``: ``time.monotonic()`` by default): its in-flight entry (at 0),
+        prefill stats and SLO step-time model; and close the channel of an address no listed worker
+        has, once no request is in flight on a worker listed at it (else at a later poll: a channel is
+        never closed under a live call). Per-worker state stays bounded by the workers listed plus
+        those with requests in flight, however many come and go."""
+        now = time.monotonic() if now is None else now
+        grace = self.cfg.registry_grace_s
+        listed = {w.worker_id for w in self.workers}
+        busy = {wid for wid, n in self.inflight.items() if n > 0}
+        for address in {w.address for w in self.workers}:  # old ids stay mapped while busy
+            self._ids_at[address] = ({w.worker_id for w in self.workers if w.address == address}
+                                     | (self._ids_at.get(address, set()) & busy))
+        known = set(self.inflight) | set(self.prefill_stats) | set().union(*self._ids_at.values())
+        if self.gate is not None:
+            known |= set(self.gate.step_models)
+        if self.kv.index is not None:
+            known |= set(self.kv.index.workers())
+        for wid in known - listed:
+            if now - self._gone_ids.setdefault(wid, now) >= grace and wid not in busy:
+                self.inflight.pop(wid, None)
+                self.prefill_stats.pop(wid, None)
+                self.kv.forget(wid)
+                if self.gate is not None:
+                    self.gate.forget(wid)
+                del self._gone_ids[wid]
+        for wid in [wid for wid in self._gone_ids if wid in listed]:
+            del self._gone_ids[wid]
+        live = {w.address for w in self.workers}
+        unmapped_busy = busy - listed - set().union(*self._ids_at.values())  # may be on any address
+        for address in (set(self._channels) | set(self._ids_at)) - live:
+            idle = not unmapped_busy and not (self._ids_at.get(address, set()) & busy)
+            if now - self._gone_addresses.setdefault(address, now) >= grace and idle:
+                self._ids_at.pop(address, None)
+                del self._gone_addresses[address]
+                channel = self._channels.pop(address, None)
+                if channel is not None:
+                    await channel.close()
+        for address in [a for a in self._gone_addresses if a in live]:
+            del self._gone_addresses[address]
+
+    def num_worker_entries(self) -> dict[str, int]:
+        """Sizes of the per-worker state this router holds (for leak checks and debugging): gRPC
+        ``channels`` (one per worker address), ``inflight`` counts, ``prefill_stats``, SLO
+        ``step_models``, workers of the prefix index, and the bookkeeping of workers seen (addresses
+        listed, ids and addresses waiting out ``registry_grace_s``)."""
+        return {"channels": len(self._channels), "inflight": len(self.inflight),
+                "prefill_stats": len(self.prefill_stats),
+                "step_models": len(self.gate.step_models) if self.gate is not None else 0,
+                "prefix_index_workers": len(self.kv.index.workers()) if self.kv.index is not None else 0,
+                "addresses": len(self._ids_at), "gone": len(self._gone_ids) + len(self._gone_addresses)}
 
     async def _poll_registry(self) -> None:
         while True:
-            await self._refresh()
+            async with self._read_lock:
+                await self._refresh()
             if self._insecure is not None:
                 self._insecure.tick()
             self.kv.update_workers(self.workers)
@@ -147,6 +280,10 @@ class Router:
                     self.prefill_stats.setdefault(w.worker_id, PrefillStats()).seconds_per_block = w.prefill_s_per_block
             if self.gate is not None:
                 self.gate.observe(self.workers)
+            try:
+                await self._prune()
+            except Exception:  # never let bookkeeping stop the poller
+                log.exception("pruning per-worker state failed")
             await self.kv.sync_once()
             await asyncio.sleep(self.cfg.registry_poll_s)
 
@@ -161,10 +298,14 @@ class Router:
         if token is not None and key_pair is None and not is_loopback(self.cfg.host):
             log.warning("router: bearer token over plaintext on %s: anyone on the network can read it; "
                         "configure tls_cert_file / tls_key_file", self.cfg.host)
+        tokens = self.cfg.bearer_tokens()
         credentials = grpc.ssl_server_credentials([key_pair]) if key_pair is not None else None
         self._server, port = await start_grpc_server(
             self.cfg.host, self.cfg.port, self._add_services, [SERVICE],
-            [BearerTokenInterceptor(token)] if token else [], credentials)
+            [BearerTokenInterceptor(tokens)] if tokens else [], credentials,
+            options=[("grpc.max_receive_message_length", self.cfg.max_receive_message_bytes),
+                     ("grpc.max_send_message_length", self.cfg.max_send_message_bytes)],
+            maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs)
         self._poller = asyncio.create_task(self._poll_registry())
         self.address = f"{self.cfg.host}:{port}"
         return self.address

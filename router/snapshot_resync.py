@@ -19,6 +19,12 @@ The reads (:func:`read_snapshot`, :func:`walk_back`) await Redis and change noth
 without awaiting. :class:`router.index_sync.IndexSync` runs them in that order and
 checks in between that the worker was not dropped meanwhile. The snapshot-plus-replay
 re-sync is the usual log/snapshot recovery.
+
+With the cluster secret (a :class:`router.worker_stream.StreamAuth`), a snapshot whose
+``mac`` or digest does not check out counts as missing (``SyncStats.forged``), and the
+walk back skips forged entries like :func:`router.worker_stream.apply_entries` does (a
+genuine entry they displaced leaves a seq hole, so the re-sync degrades instead of
+loading a wrong set).
 """
 
 from __future__ import annotations
@@ -29,9 +35,17 @@ from typing import NamedTuple
 import msgpack
 import redis.asyncio as aioredis
 
-from pdserve.cluster.kv_events import KVEvent, decode_event, events_key, snapshot_key
+from pdserve.cluster.kv_events import (
+    SNAPSHOT_HEAD_FIELDS,
+    ForgedEntry,
+    KVEvent,
+    events_key,
+    snapshot_key,
+    verify_snapshot,
+    verify_snapshot_head,
+)
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.worker_stream import StreamState, SyncStats
+from pdserve.router.worker_stream import StreamAuth, StreamState, SyncStats, decode_checked, note_forged
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +68,51 @@ class StreamTail(NamedTuple):
     base: str  # "snapshot" (stopped at the snapshot's seq), "empty" (reached seq 1) or "" (neither)
 
 
-async def read_snapshot_head(redis: aioredis.Redis, cluster: str, w: str) -> tuple[str, int] | None:
-    """(epoch, seq) of worker ``w``'s snapshot, or None."""
-    epoch, seq = await redis.hmget(snapshot_key(cluster, w), ["epoch", "seq"])
-    return None if epoch is None or seq is None else (epoch.decode(), int(seq))
+def head_of(fields: list, w: str, stats: SyncStats, auth: StreamAuth | None,
+            st: StreamState | None = None) -> tuple[str, int] | None:
+    """(epoch, seq) from the values of an ``HMGET`` of :func:`head_fields` of worker ``w``'s snapshot key,
+    or None: no snapshot, malformed, or (with ``auth``) forged (counted)."""
+    values = dict(zip(head_fields(auth), fields))
+    epoch, seq = values.get("epoch"), values.get("seq")
+    if epoch is None or seq is None:
+        return None
+    if auth is not None:
+        try:
+            verify_snapshot_head(values, auth.secret, auth.cluster, w)
+        except ForgedEntry as exc:
+            note_forged(stats, st, w, "snapshot", exc)
+            return None
+    try:
+        return epoch.decode(), int(seq)
+    except (UnicodeDecodeError, ValueError):
+        stats.malformed += 1
+        return None
 
 
-async def read_snapshot(redis: aioredis.Redis, cluster: str, w: str, stats: SyncStats) -> Snapshot | None:
-    """Worker ``w``'s snapshot, or None (none published, or malformed)."""
+def head_fields(auth: StreamAuth | None) -> list[str]:
+    """Snapshot fields to read for its head: epoch and seq, plus what checks them with the secret."""
+    return list(SNAPSHOT_HEAD_FIELDS) if auth is not None else ["epoch", "seq"]
+
+
+async def read_snapshot_head(redis: aioredis.Redis, cluster: str, w: str, stats: SyncStats | None = None,
+                             auth: StreamAuth | None = None, st: StreamState | None = None) -> tuple[str, int] | None:
+    """(epoch, seq) of worker ``w``'s snapshot, or None (none, malformed, or with ``auth`` forged)."""
+    fields = await redis.hmget(snapshot_key(cluster, w), head_fields(auth))
+    return head_of(fields, w, stats if stats is not None else SyncStats(), auth, st)
+
+
+async def read_snapshot(redis: aioredis.Redis, cluster: str, w: str, stats: SyncStats,
+                        auth: StreamAuth | None = None, st: StreamState | None = None) -> Snapshot | None:
+    """Worker ``w``'s snapshot, or None (none published, malformed, or with ``auth`` forged: counted)."""
     raw = await redis.hgetall(snapshot_key(cluster, w))
     if not raw:
         return None
+    if auth is not None:
+        try:
+            verify_snapshot(raw, auth.secret, auth.cluster, w)
+        except ForgedEntry as exc:
+            note_forged(stats, st, w, "snapshot", exc)
+            return None
     try:
         return Snapshot(raw[b"epoch"].decode(), int(raw[b"seq"]), list(msgpack.unpackb(raw[b"hashes"])),
                         float(raw[b"ts"]))
@@ -75,10 +123,11 @@ async def read_snapshot(redis: aioredis.Redis, cluster: str, w: str, stats: Sync
 
 
 async def walk_back(redis: aioredis.Redis, cluster: str, w: str, snap: Snapshot | None, count: int,
-                    max_replay: int, stats: SyncStats) -> StreamTail:
+                    max_replay: int, stats: SyncStats, auth: StreamAuth | None = None,
+                    st: StreamState | None = None) -> StreamTail:
     """Read worker ``w``'s stream backwards from its end (pages of ``max(count, 100)`` entries) to the
     re-sync base: the snapshot's seq or seq 1, whichever comes first; give up past ``max_replay``
-    entries or at an earlier epoch."""
+    entries or at an earlier epoch. With ``auth``, forged entries are skipped (counted)."""
     key, cursor, tail = events_key(cluster, w), "+", []
     newest, base, older = None, "", None
     while not base and older is None and len(tail) <= max_replay:
@@ -88,7 +137,10 @@ async def walk_back(redis: aioredis.Redis, cluster: str, w: str, snap: Snapshot 
         for eid, fields in page:
             cursor = "(" + (eid.decode() if isinstance(eid, bytes) else eid)
             try:
-                ev = decode_event(eid, fields)
+                ev = decode_checked(auth, w, eid, fields)
+            except ForgedEntry as exc:
+                note_forged(stats, st, w, "event", exc)
+                continue
             except ValueError:
                 stats.malformed += 1
                 continue
@@ -130,6 +182,7 @@ def commit_resync(index: PrefixIndex, stats: SyncStats, w: str, st: StreamState,
         st.set_epoch(newest.epoch)
         st.retire(older)
         st.seq, st.entry_id = newest.seq, newest.entry_id  # read on from the current position
+        st.last_ts = newest.ts
         degrade(index, stats, w, st, seqs[i] - 1 if seqs else newest.seq)
         return
     index.load_snapshot(w, snap.hashes if base == "snapshot" else ())
@@ -145,6 +198,7 @@ def commit_resync(index: PrefixIndex, stats: SyncStats, w: str, st: StreamState,
         st.seq, st.lenient_until = (seqs[-1] if seqs else 0), 0.0
     st.retire(older)
     st.entry_id = newest.entry_id if newest is not None else "0-0"
+    st.last_ts = max([ev.ts for ev in tail] + [snap.ts if base == "snapshot" else 0.0])
     st.need = st.tried = st.behind = None
 
 

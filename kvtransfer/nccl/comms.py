@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +57,12 @@ class DevicePages:
 
 @dataclass(eq=False)
 class PairComm:
-    """One side of a pair's communicator: handle, rank, CUDA stream, and the lock serializing its calls."""
+    """One side of a pair's communicator: handle, rank, CUDA stream, and the lock serializing its calls.
+
+    ``peer_id`` names the other end for :meth:`CommCache.evict_peers_except` ("": unknown): a receiver
+    records the sender's id (its hello's ``sender_id``), a sender the receiver's address.
+    ``seen_live`` is set once ``peer_id`` appeared in a live set given to that method.
+    """
 
     lib: NcclLibrary
     comm_id: str
@@ -67,6 +72,8 @@ class PairComm:
     stream: torch.cuda.Stream
     lock: threading.Lock = field(default_factory=threading.Lock)
     broken: str | None = None
+    peer_id: str = ""
+    seen_live: bool = False
     _state_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -162,9 +169,11 @@ class CommCache:
                 return None
             return pc
 
-    def create(self, key: str, comm_id: str, unique_id: bytes, rank: int) -> PairComm:
+    def create(self, key: str, comm_id: str, unique_id: bytes, rank: int, peer_id: str = "") -> PairComm:
         """Join communicator ``unique_id`` as ``rank`` (blocks until the peer joins or the init timeout)
-        and cache it under ``key``, replacing (and destroying) any previous one.
+        and cache it under ``key``, replacing (and aborting) any previous one. With a ``peer_id``, other
+        communicators of that peer are aborted and forgotten too: each end keeps one communicator per
+        pair, so a peer that made a new one has dropped (or lost, restarting) its older ones.
 
         Raises:
             NcclError: init failed or timed out.
@@ -175,7 +184,8 @@ class CommCache:
             # On a CPU device there is no device to select: NCCL itself reports the missing CUDA driver.
             with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
                 handle = self._lib.comm_init_rank(2, unique_id, rank, self._init_timeout_s)
-                pc = PairComm(self._lib, comm_id, handle, rank, self._device, torch.cuda.Stream(self._device))
+                pc = PairComm(self._lib, comm_id, handle, rank, self._device, torch.cuda.Stream(self._device),
+                              peer_id=peer_id)
             self._swap(key, pc)
             return pc
         finally:
@@ -198,6 +208,39 @@ class CommCache:
         with self._lock:
             return list(self._comms)
 
+    def peer_ids(self) -> set[str]:
+        """The known peers (non-empty ``peer_id``) of the cached communicators."""
+        with self._lock:
+            return {pc.peer_id for pc in self._comms.values() if pc.peer_id}
+
+    def evict_peers_except(self, live_peers: Iterable[str], why: str = "the peer left the registry") -> list[str]:
+        """Abort and forget the communicators whose peer left: those whose ``peer_id`` was in an earlier
+        ``live_peers`` (so it names something the caller can list, e.g. a registered worker) and is
+        not in this one. A communicator whose peer was never listed is kept: its peer cannot be told
+        apart from an unknown one. A peer that reappears gets a new communicator on its next request
+        (the handshake re-creates one when either end lost its side).
+
+        Args:
+            live_peers: the peers alive now (a receiver: the registry's worker ids; a sender: the
+                decode workers' KV addresses without scheme).
+            why: the abort reason (logged by NCCL users, shown to an in-flight transfer's failure).
+        Returns:
+            The keys evicted.
+        """
+        live = set(live_peers)
+        with self._lock:
+            gone = []
+            for key, pc in self._comms.items():
+                if pc.peer_id in live:
+                    pc.seen_live = True
+                elif pc.seen_live and pc.peer_id:
+                    gone.append((key, pc))
+            for key, _ in gone:
+                del self._comms[key]
+        for _, pc in gone:
+            pc.abort(why)
+        return [key for key, _ in gone]
+
     def close(self) -> None:
         """Destroy every cached communicator (after waiting for its in-flight call)."""
         with self._lock:
@@ -207,6 +250,8 @@ class CommCache:
 
     def _swap(self, key: str, pc: PairComm) -> None:
         with self._lock:
-            old, self._comms[key] = self._comms.get(key), pc
-        if old is not None:
-            old.abort("replaced by a new communicator")
+            old = [self._comms.pop(k) for k, c in list(self._comms.items())
+                   if k == key or (pc.peer_id and c.peer_id == pc.peer_id)]
+            self._comms[key] = pc
+        for c in old:
+            c.abort("replaced by a new communicator")

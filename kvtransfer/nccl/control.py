@@ -98,16 +98,19 @@ def _decode_control(kind: str, header: dict[str, Any]) -> ControlFrame:
     return cls(**values)
 
 
-def read_any(sock: socket.socket) -> Frame | ControlFrame | None:
+def read_any(sock: socket.socket, deadline: float | None = None) -> Frame | ControlFrame | None:
     """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.wire.frames`.
     Returns None on a clean EOF before the frame starts.
 
+    Args:
+        deadline: ``time.monotonic()`` by which the whole header must have arrived (see
+            :func:`kvtransfer.wire.frames.read_header_bytes`); None: the socket's timeout, per ``recv``.
     Raises:
         FrameError: oversize, not msgpack (or a repeated map key), unknown type or bad fields.
         PeerClosed: EOF inside the header.
-        OSError: socket error or timeout.
+        OSError: socket error or timeout (``TimeoutError``, also when ``deadline`` passed).
     """
-    body = read_header_bytes(sock)
+    body = read_header_bytes(sock, deadline)
     if body is None:
         return None
     header = unpack_header(body)

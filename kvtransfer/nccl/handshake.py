@@ -15,6 +15,7 @@ communicator itself is created (see :mod:`.control` for the frames)::
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections.abc import Callable
 
@@ -48,7 +49,7 @@ def negotiate_sender(sock: socket.socket, request_id: str, key: str, comms: Comm
             if not welcome.ok:
                 raise FrameError(f"receiver refused the transfer: {welcome.error}", request_id)
             if welcome.init and unique_id:
-                return comms.create(key, comm_id, unique_id, rank=0)
+                return comms.create(key, comm_id, unique_id, rank=0, peer_id=key)
             if welcome.need_unique_id and comm is not None:  # the receiver lost its end (restarted?)
                 comms.evict(key, "the receiver does not know this communicator")
                 comm = None
@@ -60,10 +61,15 @@ def negotiate_sender(sock: socket.socket, request_id: str, key: str, comms: Comm
         raise FrameError("the receiver asked for a unique id twice", request_id)
 
 
-def negotiate_receiver(sock: socket.socket, hello: Hello, comms: CommCache, nccl_version: int) -> PairComm:
+def negotiate_receiver(sock: socket.socket, hello: Hello, comms: CommCache, nccl_version: int,
+                       io_timeout_s: float | None = None) -> PairComm:
     """Receiver side, after reading the first ``hello`` (whose request the caller already bound): find
-    the communicator ``hello.comm_id`` or, given a unique id, create it as rank 1 (cached under its id).
+    the communicator ``hello.comm_id`` or, given a unique id, create it as rank 1 (cached under its id,
+    its peer being ``hello.sender_id``, which supersedes older communicators of that sender).
 
+    Args:
+        io_timeout_s: seconds a second hello may take to arrive in full (one deadline for the whole
+            frame) and each reply to send; None: the socket's timeout.
     Raises:
         FrameError: NCCL versions differ, the unique id is not 128 bytes, a second hello is malformed
             or still carries no unique id.
@@ -78,7 +84,7 @@ def negotiate_receiver(sock: socket.socket, hello: Hello, comms: CommCache, nccl
             if len(hello.unique_id) != UNIQUE_ID_BYTES:
                 raise FrameError(f"unique_id is {len(hello.unique_id)} bytes, not {UNIQUE_ID_BYTES}", hello.request_id)
             sock.sendall(encode_control(Welcome(hello.request_id, True, True, False, "")))
-            return comms.create(hello.comm_id, hello.comm_id, hello.unique_id, rank=1)
+            return comms.create(hello.comm_id, hello.comm_id, hello.unique_id, rank=1, peer_id=hello.sender_id)
         comm = comms.get(hello.comm_id)
         if comm is not None:
             sock.sendall(encode_control(Welcome(hello.request_id, True, False, False, "")))
@@ -86,5 +92,8 @@ def negotiate_receiver(sock: socket.socket, hello: Hello, comms: CommCache, nccl
         if attempt == 1:
             break
         sock.sendall(encode_control(Welcome(hello.request_id, True, False, True, "")))
-        hello = expect(read_any(sock), Hello, hello.request_id)
+        hello = expect(read_any(sock, None if io_timeout_s is None else time.monotonic() + io_timeout_s),
+                       Hello, hello.request_id)
+        if io_timeout_s is not None:
+            sock.settimeout(io_timeout_s)  # the deadline left it short: the replies get the full timeout
     raise FrameError("the sender sent no unique id for an unknown communicator", hello.request_id)

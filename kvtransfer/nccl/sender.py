@@ -6,7 +6,7 @@ import operator
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -126,21 +126,26 @@ class NcclKVSender(SocketSender):
         library: a loaded :class:`NcclLibrary`; None loads the wheel's.
         secret: cluster secret proved on every control connection (the HMAC handshake both transports
             share, :mod:`kvtransfer.wire.handshake`); None: no authentication.
+        sender_id: how receivers know this sender's communicators (the hello's ``sender_id``); pass the
+            worker id so decode workers can drop them once this worker leaves the registry
+            (:meth:`NcclKVReceiver.evict_peers_except`). None: a random id, never evicted that way.
     Raises:
         ValueError: ``kv_cache`` is not a contiguous CUDA tensor matching ``spec``, or the secret is too short.
         NcclUnavailable: the NCCL library cannot be loaded.
     """
 
+    keeps_peer_state = True
+
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 10.0, init_timeout_s: float = 30.0, library: NcclLibrary | None = None,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, sender_id: str | None = None) -> None:
         check_cuda_cache(kv_cache, spec)
         secret = check_secret(secret, "the KV sender's secret")
         self._lib = library or load_library()
         self._version = self._lib.version()
         self._pages = DevicePages(kv_cache, spec)
         self._comms = CommCache(self._lib, kv_cache.device, init_timeout_s)
-        self.sender_id = uuid.uuid4().hex
+        self.sender_id = sender_id or uuid.uuid4().hex
         self._init_channels(connect_timeout_s, io_timeout_s, secret)
 
     def open(self, request_id: str, dst_address: str) -> NcclKVChannel:
@@ -193,6 +198,12 @@ class NcclKVSender(SocketSender):
             except OSError:
                 pass  # the receiver is gone: its end died with it
         self._comms.close()
+
+    def evict_peers_except(self, live_addresses: Iterable[str]) -> list[str]:
+        """Abort and forget the communicators to receivers that left the registry: an address (``host:port``
+        or ``nccl://host:port``) listed by an earlier call and not by this one. Returns the evicted addresses."""
+        live = [a.removeprefix(SCHEME) for a in live_addresses]
+        return self._comms.evict_peers_except(live, "the receiver left the registry")
 
     def _handshake(self, sock: socket.socket, request_id: str, hostport: str) -> PairComm:
         return negotiate_sender(sock, request_id, hostport, self._comms, self._version.code, self.sender_id,

@@ -1,9 +1,10 @@
 """Decode side of the TCP KV transport: accepts pages straight into the local KV cache.
 
 With a cluster secret, a connection must pass the mutual handshake of
-:mod:`kvtransfer.wire.handshake` (within ``io_timeout_s``) before its first frame is
-read; a peer that fails it is logged and closed, and has touched neither the cache
-nor any pending transfer.
+:mod:`kvtransfer.wire.handshake` (within ``io_timeout_s`` of the accept, together with
+its first frame's header) before its first frame is read; a peer that fails it is
+logged and closed, and has touched neither the cache nor any pending transfer.
+Connection limits and per-frame deadlines: :mod:`kvtransfer.wire.listener`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pdserve.kvtransfer.wire.frames import (
     read_frame,
     recv_exact_into,
 )
-from pdserve.kvtransfer.wire.listener import Conn, ListeningReceiver
+from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS, Conn, ListeningReceiver
 from pdserve.kvtransfer.wire.pending import PendingTransfers
 from pdserve.model.kv_cache import KVCacheSpec
 
@@ -46,23 +47,28 @@ class TcpKVReceiver(ListeningReceiver):
         spec: cache layout; incoming ``dtype``/``shape`` must match it.
         host: interface to bind.
         port: TCP port; 0 picks a free one (see :attr:`address`).
-        io_timeout_s: seconds a connection may stay silent (mid-frame or between frames)
-            before it is dropped and its request failed; also the bound on the whole
-            authentication handshake of a new connection.
+        io_timeout_s: seconds a frame's header may take to arrive in full, counted from when the
+            receiver starts waiting for it (between frames included), and each page of a payload;
+            a new connection's handshake and first header share one such deadline from the accept.
+            A peer that misses one is dropped (trickling bytes does not help) and its request failed.
         secret: cluster secret (at least 16 bytes) every sender must prove it holds;
             None: no authentication.
+        max_connections: connections served at once; beyond it unbound connections are displaced,
+            or the new one refused, with a "KV receiver busy" nack (:mod:`kvtransfer.wire.listener`).
     Raises:
         ValueError: ``kv_cache`` does not match ``spec``; the secret is too short or its
-            environment variable is unusable.
+            environment variable is unusable; ``max_connections < 1`` or ``io_timeout_s <= 0``.
         OSError: the address cannot be bound.
     """
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
-                 io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
+                 io_timeout_s: float = 10.0, secret: bytes | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         secret = check_secret(secret, "the KV receiver's secret")
         self._pages = PageMemory(kv_cache, spec)
         self._spec = spec
-        self._listen(host, port, io_timeout_s, secret, PendingTransfers(spec.num_blocks, spec.num_layers))
+        self._listen(host, port, io_timeout_s, secret, PendingTransfers(spec.num_blocks, spec.num_layers),
+                     max_connections=max_connections)
 
     def close(self) -> None:
         """Stop listening, fail pending transfers (``on_failed(..., "receiver closed")``, on this
@@ -76,9 +82,11 @@ class TcpKVReceiver(ListeningReceiver):
         return "" if transfer is None else f" ({len(transfer.arrived)} of {transfer.num_pages} pages received)"
 
     def _serve_frames(self, conn: Conn) -> None:
-        """Handle frames until ``done``/``abort`` or a clean EOF of an idle connection."""
+        """Handle frames until ``done``/``abort`` or a clean EOF of an idle connection. The first
+        header is due by ``conn.deadline``, each later one within ``io_timeout_s`` of the wait for it."""
+        deadline = conn.deadline
         while True:
-            frame = read_frame(conn.sock)
+            frame = read_frame(conn.sock, deadline)
             if frame is None:
                 if conn.transfer is None:
                     return
@@ -92,12 +100,13 @@ class TcpKVReceiver(ListeningReceiver):
             else:
                 self._on_abort(conn.transfer, frame)
                 return
+            deadline = time.monotonic() + self._io_timeout_s
 
     def _bind(self, conn: Conn, frame: Frame) -> None:
         if isinstance(frame, Ack):
             raise FrameError("unexpected ack frame from a sender", frame.request_id)
         if conn.transfer is None:
-            conn.transfer = self._pending.bind(frame.request_id, conn.sock)
+            self._bind_transfer(conn, frame.request_id)
         elif frame.request_id != conn.transfer.request_id:
             raise FrameError(f"frame for request {frame.request_id!r} on the connection of "
                              f"request {conn.transfer.request_id!r}")
@@ -108,8 +117,9 @@ class TcpKVReceiver(ListeningReceiver):
         self._check_pages(transfer, frame)
         with transfer.write_lock:
             self._check_live(transfer)
-            for block in frame.block_ids:  # payload lands straight in the destination pages
-                recv_exact_into(conn.sock, self._pages.page(block, frame.layer_start, frame.layer_end))
+            for block in frame.block_ids:  # payload lands straight in the destination pages, each page in time
+                recv_exact_into(conn.sock, self._pages.page(block, frame.layer_start, frame.layer_end),
+                                time.monotonic() + self._io_timeout_s)
             self._pending.mark(transfer, frame.block_ids, frame.layer_start, frame.layer_end)
 
     def _end(self, conn: Conn, why: str, linger: bool = False) -> None:
@@ -123,6 +133,7 @@ class TcpKVReceiver(ListeningReceiver):
 
     def _send(self, sock: socket.socket, frame: Ack) -> None:
         try:
+            sock.settimeout(self._io_timeout_s)  # a frame deadline may have left the timeout short
             sock.sendall(encode(frame))
         except (OSError, FrameError):
             pass  # peer gone; its channel fails on its own

@@ -97,10 +97,10 @@ class TcpKVChannel(SocketChannel):
                 raise self._error(f"reading the ack failed: {e!r}") from None
             finally:
                 self._close()
+            if isinstance(reply, Ack) and not reply.ok:  # also a connection-level refusal (no request id)
+                raise self._error("receiver rejected the transfer", reply)
             if not isinstance(reply, Ack) or reply.request_id != self.request_id:
                 raise self._error(f"invalid reply to done: {reply!r}")
-            if not reply.ok:
-                raise self._error("receiver rejected the transfer", reply)
             return TransferStats(self._num_pages, self._num_bytes, time.monotonic() - self._started)
 
     # -- internals -----------------------------------------------------------------------------

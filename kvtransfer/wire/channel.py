@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
@@ -137,6 +137,9 @@ class SocketChannel(KVChannel):
 class SocketSender(KVSender):
     """Base of the KV senders: per-request connections and the set of open channels."""
 
+    keeps_peer_state = False
+    """Whether the sender caches state per receiver (NCCL communicators) that :meth:`evict_peers_except` prunes."""
+
     def _init_channels(self, connect_timeout_s: float, io_timeout_s: float, secret: bytes | None) -> None:
         self._secret = secret
         self._connect_timeout_s = connect_timeout_s
@@ -156,6 +159,11 @@ class SocketSender(KVSender):
         except OSError as e:
             raise TransferError(f"KV transfer of request {request_id!r}: cannot connect to {dst_address} "
                                 f"within {self._connect_timeout_s:g} s: {e!r}") from e
+
+    def evict_peers_except(self, live_addresses: Iterable[str]) -> list[str]:
+        """Drop per-receiver state of receivers no longer live (see the NCCL sender); the TCP transport
+        keeps none. Returns what was dropped."""
+        return []
 
     def _adopt(self, channel: SocketChannel) -> None:
         """Track ``channel`` so :meth:`_abort_all` reaches it.

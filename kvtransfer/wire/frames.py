@@ -12,7 +12,10 @@ pages in order). One connection carries one request's transfer::
     abort{request_id, reason}       ──►  (no reply)
 
 The receiver also sends a not-ok ``ack`` before it closes a connection whose
-frame it refused. The NCCL backend sends the same frames on its control connection,
+frame it refused, and one with an empty ``request_id`` and an error starting with
+:data:`BUSY` to a connection it will not serve at all (its connection limit is
+reached, or it cannot start a handler for it); with a cluster secret that ack may
+arrive in place of a handshake message. The NCCL backend sends the same frames on its control connection,
 its pages' payload going over NCCL instead (:mod:`kvtransfer.nccl.control`).
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,6 +35,8 @@ from pdserve.model.kv_cache import KVCacheSpec
 
 MAX_HEADER_BYTES = 64 * 1024
 _LEN = struct.Struct(">I")
+BUSY = "KV receiver busy"
+"""How the error of a connection-level refusal (:func:`busy_ack`) starts."""
 
 
 class FrameError(ValueError):
@@ -99,6 +105,12 @@ _FIELDS: dict[str, tuple[type, dict[str, str]]] = {
     "ack": (Ack, {"request_id": "str", "ok": "bool", "error": "str"}),
 }
 _TYPE_NAME = {cls: name for name, (cls, _) in _FIELDS.items()}
+
+
+def busy_ack(detail: str) -> Ack:
+    """The nack a receiver sends to a connection it will not serve (no request bound): ``ok=False``,
+    empty ``request_id``, error ``"KV receiver busy: <detail>"``."""
+    return Ack("", False, f"{BUSY}: {detail}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -190,15 +202,21 @@ def check_pages(frame: Pages, spec: KVCacheSpec) -> None:
         raise FrameError(f"request {rid!r}: nbytes {frame.nbytes} != expected {want_nbytes}")
 
 
-def recv_exact_into(sock: socket.socket, buf: memoryview) -> None:
+def recv_exact_into(sock: socket.socket, buf: memoryview, deadline: float | None = None) -> None:
     """Fill the writable byte buffer ``buf`` from ``sock`` (no intermediate copy).
 
+    Args:
+        deadline: ``time.monotonic()`` by which the whole buffer must have arrived (the socket's
+            timeout is set to what is left before each ``recv``, so a peer trickling bytes cannot
+            stretch it); None: the socket's own timeout, per ``recv``.
     Raises:
         PeerClosed: EOF before ``buf`` is full.
-        OSError: socket error or timeout (``TimeoutError``).
+        OSError: socket error or timeout (``TimeoutError``, also when ``deadline`` passed).
     """
     got, n = 0, buf.nbytes
     while got < n:
+        if deadline is not None:
+            _settimeout_until(sock, deadline, f"after {got} of {n} bytes")
         k = sock.recv_into(buf[got:], n - got)
         if k == 0:
             raise PeerClosed(f"connection closed after {got} of {n} bytes")
@@ -233,25 +251,37 @@ def unpack_header(body: bytes | bytearray) -> Any:
         raise FrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
 
 
-def read_header_bytes(sock: socket.socket) -> bytearray | None:
+def _settimeout_until(sock: socket.socket, deadline: float, where: str) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"frame deadline passed {where}")
+    sock.settimeout(left)
+
+
+def read_header_bytes(sock: socket.socket, deadline: float | None = None) -> bytearray | None:
     """Read one length-prefixed header body (not decoded, no payload). Returns None on a clean EOF
     before the frame starts.
 
+    Args:
+        deadline: ``time.monotonic()`` by which the whole header (prefix and body) must have arrived,
+            however the peer spreads its bytes; None: the socket's own timeout, per ``recv``.
     Raises:
         FrameError: the announced length exceeds :data:`MAX_HEADER_BYTES`.
         PeerClosed: EOF inside the header.
-        OSError: socket error or timeout.
+        OSError: socket error or timeout (``TimeoutError``, also when ``deadline`` passed).
     """
     prefix = bytearray(_LEN.size)
+    if deadline is not None:
+        _settimeout_until(sock, deadline, "before the frame started")
     first = sock.recv_into(prefix)
     if first == 0:
         return None
-    recv_exact_into(sock, memoryview(prefix)[first:])
+    recv_exact_into(sock, memoryview(prefix)[first:], deadline)
     (length,) = _LEN.unpack(prefix)
     if length > MAX_HEADER_BYTES:
         raise FrameError(f"header length {length} exceeds the {MAX_HEADER_BYTES}-byte limit")
     body = bytearray(length)
-    recv_exact_into(sock, memoryview(body))
+    recv_exact_into(sock, memoryview(body), deadline)
     return body
 
 
@@ -270,13 +300,15 @@ def decode_tagged(header: object) -> Frame:
         raise
 
 
-def read_frame(sock: socket.socket) -> Frame | None:
+def read_frame(sock: socket.socket, deadline: float | None = None) -> Frame | None:
     """Read one header (not the payload). Returns None on a clean EOF before the frame starts.
 
+    Args:
+        deadline: see :func:`read_header_bytes`.
     Raises:
         FrameError: header too large, not msgpack, or invalid (see :func:`decode`).
         PeerClosed: EOF inside the header.
-        OSError: socket error or timeout.
+        OSError: socket error or timeout (``TimeoutError``, also when ``deadline`` passed).
     """
-    body = read_header_bytes(sock)
+    body = read_header_bytes(sock, deadline)
     return None if body is None else decode_tagged(unpack_header(body))

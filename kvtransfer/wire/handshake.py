@@ -89,21 +89,26 @@ def read_message(sock: socket.socket, want_type: str, deadline: float) -> dict[s
     except Exception:  # msgpack raises several unrelated types on garbage
         raise HandshakeError(f"expected a {want_type!r} handshake message, got bytes that are not msgpack") from None
     kind = message.get("type") if isinstance(message, dict) else None
+    if kind == "ack" and message.get("ok") is False:  # the receiver refused the connection (busy)
+        raise HandshakeError(f"the receiver refused the connection: {str(message.get('error'))[:200]}")
     if kind != want_type:
         hint = " (a KV frame: the peer has no cluster secret)" if kind in ("pages", "done", "abort", "ack") else ""
         raise HandshakeError(f"expected a {want_type!r} handshake message, got {str(kind)[:40]!r}{hint}")
     return message
 
 
-def authenticate_sender(sock: socket.socket, secret: bytes, timeout_s: float) -> None:
+def authenticate_sender(sock: socket.socket, secret: bytes, timeout_s: float, deadline: float | None = None) -> None:
     """Receiver side: challenge the connected peer and make it prove ``secret``, then prove it back.
 
     On failure, tells the peer why (best effort) before raising; the caller closes the socket.
 
+    Args:
+        deadline: ``time.monotonic()`` by which the whole handshake must be done; None: ``timeout_s``
+            seconds from now.
     Raises:
-        HandshakeError: the peer's proof is missing or wrong, or it stalled past ``timeout_s`` seconds.
+        HandshakeError: the peer's proof is missing or wrong, or it stalled past the deadline.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if deadline is None else deadline
     nonce_r = secrets.token_bytes(NONCE_BYTES)
     write_message(sock, {"type": "auth_challenge", "proto": PROTO, "nonce": nonce_r}, deadline)
     try:

@@ -6,30 +6,108 @@ constructor and implements ``_serve_frames(conn)`` (read frames until the transf
 ``_end(conn, why, linger)`` (fail the connection's request and nack), and sets ``_spec`` (the cache layout
 announced pages are checked against). Errors raised by
 ``_serve_frames`` become the failure reason given to ``on_failed``, see :meth:`_failure_reason`.
+
+What a peer can make a receiver spend, and when it is dropped::
+
+    accept      at most max_connections connections are served (one thread each). At the limit a new
+                connection displaces the oldest one not yet bound to a request, which is told
+                busy_ack(...) and closed; when every served connection feeds a transfer, the new one
+                is told busy_ack(...) and closed instead. Both count in stats.num_refused_busy.
+    unbound     the handshake (with a secret) and the first frame's header: within io_timeout_s of
+                the accept, one deadline for all of it, however the peer spreads its bytes
+    bound       each later frame's header within io_timeout_s of the wait for it starting, each page
+                of a payload within io_timeout_s, the whole transfer within its registration's
+                timeout (the reaper cuts it then)
+
+A connection whose handler cannot start (e.g. a thread or PID limit) is told busy_ack(...) and closed
+(stats.num_failed_starts); the accept loop goes on. Should the accept or reaper thread end anyway,
+:attr:`ListeningReceiver.alive` turns False: the worker must leave the registry
+(:meth:`cluster.worker_process.WorkerProcess.healthy`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import socket
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.kvtransfer.base import KVReceiver, OnComplete, OnFailed
-from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, check_pages
+from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, busy_ack, check_pages, encode
 from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_sender
 from pdserve.kvtransfer.wire.pending import PendingTransfer, PendingTransfers
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_CONNECTIONS = 256
+"""Connections a receiver serves at once unless told otherwise (one thread each)."""
+LISTEN_BACKLOG = 1024  # connections the kernel queues for accept() (capped by net.core.somaxconn)
+LOG_EVERY_S = 10.0  # repeated warnings (refusals, failed starts) are logged at most this often per kind
+_LISTENER_GONE = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}  # accept() on a closed or shut-down listener
+
 
 @dataclass(eq=False)
 class Conn:
-    """One accepted connection and the pending transfer its first frame names (None until then)."""
+    """One accepted connection and the pending transfer its first frame names (None until then).
+
+    ``deadline`` (``time.monotonic()``) bounds the unbound phase: handshake and first frame header.
+    ``displaced`` is set, under the receiver's connection lock, when the accept loop closes the
+    connection to make room; a displaced connection is never bound to a request. ``ending`` is set
+    (same lock) once its handler is finishing: it is not displaced any more.
+    """
 
     sock: socket.socket
     transfer: PendingTransfer | None = None
+    deadline: float = math.inf
+    displaced: bool = False
+    ending: bool = False
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    """Counters of one receiver since it started.
+
+    Attributes:
+        num_open: connections being served now.
+        num_refused_auth: connections closed because the peer failed the authentication handshake.
+        num_refused_busy: connections told :func:`~kvtransfer.wire.frames.busy_ack` at the connection
+            limit (refused at once, or displaced while unbound).
+        num_failed_starts: connections told ``busy_ack`` because their handler could not start.
+        num_timed_out: connections dropped because a frame (or a page) missed its deadline.
+    """
+
+    num_open: int
+    num_refused_auth: int
+    num_refused_busy: int
+    num_failed_starts: int
+    num_timed_out: int
+
+
+class _Displaced(Exception):
+    """Raised in a handler whose connection the accept loop closed to make room."""
+
+
+class _Throttle:
+    """At most one log line per kind every ``LOG_EVERY_S`` seconds; counts what it held back."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def ready(self, kind: str) -> int | None:
+        """None: do not log now; else the number of lines held back since the last one."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -math.inf) < LOG_EVERY_S:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return None
+            self._last[kind] = now
+            return self._held.pop(kind, 0)
 
 
 def shutdown_quietly(sock: socket.socket, how: int) -> None:
@@ -48,6 +126,26 @@ def call_quietly(fn: Callable[..., None], *args: object) -> None:
         log.exception("KV receiver callback %r raised", fn)
 
 
+def refuse_quietly(sock: socket.socket, ack: Ack) -> None:
+    """Tell the peer of a connection nobody serves ``ack`` and close it, without ever blocking:
+    drain what it already sent (so closing does not reset the connection before the nack is
+    read), send the nack into the empty send buffer, half-close, close. Never raises."""
+    try:
+        sock.setblocking(False)
+        try:
+            for _ in range(16):  # at most 1 MiB: a peer that keeps sending gets a reset instead
+                if not sock.recv(65536):
+                    break
+        except OSError:
+            pass
+        sock.send(encode(ack))
+        sock.shutdown(socket.SHUT_WR)
+    except (OSError, FrameError):
+        pass
+    finally:
+        sock.close()
+
+
 class ListeningReceiver(KVReceiver):
     """Base of the socket-listening KV receivers (see module doc). Not usable on its own.
 
@@ -59,23 +157,37 @@ class ListeningReceiver(KVReceiver):
     _conn_kind = "connection"
     _thread_prefix = "kv"
     _conn_type: type[Conn] = Conn
+    keeps_peer_state = False
+    """Whether the receiver caches state per sender (NCCL communicators) that :meth:`evict_peers_except` prunes."""
 
     def _listen(self, host: str, port: int, io_timeout_s: float, secret: bytes | None,
-                pending: PendingTransfers, scheme: str = "") -> None:
+                pending: PendingTransfers, scheme: str = "",
+                max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         """Bind ``host:port`` and start the accept and reaper threads (daemons).
 
         Raises:
+            ValueError: ``max_connections < 1`` or ``io_timeout_s <= 0``.
             OSError: the address cannot be bound.
         """
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        if not io_timeout_s > 0:
+            raise ValueError(f"io_timeout_s must be positive, got {io_timeout_s}")
         self._secret = secret
         self._io_timeout_s = io_timeout_s
+        self._max_connections = max_connections
         self._pending = pending
         self._num_refused = 0
-        self._conns: set[socket.socket] = set()
+        self._num_busy = 0
+        self._num_failed_starts = 0
+        self._num_timed_out = 0
+        self._num_displaced_open = 0  # displaced connections whose handler has not closed them yet
+        self._throttle = _Throttle()
+        self._conns: dict[socket.socket, Conn] = {}  # in accept order: the first unbound one is the oldest
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.create_server((host, port), family=family)
+        self._listener = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
         port = self._listener.getsockname()[1]
         self._address = scheme + (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         prefix = self._thread_prefix
@@ -94,6 +206,25 @@ class ListeningReceiver(KVReceiver):
     def num_refused(self) -> int:
         """Connections closed because their peer failed the authentication handshake."""
         return self._num_refused
+
+    @property
+    def stats(self) -> ReceiverStats:
+        """The receiver's connection counters (a consistent snapshot)."""
+        with self._conns_lock:
+            return ReceiverStats(len(self._conns), self._num_refused, self._num_busy, self._num_failed_starts,
+                                 self._num_timed_out)
+
+    @property
+    def alive(self) -> bool:
+        """True while the receiver can take transfers: not closed, and both its accept thread and its
+        deadline reaper run. False means it never will again: its worker must stop advertising it
+        (leave the registry) instead of letting senders wait on it."""
+        return not self._stopping.is_set() and all(t.is_alive() for t in self._threads)
+
+    def evict_peers_except(self, live_peer_ids: Iterable[str]) -> list[str]:
+        """Drop per-peer state of senders that are no longer live (see the NCCL receiver); the TCP
+        transport keeps none. Returns what was dropped."""
+        return []
 
     def expect(self, request_id: str, block_ids: Sequence[int], timeout_s: float,
                on_complete: OnComplete, on_failed: OnFailed) -> None:
@@ -136,27 +267,81 @@ class ListeningReceiver(KVReceiver):
     # -- threads -------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except OSError:
-                self._stopping.wait(0.05)  # closed (loop ends) or transient (e.g. EMFILE)
-                continue
+        try:
+            while not self._stopping.is_set():
+                try:
+                    sock, peer = self._listener.accept()
+                except OSError as e:
+                    if self._stopping.is_set() or e.errno in _LISTENER_GONE:
+                        return  # closed (or shut down under us: alive turns False)
+                    self._warn("accept", "%s %s: accept failed (retrying): %r", self._kind, self._address, e)
+                    self._stopping.wait(0.05)  # transient: EMFILE, ENFILE, ENOBUFS, ...
+                    continue
+                try:
+                    self._admit(sock, peer)
+                except Exception:  # a bug in admitting one connection must not stop the receiver
+                    log.exception("%s %s: admitting a %s from %s failed", self._kind, self._address,
+                                  self._conn_kind, peer)
+                    with self._conns_lock:
+                        self._conns.pop(sock, None)
+                    sock.close()
+        finally:
+            if not self._stopping.is_set():
+                log.error("%s %s stopped accepting connections: its worker must leave the registry",
+                          self._kind, self._address)
+
+    def _admit(self, sock: socket.socket, peer: object) -> None:
+        """Serve ``sock`` on a new handler thread, within the connection limit (see module doc)."""
+        conn = self._conn_type(sock, deadline=time.monotonic() + self._io_timeout_s)
+        victim: Conn | None = None
+        with self._conns_lock:
+            if self._stopping.is_set():
+                sock.close()
+                return
+            num_open = len(self._conns) - self._num_displaced_open
+            if num_open >= self._max_connections:
+                self._num_busy += 1
+                victim = next((c for c in self._conns.values()
+                               if c.transfer is None and not c.displaced and not c.ending), None)
+                if victim is not None:
+                    victim.displaced = True
+                    self._num_displaced_open += 1
+            if num_open < self._max_connections or victim is not None:
+                self._conns[sock] = conn
+        if num_open >= self._max_connections:
+            self._warn("busy", "%s %s is at its limit of %d connections: %s", self._kind, self._address,
+                       self._max_connections, "closing the oldest unbound one" if victim is not None
+                       else f"refusing a {self._conn_kind} from {peer} (all feed transfers)")
+            if victim is None:
+                refuse_quietly(sock, busy_ack(f"all {self._max_connections} connections it serves feed "
+                                              "transfers; try again later"))
+                return
+            shutdown_quietly(victim.sock, socket.SHUT_RD)  # its handler wakes, tells it busy_ack, closes
+        try:
             sock.settimeout(self._io_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._conns_lock:
-                if self._stopping.is_set():
-                    sock.close()
-                    return
-                self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock, peer), name=f"{self._thread_prefix}-conn",
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._thread_prefix}-conn",
                              daemon=True).start()
+        except Exception as e:  # e.g. RuntimeError("can't start new thread") at a thread or PID limit
+            with self._conns_lock:
+                self._conns.pop(sock, None)
+                self._num_failed_starts += 1
+            self._warn("start", "%s %s cannot serve a %s from %s: %r", self._kind, self._address,
+                       self._conn_kind, peer, e)
+            refuse_quietly(sock, busy_ack(f"cannot serve a connection now ({e})"))
 
     def _reap_loop(self) -> None:
-        while (expired := self._pending.wait_expired()) is not None:
-            for transfer in expired:
-                self._stop_writes(transfer)
-                call_quietly(transfer.on_failed, transfer.request_id, transfer.ended)
+        while True:
+            try:
+                expired = self._pending.wait_expired()
+                if expired is None:
+                    return
+                for transfer in expired:
+                    self._stop_writes(transfer)
+                    call_quietly(transfer.on_failed, transfer.request_id, transfer.ended)
+            except Exception:  # keep enforcing deadlines: a leaked registration would hold its blocks
+                log.exception("%s %s: deadline reaper failed (continuing)", self._kind, self._address)
+                time.sleep(0.05)
 
     def _stop_writes(self, transfer: PendingTransfer) -> None:
         """After ``transfer`` was taken by a non-handler thread: cut its connection's reads and wait
@@ -166,26 +351,66 @@ class ListeningReceiver(KVReceiver):
         with transfer.write_lock:
             pass
 
+    def _warn(self, kind: str, msg: str, *args: object) -> None:
+        held = self._throttle.ready(kind)
+        if held is not None:
+            log.warning(msg + (f" ({held} more like this since the last report)" if held else ""), *args)
+
     # -- one connection ------------------------------------------------------------------------
 
-    def _serve(self, sock: socket.socket, peer: object) -> None:
-        conn = self._conn_type(sock)
+    def _bind_transfer(self, conn: Conn, request_id: str) -> PendingTransfer:
+        """Bind ``conn`` to the pending transfer of ``request_id`` (sets ``conn.transfer``).
+
+        Raises:
+            FrameError: not registered, or already fed by another connection.
+            _Displaced: the accept loop closed this connection to make room.
+        """
+        with self._conns_lock:  # excludes displacement: an unbound connection is displaced or bound, not both
+            if conn.displaced:
+                raise _Displaced
+            conn.transfer = self._pending.bind(request_id, conn.sock)
+            return conn.transfer
+
+    def _displaced_at_end(self, conn: Conn) -> bool:
+        """The handler is finishing: True if the accept loop displaced ``conn`` (then it has no
+        transfer, and gets the busy nack); else mark it ``ending`` so that it never will be."""
+        with self._conns_lock:
+            conn.ending = not conn.displaced
+            return conn.displaced
+
+    def _serve(self, conn: Conn, peer: object) -> None:
+        sock = conn.sock
         try:
-            if self._secret is not None and not self._authenticate(sock, peer):
+            if self._secret is not None and not self._authenticate(conn, peer):
                 return
             self._serve_frames(conn)
         except FrameError as e:
             if conn.transfer is None and e.request_id is not None:
                 try:  # fail the registered request the bad frame names, unless another connection feeds it
-                    conn.transfer = self._pending.bind(e.request_id, sock)
-                except FrameError:
+                    self._bind_transfer(conn, e.request_id)
+                except (FrameError, _Displaced):
                     pass
-            self._end(conn, f"bad frame: {e}", linger=True)
+            if not self._displaced_at_end(conn):
+                self._end(conn, f"bad frame: {e}", linger=True)
         except Exception as e:
+            if self._displaced_at_end(conn):
+                return  # closed to make room: told below
+            if isinstance(e, TimeoutError):
+                with self._conns_lock:
+                    self._num_timed_out += 1
             self._end(conn, self._failure_reason(conn, e))
         finally:
+            if self._displaced_at_end(conn):
+                try:
+                    sock.settimeout(1.0)
+                    sock.sendall(encode(busy_ack(f"{self._max_connections} connections open; this one fed no "
+                                                 "transfer yet and was closed to make room")))
+                    sock.shutdown(socket.SHUT_WR)
+                except (OSError, FrameError):
+                    pass
             with self._conns_lock:
-                self._conns.discard(sock)
+                if self._conns.pop(sock, None) is not None and conn.displaced:
+                    self._num_displaced_open -= 1
             sock.close()
 
     def _failure_reason(self, conn: Conn, e: Exception) -> str:
@@ -202,19 +427,20 @@ class ListeningReceiver(KVReceiver):
         """Suffix for failure reasons telling how far the transfer got ("" when unknown)."""
         return ""
 
-    def _authenticate(self, sock: socket.socket, peer: object) -> bool:
-        """Run the handshake; on failure log it (never the secret) and count it. The caller closes."""
+    def _authenticate(self, conn: Conn, peer: object) -> bool:
+        """Run the handshake by ``conn.deadline``; on failure log it (never the secret; throttled) and
+        count it. The caller closes."""
         assert self._secret is not None
         try:
-            authenticate_sender(sock, self._secret, self._io_timeout_s)
+            authenticate_sender(conn.sock, self._secret, self._io_timeout_s, deadline=conn.deadline)
         except HandshakeError as e:
-            if self._stopping.is_set():  # cut by close(), not refused
+            if self._stopping.is_set() or self._displaced_at_end(conn):  # cut by close() or to make room
                 return False
             with self._conns_lock:
                 self._num_refused += 1
-            log.warning("%s %s refused a %s from %s: %s", self._kind, self._address, self._conn_kind, peer, e)
+            self._warn("auth", "%s %s refused a %s from %s: %s", self._kind, self._address, self._conn_kind, peer, e)
             return False
-        sock.settimeout(self._io_timeout_s)
+        conn.sock.settimeout(self._io_timeout_s)
         return True
 
     def _take_failed(self, conn: Conn, why: str) -> str | None:

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from pdserve.kvtransfer.base import OnComplete, OnFailed
 from pdserve.kvtransfer.wire.frames import FrameError
 
+MAX_REAPER_WAIT_S = 60.0
+"""The reaper sleeps at most this long (seconds) between deadline checks, whatever the deadlines: a far or
+infinite deadline (``timeout_s`` of 1e300, inf) would overflow ``Condition.wait``."""
+
 
 @dataclass(eq=False)
 class PendingTransfer:
@@ -131,7 +135,8 @@ class PendingTransfers:
 
     def wait_expired(self) -> list[PendingTransfer] | None:
         """Block until some pending transfers pass their deadline; take and return them.
-        Returns None once the table is closed."""
+        Returns None once the table is closed. Each wait lasts at most :data:`MAX_REAPER_WAIT_S`
+        seconds, so no deadline, however far, can make it raise."""
         with self._cond:
             while not self._closed:
                 now = time.monotonic()
@@ -141,7 +146,8 @@ class PendingTransfers:
                         self._take(transfer, f"timed out after {transfer.timeout_s:g} s waiting for KV pages")
                     return expired
                 nxt = min((r.deadline for r in self._transfers.values()), default=None)
-                self._cond.wait(None if nxt is None else nxt - now)
+                wait_s = MAX_REAPER_WAIT_S if nxt is None else nxt - now
+                self._cond.wait(wait_s if 0 < wait_s < MAX_REAPER_WAIT_S else MAX_REAPER_WAIT_S)  # NaN, inf: the cap
             return None
 
     def close(self) -> list[PendingTransfer]:
