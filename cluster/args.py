@@ -17,7 +17,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
             continue
         flag = "--" + f.name.replace("_", "-")
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        kind = {"int": int, "float": float, "str": str, "bool": _bool}.get(str(f.type), str)
+        kind = {"int": int, "float": float, "str": str, "bool": _bool}.get(str(f.type).removesuffix(" | None"), str)
         parser.add_argument(flag, dest=f.name, type=kind, required=not has_default, default=None,
                             help=f"(default: {_default_text(f)})" if has_default else "(required)")
 

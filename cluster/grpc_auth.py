@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Sequence
 
 import grpc
 
@@ -25,11 +26,11 @@ OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Ends every call without ``authorization: Bearer <token>`` metadata with UNAUTHENTICATED,
     before the request message is even parsed; methods under ``open_prefixes`` stay open.
-    The token is compared in constant time (``hmac.compare_digest``); the scheme name is
-    case-insensitive (RFC 6750)."""
+    ``token`` is the accepted token, or a sequence of them (any one is accepted); each is compared
+    in constant time (``hmac.compare_digest``); the scheme name is case-insensitive (RFC 6750)."""
 
-    def __init__(self, token: str, open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
-        self._token = token.encode()
+    def __init__(self, token: str | Sequence[str], open_prefixes: tuple[str, ...] = OPEN_METHOD_PREFIXES) -> None:
+        self._tokens = [t.encode() for t in ([token] if isinstance(token, str) else token)]
         self._open_prefixes = open_prefixes
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -50,7 +51,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return "missing 'authorization: Bearer <token>' metadata"
         value = values[-1].encode() if isinstance(values[-1], str) else values[-1]
         scheme, _, token = value.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._token):
+        matches = [hmac.compare_digest(token.strip(), t) for t in self._tokens]  # all compared: no early exit
+        if scheme.lower() != b"bearer" or not any(matches):
             return "invalid bearer token"
         return None
 

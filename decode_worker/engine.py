@@ -17,6 +17,7 @@ Requests join and leave at every token boundary (continuous batching, Yu et al.,
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -43,6 +44,23 @@ from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams, sample
 
 log = logging.getLogger(__name__)
+
+MAX_KV_TIMEOUT_S = 3600.0
+"""The longest ``kv_timeout_s`` a request may ask for (seconds): its blocks wait at most this long
+for KV pages, so a caller cannot hold them without a deadline."""
+
+
+def check_kv_timeout(kv_timeout_s: float) -> float:
+    """Return ``kv_timeout_s`` (seconds) if it is a usable KV deadline: finite, in (0, :data:`MAX_KV_TIMEOUT_S`].
+
+    Raises:
+        ValueError: anything else (NaN, infinite, zero, negative, above the maximum); the message names
+            the range.
+    """
+    if not (math.isfinite(kv_timeout_s) and 0 < kv_timeout_s <= MAX_KV_TIMEOUT_S):
+        raise ValueError(f"kv_timeout_s must be a finite number of seconds in (0, {MAX_KV_TIMEOUT_S:g}], "
+                         f"got {kv_timeout_s!r}")
+    return float(kv_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -120,16 +138,25 @@ class DecodeEngine:
         Returns:
             The block ids the KV pages (of prompt + prior output) must be written into (the first blocks).
         Raises:
-            ValueError: duplicate attempt id, prompt and max_tokens beyond the context, or prior
+            ValueError: ``kv_timeout_s`` not finite in (0, :data:`MAX_KV_TIMEOUT_S`] (checked before anything
+                is allocated), duplicate attempt id, prompt and max_tokens beyond the context, or prior
                 output that already ends the request.
             model.kv_cache.NoFreeBlocks: the pool cannot hold the request now.
+            RuntimeError: the KV receiver is closed (the worker is shutting down).
+        If registering the transfer with the receiver fails, the allocation is rolled back (the engine
+        frees the blocks) before the error propagates.
         """
+        check_kv_timeout(kv_timeout_s)
         req = self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids, RequestState.TRANSFERRING)
         prompt_blocks = req.block_table[: self.spec.num_blocks_for(req.num_tokens)]
         self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
-        self.receiver.expect(attempt_id, prompt_blocks, kv_timeout_s,
-                             on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
-                             on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
+        try:
+            self.receiver.expect(attempt_id, prompt_blocks, kv_timeout_s,
+                                 on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
+                                 on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
+        except BaseException:
+            self._inbox.put(_Abort(attempt_id))  # after the request in the inbox: retired, its blocks freed
+            raise
         return prompt_blocks
 
     def add_local(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,

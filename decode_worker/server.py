@@ -14,7 +14,15 @@ import grpc
 import torch
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.cluster.rpc_fields import check_attempt_id, check_sampling, check_token_ids
+from pdserve.cluster.rpc_fields import (
+    Undecodable,
+    add_lenient_handlers,
+    check_attempt_id,
+    check_decoded,
+    check_sampling,
+    check_token_ids,
+    lenient_parser,
+)
 from pdserve.cluster.worker_process import WorkerProcess, worker_secret
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine, check_kv_timeout
@@ -44,7 +52,7 @@ class CheckedDecodeRequest:
     local_prefill: bool
 
 
-def check_decode_request(request: worker_pb2.DecodeRequest, vocab_size: int, max_context: int,
+def check_decode_request(request: worker_pb2.DecodeRequest | Undecodable, vocab_size: int, max_context: int,
                          eos_token_ids: tuple[int, ...] = ()) -> CheckedDecodeRequest:
     """Check every field of a decode ``Generate`` request before anything is allocated for it.
 
@@ -52,13 +60,15 @@ def check_decode_request(request: worker_pb2.DecodeRequest, vocab_size: int, max
         vocab_size, max_context: the model's vocabulary and context (positions).
         eos_token_ids: the model's EOS tokens (stop tokens unless ``ignore_eos``).
     Raises:
-        ValueError: naming the field: ``request_id`` empty, over 256 characters or with control characters;
-            ``prompt_token_ids`` empty or outside the vocabulary; sampling fields not finite or out of range
-            (:func:`cluster.rpc_fields.check_sampling`); prompt + max_tokens beyond ``max_context``;
+        ValueError: undecodable request bytes; else naming the field: ``request_id`` empty, over 256
+            characters or with control characters; ``prompt_token_ids`` empty or outside the vocabulary;
+            sampling fields not finite or out of range (:func:`cluster.rpc_fields.check_sampling`); prompt +
+            max_tokens beyond ``max_context``;
             ``prior_output_token_ids`` outside the vocabulary, reaching ``max_tokens`` or ending in a stop token;
             ``kv_timeout_s`` not finite in (0, :data:`~decode_worker.engine.MAX_KV_TIMEOUT_S`] seconds (with
             ``local_prefill`` it is unused and may also be 0, unset).
     """
+    request = check_decoded(request)
     attempt_id = check_attempt_id(request.request_id)
     prompt = check_token_ids("prompt_token_ids", request.prompt_token_ids, vocab_size, max_context - 1,
                              bound="the model's context less one output position")
@@ -184,7 +194,11 @@ class DecodeWorker(WorkerProcess):
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self.engine), server)
+        """Serve ``DecodeWorker`` on ``server``; undecodable request bytes reach the servicer (INVALID_ARGUMENT)."""
+        servicer = DecodeServicer(self.engine)
+        add_lenient_handlers(server, self.service_name, {"Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=lenient_parser(worker_pb2.DecodeRequest),
+            response_serializer=worker_pb2.DecodeEvent.SerializeToString)})
 
     def info(self) -> WorkerInfo:
         e = self.engine

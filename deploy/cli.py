@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 import threading
@@ -15,6 +16,23 @@ import grpc
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
+from pdserve.router.config import RouterConfig
+
+# `up` flag -> RouterConfig field: operator limits of the router's public API (docs/operations.md, "Limits");
+# unset flags keep RouterConfig's defaults
+ROUTER_LIMIT_FLAGS = {
+    "max_concurrent_streams": "Generate streams served at once (more: RESOURCE_EXHAUSTED)",
+    "max_streams_per_token": "Generate streams at once per bearer token of --token-file (0: no per-token quota)",
+    "max_tokens_limit": "largest max_tokens a request may ask for (more: INVALID_ARGUMENT)",
+    "max_receive_message_bytes": "largest request message the API reads",
+    "max_send_message_bytes": "largest response message the API writes",
+}
+# `up` flag -> RouterConfig field: the range client SLOs are clamped into (seconds; unset: RouterConfig's defaults)
+ROUTER_SLO_RANGE_FLAGS = {
+    "min_slo": ("min_slo_s", "client TTFT/TPOT SLOs below this are raised to it"),
+    "max_ttft_slo": ("max_ttft_slo_s", "client TTFT SLOs above this are lowered to it"),
+    "max_tpot_slo": ("max_tpot_slo_s", "client TPOT SLOs above this are lowered to it"),
+}
 
 DEMO_PROMPTS = [
     "Once upon a time, there was a little dog",
@@ -27,7 +45,9 @@ DEMO_PROMPTS = [
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=EMBEDDED_MODEL, help="Hugging Face Llama checkpoint directory")
+    p.add_argument("--model", default=EMBEDDED_MODEL,
+                   help="checkpoint directory (Llama, Mistral, Qwen2/2.5, Qwen3), or a hub repository id "
+                        "in the local Hugging Face cache")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--colocated", type=int, default=0,
@@ -43,6 +63,13 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         "(and the router without a token or TLS); warned about every minute")
     p.add_argument("--token-file", default="",
                    help="router: file holding the bearer token clients must send (else env PDSERVE_ROUTER_TOKEN)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="router: serve the OpenAI-compatible HTTP API on this port too (0: any free port; "
+                        "default: no HTTP API)")
+    p.add_argument("--served-model-name", default="", help="router: the model's name in the HTTP API "
+                                                            "(default: the checkpoint directory's name)")
+    p.add_argument("--chat-template", default="",
+                   help="router: Jinja chat template file for /v1/chat/completions (default: the checkpoint's)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
     p.add_argument("--block-size", type=int, default=16)
@@ -58,6 +85,16 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                    help="router: admit only requests whose TTFT/TPOT SLOs are predicted to hold")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="router: default TTFT SLO, seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="router: default TPOT SLO, seconds")
+    p.add_argument("--stream-idle-timeout", type=float, default=None,
+                   help="router: seconds a decode worker may send nothing on any of the router's streams, once a "
+                        "request's first token is out, before its requests migrate as from a crashed worker "
+                        f"(stalled: SIGSTOPped, partitioned, wedged); default {RouterConfig.stream_idle_timeout_s}")
+    for name, what in ROUTER_LIMIT_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"router: {what} (default {getattr(RouterConfig, name)})")
+    for flag, (name, what) in ROUTER_SLO_RANGE_FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), type=float, default=None,
+                       help=f"router: {what}, seconds (default {getattr(RouterConfig, name)})")
     p.add_argument("--speculative", default="off", choices=["off", "ngram", "self", "draft"],
                    help="decode: speculative proposer")
     p.add_argument("--spec-k", type=int, default=4, help="decode: proposal length")
@@ -84,6 +121,7 @@ def _start_cluster(args: argparse.Namespace):
     from pdserve.deploy.planner import PlannerConfig
     from pdserve.deploy.ray_cluster import RayCluster
     from pdserve.deploy.redis_server import ensure_redis
+    from pdserve.model.checkpoint import model_reference
 
     autoscale = None
     if args.autoscale:
@@ -92,7 +130,7 @@ def _start_cluster(args: argparse.Namespace):
                                   window_s=args.autoscale_window, cooldown_s=2 * args.autoscale_window)
     ids = {"cluster": args.cluster} if args.cluster else {}
     cfg = ClusterConfig(
-        model_dir=str(Path(args.model).resolve()), num_prefill=args.prefill, num_decode=args.decode,
+        model_dir=model_reference(args.model), num_prefill=args.prefill, num_decode=args.decode,
         num_colocated=args.colocated, **ids, cpus_per_worker=args.cpus_per_worker,
         placement_strategy=args.placement_strategy, max_restarts=args.max_restarts,
         drain_timeout_s=args.drain_timeout, autoscale=autoscale,
@@ -106,10 +144,16 @@ def _start_cluster(args: argparse.Namespace):
                         "graph": not args.no_graph},
         worker_options={"insecure": True} if args.insecure else {},
         router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
+                        **{name: getattr(args, name) for name in ROUTER_LIMIT_FLAGS if getattr(args, name) is not None},
+                        **{name: getattr(args, flag) for flag, (name, _) in ROUTER_SLO_RANGE_FLAGS.items()
+                           if getattr(args, flag) is not None},
                         "default_tpot_slo_s": args.tpot_slo,
+                        **({"stream_idle_timeout_s": args.stream_idle_timeout}
+                           if args.stream_idle_timeout is not None else {}),
                         **{name: str(Path(path).resolve()) for name, path in (
                             ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key),
-                            ("token_file", args.token_file)) if path}})
+                            ("token_file", args.token_file)) if path},
+                        **_http_options(args)})
     redis_proc = ensure_redis(args.redis_url)
     cluster = RayCluster(cfg)
     try:
@@ -121,11 +165,21 @@ def _start_cluster(args: argparse.Namespace):
     return cluster, address, redis_proc
 
 
+def _http_options(args: argparse.Namespace) -> dict:
+    """RouterConfig fields of the HTTP API flags (none without ``--http-port``)."""
+    if args.http_port is None:
+        return {}
+    return {"http_port": args.http_port, "served_model_name": args.served_model_name,
+            **({"chat_template": str(Path(args.chat_template).resolve())} if args.chat_template else {})}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     cluster, address, redis_proc = _start_cluster(args)
     print(f"router listening on {address}", flush=True)
     print(f"cluster {cluster.cfg.cluster}: resize with `pdserve scale --cluster {cluster.cfg.cluster} --prefill N "
           f"--decode M`, inspect with `pdserve status --cluster {cluster.cfg.cluster}`", flush=True)
+    if cluster.http_address:
+        print(f"http listening on {cluster.http_address}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -178,7 +232,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"router listening on {address}; sending {len(DEMO_PROMPTS)} prompts concurrently\n", flush=True)
 
     async def run() -> list[client.Completion]:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with client.open_channel(address) as channel:
             return await asyncio.gather(*[
                 client.complete(channel, client.make_request(p, max_tokens=args.max_tokens, temperature=0.0))
                 for p in DEMO_PROMPTS])
@@ -187,11 +241,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for prompt, done in zip(DEMO_PROMPTS, asyncio.run(run())):
             print(f"\033[1m{prompt}\033[0m{done.text}")
             print(f"    [{_timings(done.final)}]\n", flush=True)
+        if cluster.http_address:
+            _demo_curl(cluster, args)
     finally:
         cluster.stop()
         if redis_proc is not None:
             redis_proc.terminate()
     return 0
+
+
+def _demo_curl(cluster, args: argparse.Namespace) -> None:
+    """Print a curl command for the live cluster's HTTP API, then run exactly that line to show its answer."""
+    import shlex
+    import shutil
+    import subprocess
+
+    from pdserve.router.http.server import served_model_name
+
+    body = json.dumps({"model": served_model_name(cluster.cfg.model_dir, args.served_model_name),
+                       "prompt": DEMO_PROMPTS[0], "max_tokens": 24, "temperature": 0})
+    line = (f"curl -s http://{cluster.http_address}/v1/completions -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(body)}")
+    print(f"OpenAI-compatible HTTP API on {cluster.http_address} (this demo's cluster stops when it ends; "
+          f"`pdserve up --http-port 8000` keeps one up). While it is up:\n  {line}", flush=True)
+    if shutil.which("curl"):
+        answer = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=60)
+        print(f"  -> {answer.stdout.strip() or answer.stderr.strip()}\n", flush=True)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -228,14 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="bring a cluster up on the embedded model, run a few prompts, shut down")
     _cluster_args(demo)
     demo.add_argument("--max-tokens", type=int, default=64)
+    demo.set_defaults(http_port=0)  # the demo shows the HTTP API too
     demo.set_defaults(func=cmd_demo)
 
     from pdserve.deploy import pool_cli
 
     pool_cli.add_commands(sub)
 
-    mk = sub.add_parser("make-model", help="write a seeded random-weight Llama checkpoint at a benchmark preset")
-    mk.add_argument("--preset", required=True, help="bench-80m (about 80M parameters) or bench-9m")
+    mk = sub.add_parser("make-model", help="write a seeded random-weight checkpoint at a preset")
+    mk.add_argument("--preset", required=True, help="bench-80m, bench-80m-qwen3 (about 80M parameters), bench-9m, "
+                                                    "or tiny-{llama,qwen2,qwen3,mistral} (awkward shapes)")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -17,7 +17,16 @@ import torch
 
 from pdserve.cluster.kv_events import KVEventPublisher
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.cluster.rpc_fields import check_attempt_id, check_block_ids, check_sampling, check_token_ids
+from pdserve.cluster.rpc_fields import (
+    Undecodable,
+    add_lenient_handlers,
+    check_attempt_id,
+    check_block_ids,
+    check_decoded,
+    check_sampling,
+    check_token_ids,
+    lenient_parser,
+)
 from pdserve.cluster.worker_process import WorkerProcess, worker_secret
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.select import backend_of_address
@@ -73,8 +82,8 @@ class CheckedPrefillRequest:
     first_output_index: int
 
 
-def check_prefill_request(request: worker_pb2.PrefillRequest, vocab_size: int, max_context: int, block_size: int,
-                          kv_backends: Collection[str]) -> CheckedPrefillRequest:
+def check_prefill_request(request: worker_pb2.PrefillRequest | Undecodable, vocab_size: int, max_context: int,
+                          block_size: int, kv_backends: Collection[str]) -> CheckedPrefillRequest:
     """Check every field of a ``Prefill`` request before it is queued.
 
     The decode worker's pool size is unknown here, so ``dst_block_ids`` are checked for shape only: one
@@ -86,13 +95,15 @@ def check_prefill_request(request: worker_pb2.PrefillRequest, vocab_size: int, m
         block_size: tokens per KV block.
         kv_backends: the KV transports this worker sends over.
     Raises:
-        ValueError: naming the field: ``request_id`` empty, over 256 characters or with control characters;
-            ``token_ids`` empty, outside the vocabulary or leaving no room in the context for one output token;
+        ValueError: undecodable request bytes; else naming the field: ``request_id`` empty, over 256
+            characters or with control characters; ``token_ids`` empty, outside the vocabulary or leaving no
+            room in the context for one output token;
             sampling fields not finite or out of range (:func:`cluster.rpc_fields.check_sampling`);
             ``first_output_index`` outside [0, max_tokens) or the prompt before it plus max_tokens beyond the
             context; ``dst_block_ids`` of the wrong count, negative or repeated; ``dst_kv_address`` malformed
             (:func:`check_kv_address`).
     """
+    request = check_decoded(request)
     attempt_id = check_attempt_id(request.request_id)
     ids = check_token_ids("token_ids", request.token_ids, vocab_size, max_context - 1,
                           bound="the model's context less one output position")
@@ -173,7 +184,11 @@ class PrefillWorker(WorkerProcess):
         self._last_snapshot = 0.0
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self.engine), server)
+        """Serve ``PrefillWorker`` on ``server``; undecodable request bytes reach the servicer (INVALID_ARGUMENT)."""
+        servicer = PrefillServicer(self.engine)
+        add_lenient_handlers(server, self.service_name, {"Prefill": grpc.unary_unary_rpc_method_handler(
+            servicer.Prefill, request_deserializer=lenient_parser(worker_pb2.PrefillRequest),
+            response_serializer=worker_pb2.PrefillResponse.SerializeToString)})
 
     def info(self) -> WorkerInfo:
         e = self.engine  # cached blocks no request holds count as free: they are evicted on demand

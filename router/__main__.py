@@ -1,4 +1,5 @@
-"""``python -m pdserve.router --model-dir DIR ...``: the router process."""
+"""``python -m pdserve.router --model-dir DIR ...``: the router process. With ``--http-port`` it
+prints ``http <host:port>`` (the OpenAI-compatible HTTP API) before its ``ready <host:port>`` line."""
 
 import argparse
 
@@ -7,8 +8,25 @@ from pdserve.cluster.service import run_foreground
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import Router
 
+
+class _Announced:
+    """The router, printing the HTTP API's address once it serves (``ready`` follows from run_foreground)."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.router = Router(cfg)
+
+    async def start(self) -> str:
+        address = await self.router.start()
+        if self.router.http_address:
+            print(f"http {self.router.http_address}", flush=True)
+        return address
+
+    async def stop(self) -> None:
+        await self.router.stop()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description=__doc__)
     add_config_args(parser, RouterConfig)
     cfg = config_from_args(RouterConfig, parser.parse_args())
-    run_foreground(lambda: Router(cfg))
+    run_foreground(lambda: _Announced(cfg))

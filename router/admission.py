@@ -27,20 +27,37 @@ it, and the key expires after its latest deadline.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
 
 # Decide and reserve, atomically.
 # KEYS[1] adm:prefill:{P}  KEYS[2] adm:decode:{D}
 # ARGV[1] attempt_id  [2] prefill_s  [3] ttft_slo_s  [4] a (s)  [5] b (s/request)  [6] c (s/token)
 #     [7] context_tokens  [8] tpot_slo_s  [9] prefill_ttl_ms  [10] decode_ttl_ms  [11] tpot_retry_s
 # Returns {admitted 0/1, reason, ttft_s, tpot_s, retry_after_s (-1: retrying cannot help)};
-# floats as strings (a Lua number reply would be truncated to an integer).
+# floats as strings (a Lua number reply would be truncated to an integer). Every argument is checked
+# before anything is written (reason 'invalid_argument', nothing purged or reserved): Redis does not roll
+# back a script that fails midway, so a TTL that PEXPIRE refuses must never get that far.
 ADMIT_LUA = """
+local function finite(x) return x ~= nil and x == x and x > -math.huge and x < math.huge end
+local v = {}
+for i = 2, 11 do
+  v[i] = tonumber(ARGV[i])
+  if not finite(v[i]) or v[i] < 0 then return {0, 'invalid_argument', '0', '0', '-1'} end
+end
+if v[3] <= 0 or v[8] <= 0 or v[7] ~= math.floor(v[7]) then return {0, 'invalid_argument', '0', '0', '-1'} end
+for _, i in ipairs({9, 10}) do  -- TTLs: whole milliseconds in [1, MAX_TTL_S * 1000]
+  if v[i] < 1 or v[i] > 86400000 or v[i] ~= math.floor(v[i]) then return {0, 'invalid_argument', '0', '0', '-1'} end
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rid = ARGV[1]
@@ -96,6 +113,12 @@ local function s(x) return string.format('%.17g', x) end
 return {reason == 'admitted' and 1 or 0, reason, s(ttft), s(tpot), s(retry)}
 """
 
+MAX_TTL_S = 86_400
+"""The longest reservation lifetime :data:`ADMIT_LUA` accepts (seconds; it refuses longer ones)."""
+MAX_DECODE_TTL_S = 3600.0
+"""Default cap of a decode reservation's lifetime (seconds), whatever the request's SLOs ask: a request
+decoding for longer is no longer counted in its worker's batch after it (it lapses; nothing breaks)."""
+
 _COUNTERS = ("finished", "met_ttft", "met_tpot", "met_both", "rejected", "rejected_ttft", "rejected_tpot")
 
 
@@ -148,20 +171,25 @@ class Admission:
             prefill, short enough that a crashed router's reservations lapse soon.
         decode_ttl_s: default lifetime of a decode reservation (seconds): longer than a request's
             whole decode (``try_admit`` takes a per-request value).
+        max_decode_ttl_s: cap of any decode reservation's lifetime (seconds), whatever ``try_admit`` is asked.
         tpot_retry_s: retry hint of TPOT rejections (seconds).
         slo_bucket_s / slo_retention_s: attainment window granularity and lifetime (seconds).
     """
 
     def __init__(self, redis_url_or_client: str | aioredis.Redis, cluster: str, reservation_ttl_s: float = 30.0,
                  decode_ttl_s: float = 600.0, tpot_retry_s: float = 0.5, slo_bucket_s: int = 10,
-                 slo_retention_s: int = 3600) -> None:
-        if min(reservation_ttl_s, decode_ttl_s, tpot_retry_s, slo_bucket_s, slo_retention_s) <= 0:
-            raise ValueError("TTLs, retry hint and SLO buckets must be positive")
+                 slo_retention_s: int = 3600, max_decode_ttl_s: float = MAX_DECODE_TTL_S) -> None:
+        times = (reservation_ttl_s, decode_ttl_s, tpot_retry_s, slo_bucket_s, slo_retention_s, max_decode_ttl_s)
+        if not all(math.isfinite(x) and x > 0 for x in times):
+            raise ValueError("TTLs, retry hint and SLO buckets must be finite and positive")
+        if max(reservation_ttl_s, max_decode_ttl_s) > MAX_TTL_S:
+            raise ValueError(f"reservation lifetimes must be at most {MAX_TTL_S} s")
         self._owned = isinstance(redis_url_or_client, str)
         self._redis = (aioredis.Redis.from_url(redis_url_or_client, socket_timeout=2.0) if self._owned
                        else redis_url_or_client)
         self._prefix = f"pdserve:{cluster}:"
-        self._prefill_ttl_ms, self._decode_ttl_ms = _ms(reservation_ttl_s), _ms(decode_ttl_s)
+        self._prefill_ttl_ms, self._decode_ttl_ms = _ms(reservation_ttl_s), _ms(min(decode_ttl_s, max_decode_ttl_s))
+        self._max_decode_ttl_s = max_decode_ttl_s
         self._tpot_retry_s, self._bucket_s, self._retention_s = tpot_retry_s, int(slo_bucket_s), int(slo_retention_s)
         self._admit = self._redis.register_script(ADMIT_LUA)  # EVALSHA, reloaded on NOSCRIPT
 
@@ -185,23 +213,50 @@ class Admission:
                 blocks * ``PrefillStats.seconds_per_block`` (+ any fixed overhead to budget).
             ttft_slo_s / tpot_slo_s: the request's SLOs (seconds).
             tpot_params: ``(a, b, c, context_tokens)``, see ``TpotParams``.
-            decode_ttl_s: this request's decode reservation lifetime (default: the constructor's).
+            decode_ttl_s: this request's decode reservation lifetime (default: the constructor's), capped at
+                ``max_decode_ttl_s``.
 
         Raises:
-            ValueError: negative times or context, non-positive SLOs.
-            redis.RedisError: Redis is unreachable.
+            ValueError: a time, coefficient or SLO that is not finite, negative times or context,
+                non-positive SLOs or ``decode_ttl_s`` (checked here, and again by the script before it
+                writes anything).
+            redis.RedisError: Redis is unreachable or failed the script; this request's entries, should
+                the script have written any, are deleted first (best effort: they lapse at their TTL).
         """
         a, b, c, ctx = tpot_params
+        values = (prefill_seconds, ttft_slo_s, tpot_slo_s, a, b, c, ctx)
+        if not all(math.isfinite(x) for x in values) or decode_ttl_s is not None and not math.isfinite(decode_ttl_s):
+            raise ValueError("admission times, coefficients, SLOs and TTLs must be finite")
         if prefill_seconds < 0 or ctx < 0 or ttft_slo_s <= 0 or tpot_slo_s <= 0 or min(a, b, c) < 0:
             raise ValueError("times, coefficients and context must be >= 0, SLOs > 0")
-        ttl_ms = _ms(decode_ttl_s) if decode_ttl_s else self._decode_ttl_ms
-        ok, reason, ttft, tpot, retry = await self._admit(
-            keys=[self.prefill_key(prefill_worker), self.decode_key(decode_worker)],
-            args=[attempt_id, repr(float(prefill_seconds)), repr(float(ttft_slo_s)), repr(float(a)), repr(float(b)),
-                  repr(float(c)), int(ctx), repr(float(tpot_slo_s)), self._prefill_ttl_ms, ttl_ms,
-                  repr(float(self._tpot_retry_s))])
+        if decode_ttl_s is not None and decode_ttl_s <= 0:
+            raise ValueError(f"decode_ttl_s must be positive, got {decode_ttl_s}")
+        ttl_ms = self._decode_ttl_ms if decode_ttl_s is None else _ms(min(decode_ttl_s, self._max_decode_ttl_s))
+        keys = [self.prefill_key(prefill_worker), self.decode_key(decode_worker)]
+        try:
+            ok, reason, ttft, tpot, retry = await self._admit(
+                keys=keys,
+                args=[attempt_id, repr(float(prefill_seconds)), repr(float(ttft_slo_s)), repr(float(a)),
+                      repr(float(b)), repr(float(c)), int(ctx), repr(float(tpot_slo_s)), self._prefill_ttl_ms, ttl_ms,
+                      repr(float(self._tpot_retry_s))])
+        except RedisError:
+            await self._forget(attempt_id, keys)  # a script failing midway keeps what it wrote
+            raise
+        if _s(reason) == "invalid_argument":
+            raise ValueError("the admission script refused its arguments (nothing was reserved)")
         retry_s = float(_s(retry))
         return Decision(bool(int(ok)), _s(reason), float(_s(ttft)), float(_s(tpot)), None if retry_s < 0 else retry_s)
+
+    async def _forget(self, attempt_id: str, keys: list[str]) -> None:
+        """Delete ``attempt_id``'s entries from ``keys``, best effort (a failure is logged: they lapse)."""
+        try:
+            async with self._redis.pipeline(transaction=False) as p:
+                for key in keys:
+                    p.hdel(key, attempt_id)
+                await p.execute()
+        except RedisError as exc:
+            log.warning("admission: could not delete the entries of %s after an error (they lapse): %s",
+                        attempt_id, type(exc).__name__)
 
     async def release_prefill(self, attempt_id: str, prefill_worker: str) -> None:
         """The prefill answered (or failed): its work is no longer queued. Idempotent."""

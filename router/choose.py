@@ -14,12 +14,14 @@ choosing fails, whatever it took is given back before the error propagates.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from redis.exceptions import RedisError
 
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.proto import worker_pb2, worker_pb2_grpc
@@ -30,6 +32,11 @@ from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, ran
 from pdserve.router.recovery import GenerateError, Progress, WorkerFailure, avoiding
 from pdserve.router.slo import SloGate
 from pdserve.router.validation import ValidRequest
+
+log = logging.getLogger(__name__)
+
+ADMISSION_UNAVAILABLE = "admission is unavailable (its shared state cannot be reached); retry later"
+"""The client's message when admission fails for want of Redis: no key, URL or script text."""
 
 
 class InFlight:
@@ -59,7 +66,9 @@ class ClusterView:
     """What the router knows when it dispatches: live workers, its own in-flight counts,
     and a gRPC channel per worker address. ``workers`` returns the registry's latest read
     (retries then see workers that appeared or lapsed meanwhile); ``eos_token_ids`` are the
-    checkpoint's, for the stop check of a request whose worker failed after its last token."""
+    checkpoint's, for the stop check of a request whose worker failed after its last token.
+    ``heard`` maps a decode worker's id to the ``time.monotonic()`` of its last event on any of the
+    router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule)."""
 
     workers: Callable[[], list[WorkerInfo]]
     inflight: Counter
@@ -70,6 +79,7 @@ class ClusterView:
     gate: SloGate | None = None
     outcomes: Admission | None = None
     eos_token_ids: tuple[int, ...] = ()
+    heard: dict[str, float] = field(default_factory=dict)
 
     def current(self) -> list[WorkerInfo]:
         """The workers to dispatch to now."""
@@ -92,23 +102,24 @@ class Reservation:
     prefill_held: bool = True
 
     async def release_prefill(self) -> None:
-        """P answered (or failed): its reserved work is no longer queued. Later calls do nothing.
-
-        Raises:
-            redis.RedisError: Redis is unreachable (the reservation lapses at its deadline).
-        """
+        """P answered (or failed): its reserved work is no longer queued. Later calls do nothing. Raises
+        nothing: when Redis fails, the failure is logged and the reservation lapses at its deadline."""
         if self.prefill_held:
             self.prefill_held = False
-            await self.admission.release_prefill(self.attempt_id, self.prefill_id)
+            await self._quietly(self.admission.release_prefill, self.prefill_id)
 
     async def release(self) -> None:
-        """The attempt ended, however it ended: give back what is still held.
-
-        Raises:
-            redis.RedisError: as :meth:`release_prefill`.
-        """
+        """The attempt ended, however it ended: give back what is still held. Raises nothing (as
+        :meth:`release_prefill`)."""
         await self.release_prefill()
-        await self.admission.release_decode(self.attempt_id, self.decode_id)
+        await self._quietly(self.admission.release_decode, self.decode_id)
+
+    async def _quietly(self, release: Callable[[str, str], Awaitable[None]], worker_id: str) -> None:
+        try:
+            await release(self.attempt_id, worker_id)
+        except RedisError as exc:  # the stream's outcome must not depend on Redis: the entry lapses
+            log.warning("admission reservation of %s on %s not released (it lapses): %s", self.attempt_id,
+                        worker_id, type(exc).__name__)
 
 
 @dataclass
@@ -236,14 +247,15 @@ async def _allocate(view: ClusterView, worker: WorkerInfo, req: ValidRequest, at
     if that fails (or the caller is cancelled).
 
     Raises:
-        _Refused: no answer within ``prefill_timeout_s``, an error status, or no allocation.
+        _Refused: no answer within ``stream_idle_timeout_s`` (or ``prefill_timeout_s`` if shorter: the
+            worker answers at once, before any compute), an error status, or no allocation.
         GenerateError: INVALID_ARGUMENT, the worker refused the request itself.
     """
     call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
         request_id=attempt_id, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
         kv_timeout_s=cfg.kv_timeout_s, local_prefill=role == "both", prior_output_token_ids=progress.generated))
     try:
-        first = await asyncio.wait_for(call.read(), timeout=cfg.prefill_timeout_s)
+        first = await asyncio.wait_for(call.read(), timeout=min(cfg.prefill_timeout_s, cfg.stream_idle_timeout_s))
     except grpc.aio.AioRpcError as exc:
         call.cancel()
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -267,8 +279,24 @@ async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill:
     ``queue_timeout_s`` for room.
 
     Raises:
-        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint.
+        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint; UNAVAILABLE when Redis
+            fails (:data:`ADMISSION_UNAVAILABLE`) or admission cannot evaluate the request: nothing stays
+            reserved (``Admission.try_admit`` deletes what a failed script wrote).
     """
+    try:
+        return await _admit_waiting(view, req, attempt_id, prefill, work_blocks, num_tokens)
+    except RedisError as exc:
+        log.warning("admission of %s failed: %s", attempt_id, type(exc).__name__)
+        raise GenerateError(grpc.StatusCode.UNAVAILABLE, ADMISSION_UNAVAILABLE) from None
+    except ValueError:  # the router's own arguments (SLOs are clamped, step models non-negative): a bug
+        log.exception("admission of %s could not evaluate the request", attempt_id)
+        raise GenerateError(grpc.StatusCode.UNAVAILABLE,
+                            "admission could not evaluate the request (see the router's log); retry later") from None
+
+
+async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo,
+                         work_blocks: int, num_tokens: int) -> WorkerInfo:
+    """:func:`_admit` without the error mapping (raises ``redis.RedisError`` and ``ValueError`` as they come)."""
     stats = view.stats.get(prefill.worker_id)
     prefill_s = work_blocks * (stats.seconds_per_block if stats and stats.seconds_per_block
                                else DEFAULT_SECONDS_PER_BLOCK)

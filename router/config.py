@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -9,6 +10,8 @@ from pdserve.cluster.worker_process import default_redis_url
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
 MIN_TOKEN_CHARS = 16
+MIB = 1 << 20
+RPC_HEADROOM = 64  # concurrent RPCs beyond max_concurrent_streams: GetClusterState, health, reflection
 
 
 def _read_text(path: str, what: str) -> str:
@@ -44,7 +47,14 @@ class RouterConfig:
         host, port: where the public gRPC API listens (port 0 = pick a free one).
         registry_poll_s: seconds between registry reads.
         kv_timeout_s: how long a decode worker waits for a request's KV pages.
-        prefill_timeout_s: deadline of the prefill RPC (queue + forward + transfer).
+        prefill_timeout_s: deadline of the prefill RPC (queue + forward + transfer), and of a colocated
+            worker's first token.
+        stream_idle_timeout_s: a decode worker that has the request's KV (P answered, or the colocated
+            worker streamed its first token) and has sent nothing on this stream nor on any other of this
+            router's streams for this many seconds is taken as stalled (SIGSTOPped, partitioned, wedged):
+            the stream fails like a crash and the request migrates (rule: :mod:`router.generate`). Also
+            the longest wait for a decode worker's allocation. Keep it a few seconds above the slowest
+            engine step (kernel compilation on a worker's first steps included).
         default_max_tokens: ``max_tokens`` when the request leaves it unset.
         prefix_routing: use the prefix index in dispatch (off: cache-blind, least-loaded).
         admission: admit a request only if its TTFT and TPOT SLOs (and those of the requests
@@ -55,14 +65,33 @@ class RouterConfig:
         tls_cert_file / tls_key_file: PEM certificate chain and private key of the public API;
             both set: the API is served over TLS only; both empty: plaintext.
         token_file: file holding the bearer token clients must send (``authorization: Bearer
-            <token>``) on every Router RPC; empty: the ``PDSERVE_ROUTER_TOKEN`` variable, and no
-            token check when that is unset too. Health checks never need it.
+            <token>``) on every Router RPC, or several, one per line (any of them is accepted); empty:
+            the ``PDSERVE_ROUTER_TOKEN`` variable, and no token check when that is unset too. Health
+            checks never need it.
         max_attempts: dispatches per request, the first included, when workers fail under it
             (a retry before the first token was streamed, a migration after; router/recovery.py).
         registry_grace_s: a worker missing from a registry read is kept this long when Redis lost
             it (restarted empty): since its last heartbeat, or since Redis answered again.
         insecure: on a non-loopback ``host``, serve without the cluster secret or without a bearer
             token and TLS instead of refusing to start (logged at start and every minute).
+        max_concurrent_streams: ``Generate`` streams served at once; one more is answered
+            RESOURCE_EXHAUSTED naming this limit. The gRPC server's own cap on concurrent RPCs is
+            this plus :data:`RPC_HEADROOM` (room for ``GetClusterState``, health and reflection).
+        max_streams_per_token: ``Generate`` streams served at once per bearer token presented (each
+            token of ``token_file`` has its own quota); 0: no per-token quota. Needs a token.
+        max_tokens_limit: the largest ``max_tokens`` a request may ask for (INVALID_ARGUMENT above
+            it): bounds the KV blocks one request reserves on a decode worker.
+        min_slo_s / max_ttft_slo_s / max_tpot_slo_s: a client's TTFT SLO is clamped into
+            [min_slo_s, max_ttft_slo_s] and its TPOT SLO into [min_slo_s, max_tpot_slo_s] (seconds) before
+            admission and the SLO attainment counters see them, so no client can make a reservation
+            outlive the operator's bounds or skew the autoscaler beyond them; the defaults must lie within.
+        max_receive_message_bytes / max_send_message_bytes: largest message the public API reads /
+            writes (gRPC answers RESOURCE_EXHAUSTED beyond them); the HTTP API reads request bodies up to
+            ``max_receive_message_bytes`` too (413 beyond).
+        http_host, http_port: where the OpenAI-compatible HTTP API listens (:mod:`router.http`; port 0 = pick
+            a free one; None: no HTTP API). Same bearer tokens and TLS files as the gRPC API.
+        served_model_name: the model's name in the HTTP API (empty: the checkpoint directory's name).
+        chat_template: a Jinja chat template file for ``/v1/chat/completions`` (empty: the checkpoint's own).
     """
 
     model_dir: str
@@ -73,6 +102,7 @@ class RouterConfig:
     registry_poll_s: float = 0.25
     kv_timeout_s: float = 30.0
     prefill_timeout_s: float = 60.0
+    stream_idle_timeout_s: float = 10.0
     default_max_tokens: int = 16
     spill_queue_s: float = 2.0
     prefix_routing: bool = True
@@ -85,9 +115,21 @@ class RouterConfig:
     max_attempts: int = 4
     registry_grace_s: float = 2.0
     insecure: bool = False
+    max_concurrent_streams: int = 1024
+    max_streams_per_token: int = 0
+    max_tokens_limit: int = 4096
+    min_slo_s: float = 1e-4
+    max_ttft_slo_s: float = 600.0
+    max_tpot_slo_s: float = 60.0
+    max_receive_message_bytes: int = 4 * MIB
+    max_send_message_bytes: int = 4 * MIB
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    served_model_name: str = ""
+    chat_template: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("registry_poll_s", "kv_timeout_s", "prefill_timeout_s"):
+        for name in ("registry_poll_s", "kv_timeout_s", "prefill_timeout_s", "stream_idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.default_max_tokens < 1:
@@ -96,10 +138,29 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.registry_grace_s < 0:
             raise ValueError(f"registry_grace_s must be >= 0, got {self.registry_grace_s}")
+        for name in ("max_concurrent_streams", "max_tokens_limit", "max_receive_message_bytes",
+                     "max_send_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_streams_per_token < 0:
+            raise ValueError(f"max_streams_per_token must be >= 0 (0: no quota), got {self.max_streams_per_token}")
+        for name in ("min_slo_s", "max_ttft_slo_s", "max_tpot_slo_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"{name} must be a finite positive number of seconds, got {getattr(self, name)}")
+        for name, top in (("default_ttft_slo_s", self.max_ttft_slo_s), ("default_tpot_slo_s", self.max_tpot_slo_s)):
+            if not self.min_slo_s <= getattr(self, name) <= top:
+                raise ValueError(f"{name} ({getattr(self, name)}) must lie in [min_slo_s, max_{name[8:]}] = "
+                                 f"[{self.min_slo_s}, {top}]")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) exceeds max_tokens_limit "
+                             f"({self.max_tokens_limit})")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535] (0: any free port), got {self.http_port}")
         self.tls_key_pair()  # fail at startup, not at the first connection
-        self.bearer_token()
+        if not self.bearer_tokens() and self.max_streams_per_token:
+            raise ValueError("max_streams_per_token needs bearer tokens (token_file or PDSERVE_ROUTER_TOKEN)")
 
     def tls_key_pair(self) -> tuple[bytes, bytes] | None:
         """``(private key PEM, certificate chain PEM)`` for ``grpc.ssl_server_credentials``, or None
@@ -116,14 +177,38 @@ class RouterConfig:
                 raise ValueError(f"{name} {getattr(self, name)!r} holds no PEM block")
         return pair[0].encode(), pair[1].encode()
 
-    def bearer_token(self) -> str | None:
-        """The token clients must present: ``token_file``'s content (whitespace stripped), else
-        ``PDSERVE_ROUTER_TOKEN``, else None (no token check).
+    def bearer_tokens(self) -> tuple[str, ...]:
+        """The tokens clients may present, each with its own ``max_streams_per_token`` quota:
+        ``token_file``'s lines (one token per line, surrounding whitespace and blank lines ignored),
+        else ``PDSERVE_ROUTER_TOKEN``, else none (no token check).
 
         Raises:
-            ValueError: the file cannot be read, or the token is too short or not visible ASCII.
+            ValueError: the file cannot be read, holds no token or one twice, or a token is too short
+                or not visible ASCII (the message names the line, never the token).
         """
         if self.token_file:
-            return check_token(_read_text(self.token_file, "token_file").strip(), f"token_file {self.token_file!r}")
+            where = f"token_file {self.token_file!r}"
+            lines = _read_text(self.token_file, "token_file").splitlines()
+            tokens = tuple(check_token(line.strip(), f"{where} line {i}")
+                           for i, line in enumerate(lines, 1) if line.strip())
+            if not tokens:
+                check_token("", where)  # the same message as an empty single-token file
+            if len(set(tokens)) != len(tokens):
+                raise ValueError(f"{where}: a token is listed twice")
+            return tokens
         token = os.environ.get(TOKEN_ENV, "").strip()
-        return check_token(token, TOKEN_ENV) if token else None
+        return (check_token(token, TOKEN_ENV),) if token else ()
+
+    def bearer_token(self) -> str | None:
+        """The first of :meth:`bearer_tokens` (the only one unless ``token_file`` lists several), or None.
+
+        Raises:
+            ValueError: as :meth:`bearer_tokens`.
+        """
+        tokens = self.bearer_tokens()
+        return tokens[0] if tokens else None
+
+    @property
+    def max_concurrent_rpcs(self) -> int:
+        """The gRPC server's cap on concurrent RPCs of every kind (``maximum_concurrent_rpcs``)."""
+        return self.max_concurrent_streams + RPC_HEADROOM

@@ -28,6 +28,7 @@ from contextlib import aclosing
 from dataclasses import replace
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor, bearer_interceptors
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
@@ -38,7 +39,7 @@ from pdserve.cluster.secret import (
     is_loopback,
     worker_rpc_token,
 )
-from pdserve.cluster.service import start_grpc_server
+from pdserve.cluster.service import KEEPALIVE_CHANNEL_OPTIONS, start_grpc_server
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
@@ -46,6 +47,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import PrefillStats
 from pdserve.router.generate import ClusterView, GenerateError, run_generate
+from pdserve.router.http.server import HttpFrontEnd
 from pdserve.router.kv_aware import KVAwareness
 from pdserve.router.limits import StreamLimitExceeded, StreamSlots
 from pdserve.router.recovery import RegistryMemory
@@ -83,8 +85,13 @@ class Router:
         # SLO outcomes are counted with or without admission (GetClusterState, the autoscaling planner)
         self.outcomes = self.gate.admission if self.gate is not None else Admission(cfg.redis_url, cfg.cluster)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._heard: dict[str, float] = {}  # decode worker id -> its last stream event (router.generate)
         self._worker_auth = bearer_interceptors(worker_rpc_token(secret)) if secret is not None else None
         self.address = ""
+        self.metrics = CollectorRegistry()  # the router's Prometheus metrics (GET /metrics of the HTTP API)
+        # the OpenAI-compatible HTTP API (router/http/), on the internal path `generate` as gRPC's Generate
+        self.http = HttpFrontEnd(self, secret) if cfg.http_port is not None else None
+        self.http_address = ""
         self._slots = StreamSlots(cfg.max_concurrent_streams, cfg.bearer_tokens(), cfg.max_streams_per_token)
         self._read_lock, self._read_at = asyncio.Lock(), float("-inf")  # registry reads: one at a time
         self._attainment_lock, self._attainment_at = asyncio.Lock(), float("-inf")
@@ -146,7 +153,8 @@ class Router:
                     await self._refresh_if_stale()
                 lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
-                                   lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids)
+                                   lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
+                                   heard=self._heard)
                 async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
                     async for msg in messages:
                         yield msg
@@ -177,7 +185,8 @@ class Router:
     # ---- plumbing ----------------------------------------------------------------
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, interceptors=self._worker_auth)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=KEEPALIVE_CHANNEL_OPTIONS,
+                                                                interceptors=self._worker_auth)
         return self._channels[address]
 
     async def _refresh(self) -> None:
@@ -288,7 +297,8 @@ class Router:
             await asyncio.sleep(self.cfg.registry_poll_s)
 
     async def start(self) -> str:
-        """Start serving (over TLS and with a token check if configured). Returns ``host:port``.
+        """Start serving (over TLS and with a token check if configured), and the HTTP API when
+        configured (its address then in ``http_address``). Returns the gRPC API's ``host:port``.
 
         Raises:
             RuntimeError: the port could not be bound.
@@ -308,6 +318,8 @@ class Router:
             maximum_concurrent_rpcs=self.cfg.max_concurrent_rpcs)
         self._poller = asyncio.create_task(self._poll_registry())
         self.address = f"{self.cfg.host}:{port}"
+        if self.http is not None:
+            self.http_address = await self.http.start()
         return self.address
 
     def _add_services(self, server: grpc.aio.Server) -> None:
@@ -323,7 +335,7 @@ class Router:
     async def stop(self) -> None:
         """Stop accepting, cancel what is in flight (workers free their blocks), close channels."""
         self._poller.cancel()
-        await self._server.stop(grace=1.0)
+        await asyncio.gather(self._server.stop(grace=1.0), *([self.http.stop()] if self.http is not None else []))
         for ch in self._channels.values():
             await ch.close()
         await self.registry.close()

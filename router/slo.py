@@ -8,11 +8,16 @@ the Redis reservations of :class:`~router.admission.Admission`.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from redis.exceptions import RedisError
 
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.router.admission import Admission, Decision, TpotParams
 from pdserve.router.step_model import StepTimeModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,16 @@ class Slo:
 
     ttft_s: float
     tpot_s: float
+
+    def clamped(self, min_s: float, max_ttft_s: float, max_tpot_s: float) -> Slo:
+        """These SLOs moved into the operator's ranges (seconds): TTFT into ``[min_s, max_ttft_s]``, TPOT into
+        ``[min_s, max_tpot_s]`` (``RouterConfig.min_slo_s`` etc.). A NaN becomes ``min_s``, infinity the maximum,
+        so the result is always finite and positive when the bounds are."""
+        return Slo(_clamp(self.ttft_s, min_s, max_ttft_s), _clamp(self.tpot_s, min_s, max_tpot_s))
+
+
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return lo if not x >= lo else hi if x > hi else x  # NaN fails x >= lo
 
 
 class SloGate:
@@ -57,9 +72,10 @@ class SloGate:
 
         Returns:
             (the admitting decode worker, its decision), or (None, the last rejection; None if no
-            decode worker was tried). A rejection is counted in Redis.
+            decode worker was tried). A rejection is counted in Redis (a failure to count it is logged).
         Raises:
-            redis.RedisError: Redis is unreachable.
+            redis.RedisError: Redis is unreachable or failed the admission script (nothing stays reserved).
+            ValueError: an SLO or prediction that is not finite (see ``Admission.try_admit``).
         """
         decision = None
         for d in decodes[:3]:
@@ -69,7 +85,10 @@ class SloGate:
                 TpotParams(*model.coefficients(), context_tokens), slo.tpot_s, decode_ttl_s=decode_ttl_s)
             if decision.admitted:
                 return d, decision
-        await self.admission.record_rejection(reason=decision.reason if decision is not None else "")
+        try:
+            await self.admission.record_rejection(reason=decision.reason if decision is not None else "")
+        except RedisError as exc:  # the decision stands; only the counter is lost
+            log.warning("admission rejection not counted: %s", type(exc).__name__)
         return None, decision
 
     async def close(self) -> None:

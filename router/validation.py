@@ -77,18 +77,20 @@ def printable_id(request_id: str) -> str:
 
 
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
-             default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1)) -> ValidRequest:
-    """Check a parsed request against the model.
+             default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1),
+             max_tokens_limit: int | None = None) -> ValidRequest:
+    """Check a parsed request against the model and the operator's ``max_tokens_limit``
+    (``RouterConfig.max_tokens_limit``; None: the context is the only bound).
 
     The request id is kept as given when printable, else escaped (:func:`printable_id`).
 
     Raises:
         ValueError: request_id over 256 characters; empty prompt; text prompt longer than
             :attr:`Tokenizer.max_token_chars` x context; token ids outside the vocabulary; prompt plus
-            max_tokens beyond the context; invalid sampling parameters (NaN or infinite
-            temperature, top_p outside (0, 1], negative top_k, max_tokens < 1, stop tokens
-            outside the vocabulary); SLOs not finite and positive; queue_timeout_s not finite
-            and non-negative.
+            max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
+            the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
+            (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary); SLOs not
+            finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
@@ -129,6 +131,9 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     if math.isinf(sampling.temperature):
         raise ValueError(f"temperature must be finite, got {sampling.temperature}")
     sampling.validate(cfg.vocab_size)
+    if max_tokens_limit is not None and sampling.max_tokens > max_tokens_limit:
+        raise ValueError(f"max_tokens ({sampling.max_tokens}) exceeds this router's limit of {max_tokens_limit} "
+                         f"tokens per request (max_tokens_limit)")
     if len(ids) + sampling.max_tokens > cfg.max_position_embeddings:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                          f"model's context of {cfg.max_position_embeddings} tokens")

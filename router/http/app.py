@@ -1,0 +1,229 @@
+"""The routes of the OpenAI-compatible HTTP API (FastAPI)::
+
+    POST /v1/completions        prompt (string, token ids, or a list of either: one choice per prompt)
+    POST /v1/chat/completions   messages, rendered by the chat template (model/chat_template.py)
+    GET  /v1/models             the served model          GET /health    200 once workers of every role are listed
+    GET  /metrics               the router's Prometheus registry
+
+A request takes the router's own path (:meth:`Backend.generate`, which the gRPC servicer calls too:
+the same stream slots, validation, messages and ``run_generate``), never a gRPC loopback. Streams are
+server-sent events (``sse-starlette``) in OpenAI's chunk format, ending with ``data: [DONE]``; an error
+after the first chunk is sent as an ``{"error": ...}`` event and the stream ends without ``[DONE]``.
+``/v1/*`` needs the router's bearer token when it has one (:class:`Guard`); ``/health`` and ``/metrics``
+stay open, as the gRPC health service does.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Protocol
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.model.chat_template import ChatTemplate
+from pdserve.model.config import ModelConfig
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.proto import pdserve_pb2
+from pdserve.router.config import RouterConfig
+from pdserve.router.http.chat import chat_prompt
+from pdserve.router.http.errors import ApiError, from_status, install_handlers
+from pdserve.router.http.mapping import Reply, check_supported, generate_request, prompts_of
+from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
+from pdserve.router.http.streams import ChoiceStreams, ClientGone, collect
+from pdserve.router.recovery import GenerateError
+
+MAX_PROMPTS = 128  # prompts of one completions request (each is a stream of its own)
+
+
+class Backend(Protocol):
+    """What the HTTP API needs of the router (:class:`router.server.Router`)."""
+
+    cfg: RouterConfig
+    model_cfg: ModelConfig
+    tokenizer: Tokenizer
+    workers: list[WorkerInfo]
+    metrics: CollectorRegistry
+
+    def generate(self, parsed: pdserve_pb2.GenerateRequest, deadline: float | None = None,
+                 metadata: Iterable[tuple[str, str | bytes]] = ()) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        ...
+
+
+class Guard:
+    """ASGI middleware in front of the routes: under ``/v1/``, the bearer token (401 in OpenAI's shape,
+    before the body is read) and the body size (413 beyond ``max_body_bytes``, declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, tokens: Sequence[str], max_body_bytes: int) -> None:
+        self.app, self._tokens, self._max = app, [t.encode() for t in tokens], max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
+        error = self._check_token(headers.get("authorization"))
+        if error is not None:
+            return await ApiError(401, error, code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"}).response()(scope, receive, send)
+        declared = headers.get("content-length", b"0")
+        if not declared.isdigit() or int(declared) > self._max:
+            return await self._too_large().response()(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self._max:
+                raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _check_token(self, header: bytes | None) -> str | None:
+        if not self._tokens:
+            return None
+        if header is None:
+            return "missing 'Authorization: Bearer <token>' header"
+        scheme, _, token = header.strip().partition(b" ")
+        matches = [hmac.compare_digest(token.strip(), t) for t in self._tokens]  # all compared: no early exit
+        return None if scheme.lower() == b"bearer" and any(matches) else "invalid bearer token"
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body larger than {self._max} bytes (max_receive_message_bytes)")
+
+
+def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | None) -> ASGIApp:
+    """The application of ``backend`` serving ``model_name``: the FastAPI routes (see the module
+    docstring) behind :class:`Guard`."""
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+    started = int(time.time())
+
+    def check_model(body: SamplingBody) -> None:
+        if body.model is not None and body.model != model_name:
+            raise ApiError(404, f"the model `{body.model}` does not exist (this router serves `{model_name}`)",
+                           param="model", code="model_not_found")
+        check_supported(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body)
+        prompts = prompts_of(body.prompt)
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
+        reply = Reply(False, model_name, bool(body.return_token_ids))
+        return await _answer(backend, request, body, reply, [
+            generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body)
+        if chat_template is None:
+            raise ApiError(400, f"the model `{model_name}` has no chat template (none in its tokenizer_config.json "
+                                "or chat_template.jinja): use /v1/completions, or start the router with "
+                                "--chat-template FILE", param="messages", code="no_chat_template")
+        ids, room = await chat_prompt(chat_template, body.messages, backend)
+        reply = Reply(True, model_name, bool(body.return_token_ids))
+        return await _answer(backend, request, body, reply, [generate_request(body, ids, reply.id, room)])
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [_model_card(model_name, started, backend)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        if name != model_name:
+            raise ApiError(404, f"the model `{name}` does not exist", param="model", code="model_not_found")
+        return _model_card(model_name, started, backend)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        roles = {w.role for w in backend.workers}
+        ready = "both" in roles or {"prefill", "decode"} <= roles
+        counts = {role: sum(w.role == role for w in backend.workers) for role in ("prefill", "decode", "both")}
+        return JSONResponse({"status": "ok" if ready else "no workers", "workers": counts},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(backend.metrics), media_type=CONTENT_TYPE_LATEST)
+
+    return Guard(app, backend.cfg.bearer_tokens(), backend.cfg.max_receive_message_bytes)
+
+
+def _model_card(name: str, created: int, backend: Backend) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+            "max_model_len": backend.model_cfg.max_position_embeddings}
+
+
+async def _answer(backend: Backend, request: Request, body: SamplingBody, reply: Reply,
+                  requests: list[pdserve_pb2.GenerateRequest]) -> Response:
+    """Run ``requests`` (one per choice) on the router and answer: JSON, or an event stream."""
+    auth = request.headers.get("authorization")
+    metadata = [("authorization", auth)] if auth is not None else []
+    streams = ChoiceStreams([backend.generate(r, None, metadata) for r in requests])
+    try:
+        if not body.stream:
+            return JSONResponse(reply.response(await collect(streams, len(requests), _disconnect_of(request))))
+        firsts = await streams.first()  # refusals become HTTP statuses, before any byte of the stream
+    except GenerateError as exc:
+        raise from_status(exc.code, exc.message) from None
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return EventSourceResponse(_events(streams, firsts, reply, include_usage), ping=15,
+                               client_close_handler_callable=lambda message: _close(streams))
+
+
+async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateResponse], reply: Reply,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """The SSE ``data`` of a streamed answer; closing it (client gone) cancels the choices."""
+    finals: list[pdserve_pb2.Final | None] = [None] * len(firsts)
+
+    def chunks(index: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
+        if msg.text or (msg.token_ids and reply.return_token_ids):
+            yield json.dumps(reply.chunk(index, msg.text, msg.token_ids))
+        if msg.HasField("final"):
+            finals[index] = msg.final
+            yield json.dumps(reply.chunk(index, "" if not reply.chat else None, (), msg.final))
+
+    try:
+        if reply.chat:
+            for index in range(len(firsts)):
+                yield json.dumps(reply.chunk(index, "", (), role=True))
+        for index, msg in enumerate(firsts):
+            for data in chunks(index, msg):
+                yield data
+        async for index, msg in streams.rest():
+            for data in chunks(index, msg):
+                yield data
+        if include_usage:
+            yield json.dumps(reply.usage_chunk(finals))
+        yield "[DONE]"
+    except GenerateError as exc:  # after the first token: an error event, never a silently short answer
+        yield json.dumps(from_status(exc.code, exc.message).body())
+    finally:
+        await _close(streams)
+
+
+async def _close(streams: ChoiceStreams) -> None:
+    with anyio.CancelScope(shield=True):  # runs while the response's task group is being cancelled
+        await streams.aclose()
+
+
+def _disconnect_of(request: Request):
+    """A coroutine function that returns once the client of ``request`` (body already read) disconnects."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    return disconnected

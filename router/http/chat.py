@@ -1,0 +1,66 @@
+"""A chat request's prompt: OpenAI messages rendered by the chat template and tokenized (no special
+tokens added: the template writes them), with the room left for the answer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from pdserve.model.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.model.config import ModelConfig
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.router.config import RouterConfig
+from pdserve.router.http.errors import ApiError
+from pdserve.router.http.schemas import ChatMessage
+
+LONG_TEXT_CHARS = 4096  # rendered prompts longer than this are tokenized on a worker thread
+
+
+class _Model(Protocol):
+    cfg: RouterConfig
+    model_cfg: ModelConfig
+    tokenizer: Tokenizer
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """``messages`` as a chat template reads them: ``role``, ``content`` as one string (text parts
+    joined by newlines), and ``name`` when given.
+
+    Raises:
+        ApiError: 400, a content part that is not text.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"only text content parts are served, got type `{part.type}`",
+                                   param=f"messages.{i}.content.{j}")
+            content = "\n".join(part.text for part in content)
+        item: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model: _Model) -> tuple[list[int], int]:
+    """``(prompt ids, room)``: the conversation's prompt ids, and the most tokens the answer can have
+    (up to the context, at most ``max_tokens_limit``: the ``max_tokens`` of a request that gives none).
+
+    Raises:
+        ApiError: 400, the template refused the conversation, or its text cannot fit the context (the
+            gRPC API's message for a text prompt that long).
+    """
+    try:
+        text = template.render(template_messages(messages))
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    context = model.model_cfg.max_position_embeddings
+    limit = context * model.tokenizer.max_token_chars
+    if len(text) > limit:  # as router.validation refuses a long text before tokenizing it
+        raise ApiError(400, f"prompt text of {len(text)} characters exceeds the model's context of {context} "
+                            f"tokens (no text over {limit} characters fits)", param="messages")
+    ids = await asyncio.to_thread(template.encode, text) if len(text) > LONG_TEXT_CHARS else template.encode(text)
+    return ids, max(1, min(context - len(ids), model.cfg.max_tokens_limit))

@@ -1,0 +1,110 @@
+"""Request bodies of the HTTP API (pydantic, strict types, ``extra='forbid'``: an unknown field is a 400
+naming it, never ignored).
+
+Every OpenAI parameter a client may send is declared, so that one the router does not implement can
+be refused by name (:func:`router.http.mapping.check_supported`) instead of passing unnoticed. Numbers
+are bounded to the protobuf fields they end up in; their meaning is checked where the gRPC API checks
+it (:func:`router.validation.validate`), with the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic_core import PydanticCustomError
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+
+TokenId = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
+Int32 = Annotated[int, Field(ge=INT32[0], le=INT32[1])]
+
+
+def _one_of(description: str) -> WrapValidator:
+    """One clear error for a union field instead of one per member type."""
+    def check(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", f"must be {description}") from None
+    return WrapValidator(check)
+
+
+Prompt = Annotated[str | list[TokenId] | list[str] | list[list[TokenId]],
+                   _one_of("a string, a list of token ids (64-bit integers), or a list of strings or of "
+                           "token id lists")]
+Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class SamplingBody(_Strict):
+    """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
+    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos`` and
+    ``return_token_ids`` (token ids beside the text) are accepted too."""
+
+    model: str | None = None
+    max_tokens: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: Int32 | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    # added to both APIs later: refused as "not supported yet" until then (router/http/mapping.py)
+    stop: Stop = None
+    n: Int32 | None = None
+    # not implemented: refused by name unless given their neutral value
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingBody):
+    """``POST /v1/completions``: ``prompt`` is a string, token ids, or a list of either (one choice per prompt)."""
+
+    prompt: Prompt
+    logprobs: Int32 | None = None
+    best_of: Int32 | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingBody):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the chat template into one prompt."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Int32 | None = None
+    logprobs: bool | None = None
+    top_logprobs: Int32 | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
