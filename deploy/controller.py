@@ -65,6 +65,7 @@ class PoolController:
         self.workers: dict[str, _Worker] = {}
         self.router = None
         self.router_address = ""
+        self.http_address = ""  # the router's OpenAI-compatible HTTP API ("" without one)
         self.placement: Placement | None = None
         self.decisions: deque[tuple[float, str, int, str]] = deque(maxlen=20)  # (unix time, role, delta, reason)
         self._groups: Counter = Counter()  # placement group id -> live workers in it
@@ -79,7 +80,8 @@ class PoolController:
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> str:
-        """Start the pools, then the router; returns the router's ``host:port``.
+        """Start the pools, then the router; returns the router's ``host:port`` (its HTTP API's, when
+        ``router_options`` asks for one with ``http_port``, is then in :attr:`http_address`).
 
         Raises:
             RuntimeError: not enough Ray resources, or a worker did not start in time.
@@ -98,8 +100,9 @@ class PoolController:
             num_cpus=ROUTER_CPUS, max_restarts=cfg.max_restarts,
             runtime_env={"env_vars": {**self._env, **self._router_env}}).remote(
             "router", RouterConfig(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url,
-                                   host=cfg.host, port=cfg.port, **cfg.router_options))
+                                   host=cfg.host, port=cfg.port, **{"http_host": cfg.host, **cfg.router_options}))
         self.router_address = await self.router.address.remote()
+        self.http_address = await self.router.http_address.remote()
         if cfg.autoscale is not None:
             self._planner = asyncio.create_task(self._autoscale_loop())
         return self.router_address
@@ -171,9 +174,11 @@ class PoolController:
         return {i: p for i, p in zip(ids, pids) if isinstance(p, int)}
 
     def info(self) -> dict:
-        """Router address, pools, placement and the planner's recent decisions."""
+        """Router address (gRPC; ``http``: its HTTP API, "" without one), pools, placement and the planner's
+        recent decisions."""
         p = self.placement
-        return {"cluster": self.cfg.cluster, "router": self.router_address, "pools": self.pools(),
+        return {"cluster": self.cfg.cluster, "router": self.router_address, "http": self.http_address,
+                "pools": self.pools(),
                 "placement": None if p is None else {"cuda": p.cuda, "separate_nodes": p.separate_nodes,
                                                      "strategy": p.strategy},
                 "decisions": list(self.decisions)}

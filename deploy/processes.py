@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 @dataclass
 class RoleProcess:
-    """A started role process and the gRPC address it printed."""
+    """A started role process, the gRPC address it printed, and the router's HTTP API address
+    (``http host:port`` before ``ready``; empty without one)."""
 
     name: str
     proc: subprocess.Popen
     address: str
+    http_address: str = ""
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
@@ -34,7 +36,8 @@ class RoleProcess:
 def spawn_role(role: str, flags: dict[str, object], name: str = "", timeout_s: float = 120.0,
                env: dict[str, str] | None = None, cpus: str | None = None) -> RoleProcess:
     """Run ``python -m pdserve.<role> --flag value ...`` (``role``: ``router``, ``prefill_worker`` or
-    ``decode_worker``) and wait for its ``ready host:port`` line.
+    ``decode_worker``) and wait for its ``ready host:port`` line (a router started with ``http_port``
+    prints ``http host:port`` before it).
     ``cpus`` (e.g. ``"0"`` or ``"0-1"``) pins the process to those cores with ``taskset``.
 
     Raises:
@@ -46,13 +49,16 @@ def spawn_role(role: str, flags: dict[str, object], name: str = "", timeout_s: f
         argv += ["--" + key.replace("_", "-"), str(value)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout_s
+    deadline, http_address = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)
         if ready:
             line = proc.stdout.readline()
+            if line.startswith("http "):  # `ready` follows at once (maybe already in the read buffer, unseen by select)
+                http_address = line.split()[1]
+                line = proc.stdout.readline()
             if line.startswith("ready "):
-                return RoleProcess(name or role, proc, line.split()[1])
+                return RoleProcess(name or role, proc, line.split()[1], http_address)
             if line == "" and proc.poll() is not None:
                 break
         elif proc.poll() is not None:

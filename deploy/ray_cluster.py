@@ -31,6 +31,7 @@ class RayCluster:
         self.cfg = cfg
         self.controller = None
         self.router_address = ""
+        self.http_address = ""  # the router's OpenAI-compatible HTTP API, when the config asks for one
         self._started_ray = False
 
     def start(self) -> str:
@@ -60,6 +61,7 @@ class RayCluster:
             runtime_env={"env_vars": env}).remote(cfg, env, router_env())
         try:
             self.router_address = ray.get(self.controller.start.remote())
+            self.http_address = ray.get(self.controller.info.remote())["http"]
         except Exception:
             self.stop()
             raise

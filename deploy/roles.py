@@ -18,13 +18,24 @@ class RoleActor:
     def __init__(self, role: str, cfg) -> None:
         if cfg.host == "node-ip":
             cfg = dataclasses.replace(cfg, host=ray.util.get_node_ip_address())
+        if getattr(cfg, "http_host", None) == "node-ip":  # the router's HTTP API
+            cfg = dataclasses.replace(cfg, http_host=ray.util.get_node_ip_address())
         self.role = role
-        self._service = ServiceThread(lambda: _make_service(role, cfg))
+        self._served = None
+        self._service = ServiceThread(lambda: self._keep(_make_service(role, cfg)))
         self._address = self._service.start()
+
+    def _keep(self, service):
+        self._served = service
+        return service
 
     def address(self) -> str:
         """The service's gRPC ``host:port`` (available once the constructor has returned)."""
         return self._address
+
+    def http_address(self) -> str:
+        """The router's OpenAI-compatible HTTP API ``host:port`` ("" for workers, or a router without one)."""
+        return getattr(self._served, "http_address", "")
 
     def pid(self) -> int:
         """This actor's process id (changes when Ray restarts the actor)."""

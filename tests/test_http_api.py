@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP API (router/http/) against live clusters of real processes, through the
+official ``openai`` client: completions and chat, streamed or not, greedy output equal to the gRPC
+API's; refusals as OpenAI errors (every parameter the router does not implement named in a 400, 401
+without the token, 404 for another model, 429 with Retry-After when KV blocks run out); a client
+that disconnects mid-stream frees its blocks; /v1/models, /health, /metrics."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import grpc
+import openai
+import pytest
+
+from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
+from pdserve.model.chat_template import ChatTemplate
+from pdserve.proto import pdserve_pb2
+from tests.conftest import Cluster
+from tests.tls_files import make_tls_files
+
+pytestmark = pytest.mark.timeout(180)
+
+CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PROMPTS = ["Once upon a time, there was a little dog", "Lily and Ben went to the park. They saw", "Tom had a red ball."]
+MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A dog and a cat"}]
+MODEL = "tinystories-chat"
+
+
+@pytest.fixture(autouse=True)
+def no_env_token(monkeypatch):
+    monkeypatch.delenv("PDSERVE_ROUTER_TOKEN", raising=False)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory, model_dir) -> str:
+    """The embedded model with a ChatML-like chat template in its tokenizer_config.json."""
+    out = tmp_path_factory.mktemp("chat") / MODEL
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}, indent=2))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def http_cluster(redis_url, chat_model_dir):
+    """1 prefill + 1 decode worker + a router serving gRPC and HTTP, on the templated checkpoint."""
+    c = Cluster(chat_model_dir, redis_url, router_flags={"http_port": 0})
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def api(http_cluster):
+    """An OpenAI client of the cluster's HTTP API (no retries); the pools are checked free after the test."""
+    yield openai.OpenAI(base_url=f"http://{http_cluster.router.http_address}/v1", api_key="unused", max_retries=0)
+    http_cluster.assert_pools_free()
+
+
+def raw(address: str, path: str, body: dict | bytes | None = None, headers: dict | None = None):
+    """``(status, headers, body)`` of one plain HTTP request (POST when ``body`` is given)."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{address}{path}", data=data, headers={
+        "Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def test_models_health_and_metrics(http_cluster, api):
+    address = http_cluster.router.http_address
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    assert api.models.retrieve(MODEL).owned_by == "pdserve"
+    status, _, body = raw(address, "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok", "workers": {"prefill": 1, "decode": 1, "both": 0}}
+    status, headers, _ = raw(address, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    status, _, body = raw(address, "/v1/nothing-here")
+    assert status == 404 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completions_equal_the_grpc_api_greedy(http_cluster, api):
+    for prompt in PROMPTS:
+        want = http_cluster.complete(prompt, max_tokens=24, temperature=0)
+        got = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={"return_token_ids": True})
+        (choice,) = got.choices
+        assert choice.text == want.text and choice.model_extra["token_ids"] == want.token_ids
+        assert choice.finish_reason == "length" and got.model == MODEL and got.object == "text_completion"
+        assert got.usage.prompt_tokens == want.final.usage.prompt_tokens and got.usage.completion_tokens == 24
+        assert got.usage.total_tokens == got.usage.prompt_tokens + 24
+        chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                             stream_options={"include_usage": True},
+                                             extra_body={"return_token_ids": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == want.token_ids
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
+def test_token_prompts_and_lists_of_prompts(http_cluster, api):
+    ids = [1, *range(100, 110)]
+    want_ids = http_cluster.complete(ids, max_tokens=12, temperature=0)
+    tokens = api.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert tokens.usage.prompt_tokens == 11 and tokens.choices[0].text == want_ids.text
+    token_lists = api.completions.create(model=MODEL, prompt=[ids, ids[:5]], max_tokens=12, temperature=0)
+    assert [c.index for c in token_lists.choices] == [0, 1] and token_lists.choices[0].text == want_ids.text
+    want = [http_cluster.complete(p, max_tokens=12, temperature=0) for p in PROMPTS]
+    many = api.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2] and [c.text for c in many.choices] == [w.text for w in want]
+    assert many.usage.completion_tokens == 36
+    streamed = {}
+    for chunk in api.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: w.text for i, w in enumerate(want)}
+
+
+def test_chat_completions_equal_the_grpc_api_greedy(http_cluster, api, chat_model_dir):
+    template = ChatTemplate.load(chat_model_dir)
+    prompt_ids = template.encode(template.render(MESSAGES))
+    want = http_cluster.complete(prompt_ids, max_tokens=20, temperature=0)
+    got = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=20, temperature=0)
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(prompt_ids) and got.object == "chat.completion"
+    chunks = list(api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                              stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    parts = [{"type": "text", "text": "A dog"}, {"type": "text", "text": "and a cat"}]
+    joined = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=8,
+                                         temperature=0)
+    same = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A dog\nand a cat"}],
+                                       max_tokens=8, temperature=0)
+    assert joined.choices[0].message.content == same.choices[0].message.content
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(http_cluster, api):
+    got = api.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, seed=1,
+                                      extra_body={"ignore_eos": True, "top_k": -1})
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.prompt_tokens + got.usage.completion_tokens == 512  # the model's context
+
+
+def test_disconnect_mid_stream_frees_every_block(http_cluster, api):
+    prompt = "Once upon a time"
+    start = time.monotonic()
+    whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=490, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    full_s = time.monotonic() - start
+    assert whole.usage.completion_tokens == 490
+    for _ in range(3):
+        stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=490, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        assert first.choices[0].text
+        stream.close()  # the client goes away after its first chunk
+        gone = time.monotonic()
+        while any(w.num_router_inflight for w in http_cluster.state().workers):
+            assert time.monotonic() - gone < max(0.5, full_s / 2), "the request was not cancelled"
+            time.sleep(0.01)
+    body = json.dumps({"prompt": prompt, "max_tokens": 490, "temperature": 0, "ignore_eos": True}).encode()
+    host, port = http_cluster.router.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:  # not streamed: gone while the answer is made
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdserve\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 10
+        while not any(w.num_router_inflight for w in http_cluster.state().workers):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    gone = time.monotonic()
+    while any(w.num_router_inflight for w in http_cluster.state().workers):
+        assert time.monotonic() - gone < max(0.5, full_s / 2), "the request was not cancelled"
+        time.sleep(0.01)
+    http_cluster.assert_pools_free()
+    assert api.completions.create(model=MODEL, prompt="Hi", max_tokens=4).usage.completion_tokens == 4
+
+
+REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
+    ("completions", "stop", ["."]), ("completions", "n", 2), ("completions", "logprobs", 1),
+    ("completions", "logprobs", 0), ("chat", "logprobs", True), ("chat", "top_logprobs", 2), ("chat", "n", 3),
+    ("chat", "stop", "The end"), ("completions", "presence_penalty", 0.5), ("chat", "frequency_penalty", -1.0),
+    ("completions", "logit_bias", {"50": 10}), ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat", "tool_choice", "auto"), ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "parallel_tool_calls", False), ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
+    ("completions", "best_of", 2), ("completions", "echo", True), ("completions", "suffix", "!"),
+    ("completions", "presence", 1), ("chat", "repetition_penalty", 1.1), ("completions", "stream_options",
+                                                                           {"include_usage": True}),
+]
+
+
+@pytest.mark.parametrize("endpoint, name, value", REFUSED, ids=[f"{e}-{n}-{v}" for e, n, v in REFUSED])
+def test_each_unimplemented_parameter_is_named_in_a_400(http_cluster, api, endpoint, name, value):
+    body = {"model": MODEL, "max_tokens": 4, name: value}
+    with pytest.raises(openai.BadRequestError) as info:
+        if endpoint == "chat":
+            api.chat.completions.create(messages=MESSAGES, extra_body=body, model=MODEL)
+        else:
+            api.completions.create(prompt="Hi", extra_body=body, model=MODEL)
+    assert f"`{name}`" in info.value.message and info.value.body["param"] == name
+    assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_unimplemented_parameters_are_accepted(http_cluster, api):
+    got = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=1, stop=[], logprobs=False,
+                                      presence_penalty=0, frequency_penalty=0.0, logit_bias={},
+                                      response_format={"type": "text"}, user="someone")
+    assert got.usage.completion_tokens == 3
+
+
+BAD = [  # the gRPC API's bad inputs, through HTTP: the same message
+    ({"prompt": "Hi", "temperature": -0.5}, client.make_request("Hi", temperature=-0.5)),
+    ({"prompt": "Hi", "top_p": 0.0}, client.make_request("Hi", top_p=0.0)),
+    ({"prompt": "Hi", "max_tokens": 0}, client.make_request("Hi", max_tokens=0)),
+    ({"prompt": [1, 2048]}, client.make_request([1, 2048])),
+    ({"prompt": ""}, pdserve_pb2.GenerateRequest(text="")),
+    ({"prompt": []}, client.make_request([])),
+    ({"prompt": [1] * 500, "max_tokens": 13}, client.make_request([1] * 500, max_tokens=13)),
+    ({"prompt": "Hi", "top_k": -2}, client.make_request("Hi", top_k=-2)),
+    ({"prompt": "Hi", "stop_token_ids": [5000]}, client.make_request("Hi", stop_token_ids=(5000,))),
+]
+
+
+@pytest.mark.parametrize("body, request_", BAD, ids=[json.dumps(b)[:40] for b, _ in BAD])
+def test_bad_input_gets_the_grpc_apis_message(http_cluster, api, body, request_):
+    with pytest.raises(grpc.aio.AioRpcError) as grpc_info:
+        http_cluster.run(lambda ch: client.complete(ch, request_, timeout_s=30))
+    assert grpc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model=MODEL, prompt=body["prompt"], extra_body={k: v for k, v in body.items()
+                                                                               if k != "prompt"})
+    assert info.value.body["message"] == grpc_info.value.details()
+
+
+def test_malformed_bodies_are_400s_naming_the_field(http_cluster, api):
+    address = http_cluster.router.http_address
+    for body, words in ((b"{not json", "not valid JSON"), (b"[1, 2]", "JSON object"),
+                        ({"prompt": "Hi", "max_tokens": "16"}, "`max_tokens`"), ({"prompt": {"a": 1}}, "`prompt`"),
+                        ({"messages": []}, "`messages`"), ({"prompt": "Hi", "seed": -1}, "`seed`")):
+        path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
+        status, _, answer = raw(address, path, body)
+        assert status == 400 and words in json.loads(answer)["error"]["message"], answer
+    conn = http.client.HTTPConnection(address, timeout=30)  # refused on its declared size, before its body
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Length", str(4 * 1024 * 1024 + 1))
+    conn.endheaders()
+    answer = conn.getresponse()
+    assert answer.status == 413 and "max_receive_message_bytes" in json.loads(answer.read())["error"]["message"]
+    conn.close()
+
+
+def test_unknown_model_is_404(http_cluster, api):
+    for call in (lambda: api.completions.create(model="gpt-4o", prompt="Hi"),
+                 lambda: api.chat.completions.create(model="gpt-4o", messages=MESSAGES),
+                 lambda: api.models.retrieve("gpt-4o")):
+        with pytest.raises(openai.NotFoundError) as info:
+            call()
+        assert "gpt-4o" in info.value.message and info.value.body["code"] == "model_not_found"
+
+
+@pytest.fixture(scope="module")
+def small_cluster(redis_url, model_dir):
+    """The embedded model (no chat template) with 8 KV blocks of 16 tokens on its decode worker."""
+    c = Cluster(model_dir, redis_url, decode_flags={"num_blocks": 8}, router_flags={"http_port": 0})
+    yield c
+    c.stop()
+
+
+def test_no_kv_room_is_429_with_retry_after_and_no_template_is_400(small_cluster):
+    api = openai.OpenAI(base_url=f"http://{small_cluster.router.http_address}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as info:
+        api.completions.create(model="tinystories-656k", prompt="Once upon a time", max_tokens=200)
+    assert info.value.status_code == 429 and "free KV blocks" in info.value.message
+    assert int(info.value.response.headers["Retry-After"]) >= 1
+    with pytest.raises(openai.RateLimitError):  # streamed: refused before the stream starts
+        api.completions.create(model="tinystories-656k", prompt="Once upon a time", max_tokens=200, stream=True)
+    assert api.completions.create(model="tinystories-656k", prompt="Once", max_tokens=100,
+                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 100  # fits: served
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model="tinystories-656k", messages=MESSAGES)
+    assert "no chat template" in info.value.message
+    small_cluster.assert_pools_free()
+
+
+def test_bearer_token_is_required_when_configured(http_cluster, tmp_path, redis_url, chat_model_dir):
+    token = "t0k-" + uuid.uuid4().hex
+    (tmp_path / "token").write_text(token + "\n")
+    router = spawn_role("router", dict(model_dir=chat_model_dir, cluster=http_cluster.cluster, redis_url=redis_url,
+                                       token_file=str(tmp_path / "token"), http_port=0,
+                                       max_receive_message_bytes=2048), "router-token")
+    try:
+        base = f"http://{router.http_address}/v1"
+        for key in ("wrong-" + token, token[:-1], token + "x"):
+            with pytest.raises(openai.AuthenticationError) as info:
+                openai.OpenAI(base_url=base, api_key=key, max_retries=0).completions.create(model=MODEL, prompt="Hi")
+            assert info.value.status_code == 401 and info.value.response.headers["WWW-Authenticate"] == "Bearer"
+        for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "Hi"}), ("/v1/completions", b"{bad")):
+            status, _, answer = raw(router.http_address, path, body)  # no token: refused before the body is read
+            assert status == 401 and "missing" in json.loads(answer)["error"]["message"]
+        assert raw(router.http_address, "/v1/models", headers={"Authorization": f"Basic {token}"})[0] == 401
+        assert raw(router.http_address, "/health")[0] == 200  # open, as the gRPC health service
+        api = openai.OpenAI(base_url=base, api_key=token, max_retries=0)
+        deadline = time.monotonic() + 10
+        while raw(router.http_address, "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        got = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert got.choices[0].text == http_cluster.complete(PROMPTS[0], max_tokens=8, temperature=0).text
+        conn = http.client.HTTPConnection(router.http_address, timeout=30)  # no declared size: counted as it comes
+        conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "', b"x" * 4096, b'"}']),
+                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                     encode_chunked=True)
+        answer = conn.getresponse()
+        assert answer.status == 413 and "2048 bytes" in json.loads(answer.read())["error"]["message"]
+        conn.close()
+    finally:
+        router.stop()
+    http_cluster.assert_pools_free()
+
+
+def test_pdserve_up_serves_the_http_api(redis_url, model_dir, tmp_path):
+    """`pdserve up --http-port 0` on Ray prints `http listening on HOST:PORT`, where the OpenAI client is
+    served under --served-model-name, chatting through the --chat-template file."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHATML)
+    env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", model_dir, "--http-port", "0",
+                           "--served-model-name", "story", "--chat-template", str(template)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        lines, deadline = [], time.monotonic() + 150
+        while not any(line.startswith("http listening on ") for line in lines) and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line or up.poll() is None, up.stderr.read()
+            lines.append(line)
+        (http_line,) = [line for line in lines if line.startswith("http listening on ")]
+        assert lines[0].startswith("router listening on ") and lines[1].startswith("cluster "), lines
+        api = openai.OpenAI(base_url=f"http://{http_line.split()[-1]}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in api.models.list().data] == ["story"]
+        got = api.completions.create(model="story", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert got.choices[0].text.startswith(". The dog liked to run and play")  # the model's greedy continuation
+        chat = api.chat.completions.create(model="story", messages=MESSAGES, max_tokens=5)
+        assert chat.usage.completion_tokens == 5
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def test_http_api_over_tls_with_the_routers_certificate(http_cluster, tmp_path, redis_url, chat_model_dir):
+    tls = make_tls_files(tmp_path)
+    router = spawn_role("router", dict(model_dir=chat_model_dir, cluster=http_cluster.cluster, redis_url=redis_url,
+                                       tls_cert_file=tls["cert"], tls_key_file=tls["key"], http_port=0),
+                        "router-tls")
+    try:
+        verified = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls["ca"]))
+        api = openai.OpenAI(base_url=f"https://{router.http_address}/v1", api_key="unused", max_retries=0,
+                            http_client=verified)
+        got = api.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+        assert got.choices[0].text == http_cluster.complete(PROMPTS[1], max_tokens=8, temperature=0).text
+        with pytest.raises(openai.APIConnectionError):  # plaintext to the TLS port
+            openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused",
+                          max_retries=0).models.list()
+    finally:
+        router.stop()
