@@ -66,6 +66,7 @@ class WorkerInfo:
         heartbeat_at: Unix time (seconds) of the last renewal.
         lease_s: the lease the renewal took (seconds; stamped by :meth:`WorkerLease.renew`): a signed
             entry older than ``heartbeat_at + lease_s`` plus the readers' clock-skew bound is stale.
+        metrics_address: ``host:port`` of the worker's Prometheus metrics (``GET /metrics``; empty: none).
     """
 
     worker_id: str
@@ -85,6 +86,7 @@ class WorkerInfo:
     step_seconds: float = 0.0
     heartbeat_at: float = 0.0
     lease_s: float = 0.0
+    metrics_address: str = ""
 
 
 DEFAULT_MAX_CLOCK_SKEW_S = 30.0

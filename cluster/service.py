@@ -6,7 +6,6 @@ thread inside a Ray actor (:class:`ServiceThread`)."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 import threading
@@ -16,6 +15,8 @@ from typing import Any, Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from pdserve.cluster.logs import configure_logging
 
 # gRPC keepalive on every connection, so that a peer that stops answering without closing its TCP
 # connection (SIGSTOPped, partitioned, hung) fails the calls on it within about 15 s instead of never:
@@ -45,10 +46,11 @@ class Service(Protocol):
     async def stop(self) -> None: ...
 
 
-def run_foreground(factory: Callable[[], Service]) -> None:
+def run_foreground(factory: Callable[[], Service], log_format: str = "text", log_level: str = "WARNING") -> None:
     """Build the service, start it, print ``ready <host:port>`` on stdout, serve until
-    SIGINT/SIGTERM, then stop it cleanly."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    SIGINT/SIGTERM, then stop it cleanly. Logs go to stderr as ``log_format`` (``text``, or ``json``:
+    one object per line, :mod:`cluster.logs`)."""
+    configure_logging(log_format, log_level)
 
     async def main() -> None:
         service = factory()
@@ -64,7 +66,10 @@ def run_foreground(factory: Callable[[], Service]) -> None:
 class ServiceThread:
     """Runs a service on its own event loop in a daemon thread (for Ray actors)."""
 
-    def __init__(self, factory: Callable[[], Service]) -> None:
+    def __init__(self, factory: Callable[[], Service], log_format: str | None = None, log_level: str = "WARNING",
+                 ) -> None:
+        if log_format is not None:  # the actor process's logging (Ray's worker logs, to the driver when asked)
+            configure_logging(log_format, log_level)
         self._factory = factory
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="service-loop", daemon=True)

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor
+from pdserve.cluster.metrics import start_metrics_server
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
 from pdserve.cluster.secret import InsecureReminder, check_exposure, cluster_secret, worker_rpc_token
 from pdserve.cluster.service import start_grpc_server
@@ -47,6 +49,8 @@ class WorkerConfig:
         lease_s: Redis lease; renewed every ``lease_s / 4`` seconds.
         insecure: on a non-loopback ``host``, serve without the cluster secret instead of refusing
             to start (logged at start and every minute).
+        metrics_port: port of the Prometheus metrics server on ``host`` (0 = pick a free one;
+            :mod:`cluster.metrics`), advertised as ``WorkerInfo.metrics_address``.
     """
 
     model_dir: str
@@ -61,6 +65,7 @@ class WorkerConfig:
     num_threads: int = 1
     lease_s: float = 3.0
     insecure: bool = False
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,6 +75,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -169,6 +176,9 @@ class WorkerProcess:
         self._thread = threading.Thread(target=engine.run_forever, args=(self._halt,),
                                         name=f"{type(self).__name__}-engine", daemon=True)
         self.address = ""
+        self.metrics = CollectorRegistry()  # this worker's Prometheus metrics (cluster.metrics), served on start
+        self.metrics_address = ""
+        self._metrics_server = None
         self._grace_s, self._unroute_s = 1.0, 0.0
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
@@ -222,6 +232,8 @@ class WorkerProcess:
         self._server, port = await start_grpc_server(self.cfg.host, self.cfg.port, self.add_servicer,
                                                      [self.service_name], auth)
         self.address = f"{self.cfg.host}:{port}"
+        self._metrics_server = start_metrics_server(self.cfg.host, self.cfg.metrics_port, self.metrics)
+        self.metrics_address = self._metrics_server.address
         self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat, self._secret, self.healthy,
                                     self.on_registry, self.keeps_peer_state)
         self._heartbeat.start()
@@ -247,3 +259,5 @@ class WorkerProcess:
         await self._server.stop(grace=self._grace_s)
         self._halt.set()
         await asyncio.to_thread(self._thread.join, 5)
+        if self._metrics_server is not None:
+            self._metrics_server.stop()

@@ -3,6 +3,7 @@
 import argparse
 
 from pdserve.cluster.args import add_config_args, config_from_args
+from pdserve.cluster.logs import add_logging_args
 from pdserve.cluster.service import run_foreground
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.server import DecodeWorker
@@ -10,5 +11,7 @@ from pdserve.decode_worker.server import DecodeWorker
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m pdserve.decode_worker", description=__doc__)
     add_config_args(parser, DecodeWorkerConfig)
-    cfg = config_from_args(DecodeWorkerConfig, parser.parse_args())
-    run_foreground(lambda: DecodeWorker(cfg))
+    add_logging_args(parser)
+    args = parser.parse_args()
+    cfg = config_from_args(DecodeWorkerConfig, args)
+    run_foreground(lambda: DecodeWorker(cfg), args.log_format, args.log_level)

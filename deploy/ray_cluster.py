@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import ray
 
@@ -46,7 +47,9 @@ class RayCluster:
             # room for the pools' upper bound, and for `pdserve scale` to reach 8 workers on one machine
             need = cfg.cpus_per_worker * max(cfg.max_workers, 8) + 1
             local = {"num_cpus": cfg.local_num_cpus or max(os.cpu_count() or 1, math.ceil(need))} if cfg.local else {}
-            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False,
+            # the actors' logs (warnings, retries, failures) reach a terminal that runs `pdserve up`; output
+            # piped elsewhere (tests, scripts, a service manager capturing stdout) stays quiet
+            ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=sys.stdout.isatty(),
                      configure_logging=False, **local)
             self._started_ray = True
         try:

@@ -4,8 +4,8 @@ Reads the worker leases directly (no router or Ray needed), and the SLO attainme
 the routers keep in Redis::
 
     cluster 1a2b3c4d: prefill 2 workers, decode 2 workers; SLO attainment 0.97 (1234 finished, 60 s)
-    POOL     WORKER     ADDRESS           RUNNING  WAITING  FREE KV BLOCKS  LEASE AGE
-    prefill  prefill-1  10.0.0.5:40111          1        0  1998/2048       0.4 s
+    POOL     WORKER     ADDRESS           RUNNING  WAITING  FREE KV BLOCKS  LEASE AGE  METRICS
+    prefill  prefill-1  10.0.0.5:40111          1        0  1998/2048       0.4 s      10.0.0.5:40112
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pdserve.cluster.registry import RegistryReader, WorkerInfo
 from pdserve.cluster.secret import cluster_secret
 
 POOL_ORDER = {"prefill": 0, "decode": 1, "both": 2}
-COLUMNS = ("POOL", "WORKER", "ADDRESS", "RUNNING", "WAITING", "FREE KV BLOCKS", "LEASE AGE")
+COLUMNS = ("POOL", "WORKER", "ADDRESS", "RUNNING", "WAITING", "FREE KV BLOCKS", "LEASE AGE", "METRICS")
 
 
 async def read_status(redis_url: str, cluster: str, window_s: float = 60.0) -> tuple[list[WorkerInfo], dict]:
@@ -38,7 +38,8 @@ async def read_status(redis_url: str, cluster: str, window_s: float = 60.0) -> t
 
 def format_status(cluster: str, workers: list[WorkerInfo], now: float, attainment: dict | None = None) -> str:
     """A plain-text table: one summary line per cluster, one row per worker grouped by pool.
-    Lease age is ``now - heartbeat_at`` (seconds, Unix time)."""
+    Lease age is ``now - heartbeat_at`` (seconds, Unix time); METRICS is the worker's Prometheus
+    ``host:port`` (``GET /metrics``; ``-`` when it advertises none)."""
     pools: dict[str, list[WorkerInfo]] = {}
     for w in sorted(workers, key=lambda w: (POOL_ORDER.get(w.role, 9), w.worker_id)):
         pools.setdefault(w.role, []).append(w)
@@ -49,7 +50,8 @@ def format_status(cluster: str, workers: list[WorkerInfo], now: float, attainmen
                  f"{attainment['rejected']} rejected, {attainment['window_s']} s)")
     rows = [COLUMNS] + [
         (w.role, w.worker_id, w.address, str(w.num_running), str(w.num_waiting),
-         f"{w.num_free_blocks}/{w.num_total_blocks}", f"{max(0.0, now - w.heartbeat_at):.1f} s")
+         f"{w.num_free_blocks}/{w.num_total_blocks}", f"{max(0.0, now - w.heartbeat_at):.1f} s",
+         w.metrics_address or "-")
         for ws in pools.values() for w in ws]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     numeric = {3, 4}

@@ -3,6 +3,7 @@
 import argparse
 
 from pdserve.cluster.args import add_config_args, config_from_args
+from pdserve.cluster.logs import add_logging_args
 from pdserve.cluster.service import run_foreground
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.server import PrefillWorker
@@ -10,5 +11,7 @@ from pdserve.prefill_worker.server import PrefillWorker
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m pdserve.prefill_worker", description=__doc__)
     add_config_args(parser, PrefillWorkerConfig)
-    cfg = config_from_args(PrefillWorkerConfig, parser.parse_args())
-    run_foreground(lambda: PrefillWorker(cfg))
+    add_logging_args(parser)
+    args = parser.parse_args()
+    cfg = config_from_args(PrefillWorkerConfig, args)
+    run_foreground(lambda: PrefillWorker(cfg), args.log_format, args.log_level)

@@ -4,6 +4,7 @@ prints ``http <host:port>`` (the OpenAI-compatible HTTP API) before its ``ready 
 import argparse
 
 from pdserve.cluster.args import add_config_args, config_from_args
+from pdserve.cluster.logs import add_logging_args
 from pdserve.cluster.service import run_foreground
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import Router
@@ -28,5 +29,7 @@ class _Announced:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m pdserve.router", description=__doc__)
     add_config_args(parser, RouterConfig)
-    cfg = config_from_args(RouterConfig, parser.parse_args())
-    run_foreground(lambda: _Announced(cfg))
+    add_logging_args(parser)
+    args = parser.parse_args()
+    cfg = config_from_args(RouterConfig, args)
+    run_foreground(lambda: _Announced(cfg), args.log_format, args.log_level)
