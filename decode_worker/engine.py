@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.decode_worker.config import DecodeWorkerConfig
@@ -41,7 +42,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
-from pdserve.model.sampling import SamplingParams, sample
+from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,19 @@ def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | No
         draft, _ = load_model(cfg.spec_draft_model, cfg.torch_dtype)
         return DraftModelProposer(draft, runner.spec)
     return None
+
+
+def _rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list[int],
+                   ) -> list[list[TokenLogprobs] | None]:
+    """Per request of ``batch`` (one logits row and one sampled token each): its token's
+    log-probabilities, or None when its sampling does not ask. Nothing is computed when none asks."""
+    out: list[list[TokenLogprobs] | None] = [None] * len(batch)
+    rows = [i for i, r in enumerate(batch) if r.sampling.logprobs is not None]
+    if rows:
+        lps = token_logprobs(logits[rows], [tokens[i] for i in rows], [batch[i].sampling.logprobs for i in rows])
+        for i, lp in zip(rows, lps):
+            out[i] = [lp]
+    return out
 
 
 class DecodeEngine:
@@ -230,18 +244,19 @@ class DecodeEngine:
         if not batch:
             return
         speculate = self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size
-        new_tokens = self._speculative_run(batch) if speculate else self._plain_run(batch)
-        for req, tokens in zip(batch, new_tokens):
-            self._append(req, tokens)
+        new_tokens, new_logprobs = self._speculative_run(batch) if speculate else self._plain_run(batch)
+        for req, tokens, logprobs in zip(batch, new_tokens, new_logprobs):
+            self._append(req, tokens, logprobs)
 
-    def _plain_run(self, batch: list[DecodeRequest]) -> list[list[int]]:
+    def _plain_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """One token per request, through the GraphRunner when there is one; the step is timed
-        for the routers' step-time models."""
+        for the routers' step-time models. Log-probabilities only for the rows that ask for them."""
         steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
         started = time.monotonic()
         logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
-        return [[t] for t in sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])]
+        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
+        return [[t] for t in tokens], _rows_logprobs(logits, batch, tokens)
 
     def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
         """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""
@@ -262,40 +277,47 @@ class DecodeEngine:
                              r.block_table) for r, n in chunks]  # output_ids: a migrated request's prior output
         logits = self.runner.run(inputs)
         tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch])
-        for req, token in zip(batch, tokens):
-            self._append(req, [token])
+        for req, token, logprobs in zip(batch, tokens, _rows_logprobs(logits[:len(batch)], batch, tokens)):
+            self._append(req, [token], logprobs)
         for row, (req, n) in enumerate(chunks, start=len(batch)):
             req.num_computed += n
             if req.num_computed == req.num_tokens:
                 first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)])[0]
-                req.emit(TokensEvent([first]))
+                req.emit(TokensEvent([first], _rows_logprobs(logits[row:row + 1], [req], [first])[0]))
                 self._start_decoding(req, first)
 
-    def _speculative_run(self, batch: list[DecodeRequest]) -> list[list[int]]:
-        """Propose, verify all proposals in one forward, keep what the rejection rule accepts."""
+    def _speculative_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Propose, verify all proposals in one forward, keep what the rejection rule accepts. The
+        emitted token ``j`` of a request was chosen at verified position ``j``, so its log-probabilities
+        come from the target's logits there (row ``j``), whether it was an accepted draft, a resampled
+        rejection or the bonus token: the same numbers non-speculative decoding reports."""
         ks = [max(0, min(self.cfg.spec_k, r.sampling.max_tokens - len(r.output_ids) - 1,
                          r.max_context - r.num_tokens - 1)) for r in batch]  # never write past the blocks
         proposals = self.proposer.propose(batch, ks)
         logits = self.runner.run([StepInput([r.output_ids[-1], *p.tokens], r.num_tokens - 1, r.block_table)
                                   for r, p in zip(batch, proposals)], all_logits=True)
         rows = logits.split([len(p.tokens) + 1 for p in proposals])
-        out = []
+        out, out_logprobs = [], []
         for req, prop, req_rows in zip(batch, proposals, rows):
             tokens = verify(req_rows, prop, req.sampling, len(req.output_ids))
             req.num_draft_tokens += len(prop.tokens)
             req.num_accepted_tokens += len(tokens) - 1
             out.append(tokens)
-        return out
+            k = req.sampling.logprobs
+            out_logprobs.append(None if k is None
+                                else token_logprobs(req_rows[:len(tokens)], tokens, [k] * len(tokens)))
+        return out, out_logprobs
 
-    def _append(self, req: DecodeRequest, tokens: list[int]) -> None:
-        """Add a step's tokens, stopping at the first that ends the request; stream them."""
+    def _append(self, req: DecodeRequest, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
+        """Add a step's tokens, stopping at the first that ends the request; stream them (with their
+        log-probabilities, when the request asks)."""
         kept = []
         for token in tokens:
             req.output_ids.append(token)
             kept.append(token)
             if req.finish_reason() is not None:
                 break
-        req.emit(TokensEvent(kept))
+        req.emit(TokensEvent(kept, None if logprobs is None else logprobs[:len(kept)]))
         self._finish_if_done(req)
 
     def _drain_inbox(self) -> None:

@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """New output tokens."""
+    """New output tokens, with their log-probabilities when the request's sampling asks (one each)."""
 
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

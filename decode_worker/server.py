@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from pdserve.cluster.logs import request_fields
+from pdserve.cluster.metrics import DecodeMetrics, decode_metrics
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.cluster.rpc_fields import (
     Undecodable,
@@ -34,7 +36,7 @@ from pdserve.model.loader import load_model
 from pdserve.model.quant import int4, int4_checkpoint
 from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from pdserve.proto.convert import FINISH_REASONS, sampling_from_wire
+from pdserve.proto.convert import FINISH_REASONS, logprobs_to_wire, sampling_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     """Streams one request's output: ``allocated``, token deltas, ``finished``; a cancelled call
     aborts the request (its blocks are freed)."""
 
-    def __init__(self, engine: DecodeEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: DecodeEngine, metrics: DecodeMetrics | None = None) -> None:
+        self.engine, self.metrics = engine, metrics
 
     async def Generate(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         """Pre-allocate the request's blocks (or prefill it here, colocated) and stream its events.
@@ -136,9 +138,17 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     pending.append(events.get_nowait())
                 for ev in _coalesce(pending):
                     if isinstance(ev, TokensEvent):
-                        yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(token_ids=ev.token_ids))
+                        if self.metrics is not None:
+                            self.metrics.on_tokens(len(ev.token_ids))
+                        yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(
+                            token_ids=ev.token_ids,
+                            logprobs=[logprobs_to_wire(lp) for lp in ev.logprobs] if ev.logprobs else ()))
                     elif isinstance(ev, FinishedEvent):
                         ended = True
+                        if self.metrics is not None:
+                            self.metrics.on_finished(ev, len(req.prompt_ids) if req.local_prefill else 0)
+                        log.info("request %s finished (%s): %d output tokens", attempt_id, ev.reason,
+                                 ev.num_output_tokens, extra=request_fields(attempt_id))
                         yield worker_pb2.DecodeEvent(finished=worker_pb2.DecodeFinished(
                             finish_reason=FINISH_REASONS[ev.reason], num_output_tokens=ev.num_output_tokens,
                             kv_wait_s=ev.kv_wait_s, num_draft_tokens=ev.num_draft_tokens,
@@ -146,9 +156,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         return
                     else:
                         ended = True
+                        log.warning("request %s failed: %s", attempt_id, ev.message, extra=request_fields(attempt_id))
                         await context.abort(ev.code, ev.message)
         finally:
             if not ended:  # cancelled by the router or the client: free the blocks
+                log.info("request %s aborted (stream cancelled)", attempt_id, extra=request_fields(attempt_id))
                 self.engine.abort(attempt_id)
 
 
@@ -157,7 +169,8 @@ def _coalesce(events: list) -> list:
     out: list = []
     for ev in events:
         if isinstance(ev, TokensEvent) and out and isinstance(out[-1], TokensEvent):
-            out[-1] = TokensEvent(out[-1].token_ids + ev.token_ids)
+            logprobs = None if out[-1].logprobs is None else out[-1].logprobs + ev.logprobs  # one request: all or none
+            out[-1] = TokensEvent(out[-1].token_ids + ev.token_ids, logprobs)
         else:
             out.append(ev)
     return out
@@ -192,10 +205,11 @@ class DecodeWorker(WorkerProcess):
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_decode_model(cfg)
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)
+        self.stats = decode_metrics(self.metrics, cfg.worker_id, "both" if cfg.colocated else "decode", self.info)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         """Serve ``DecodeWorker`` on ``server``; undecodable request bytes reach the servicer (INVALID_ARGUMENT)."""
-        servicer = DecodeServicer(self.engine)
+        servicer = DecodeServicer(self.engine, self.stats)
         add_lenient_handlers(server, self.service_name, {"Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=lenient_parser(worker_pb2.DecodeRequest),
             response_serializer=worker_pb2.DecodeEvent.SerializeToString)})
@@ -207,4 +221,5 @@ class DecodeWorker(WorkerProcess):
                           kv_address=e.receiver.address, kv_backends=e.kv_backends, block_size=self.cfg.block_size,
                           num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
                           num_running=e.num_decoding, num_waiting=e.num_transferring,
-                          step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2])
+                          step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2],
+                          metrics_address=self.metrics_address)

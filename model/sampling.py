@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK63 = (1 << 63) - 1
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class SamplingParams:
         max_tokens: output tokens to generate at most (>= 1).
         stop_token_ids: tokens that end the request (the stop token is part of the output).
         ignore_eos: do not stop at the model's EOS tokens.
+        logprobs: None computes no log-probabilities; k >= 0 returns the sampled token's and the
+            k most likely tokens' (:func:`token_logprobs`), at most :data:`MAX_LOGPROBS`.
     """
 
     temperature: float = 1.0
@@ -38,6 +41,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
@@ -49,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
@@ -106,3 +112,33 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
         if p.temperature != 0:
             tokens[row] = draw(filtered_probs(logits[row], p), request_generator(p.seed, index))
     return tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability and the ``k`` most likely alternatives (most likely first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Log-probabilities of ``tokens`` under ``logits`` (``[B, vocab]``), with each row's top ``ks[row]``.
+
+    The distribution is the model's own, ``log_softmax(logits)`` in float32 before temperature, top-k
+    and top-p (vLLM's default, "raw" logprobs), so a greedy and a sampled request report the same
+    numbers for the same token. Callers pass only the rows of requests that asked (no cost otherwise).
+    """
+    if not tokens:
+        return []
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    top_k = max(ks)
+    if top_k:
+        values, ids = logp.topk(top_k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    out = []
+    for row, (lp, k) in enumerate(zip(picked, ks)):
+        out.append(TokenLogprobs(lp, tuple(ids[row][:k]), tuple(values[row][:k])) if k else TokenLogprobs(lp))
+    return out

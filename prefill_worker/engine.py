@@ -31,7 +31,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
-from pdserve.model.sampling import sample
+from pdserve.model.sampling import sample, token_logprobs
 from pdserve.prefill_worker.blocks import BlockSource, PlainBlocks
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.prefix_cache import PrefixCache
@@ -142,6 +142,11 @@ class PrefillEngine:
         done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
         firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done],
                         [r.first_output_index for _, r in done]) if done else []
+        wants = [(i, r, t) for (i, r), t in zip(done, firsts) if r.sampling.logprobs is not None]
+        if wants:  # only requests that ask pay for the log-softmax
+            for (_, r, _), lp in zip(wants, token_logprobs(logits[[i for i, _, _ in wants]], [t for _, _, t in wants],
+                                                           [r.sampling.logprobs for _, r, _ in wants])):
+                r.first_logprobs = lp
         now = time.monotonic()
         for req, n in chunks:
             req.num_computed += n

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.kvtransfer import KVChannel
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class PrefillRequest:
     num_computed: int = 0              # prompt tokens whose KV is in the cache
     num_blocks_handed: int = 0         # blocks already handed to the sender
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None  # when sampling.logprobs is set (router-bound, not sent over KV)
     error: str = ""                    # set by the sender when the transfer failed
     channel: KVChannel | None = None   # sender thread only
     arrived_at: float = field(default_factory=time.monotonic)

@@ -7,6 +7,7 @@ knows the request by it (``attempt_id``) and so does the KV transfer to the deco
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Collection
@@ -16,6 +17,8 @@ import grpc
 import torch
 
 from pdserve.cluster.kv_events import KVEventPublisher
+from pdserve.cluster.logs import request_fields
+from pdserve.cluster.metrics import PrefillMetrics, prefill_metrics
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.cluster.rpc_fields import (
     Undecodable,
@@ -38,7 +41,9 @@ from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from pdserve.proto.convert import sampling_from_wire
+from pdserve.proto.convert import logprobs_to_wire, sampling_from_wire
+
+log = logging.getLogger(__name__)
 
 MAX_KV_ADDRESS_CHARS = 300
 """Longest ``dst_kv_address`` taken: a 253-character host name, a port and a scheme fit."""
@@ -127,8 +132,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     """Answers once the request's KV pages and first token reached the decode worker; a cancelled call
     aborts the request (:meth:`PrefillEngine.abort`)."""
 
-    def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: PrefillEngine, metrics: PrefillMetrics | None = None) -> None:
+        self.engine, self.metrics = engine, metrics
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         """Prefill the prompt and push its KV and first token to the decode worker; answer with the
@@ -154,14 +159,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             result = await done
         except asyncio.CancelledError:
+            log.info("prefill %s aborted (call cancelled)", attempt_id, extra=request_fields(attempt_id))
             self.engine.abort(attempt_id)
             raise
         if result.error:
+            log.warning("prefill %s failed: %s", attempt_id, result.error, extra=request_fields(attempt_id))
             await context.abort(grpc.StatusCode.UNAVAILABLE, result.error)
+        log.info("prefill %s done: %d tokens, %d cached, %d KV bytes in %.4f s", attempt_id, len(checked.token_ids),
+                 result.num_cached_tokens, result.num_kv_bytes, result.transfer_s, extra=request_fields(attempt_id))
+        if self.metrics is not None:
+            self.metrics.on_prefill(len(checked.token_ids), result)
         return worker_pb2.PrefillResponse(first_token=result.first_token, queue_s=result.queue_s,
                                           prefill_s=result.prefill_s, transfer_s=result.transfer_s,
                                           transfer_tail_s=result.transfer_tail_s, num_kv_bytes=result.num_kv_bytes,
-                                          num_cached_tokens=result.num_cached_tokens)
+                                          num_cached_tokens=result.num_cached_tokens,
+                                          first_logprobs=None if req.first_logprobs is None  # set before the result
+                                          else logprobs_to_wire(req.first_logprobs))
 
 
 class PrefillWorker(WorkerProcess):
@@ -181,11 +194,12 @@ class PrefillWorker(WorkerProcess):
             self.events.publish_cleared(cfg.block_size)  # a (re)started worker holds nothing
         engine = PrefillEngine(cfg, model, model_cfg, self.events.publish if self.events else None, secret)
         super().__init__(cfg, engine, secret)
+        self.stats = prefill_metrics(self.metrics, cfg.worker_id, self.info)
         self._last_snapshot = 0.0
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         """Serve ``PrefillWorker`` on ``server``; undecodable request bytes reach the servicer (INVALID_ARGUMENT)."""
-        servicer = PrefillServicer(self.engine)
+        servicer = PrefillServicer(self.engine, self.stats)
         add_lenient_handlers(server, self.service_name, {"Prefill": grpc.unary_unary_rpc_method_handler(
             servicer.Prefill, request_deserializer=lenient_parser(worker_pb2.PrefillRequest),
             response_serializer=worker_pb2.PrefillResponse.SerializeToString)})
@@ -197,7 +211,7 @@ class PrefillWorker(WorkerProcess):
                           num_free_blocks=e.blocks.num_available, num_running=e.num_in_flight,
                           num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens,
                           prefill_s_per_block=(e.seconds_per_token or 0.0) * self.cfg.block_size,
-                          kv_backends=e.kv_sender.backends)
+                          kv_backends=e.kv_sender.backends, metrics_address=self.metrics_address)
 
     def on_heartbeat(self) -> None:
         """Publish a snapshot of the cached block hashes every ``snapshot_interval_s`` (for routers' re-sync),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling import SamplingParams, TokenLogprobs
 from pdserve.proto import pdserve_pb2, worker_pb2
 
 FINISH_REASONS = {
@@ -14,10 +14,16 @@ FINISH_REASONS = {
 def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
     return worker_pb2.ResolvedSampling(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        return_logprobs=p.logprobs is not None, num_top_logprobs=p.logprobs or 0)
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
     return SamplingParams(
         temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed, max_tokens=m.max_tokens,
-        stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos)
+        stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
+        logprobs=m.num_top_logprobs if m.return_logprobs else None)
+
+
+def logprobs_to_wire(lp: TokenLogprobs) -> worker_pb2.TokenLogprobs:
+    return worker_pb2.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)

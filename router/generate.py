@@ -10,6 +10,28 @@ blocks, and gives back once what choosing took: each worker's in-flight count
 (:class:`~router.choose.InFlight`: P's when its Prefill call returns, D's when the request leaves
 D) and admission's reservations. When a worker fails under the request the attempt is retried
 (nothing streamed yet) or the request is migrated (tokens streamed): see :mod:`router.recovery`.
+
+A worker that stops answering without closing its connection (SIGSTOPped, partitioned, wedged) fails
+its calls too. gRPC keepalive (:mod:`cluster.service`) drops a connection whose peer leaves a ping
+unacked for 5 s: within about 15 s when idle, about 5 s when it carries data (gRPC pings those too); the
+decode stream's relay adds a rule, ``cfg.stream_idle_timeout_s`` (T), that also catches an engine stuck
+behind a connection that still acks. Which events of a decode stream can be far apart::
+
+    from -> to                       apart for                                   bounded by
+    allocated -> P's answer          P queues, prefills, sends the KV            prefill_timeout_s (P.Prefill)
+    allocated -> first token, colo-  the worker prefills the prompt in chunks,   prefill_timeout_s, from
+      cated (no P)                   behind older prompts                        the allocation
+    P's answer or a token -> the     one engine step; or many while the request  T, from the worker's last
+      next token or finished         waits for a batch slot (max_batch_size      event on ANY of this
+                                     reached, or an older request whose KV       router's streams
+                                     arrived took its slot back)
+
+So after the first token the stream fails (:class:`WorkerFailure`, as a crash: the request migrates)
+once T passed with no event from its worker on this stream nor on any other stream this router has
+there: a worker that streams other requests is alive, and this one only waits for a slot. Limit: a
+request queued behind a batch made only of other routers' requests looks stalled and migrates (its
+output is unchanged). ``ClusterView.heard`` holds each decode worker's last event while the router
+has requests on it.
 """
 
 from __future__ import annotations
@@ -19,10 +41,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 
 from pdserve.cluster.lifecycle import RequestState
+from pdserve.cluster.logs import request_fields
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
@@ -33,6 +57,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import PrefillStats
 from pdserve.router.recovery import NOT_RETRIABLE, GenerateError, Progress, WorkerFailure
 from pdserve.router.request import RequestTimes
+from pdserve.router.stop_strings import StopMatcher
 from pdserve.router.validation import ValidRequest
 
 log = logging.getLogger(__name__)
@@ -46,41 +71,148 @@ async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenize
     """Drive one request through P and D, yielding the client's messages; a worker failure is
     retried or migrated (:mod:`router.recovery`) up to ``cfg.max_attempts`` dispatches.
 
+    With ``req.n`` > 1 the request's sequences run as requests of their own (sequence ``i`` seeded
+    ``seed + i``, its own attempts and stop-string state), their messages interleaved and marked with
+    ``index``: sequence 0 first, the others once it streamed its first token, so that their prompt
+    finds its KV in the prefill worker's prefix cache (the router routes them there: pending prefixes).
+
     Args:
         deadline: ``time.monotonic()`` by which the client stops waiting (``None``: none given);
             no recovery starts too close to it.
     Raises:
         GenerateError: no worker, no room, a bad request, or workers kept failing.
     """
+    if req.n == 1:
+        async with aclosing(_run_sequence(view, req, tokenizer, cfg, times, deadline)) as messages:
+            async for msg in messages:
+                yield msg
+        return
+    async with aclosing(_fan_out(view, req, tokenizer, cfg, times, deadline)) as messages:
+        async for msg in messages:
+            yield msg
+
+
+async def _fan_out(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,
+                   times: RequestTimes, deadline: float | None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """The ``req.n`` sequences of a request (see :func:`run_generate`); closing this cancels them all."""
+    def sequence(i: int) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        seq = replace(req, n=1, sampling=replace(req.sampling, seed=(req.sampling.seed + i) % 2**64))
+        return _run_sequence(view, seq, tokenizer, cfg, times if i == 0 else RequestTimes(), deadline,
+                             record_outcome=i == 0)
+
+    queue: asyncio.Queue = asyncio.Queue()
+    streams = [sequence(0)]
+
+    async def pump(i: int) -> None:
+        try:
+            async for msg in streams[i]:
+                msg.index = i
+                queue.put_nowait((msg, None))
+                if i == 0 and len(streams) == 1:  # sequence 0's prompt is cached now: start the others
+                    for j in range(1, req.n):
+                        streams.append(sequence(j))
+                        tasks.append(asyncio.create_task(pump(j)))
+        except Exception as exc:
+            queue.put_nowait((None, exc))
+
+    tasks = [asyncio.create_task(pump(0))]
+    num_finals = 0
+    try:
+        while num_finals < req.n:
+            msg, error = await queue.get()
+            if error is not None:
+                raise error
+            num_finals += msg.HasField("final")
+            yield msg
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,
+                        times: RequestTimes, deadline: float | None = None, record_outcome: bool = True,
+                        ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """One sequence of a request, across its attempts (see :func:`run_generate`). Stop strings are
+    matched here (:class:`~router.stop_strings.StopMatcher`, one per sequence, so a migration keeps
+    the held text): on a match the attempt is closed, which cancels its calls and frees its blocks,
+    and the sequence ends with finish reason STOP."""
     workers = view.current()
     colocated = not any(w.role == "prefill" for w in workers) and any(w.role == "both" for w in workers)
     progress = Progress()
     detok = IncrementalDetokenizer(tokenizer, req.prompt_ids)
     stop_ids = req.sampling.stop_ids(view.eos_token_ids)
+    matcher = StopMatcher(req.stop)
     finished = False
     try:
         while True:
             reason = progress.finish_reason(req.sampling, stop_ids)
             if reason is not None:  # the failed worker had streamed the last token already
-                yield _final(req, times, progress, FINISH_REASONS[reason], len(progress.generated))
+                last = _final(req, times, progress, FINISH_REASONS[reason], len(progress.generated))
+                last.text = matcher.flush()
+                yield last
                 finished = True
                 return
             run = _run_colocated if colocated else _run_disaggregated
+            log.info("request %s: attempt %s", req.request_id, progress.attempt_id,
+                     extra=request_fields(progress.attempt_id, req.request_id))
             attempt = run(view, req, cfg, times, progress.attempt_id, progress, detok)
             try:
                 async with aclosing(attempt) as messages:
                     async for msg in messages:
+                        if msg.logprobs:
+                            _name_tokens(msg.logprobs, tokenizer)
+                        if msg.HasField("final"):
+                            msg.text = matcher.flush() + msg.text
+                        else:
+                            msg.text, matched = matcher.push(msg.text)
+                            if matched:  # leaving the loop closes the attempt: its calls are cancelled
+                                yield msg
+                                yield _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,
+                                             len(progress.generated))
+                                finished = True
+                                return
                         yield msg
                 finished = True
                 return
             except WorkerFailure as failure:
                 backoff = progress.record(failure, deadline, cfg.max_attempts)
                 log.warning("request %s: %s; %s (attempt %d)", req.request_id, failure.message,
-                            "migrating" if progress.generated else "retrying", progress.num_attempts)
+                            "migrating" if progress.generated else "retrying", progress.num_attempts,
+                            extra=request_fields(progress.attempt_id, req.request_id))
                 await asyncio.sleep(backoff)
     finally:
-        if times.dispatched and view.outcomes is not None:  # count its SLO outcome (rejections are counted apart)
+        if record_outcome and times.dispatched and view.outcomes is not None:  # rejections are counted apart
             _record_outcome(view.outcomes, req, times, finished)
+
+
+def _name_tokens(logprobs, tokenizer: Tokenizer) -> None:
+    """Fill in the text of every token of ``logprobs`` (``TokenLogprob`` messages, in place)."""
+    for lp in logprobs:
+        lp.token = _token_text(tokenizer, lp.token_id)
+        for alt in lp.top:
+            alt.token = _token_text(tokenizer, alt.token_id)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    cache = _TOKEN_TEXTS.setdefault(id(tokenizer), {})
+    text = cache.get(token_id)
+    if text is None:
+        text = cache[token_id] = tokenizer.decode([token_id])
+    return text
+
+
+_TOKEN_TEXTS: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> its text alone (bounded by the vocab)
+
+
+def _logprobs_of(ids: list[int], wire: list[worker_pb2.TokenLogprobs]) -> list[pdserve_pb2.TokenLogprob]:
+    """The client's ``TokenLogprob`` messages for ``ids`` from a worker's (texts filled in later)."""
+    return [pdserve_pb2.TokenLogprob(
+        token_id=t, logprob=w.logprob,
+        top=[pdserve_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(w.top_token_ids, w.top_logprobs)])
+        for t, w in zip(ids, wire)]
 
 
 async def _run_disaggregated(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times: RequestTimes,
@@ -100,6 +232,7 @@ async def _run_disaggregated(view: ClusterView, req: ValidRequest, cfg: RouterCo
                 async for msg in messages:
                     yield msg
     finally:
+        _forget_if_idle(view, chosen.decode.worker.worker_id)
         if chosen.reservation is not None:
             await chosen.reservation.release()
 
@@ -134,8 +267,12 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
             progress.cached_tokens = answer.num_cached_tokens
         progress.generated.append(answer.first_token)
         times.token()
-        yield pdserve_pb2.GenerateResponse(text=detok.push([answer.first_token]), token_ids=[answer.first_token])
-        async for msg in _relay(decode.call, decode.worker, detok, times, req, progress):
+        yield pdserve_pb2.GenerateResponse(
+            text=detok.push([answer.first_token]), token_ids=[answer.first_token],
+            logprobs=_logprobs_of([answer.first_token], [answer.first_logprobs])
+            if req.sampling.logprobs is not None else ())
+        watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s)  # D has the KV now
+        async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch):
             yield msg
         state = RequestState.FINISHED
     finally:
@@ -184,14 +321,19 @@ async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     if progress.num_attempts == 1:
         times.dispatched = time.monotonic()
     finished = False
-    with decode.count:
-        try:
-            async for msg in _relay(decode.call, decode.worker, detok, times, req, progress):
-                yield msg
-            finished = True
-        finally:
-            if not finished:
-                decode.call.cancel()
+    try:
+        with decode.count:
+            watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s,
+                               first_token_s=cfg.prefill_timeout_s)  # the worker prefills first
+            try:
+                async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch):
+                    yield msg
+                finished = True
+            finally:
+                if not finished:
+                    decode.call.cancel()
+    finally:
+        _forget_if_idle(view, decode.worker.worker_id)
 
 
 _outcome_writes: set[asyncio.Task] = set()  # in flight; referenced so that they are not collected
@@ -230,22 +372,23 @@ def _final(req: ValidRequest, times: RequestTimes, progress: Progress, finish_re
 
 
 async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: IncrementalDetokenizer,
-                 times: RequestTimes, req: ValidRequest, progress: Progress,
+                 times: RequestTimes, req: ValidRequest, progress: Progress, watch: StallWatch,
                  ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """Turn the decode stream's events into client messages, ending with ``final``; every token
     relayed is recorded in ``progress.generated`` before it is yielded.
 
     Raises:
-        WorkerFailure: the stream failed or ended without ``finished``.
+        WorkerFailure: the stream failed, ended without ``finished``, or its worker stalled (``watch``).
         GenerateError: the worker refused the request (not retriable).
     """
-    async for event in _decode_events(stream, decode):
+    async for event in _decode_events(stream, decode, watch):
         if event.WhichOneof("event") == "tokens":
             ids = list(event.tokens.token_ids)
             for _ in ids:
                 times.token()
             progress.generated.extend(ids)
-            yield pdserve_pb2.GenerateResponse(text=detok.push(ids), token_ids=ids)
+            yield pdserve_pb2.GenerateResponse(text=detok.push(ids), token_ids=ids,
+                                               logprobs=_logprobs_of(ids, list(event.tokens.logprobs)))
         elif event.WhichOneof("event") == "finished":
             fin = event.finished
             yield _final(req, times, progress, fin.finish_reason, fin.num_output_tokens, fin)
@@ -253,12 +396,81 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
     raise WorkerFailure({decode.worker_id}, f"decode worker {decode.worker_id} ended the stream early")
 
 
-async def _decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo):
+async def _decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, watch: StallWatch):
+    """The stream's events until EOF. A read that outlasts ``watch``'s bound fails the stream; one
+    that merely outlasts T while the worker is heard elsewhere goes on (the same read: cancelling a
+    grpc.aio read would cancel the call)."""
+    read: asyncio.Future | None = None
     try:  # read() only: grpc.aio forbids mixing it with async iteration on one call
-        while (event := await stream.read()) is not grpc.aio.EOF:
+        while True:
+            read = asyncio.ensure_future(stream.read())
+            while not read.done():
+                left = watch.seconds_left()
+                if left <= 0:
+                    raise WorkerFailure({decode.worker_id}, watch.stalled_message())
+                await asyncio.wait((read,), timeout=left)
+            event = read.result()
+            if event is grpc.aio.EOF:
+                return
+            watch.on_event(event)
             yield event
     except grpc.aio.AioRpcError as exc:
         if exc.code() in NOT_RETRIABLE:
             raise GenerateError(exc.code(), f"decode worker {decode.worker_id}: {exc.details()}") from None
         raise WorkerFailure({decode.worker_id},
                             f"decode worker {decode.worker_id} failed mid-stream: {exc.details()}") from None
+    finally:
+        if read is not None and not read.done():  # stalled, or the client left: the caller cancels the call
+            read.cancel()
+
+
+class StallWatch:
+    """Tells when a decode stream's worker counts as stalled (the rule: this module's docstring).
+
+    Args:
+        heard: worker id -> ``time.monotonic()`` of its last event on any of this router's streams
+            (``ClusterView.heard``); updated here.
+        worker_id: the stream's decode worker.
+        idle_s: T, ``stream_idle_timeout_s``, in seconds.
+        first_token_s: seconds the worker has for the stream's first token (a colocated worker prefills
+            first; T does not apply before it); None when the worker already has the KV (P answered).
+    Raises:
+        ValueError: ``idle_s`` or ``first_token_s`` is not positive.
+    """
+
+    def __init__(self, heard: dict[str, float], worker_id: str, idle_s: float,
+                 first_token_s: float | None = None) -> None:
+        if idle_s <= 0 or (first_token_s is not None and first_token_s <= 0):
+            raise ValueError(f"idle_s and first_token_s must be positive, got {idle_s}, {first_token_s}")
+        now = time.monotonic()
+        self._heard, self.worker_id, self.idle_s, self._first_token_s = heard, worker_id, idle_s, first_token_s
+        self._first_token_by = None if first_token_s is None else now + first_token_s
+        self._last = now  # this stream's last event, or the moment the worker had the KV
+
+    def on_event(self, event: worker_pb2.DecodeEvent) -> None:
+        """Record an event of the stream (a ``tokens`` event ends the first-token wait)."""
+        now = time.monotonic()
+        self._last = self._heard[self.worker_id] = now
+        if event.WhichOneof("event") == "tokens":
+            self._first_token_by = None
+
+    def seconds_left(self) -> float:
+        """Seconds until the stream counts as stalled if no event comes (<= 0: it does now)."""
+        now = time.monotonic()
+        if self._first_token_by is not None:
+            return self._first_token_by - now
+        return max(self._last, self._heard.get(self.worker_id, self._last)) + self.idle_s - now
+
+    def stalled_message(self) -> str:
+        """Why the stream failed, for logs and the final error."""
+        if self._first_token_by is not None:
+            return (f"colocated worker {self.worker_id} sent no token within prefill_timeout_s "
+                    f"({self._first_token_s:g} s)")
+        return (f"decode worker {self.worker_id} stalled: no event on any stream for {self.idle_s:g} s "
+                f"(stream_idle_timeout_s)")
+
+
+def _forget_if_idle(view: ClusterView, worker_id: str) -> None:
+    """Drop ``worker_id`` from ``view.heard`` once this router has no request on it (bounded state)."""
+    if view.inflight[worker_id] <= 0:
+        view.heard.pop(worker_id, None)

@@ -31,6 +31,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor, bearer_interceptors
+from pdserve.cluster.metrics import router_metrics
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
 from pdserve.cluster.secret import (
     InsecureReminder,
@@ -89,6 +90,7 @@ class Router:
         self._worker_auth = bearer_interceptors(worker_rpc_token(secret)) if secret is not None else None
         self.address = ""
         self.metrics = CollectorRegistry()  # the router's Prometheus metrics (GET /metrics of the HTTP API)
+        self.stats = router_metrics(self.metrics)  # cluster.metrics: recorded in generate()
         # the OpenAI-compatible HTTP API (router/http/), on the internal path `generate` as gRPC's Generate
         self.http = HttpFrontEnd(self, secret) if cfg.http_port is not None else None
         self.http_address = ""
@@ -135,6 +137,7 @@ class Router:
         try:
             slot = self._slots.acquire(metadata)
         except StreamLimitExceeded as exc:
+            self.stats.rejected("stream_limit")
             raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         try:
             with slot:  # held until the stream ends, however it ends
@@ -155,9 +158,16 @@ class Router:
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
                                    lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
                                    heard=self._heard)
+                recorder = self.stats.request()
                 async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
                     async for msg in messages:
+                        recorder.on_message(msg)
                         yield msg
+        except GenerateError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.stats.rejected("admission" if exc.message.startswith("not admitted")
+                                    else "no_kv_blocks" if "blocks" in exc.message else "other")
+            raise
         finally:  # its SLO outcome or rejection shows in the next GetClusterState
             self._attainment_at = float("-inf")
 
@@ -179,7 +189,7 @@ class Router:
                 num_running=w.num_running, num_waiting=w.num_waiting, num_queued_tokens=w.num_queued_tokens,
                 num_free_blocks=w.num_free_blocks, num_total_blocks=w.num_total_blocks,
                 lease_age_s=max(0.0, now - w.heartbeat_at), num_router_inflight=self.inflight[w.worker_id],
-                block_size=w.block_size, prefill_s_per_block=w.prefill_s_per_block)
+                block_size=w.block_size, prefill_s_per_block=w.prefill_s_per_block, metrics_address=w.metrics_address)
             for w in self.workers])
 
     # ---- plumbing ----------------------------------------------------------------

@@ -23,8 +23,10 @@ from pdserve.model.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.slo import Slo
+from pdserve.router.stop_strings import check_stop_strings
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_N = 16
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class ValidRequest:
     sampling: SamplingParams
     slo: Slo
     queue_timeout_s: float = 0.0
+    stop: tuple[str, ...] = ()         # stop strings (router.stop_strings)
+    n: int = 1                         # sequences; sequence i samples with seed sampling.seed + i
 
 
 def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
@@ -89,7 +93,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             :attr:`Tokenizer.max_token_chars` x context; token ids outside the vocabulary; prompt plus
             max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
             the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
-            (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary); SLOs not
+            (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary, logprobs outside
+            [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
@@ -125,7 +130,12 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
     )
+    n = s.n if s.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
+    stop = check_stop_strings(s.stop)
     if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
         raise ValueError("temperature and top_p must be numbers, not NaN")
     if math.isinf(sampling.temperature):
@@ -144,4 +154,5 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         if not math.isfinite(value) or value < 0 or (value == 0 and name != "queue_timeout_s"):
             kind = "a finite non-negative" if name == "queue_timeout_s" else "a finite positive"
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
-    return ValidRequest(printable_id(req.request_id) or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s)
+    return ValidRequest(printable_id(req.request_id) or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
+                        stop, n)

@@ -121,7 +121,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         prompts = prompts_of(body.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
-        reply = Reply(False, model_name, bool(body.return_token_ids))
+        reply = Reply(False, model_name, bool(body.return_token_ids), body.n or 1, body.logprobs is not None)
         return await _answer(backend, request, body, reply, [
             generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
 
@@ -133,7 +133,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
                                 "or chat_template.jinja): use /v1/completions, or start the router with "
                                 "--chat-template FILE", param="messages", code="no_chat_template")
         ids, room = await chat_prompt(chat_template, body.messages, backend)
-        reply = Reply(True, model_name, bool(body.return_token_ids))
+        reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs))
         return await _answer(backend, request, body, reply, [generate_request(body, ids, reply.id, room)])
 
     @app.get("/v1/models")
@@ -174,7 +174,8 @@ async def _answer(backend: Backend, request: Request, body: SamplingBody, reply:
     streams = ChoiceStreams([backend.generate(r, None, metadata) for r in requests])
     try:
         if not body.stream:
-            return JSONResponse(reply.response(await collect(streams, len(requests), _disconnect_of(request))))
+            return JSONResponse(reply.response(await collect(streams, len(requests), _disconnect_of(request),
+                                                             reply.n)))
         firsts = await streams.first()  # refusals become HTTP statuses, before any byte of the stream
     except GenerateError as exc:
         raise from_status(exc.code, exc.message) from None
@@ -188,18 +189,19 @@ async def _answer(backend: Backend, request: Request, body: SamplingBody, reply:
 async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateResponse], reply: Reply,
                   include_usage: bool) -> AsyncIterator[str]:
     """The SSE ``data`` of a streamed answer; closing it (client gone) cancels the choices."""
-    finals: list[pdserve_pb2.Final | None] = [None] * len(firsts)
+    finals: list[pdserve_pb2.Final | None] = [None] * (len(firsts) * reply.n)
 
-    def chunks(index: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
-        if msg.text or (msg.token_ids and reply.return_token_ids):
-            yield json.dumps(reply.chunk(index, msg.text, msg.token_ids))
+    def chunks(stream: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
+        index = stream * reply.n + msg.index  # a prompt's n sequences are n choices
+        if msg.text or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
+            yield json.dumps(reply.chunk(index, msg.text, msg.token_ids, logprobs=msg.logprobs))
         if msg.HasField("final"):
             finals[index] = msg.final
             yield json.dumps(reply.chunk(index, "" if not reply.chat else None, (), msg.final))
 
     try:
         if reply.chat:
-            for index in range(len(firsts)):
+            for index in range(len(finals)):
                 yield json.dumps(reply.chunk(index, "", (), role=True))
         for index, msg in enumerate(firsts):
             for data in chunks(index, msg):

@@ -1,10 +1,14 @@
 """From OpenAI request bodies to the router's ``GenerateRequest``, and from its messages back to
 OpenAI's JSON (responses and stream chunks).
 
-:func:`check_supported` refuses, by name, every parameter the router does not implement (or not yet:
-``stop``, ``n`` > 1, ``logprobs``); :func:`generate_request` is the one place where an HTTP body's
-sampling fields become protobuf fields, so a parameter the router learns is one line here (and its
-name leaves :data:`NOT_YET`).
+:func:`check_supported` refuses, by name, every parameter the router does not implement;
+:func:`generate_request` is the one place where an HTTP body's sampling fields become protobuf fields,
+so a parameter the router learns is one line here (and its name leaves :data:`NOT_YET`).
+
+``n`` sequences of each prompt become choices ``prompt index x n + sequence index`` (the router's
+``GenerateResponse.index``); the usage counts each prompt once. Log-probabilities take OpenAI's two
+shapes: completions ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (offsets into the
+choice's text), chat ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 """
 
 from __future__ import annotations
@@ -22,12 +26,7 @@ from pdserve.router.http.schemas import ChatCompletionRequest, SamplingBody
 FINISH_REASON = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length"}
 
 # parameter -> (its neutral values, which are accepted, and what is refused): added to both APIs later
-NOT_YET = {
-    "stop": ((None, "", []), "`stop`"),
-    "n": ((None, 1), "`n` other than 1"),
-    "logprobs": ((None, False), "`logprobs`"),
-    "top_logprobs": ((None, 0), "`top_logprobs`"),
-}
+NOT_YET: dict[str, tuple[tuple, str]] = {}
 # not implemented by the router
 UNSUPPORTED = {
     "presence_penalty": ((None, 0), "`presence_penalty` other than 0"),
@@ -63,6 +62,8 @@ def check_supported(body: SamplingBody) -> None:
         raise ApiError(400, "; ".join(parts), param=(later + never)[0][0], code="unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "`stream_options` is only allowed with `stream`: true", param="stream_options")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "`top_logprobs` needs `logprobs`: true", param="top_logprobs")
     if isinstance(body, ChatCompletionRequest) and None not in (body.max_tokens, body.max_completion_tokens) \
             and body.max_tokens != body.max_completion_tokens:
         raise ApiError(400, "`max_tokens` and `max_completion_tokens` differ: give one", param="max_tokens")
@@ -82,9 +83,16 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
     """
     s = pdserve_pb2.SamplingParams(top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM: -1 is off
                                    stop_token_ids=body.stop_token_ids or (), ignore_eos=bool(body.ignore_eos))
-    for name in ("temperature", "top_p", "seed"):
+    for name in ("temperature", "top_p", "seed", "n"):
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
+    if body.stop:
+        s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs:
+            s.logprobs = body.top_logprobs or 0
+    elif body.logprobs is not None:
+        s.logprobs = body.logprobs
     given = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         given = body.max_completion_tokens
@@ -114,22 +122,54 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     final: pdserve_pb2.Final | None = None
+    logprobs: list[pdserve_pb2.TokenLogprob] = field(default_factory=list)
 
 
-def usage(finals: Sequence[pdserve_pb2.Final | None]) -> dict:
-    """OpenAI's ``usage`` summed over choices (cached prompt tokens in ``prompt_tokens_details``)."""
+def usage(finals: Sequence[pdserve_pb2.Final | None], n: int = 1) -> dict:
+    """OpenAI's ``usage`` summed over choices (cached prompt tokens in ``prompt_tokens_details``); with
+    ``n`` sequences per prompt (choices ``prompt x n + i``) each prompt counts once (sequence 0's)."""
     done = [f for f in finals if f is not None]
-    prompt = sum(f.usage.prompt_tokens for f in done)
+    firsts = [f for i, f in enumerate(finals) if f is not None and i % n == 0]
+    prompt = sum(f.usage.prompt_tokens for f in firsts)
     completion = sum(f.usage.completion_tokens for f in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_prompt_tokens for f in done)}}
+            "prompt_tokens_details": {"cached_tokens": sum(f.usage.cached_prompt_tokens for f in firsts)}}
+
+
+def _top(alternatives: Sequence[pdserve_pb2.TopLogprob]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for a in alternatives:  # two ids may share a text: keep the likelier (first)
+        out.setdefault(a.token, a.logprob)
+    return out
+
+
+def completion_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob], offset: int = 0) -> dict:
+    """The completions API's ``logprobs`` object; ``text_offset`` counts from ``offset`` (the length
+    of the choice's text before these tokens)."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(lp.token)
+    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [_top(lp.top) for lp in logprobs], "text_offset": offsets}
+
+
+def chat_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob]) -> dict:
+    """The chat API's ``logprobs`` object."""
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in lp.top]}
+                        for lp in logprobs]}
 
 
 class Reply:
     """Builds one request's answer: a whole response or stream chunks, for completions or chat."""
 
-    def __init__(self, chat: bool, model: str, return_token_ids: bool) -> None:
-        self.chat, self.model, self.return_token_ids = chat, model, return_token_ids
+    def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1,
+                 logprobs: bool = False) -> None:
+        self.chat, self.model, self.return_token_ids, self.n = chat, model, return_token_ids, n
+        self.logprobs = logprobs
+        self._offsets: dict[int, int] = {}  # choice -> text length streamed so far (completions' text_offset)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -141,7 +181,8 @@ class Reply:
         out = []
         for c in choices:
             reason = FINISH_REASON.get(c.final.finish_reason) if c.final is not None else None
-            item: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": reason}
+            item: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, 0),
+                                    "finish_reason": reason}
             if self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -150,14 +191,18 @@ class Reply:
                 item["token_ids"] = c.token_ids
             out.append(item)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
-                "usage": usage([c.final for c in choices])}
+                "usage": usage([c.final for c in choices], self.n)}
 
     def chunk(self, index: int, text: str | None, token_ids: Sequence[int] = (),
-              final: pdserve_pb2.Final | None = None, role: bool = False) -> dict:
+              final: pdserve_pb2.Final | None = None, role: bool = False,
+              logprobs: Sequence[pdserve_pb2.TokenLogprob] = ()) -> dict:
         """A stream chunk of choice ``index``: a text delta (chat: ``role`` opens the message; a
-        ``final`` closes the choice with its finish reason)."""
+        ``final`` closes the choice with its finish reason), with its tokens' ``logprobs``."""
         reason = FINISH_REASON.get(final.finish_reason) if final is not None else None
-        item: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason}
+        offset = self._offsets.get(index, 0)
+        self._offsets[index] = offset + len(text or "")
+        item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(logprobs, offset) if logprobs else None,
+                                "finish_reason": reason}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -172,4 +217,9 @@ class Reply:
     def usage_chunk(self, finals: Sequence[pdserve_pb2.Final | None]) -> dict:
         """The last chunk under ``stream_options.include_usage``: no choices, the usage."""
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(finals)}
+                "usage": usage(finals, self.n)}
+
+    def _logprobs(self, logprobs: Sequence[pdserve_pb2.TokenLogprob], offset: int) -> dict | None:
+        if not self.logprobs:
+            return None
+        return chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, offset)

@@ -62,7 +62,7 @@ class SamplingBody(_Strict):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
-    # added to both APIs later: refused as "not supported yet" until then (router/http/mapping.py)
+    # stop strings and n sequences per prompt (router/http/mapping.py)
     stop: Stop = None
     n: Int32 | None = None
     # not implemented: refused by name unless given their neutral value

@@ -110,27 +110,30 @@ async def _pump(index: int, stream: AsyncGenerator[Message, None], queue: asynci
 
 
 def add(choice: Choice, msg: Message) -> None:
-    """Append a message's text and token ids to ``choice`` (and its ``final``, on the last one)."""
+    """Append a message's text, token ids and log-probabilities to ``choice`` (and its ``final``, on
+    the last one)."""
     choice.text += msg.text
     choice.token_ids.extend(msg.token_ids)
+    choice.logprobs.extend(msg.logprobs)
     if msg.HasField("final"):
         choice.final = msg.final
 
 
 async def collect(streams: ChoiceStreams, num_choices: int, disconnected: Callable[[], Awaitable[None]],
-                  ) -> list[Choice]:
+                  n: int = 1) -> list[Choice]:
     """Every choice whole (non-streaming answers), cancelling them all when ``disconnected()`` returns first.
+    ``num_choices`` streams of ``n`` sequences each: stream ``s``'s sequence ``i`` is choice ``s x n + i``.
 
     Raises:
         ClientGone: the client disconnected first.
         Exception: a choice's error (the others cancelled).
     """
     async def run() -> list[Choice]:
-        choices = [Choice(i) for i in range(num_choices)]
-        for choice, msg in zip(choices, await streams.first()):
-            add(choice, msg)
-        async for index, msg in streams.rest():
-            add(choices[index], msg)
+        choices = [Choice(i) for i in range(num_choices * n)]
+        for s, msg in enumerate(await streams.first()):
+            add(choices[s * n + msg.index], msg)
+        async for s, msg in streams.rest():
+            add(choices[s * n + msg.index], msg)
         return choices
 
     work, gone = asyncio.ensure_future(run()), asyncio.ensure_future(disconnected())

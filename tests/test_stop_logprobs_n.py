@@ -1,0 +1,192 @@
+"""Stop strings, log-probabilities and ``n`` sequences against a live cluster of real processes
+(1 prefill + 1 decode worker + a router with its HTTP API), through gRPC and the official ``openai``
+client: log-probabilities equal ``transformers``' log-softmax (fp32) for the first token (sampled by
+the prefill worker) and the later ones (the decode worker), top-N ids equal its topk; stop strings cut
+exactly, also across tokens, with held text released (stream == non-stream); ``n=3`` reproducible per
+seed, sequence i equal to a single request seeded ``seed + i``, the prompt counted once; pools free."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import grpc
+import openai
+import pytest
+import torch
+
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.conftest import Cluster
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPT = "Once upon a time, there was a little dog"
+CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MODEL = "tinystories-chat"
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory, model_dir) -> str:
+    out = tmp_path_factory.mktemp("chat") / MODEL
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}, indent=2))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def live(redis_url, chat_model_dir):
+    c = Cluster(chat_model_dir, redis_url, router_flags={"http_port": 0})
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def cl(live):
+    yield live
+    live.assert_pools_free()
+
+
+@pytest.fixture
+def api(cl):
+    return openai.OpenAI(base_url=f"http://{cl.router.http_address}/v1", api_key="unused", max_retries=0)
+
+
+def request(prompt=PROMPT, **sampling) -> pdserve_pb2.GenerateRequest:
+    stop = sampling.pop("stop", ())
+    return pdserve_pb2.GenerateRequest(text=prompt, sampling=pdserve_pb2.SamplingParams(stop=stop, **sampling))
+
+
+def messages(cl: Cluster, req: pdserve_pb2.GenerateRequest) -> list[pdserve_pb2.GenerateResponse]:
+    async def go(channel):
+        return [m async for m in pdserve_pb2_grpc.RouterStub(channel).Generate(req, timeout=60)]
+    return cl.run(go)
+
+
+def by_index(msgs) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for m in msgs:
+        seq = out.setdefault(m.index, {"text": "", "ids": [], "logprobs": [], "final": None})
+        seq["text"] += m.text
+        seq["ids"] += list(m.token_ids)
+        seq["logprobs"] += list(m.logprobs)
+        if m.HasField("final"):
+            seq["final"] = m.final
+    return out
+
+
+def hf_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """``[len(output_ids), vocab]``: transformers' log-softmax at each output position."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt_ids + output_ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt_ids) - 1:len(prompt_ids) + len(output_ids) - 1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_equal_transformers_for_prefill_and_decode_tokens(cl, hf_model, temperature):
+    from pdserve.model.tokenizer import Tokenizer
+    msgs = messages(cl, request(max_tokens=8, temperature=temperature, seed=3, ignore_eos=True, logprobs=5))
+    seq = by_index(msgs)[0]
+    assert len(seq["logprobs"]) == len(seq["ids"]) == 8
+    prompt_ids = Tokenizer(cl.model, 1).encode(PROMPT)
+    want = hf_logprobs(hf_model, prompt_ids, seq["ids"])
+    for pos, (tok, lp) in enumerate(zip(seq["ids"], seq["logprobs"])):  # pos 0: the prefill worker's token
+        assert lp.token_id == tok
+        assert lp.logprob == pytest.approx(want[pos, tok].item(), abs=1e-4)
+        top = want[pos].topk(5)
+        assert [a.token_id for a in lp.top] == top.indices.tolist()
+        assert [a.logprob for a in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert all(a.token for a in lp.top)
+    plain = by_index(messages(cl, request(max_tokens=8, temperature=temperature, seed=3, ignore_eos=True)))[0]
+    assert plain["ids"] == seq["ids"] and not plain["logprobs"]  # logprobs change nothing else
+
+
+def test_logprobs_zero_gives_only_the_sampled_token_and_limits_are_refused(cl):
+    seq = by_index(messages(cl, request(max_tokens=3, temperature=0, logprobs=0)))[0]
+    assert len(seq["logprobs"]) == len(seq["ids"]) and all(not lp.top for lp in seq["logprobs"])
+    for bad in (dict(logprobs=21), dict(n=17), dict(n=0), dict(stop=[""])):
+        with pytest.raises(grpc.RpcError) as info:
+            messages(cl, request(max_tokens=3, **bad))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_stop_string_across_tokens_cuts_exactly_and_frees_blocks(cl, api):
+    full_msgs = messages(cl, request(max_tokens=24, temperature=0, ignore_eos=True))
+    full = "".join(m.text for m in full_msgs)
+    texts = [m.text for m in full_msgs]
+    k = next(i for i in range(2, len(texts) - 1) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2)
+    stop = texts[k][-1] + texts[k + 1][:2]  # spans the boundary of tokens k and k+1
+    cut = full.index(stop)
+    msgs = messages(cl, request(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "never seen"]))
+    seq = by_index(msgs)[0]
+    assert seq["text"] == full[:cut]
+    assert seq["final"].finish_reason == pdserve_pb2.FINISH_REASON_STOP
+    assert seq["final"].usage.completion_tokens == len(seq["ids"]) < 24
+    # a stop string that never matches: held text is released, the text is whole
+    partial = full[-1] + "\u2603"  # its first character shows up, then cannot complete
+    seq = by_index(messages(cl, request(max_tokens=24, temperature=0, ignore_eos=True, stop=[partial])))[0]
+    assert seq["text"] == full and seq["final"].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
+    # through the HTTP API, streamed and not
+    whole = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                   extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == full[:cut] and whole.choices[0].finish_reason == "stop"
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == full[:cut]
+
+
+def test_n_sequences_are_reproducible_and_count_the_prompt_once(cl, api):
+    req = request(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
+    first, again = by_index(messages(cl, req)), by_index(messages(cl, req))
+    assert sorted(first) == [0, 1, 2] and all(s["final"] is not None for s in first.values())
+    assert [first[i]["ids"] for i in range(3)] == [again[i]["ids"] for i in range(3)]
+    for i in range(3):  # sequence i is the request seeded seed + i
+        single = by_index(messages(cl, request(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True)))[0]
+        assert single["ids"] == first[i]["ids"]
+    assert len({tuple(s["ids"]) for s in first.values()}) > 1
+    got = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=3,
+                                 extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [first[i]["text"] for i in range(3)]
+    assert got.usage.prompt_tokens == first[0]["final"].usage.prompt_tokens
+    assert got.usage.completion_tokens == 24
+
+
+def test_http_logprobs_shapes_completions_and_chat(cl, api):
+    seq = by_index(messages(cl, request(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True)))[0]
+    got = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                 extra_body={"ignore_eos": True})
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [x.token for x in seq["logprobs"]]
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in seq["logprobs"]])
+    assert [len(t) for t in lp.top_logprobs] == [len({a.token for a in x.top}) for x in seq["logprobs"]]
+    assert lp.text_offset[0] == 0 and len(lp.text_offset) == 5
+    streamed = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                           stream=True, extra_body={"ignore_eos": True}))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A dog"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+
+
+def test_speculative_logprobs_come_from_the_target(redis_url, model_dir, hf_model):
+    """Speculative decode worker (n-gram proposals): accepted drafts, resampled and bonus tokens all report the target's
+    log-softmax at their position (equal to transformers')."""
+    from pdserve.model.tokenizer import Tokenizer
+    c = Cluster(model_dir, redis_url, block_size=4,
+                decode_flags={"speculative": "ngram", "spec_k": 3})
+    try:
+        seq = by_index(messages(c, request(max_tokens=40, temperature=0, ignore_eos=True, logprobs=3)))[0]
+        assert seq["final"].speculative.num_accepted_tokens > 0
+        want = hf_logprobs(hf_model, Tokenizer(model_dir, 1).encode(PROMPT), seq["ids"])
+        for pos, (tok, lp) in enumerate(zip(seq["ids"], seq["logprobs"])):
+            assert lp.logprob == pytest.approx(want[pos, tok].item(), abs=1e-4)
+            assert [a.token_id for a in lp.top] == want[pos].topk(3).indices.tolist()
+        c.assert_pools_free()
+    finally:
+        c.stop()
