@@ -1,6 +1,6 @@
 """A small asyncio client of the router's ``Generate`` and ``GetClusterState`` RPCs,
 and :func:`open_channel`, which opens a channel that matches the router's security
-(plaintext or TLS, with or without a bearer token)."""
+(plaintext or TLS, with or without a bearer token), with gRPC keepalive."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.cluster.grpc_auth import bearer_interceptors
+from pdserve.cluster.service import KEEPALIVE_CHANNEL_OPTIONS
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
@@ -37,7 +38,9 @@ def read_token(token_file: str | None = None) -> str | None:
 
 def open_channel(address: str, *, tls_ca_file: str | None = None, token: str | None = None,
                  tls_server_name: str | None = None) -> grpc.aio.Channel:
-    """An asyncio channel to the router at ``address`` ("host:port").
+    """An asyncio channel to the router at ``address`` ("host:port"), with gRPC keepalive
+    (:data:`cluster.service.KEEPALIVE_CHANNEL_OPTIONS`: a router that stops acking pings fails the
+    channel's calls UNAVAILABLE within about 15 s, even a stream that set no deadline).
 
     Args:
         tls_ca_file: PEM file of the CA that signed the router's certificate: the channel uses
@@ -51,7 +54,7 @@ def open_channel(address: str, *, tls_ca_file: str | None = None, token: str | N
     """
     if tls_ca_file is None:
         interceptors = bearer_interceptors(token) if token else None
-        return grpc.aio.insecure_channel(address, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=KEEPALIVE_CHANNEL_OPTIONS, interceptors=interceptors)
     try:
         with open(tls_ca_file, "rb") as f:
             ca = f.read()
@@ -62,7 +65,8 @@ def open_channel(address: str, *, tls_ca_file: str | None = None, token: str | N
     creds = grpc.ssl_channel_credentials(root_certificates=ca)
     if token:
         creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else None
+    options = [*KEEPALIVE_CHANNEL_OPTIONS, *([("grpc.ssl_target_name_override", tls_server_name)]
+                                            if tls_server_name else [])]
     return grpc.aio.secure_channel(address, creds, options=options)
 
 
