@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import socket
 import subprocess
@@ -268,4 +269,25 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_MODEL = "tinystories-chat"
 
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory, model_dir) -> str:
+    """The embedded model with a ChatML-like chat template in its tokenizer_config.json."""
+    out = tmp_path_factory.mktemp("chat") / CHAT_MODEL
+    shutil.copytree(model_dir, out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}, indent=2))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def http_cluster(redis_url, chat_model_dir):
+    """1 prefill + 1 decode worker + a router serving gRPC and the OpenAI HTTP API, on the templated
+    checkpoint; shared by the HTTP and sampling-feature test files (each test checks the pools free)."""
+    c = Cluster(chat_model_dir, redis_url, router_flags={"http_port": 0})
+    yield c
+    c.stop()

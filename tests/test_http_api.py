@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import ssl
@@ -28,39 +27,19 @@ from pdserve.deploy import client
 from pdserve.deploy.processes import spawn_role
 from pdserve.model.chat_template import ChatTemplate
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster
+from tests.conftest import CHAT_MODEL as MODEL
+from tests.conftest import CHATML, Cluster
 from tests.tls_files import make_tls_files
 
 pytestmark = pytest.mark.timeout(180)
 
-CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPTS = ["Once upon a time, there was a little dog", "Lily and Ben went to the park. They saw", "Tom had a red ball."]
 MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A dog and a cat"}]
-MODEL = "tinystories-chat"
 
 
 @pytest.fixture(autouse=True)
 def no_env_token(monkeypatch):
     monkeypatch.delenv("PDSERVE_ROUTER_TOKEN", raising=False)
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory, model_dir) -> str:
-    """The embedded model with a ChatML-like chat template in its tokenizer_config.json."""
-    out = tmp_path_factory.mktemp("chat") / MODEL
-    shutil.copytree(model_dir, out)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}, indent=2))
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def http_cluster(redis_url, chat_model_dir):
-    """1 prefill + 1 decode worker + a router serving gRPC and HTTP, on the templated checkpoint."""
-    c = Cluster(chat_model_dir, redis_url, router_flags={"http_port": 0})
-    yield c
-    c.stop()
 
 
 @pytest.fixture

@@ -7,45 +7,24 @@ seed, sequence i equal to a single request seeded ``seed + i``, the prompt count
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import grpc
 import openai
 import pytest
 import torch
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.conftest import CHAT_MODEL as MODEL
 from tests.conftest import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 
 PROMPT = "Once upon a time, there was a little dog"
-CHATML = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-MODEL = "tinystories-chat"
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tmp_path_factory, model_dir) -> str:
-    out = tmp_path_factory.mktemp("chat") / MODEL
-    shutil.copytree(model_dir, out)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": CHATML}, indent=2))
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def live(redis_url, chat_model_dir):
-    c = Cluster(chat_model_dir, redis_url, router_flags={"http_port": 0})
-    yield c
-    c.stop()
 
 
 @pytest.fixture
-def cl(live):
-    yield live
-    live.assert_pools_free()
+def cl(http_cluster):
+    yield http_cluster
+    http_cluster.assert_pools_free()
 
 
 @pytest.fixture
