@@ -1,4 +1,5 @@
-"""The ``pdserve`` command: ``up``, ``generate``, ``demo``, ``scale``, ``status``, ``make-model``, ``bench``."""
+"""The ``pdserve`` command: ``up``, ``generate``, ``demo``, ``scale``, ``status``, ``down``, ``make-model``,
+``bench``."""
 
 from __future__ import annotations
 
@@ -71,10 +72,20 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default="",
                    help="router: Jinja chat template file for /v1/chat/completions (default: the checkpoint's)")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="workers on GPUs (cuda: one each; waits --gpu-wait seconds for the GPU nodes the pools "
+                        "need to join), on CPUs, or auto: CUDA when the Ray cluster has a GPU at start")
+    p.add_argument("--gpu-wait", type=float, default=600.0,
+                   help="--device cuda: seconds to wait for GPU nodes to join the Ray cluster")
+    p.add_argument("--router-node", default=None, metavar="IP",
+                   help="run the router on the Ray node with this IP (default: the head node)")
     p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight/KV dtype; auto (the default here, while WorkerConfig keeps float32 for the exactness "
+                        "tests): the checkpoint's torch_dtype, an fp32 checkpoint in bfloat16 on a CPU with "
+                        "AVX512-BF16 (cluster.worker_process.resolve_dtype)")
     p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prefill: token budget per step (longer prompts are chunked)")
@@ -134,7 +145,9 @@ def _start_cluster(args: argparse.Namespace):
         num_colocated=args.colocated, **ids, cpus_per_worker=args.cpus_per_worker,
         placement_strategy=args.placement_strategy, max_restarts=args.max_restarts,
         drain_timeout_s=args.drain_timeout, autoscale=autoscale,
-        port=args.port, ray_address=args.ray_address, redis_url=args.redis_url, block_size=args.block_size,
+        detach=getattr(args, "detach", False), device=args.device, gpu_wait_s=args.gpu_wait,
+        router_node=args.router_node, port=args.port, ray_address=args.ray_address, redis_url=args.redis_url,
+        block_size=args.block_size,
         num_blocks=args.num_blocks, dtype=args.dtype,
         prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
                          "prefix_cache": not args.no_prefix_cache},
@@ -175,11 +188,21 @@ def _http_options(args: argparse.Namespace) -> dict:
 
 def cmd_up(args: argparse.Namespace) -> int:
     cluster, address, redis_proc = _start_cluster(args)
+    cid = cluster.cfg.cluster
     print(f"router listening on {address}", flush=True)
-    print(f"cluster {cluster.cfg.cluster}: resize with `pdserve scale --cluster {cluster.cfg.cluster} --prefill N "
-          f"--decode M`, inspect with `pdserve status --cluster {cluster.cfg.cluster}`", flush=True)
+    print(f"cluster {cid}: resize with `pdserve scale --cluster {cid} --prefill N "
+          f"--decode M`, inspect with `pdserve status --cluster {cid}`", flush=True)
     if cluster.http_address:
         print(f"http listening on {cluster.http_address}", flush=True)
+    if args.detach:
+        print(f"ray {cluster.ray_address}", flush=True)
+        print(f"detached: cluster {cid} keeps running; stop it with `pdserve down --cluster {cid}`"
+              + (f" (it also stops the Ray head this started at {cluster.ray_address})" if cluster.head else ""),
+              flush=True)
+        if redis_proc is not None:
+            print(f"the redis-server this started (pid {redis_proc.pid}) keeps running", flush=True)
+        cluster.detach()
+        return 0
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -283,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
 
     up = sub.add_parser("up", help="launch a router and worker pools on Ray; serve until interrupted")
     _cluster_args(up)
+    up.add_argument("--detach", action="store_true",
+                    help="leave the cluster running as detached Ray actors and return (locally: on a Ray head "
+                         "that outlives this command); `pdserve down --cluster ID` removes it")
     up.set_defaults(func=cmd_up)
 
     gen = sub.add_parser("generate", help="stream a completion from a running router")

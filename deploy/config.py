@@ -4,6 +4,7 @@ names of a cluster's controller, and the cluster-secret env vars every actor get
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,31 @@ EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models
 """The checkpoint that ships with pdserve (TinyStories-656K; ``pdserve demo`` serves it)."""
 
 NAMESPACE = "pdserve"
+DEVICES = ("auto", "cuda", "cpu")
+_CLUSTER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def controller_name(cluster: str) -> str:
     """Ray actor name of the controller of ``cluster`` (in namespace ``pdserve``)."""
     return f"pdserve-{cluster}"
+
+
+def actor_name(cluster: str, member: str) -> str:
+    """Ray actor name of the router (``member`` = ``router``) or a worker (its worker id) of ``cluster``,
+    in namespace ``pdserve``: ``pdserve-{cluster}/{member}`` (a controller's name has no ``/``)."""
+    return f"{controller_name(cluster)}/{member}"
+
+
+def cluster_keys_pattern(cluster: str) -> str:
+    """Redis SCAN pattern of every key of ``cluster`` (registry leases, KV event streams and snapshots,
+    admission and SLO keys, the launch record): all live under ``pdserve:{cluster}:``."""
+    return f"pdserve:{cluster}:*"
+
+
+def launch_key(cluster: str) -> str:
+    """Redis hash ``pdserve up`` writes for a running cluster (Ray address, router and HTTP addresses,
+    the local Ray head it started, if any); ``pdserve status`` lists these, ``pdserve down`` reads one."""
+    return f"pdserve:{cluster}:launch"
 
 
 @dataclass(frozen=True)
@@ -58,6 +79,13 @@ class ClusterConfig:
         local_num_cpus: CPUs a local Ray declares (default: enough for the pools' upper bounds and
             at least 8 workers; logical CPUs, so a laptop can run a small cluster of 1-thread workers).
         autoscale: run the planner with these bounds (``None``: pools change only by ``pdserve scale``).
+        detach: the controller is a detached Ray actor: the cluster outlives the driver (``pdserve up
+            --detach``) until ``pdserve down``. The router and workers are named actors owned by it.
+        device: ``cuda`` (one GPU per worker; wait up to ``gpu_wait_s`` for GPU nodes to join), ``cpu``, or
+            ``auto`` (CUDA when the Ray cluster has a GPU when the pools start).
+        gpu_wait_s: with ``device="cuda"``, how long to wait for the GPUs the pools need (seconds).
+        router_node: IP of the Ray node the router runs on (``None``: the head node), so clients
+            have a stable address.
     """
 
     model_dir: str
@@ -86,8 +114,18 @@ class ClusterConfig:
     placement_timeout_s: float = 600.0
     local_num_cpus: int | None = None
     autoscale: PlannerConfig | None = None
+    detach: bool = False
+    device: str = "auto"
+    gpu_wait_s: float = 600.0
+    router_node: str | None = None
 
     def __post_init__(self) -> None:
+        if not _CLUSTER_ID.fullmatch(self.cluster):
+            raise ValueError(f"a cluster id is 1-64 letters, digits, '_', '.' or '-' (not first), got {self.cluster!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.gpu_wait_s < 0:
+            raise ValueError(f"gpu_wait_s must be >= 0, got {self.gpu_wait_s}")
         if self.num_colocated < 0 or (not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1)):
             raise ValueError("a cluster needs colocated workers, or at least one prefill and one decode worker")
         if self.cpus_per_worker <= 0:

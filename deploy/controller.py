@@ -1,8 +1,11 @@
 """The pool controller: one named Ray actor per cluster that owns the router and the pools.
 
 It runs as an async actor named ``pdserve-{cluster}`` in namespace ``pdserve``, so any driver
-attached to the Ray cluster (``pdserve scale``) can find it. The worker actors it creates are
-owned by it: they die with it, and Ray restarts one that dies alone (``max_restarts``).
+attached to the Ray cluster (``pdserve scale``, ``pdserve down``) can find it; with ``detach`` it is a
+detached actor and outlives the driver that made it. The router and worker actors it creates
+(named ``pdserve-{cluster}/router``, ``pdserve-{cluster}/prefill-1``, ...) are owned by it: they die
+with it, and Ray restarts one that dies alone (``max_restarts``). The router is pinned to the head
+node, or the node ``router_node`` names, so its address is stable.
 
 Scale-up of a pool by k::
 
@@ -28,11 +31,11 @@ from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from pdserve.cluster.secret import cluster_secret
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.placement import Placement, cluster_has_pool_resources
+from pdserve.deploy.config import NAMESPACE, ClusterConfig, actor_name
+from pdserve.deploy.placement import Placement, cluster_has_pool_resources, router_node_id
 from pdserve.deploy.planner import Action, PlannerConfig, PlannerState, Window, plan
 from pdserve.deploy.roles import RoleActor
 
@@ -90,13 +93,18 @@ class PoolController:
 
         cfg, total = self.cfg, ray.cluster_resources()
         separate = cluster_has_pool_resources(total) if cfg.separate_nodes is None else cfg.separate_nodes
-        self.placement = Placement(cuda=total.get("GPU", 0) > 0, cpus_per_worker=cfg.cpus_per_worker,
+        # the driver resolved "cuda" (after waiting for GPU nodes) or "cpu"; "auto" decides here
+        cuda = {"cuda": True, "cpu": False}.get(cfg.device, total.get("GPU", 0) > 0)
+        self.placement = Placement(cuda=cuda, cpus_per_worker=cfg.cpus_per_worker,
                                    separate_nodes=separate, strategy=cfg.placement_strategy)
         sizes = {"both": cfg.num_colocated} if cfg.num_colocated else {"prefill": cfg.num_prefill,
                                                                        "decode": cfg.num_decode}
         async with self._lock:
             await asyncio.gather(*(self._add(role, n) for role, n in sizes.items()))
+        node = router_node_id(ray.nodes(), cfg.router_node)  # the head (or --router-node): a stable address
+        pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
         self.router = ray.remote(RoleActor).options(
+            name=actor_name(cfg.cluster, "router"), namespace=NAMESPACE, **pin,
             num_cpus=ROUTER_CPUS, max_restarts=cfg.max_restarts,
             runtime_env={"env_vars": {**self._env, **self._router_env}}).remote(
             "router", RouterConfig(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url,
@@ -199,6 +207,7 @@ class PoolController:
                 self._seq += 1
                 ids.append(f"{role}-{self._seq}")
                 actors.append(ray.remote(RoleActor).options(
+                    name=actor_name(self.cfg.cluster, ids[-1]), namespace=NAMESPACE,
                     **self.placement.actor_options(role), max_restarts=self.cfg.max_restarts,
                     runtime_env={"env_vars": self._env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),

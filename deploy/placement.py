@@ -96,3 +96,68 @@ class Placement:
 def cluster_has_pool_resources(total: dict[str, float]) -> bool:
     """True when the Ray cluster declares both pool node resources (``ray.cluster_resources()``)."""
     return POOL_RESOURCE["prefill"] in total and POOL_RESOURCE["decode"] in total
+
+
+def pool_demand(placement: Placement, sizes: dict[str, int]) -> dict[str, float]:
+    """Total Ray resources ``sizes`` workers per pool (e.g. ``{"prefill": 2, "decode": 2}``) ask for."""
+    total: dict[str, float] = {}
+    for role, n in sizes.items():
+        for k, v in placement.worker_demand(role).items():
+            total[k] = total.get(k, 0.0) + v * n
+    return total
+
+
+def missing_resources(demand: dict[str, float], total: dict[str, float]) -> dict[str, float]:
+    """What ``total`` (``ray.cluster_resources()``) lacks to hold ``demand`` ({} when it holds it)."""
+    return {k: round(v - total.get(k, 0.0), 3) for k, v in demand.items() if total.get(k, 0.0) + 1e-9 < v}
+
+
+def device_decision(device: str, total: dict[str, float], sizes: dict[str, int], cpus_per_worker: float = 1.0,
+                    separate_nodes: bool | None = None) -> tuple[str, dict[str, float]]:
+    """Whether the pools start on ``cuda`` or ``cpu`` now, or must ``wait`` for GPU nodes to join.
+
+    Args:
+        device: ``cpu`` (never waits), ``auto`` (CUDA when ``total`` has any GPU, else CPU; never
+            waits), or ``cuda`` (wait until ``total`` holds one GPU per worker, and with separate pool
+            nodes the pool's node resource per worker).
+        total: the Ray cluster's resources (``ray.cluster_resources()``).
+        sizes: workers per pool to start.
+        separate_nodes: as :attr:`ClusterConfig.separate_nodes`; ``None``: separate as soon as the
+            cluster declares either pool resource (the other pool's nodes may not have joined yet).
+    Returns:
+        ``(decision, missing)``: ``missing`` is what the cluster lacks when the decision is ``wait``.
+    Raises:
+        ValueError: unknown device.
+    """
+    if device == "cpu":
+        return "cpu", {}
+    if device == "auto":
+        return ("cuda" if total.get("GPU", 0.0) > 0 else "cpu"), {}
+    if device != "cuda":
+        raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+    separate = any(r in total for r in POOL_RESOURCE.values()) if separate_nodes is None else separate_nodes
+    placement = Placement(cuda=True, cpus_per_worker=cpus_per_worker, separate_nodes=separate)
+    missing = missing_resources(pool_demand(placement, sizes), total)
+    return ("wait", missing) if missing else ("cuda", {})
+
+
+HEAD_RESOURCE = "node:__internal_head__"  # Ray declares it on the head node only
+
+
+def router_node_id(nodes: list[dict], router_node: str | None = None) -> str | None:
+    """Ray node id the router is pinned to (``NodeAffinitySchedulingStrategy``): the live node whose
+    IP is ``router_node``, else the head node (``None`` when no live node declares itself head).
+
+    Args:
+        nodes: ``ray.nodes()`` (``NodeID``, ``Alive``, ``NodeManagerAddress``, ``Resources``).
+    Raises:
+        ValueError: no live node has IP ``router_node``.
+    """
+    alive = [n for n in nodes if n.get("Alive")]
+    if router_node:
+        for n in alive:
+            if n.get("NodeManagerAddress") == router_node:
+                return n["NodeID"]
+        ips = sorted(n.get("NodeManagerAddress", "?") for n in alive)
+        raise ValueError(f"no live Ray node at {router_node} for the router (nodes: {', '.join(ips) or 'none'})")
+    return next((n["NodeID"] for n in alive if HEAD_RESOURCE in n.get("Resources", {})), None)

@@ -1,8 +1,10 @@
-"""``pdserve scale`` and ``pdserve status``: operating the pools of a running cluster.
+"""``pdserve scale``, ``pdserve status`` and ``pdserve down``: operating a running cluster.
 
 ``scale`` attaches to the Ray cluster as a second driver (``ray.init(address="auto")``) and
-calls the cluster's named controller (:mod:`deploy.controller`); ``status`` reads the Redis
-registry only (:mod:`deploy.status`).
+calls the cluster's named controller (:mod:`deploy.controller`); ``status`` reads Redis only
+(:mod:`deploy.status`: one cluster's registry, or without ``--cluster`` the launch records of every
+running cluster); ``down`` stops a cluster (detached or not) and removes its Redis keys
+(:func:`deploy.ray_cluster.teardown`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ def add_commands(sub) -> None:
     scale = sub.add_parser("scale", help="resize the pools of a running cluster (new workers serve once "
                                          "registered; removed ones drain)")
     scale.add_argument("--cluster", required=True, help="the id `pdserve up` printed")
-    scale.add_argument("--ray-address", default="auto", help="the Ray cluster `pdserve up` runs on")
+    scale.add_argument("--ray-address", default=None,
+                       help="the Ray cluster `pdserve up` runs on (default: the one it recorded in Redis, else auto)")
+    scale.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
     scale.add_argument("--prefill", type=int, default=None, help="prefill workers")
     scale.add_argument("--decode", type=int, default=None, help="decode workers")
     scale.add_argument("--colocated", type=int, default=None, help="colocated workers (a --colocated cluster)")
@@ -30,9 +34,19 @@ def add_commands(sub) -> None:
     scale.set_defaults(func=cmd_scale)
 
     status = sub.add_parser("status", help="pools, each worker's load, free KV blocks and lease age")
-    status.add_argument("--cluster", required=True, help="the id `pdserve up` printed")
+    status.add_argument("--cluster", default=None,
+                        help="the id `pdserve up` printed (default: list the running clusters)")
     status.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
     status.set_defaults(func=cmd_status)
+
+    down = sub.add_parser("down", help="drain and remove a cluster (e.g. one `pdserve up --detach` left running), "
+                                       "its Redis keys, and the local Ray head its `up` started")
+    down.add_argument("--cluster", required=True, help="the id `pdserve up` printed")
+    down.add_argument("--ray-address", default=None,
+                      help="the Ray cluster it runs on (default: the one its `up` recorded in Redis)")
+    down.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
+    down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for its actors to stop")
+    down.set_defaults(func=cmd_down)
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -48,7 +62,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
         print("error: give --prefill, --decode (or --colocated) pool sizes", file=sys.stderr)
         return 2
     if not ray.is_initialized():
-        ray.init(address=args.ray_address, log_to_driver=False, configure_logging=False)
+        from pdserve.deploy.ray_cluster import connect, read_launches
+
+        if args.ray_address is None:
+            try:
+                args.ray_address = read_launches(args.redis_url, args.cluster).get(args.cluster, {}).get("ray_address")
+            except Exception:  # Redis unreachable: fall back to the local Ray
+                pass
+        connect(args.ray_address or "auto", log_to_driver=False, configure_logging=False)
     try:
         controller = ray.get_actor(controller_name(args.cluster), namespace=NAMESPACE)
     except ValueError:
@@ -67,16 +88,38 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print the pools table; exit 1 when Redis is unreachable."""
+    """Print the pools table (or, without ``--cluster``, the running clusters); exit 1 when Redis is unreachable."""
     import redis
 
-    from pdserve.deploy.status import status_text
+    from pdserve.deploy.status import clusters_text, status_text
 
     try:
-        print(status_text(args.redis_url, args.cluster))
+        print(status_text(args.redis_url, args.cluster) if args.cluster else clusters_text(args.redis_url))
     except redis.RedisError as exc:
         print(f"error: registry at {redact_url(args.redis_url)} unreachable: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """Stop the cluster and remove its Redis keys; exit 0, 1 (no such cluster, or it did not stop)."""
+    import redis
+
+    from pdserve.deploy.ray_cluster import teardown
+
+    try:
+        found = teardown(args.cluster, args.redis_url, args.ray_address, timeout_s=args.timeout)
+    except redis.RedisError as exc:
+        print(f"error: registry at {redact_url(args.redis_url)} unreachable: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if not found:
+        print(f"error: no running cluster {args.cluster!r} found (its Redis keys, if any, were removed)",
+              file=sys.stderr)
+        return 1
+    print(f"cluster {args.cluster} is down")
+    return 0

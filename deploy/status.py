@@ -1,4 +1,5 @@
-"""``pdserve status``: the pools of a running cluster as the Redis registry shows them.
+"""``pdserve status``: the pools of a running cluster as the Redis registry shows them (without
+``--cluster``: the running clusters, from the launch records ``pdserve up`` writes).
 
 Reads the worker leases directly (no router or Ray needed), and the SLO attainment counters
 the routers keep in Redis::
@@ -58,6 +59,35 @@ def format_status(cluster: str, workers: list[WorkerInfo], now: float, attainmen
     lines = ["  ".join(c.rjust(widths[i]) if i in numeric else c.ljust(widths[i]) for i, c in enumerate(r)).rstrip()
              for r in rows]
     return "\n".join([head, *lines])
+
+
+def format_clusters(launches: dict[str, dict[str, str]], num_workers: dict[str, int]) -> str:
+    """One row per running cluster (its launch record, :func:`deploy.ray_cluster.read_launches`) with its
+    router and HTTP addresses, Ray address, and how many workers hold a live lease."""
+    if not launches:
+        return "no pdserve clusters running"
+    cols = ("CLUSTER", "ROUTER", "HTTP", "RAY", "DETACHED", "WORKERS")
+    rows = [cols] + [(c, r.get("router") or "-", r.get("http") or "-", r.get("ray_address") or "-",
+                      "yes" if r.get("detached") == "1" else "no", str(num_workers.get(c, 0)))
+                     for c, r in sorted(launches.items())]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in rows)
+
+
+def clusters_text(redis_url: str) -> str:
+    """Every running cluster (see :func:`format_clusters`).
+
+    Raises:
+        redis.RedisError: Redis is unreachable.
+    """
+    from pdserve.deploy.ray_cluster import read_launches
+
+    launches = read_launches(redis_url)
+
+    async def count() -> dict[str, int]:
+        return {c: len((await read_status(redis_url, c))[0]) for c in launches}
+
+    return format_clusters(launches, asyncio.run(count()) if launches else {})
 
 
 def status_text(redis_url: str, cluster: str) -> str:

@@ -180,7 +180,7 @@ def test_status_prints_every_worker_with_its_free_blocks(rc, capsys):
     assert pools == f"cluster {rc.cfg.cluster}: prefill 2 workers, decode 2 workers"
     assert re.fullmatch(r"SLO attainment [01]\.\d\d \([1-9]\d* finished, 0 rejected, 60 s\)", attainment), attainment
     assert lines[1].split() == ["POOL", "WORKER", "ADDRESS", "RUNNING", "WAITING", "FREE", "KV", "BLOCKS", "LEASE",
-                                "AGE"]
+                                "AGE", "METRICS"]
     workers = {w.worker_id: w for w in registered(rc)}
     rows = {line.split()[1]: line.split() for line in lines[2:]}
     assert set(rows) == set(workers)
@@ -189,6 +189,7 @@ def test_status_prints_every_worker_with_its_free_blocks(rc, capsys):
         assert row[0] == w.role and row[2] == w.address
         assert row[5] == f"{w.num_total_blocks}/{w.num_total_blocks}"  # idle: the whole pool free
         assert row[7] == "s" and 0 <= float(row[6]) < rc.cfg.worker_options["lease_s"]
+        assert row[8] == w.metrics_address and w.metrics_address.startswith("127.0.0.1:")
 
 
 def test_planner_window_reflects_the_running_pools(rc):
