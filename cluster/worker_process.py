@@ -4,12 +4,14 @@ the Redis lease heartbeat, and the engine thread."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import torch
@@ -24,6 +26,62 @@ from pdserve.cluster.service import start_grpc_server
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # resolved by resolve_dtype() in the worker process, from the checkpoint and this CPU
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether this machine's CPU lists ``avx512_bf16`` in ``/proc/cpuinfo`` (False where unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return "avx512_bf16" in line.split()
+    return False
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype a checkpoint's ``config.json`` stores its weights in (``torch_dtype``, or ``dtype`` as
+    newer transformers write it; ``float32`` when absent, as transformers reads it).
+
+    Raises:
+        ValueError: the field names a dtype other than float32, bfloat16 or float16; the message names it.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():  # a hub repository id: its snapshot in the local cache
+        from pdserve.model.checkpoint import resolve_model_dir
+
+        path = resolve_model_dir(model_dir)
+    cfg = json.loads((path / "config.json").read_text())
+    field_name = "torch_dtype" if "torch_dtype" in cfg else "dtype"
+    stored = cfg.get(field_name) or "float32"
+    if stored not in DTYPES:
+        raise ValueError(f"{path / 'config.json'}: {field_name} {stored!r} is not one of {sorted(DTYPES)}; "
+                         f"pass an explicit dtype (--dtype float32, bfloat16 or float16)")
+    return stored
+
+
+def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
+    """The dtype a worker serves in, with ``auto`` resolved (the only place it is).
+
+    ``auto`` follows vLLM's ``--dtype auto``: the checkpoint's ``torch_dtype``, except that an fp32
+    checkpoint is served in 16 bits (vLLM does so on GPUs). Our workers compute on the CPU, where bf16 pays
+    only with AVX512-BF16 instructions (the bf16 GEMV kernel needs them), so an fp32 checkpoint becomes
+    ``bfloat16`` on such a CPU and stays ``float32`` elsewhere. Resolve it in the worker process: the flag
+    read is the CPU the worker runs on. An explicit dtype is returned unchanged.
+
+    Raises:
+        ValueError: ``dtype`` is neither ``auto`` nor a known dtype, or (``auto``) as :func:`checkpoint_dtype`.
+    """
+    if dtype != AUTO_DTYPE:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPES)}, got {dtype!r}")
+        return dtype
+    stored = checkpoint_dtype(model_dir)
+    if stored == "float32":
+        return "bfloat16" if cpu_has_avx512_bf16() else "float32"
+    return stored
 
 
 def default_redis_url() -> str:
@@ -44,7 +102,10 @@ class WorkerConfig:
         port: gRPC port (0 = pick a free one).
         block_size: tokens per KV block.
         num_blocks: blocks in this worker's KV pool.
-        dtype: weight and KV dtype name (``float32``, ``bfloat16``, ``float16``).
+        dtype: weight and KV dtype name (``float32``, ``bfloat16``, ``float16``), or ``auto``: resolved in the
+            worker by :func:`resolve_dtype` (:attr:`resolved_dtype`). The dataclass default stays ``float32``
+            (the exactness tests compare with transformers in fp32); ``pdserve up`` and ``demo`` default
+            to ``auto``.
         num_threads: torch intra-op threads.
         lease_s: Redis lease; renewed every ``lease_s / 4`` seconds.
         insecure: on a non-loopback ``host``, serve without the cluster secret instead of refusing
@@ -68,8 +129,8 @@ class WorkerConfig:
     metrics_port: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
+            raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "num_blocks", "num_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -79,8 +140,14 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     @property
+    def resolved_dtype(self) -> str:
+        """``dtype`` with ``auto`` resolved for this machine's CPU (not cached: a config pickled to
+        another node resolves there)."""
+        return resolve_dtype(self.dtype, self.model_dir)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.resolved_dtype]
 
 
 def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:
@@ -226,6 +293,8 @@ class WorkerProcess:
             RuntimeError: the port could not be bound.
             redis.RedisError: the registry is unreachable.
         """
+        log.info("worker %s serving %s in %s (dtype %s)", self.cfg.worker_id, self.cfg.model_dir,
+                 self.cfg.resolved_dtype, self.cfg.dtype)
         self._thread.start()
         # with a secret, only the router (which derives the same token) may call
         auth = [BearerTokenInterceptor(worker_rpc_token(self._secret))] if self._secret is not None else []

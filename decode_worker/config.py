@@ -20,6 +20,14 @@ class DecodeWorkerConfig(WorkerConfig):
         spec_k: proposal length k.
         spec_max_batch_size: speculation runs only while the batch is at most this large
             (beyond it verification costs more than it saves; measured by ``bench/decode.py``).
+        spec_adaptive: decide per request whether it drafts (:class:`~decode_worker.speculative.AdaptiveSpeculation`):
+            it stops while its acceptance is below ``spec_min_acceptance`` and probes to resume.
+            False: every request below the batch threshold drafts every step.
+        spec_min_acceptance: break-even acceptance (accepted / drafted): a verify step of ``d`` drafts costs
+            about ``1 + spec_min_acceptance * d`` plain steps.
+        spec_ewma_weight: weight of the newest verify step in a request's acceptance estimate.
+        spec_probe_interval / spec_max_probe_interval: steps between probes of a request that does not
+            draft; doubled after each failed probe, up to the maximum.
         colocated: also prefill prompts here (role ``both``): requests never leave the worker;
             prompt chunks of at most ``max_num_batched_tokens`` minus the decode batch share
             each step with the decodes.
@@ -41,6 +49,11 @@ class DecodeWorkerConfig(WorkerConfig):
     spec_draft_layers: int = 1
     spec_draft_model: str = ""
     spec_max_batch_size: int = 1  # bench/decode.py: n-gram speculation paid only at batch 1 on this machine
+    spec_adaptive: bool = True
+    spec_min_acceptance: float = 0.3
+    spec_ewma_weight: float = 0.3
+    spec_probe_interval: int = 4
+    spec_max_probe_interval: int = 32
     graph: bool = True
     colocated: bool = False
     max_num_batched_tokens: int = 512
@@ -60,6 +73,10 @@ class DecodeWorkerConfig(WorkerConfig):
             raise ValueError("speculative=draft needs spec_draft_model (a checkpoint directory)")
         if self.spec_k < 1 or self.spec_draft_layers < 1 or self.spec_max_batch_size < 0:
             raise ValueError("spec_k and spec_draft_layers must be >= 1, spec_max_batch_size >= 0")
+        if not (0 <= self.spec_min_acceptance <= 1 and 0 < self.spec_ewma_weight <= 1
+                and 1 <= self.spec_probe_interval <= self.spec_max_probe_interval):
+            raise ValueError("need 0 <= spec_min_acceptance <= 1, 0 < spec_ewma_weight <= 1 and "
+                             "1 <= spec_probe_interval <= spec_max_probe_interval")
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
         if self.kv_io_timeout_s <= 0:

@@ -36,7 +36,14 @@ from pdserve.decode_worker.request import (
     FinishedEvent,
     TokensEvent,
 )
-from pdserve.decode_worker.speculative import DraftModelProposer, NgramProposer, Proposer, SelfDraftProposer, verify
+from pdserve.decode_worker.speculative import (
+    AdaptiveSpeculation,
+    DraftModelProposer,
+    NgramProposer,
+    Proposer,
+    SelfDraftProposer,
+    verify,
+)
 from pdserve.kvtransfer.select import local_backends, make_receiver
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec
@@ -118,6 +125,9 @@ class DecodeEngine:
         self.runner = ModelRunner(model, self.spec)
         self.pool = BlockPool(cfg.num_blocks)
         self.proposer = make_proposer(cfg, self.runner)
+        self.adaptive = AdaptiveSpeculation(cfg.spec_min_acceptance, cfg.spec_ewma_weight, cfg.spec_probe_interval,
+                                            cfg.spec_max_probe_interval, shadow=isinstance(self.proposer, NgramProposer)
+                                            ) if self.proposer is not None and cfg.spec_adaptive else None
         self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_position_embeddings),
                                  [b for b in DEFAULT_BUCKETS if b < cfg.max_batch_size] + [cfg.max_batch_size]
                                  ) if cfg.graph else None
@@ -290,10 +300,18 @@ class DecodeEngine:
         """Propose, verify all proposals in one forward, keep what the rejection rule accepts. The
         emitted token ``j`` of a request was chosen at verified position ``j``, so its log-probabilities
         come from the target's logits there (row ``j``), whether it was an accepted draft, a resampled
-        rejection or the bonus token: the same numbers non-speculative decoding reports."""
+        rejection or the bonus token: the same numbers non-speculative decoding reports. Requests that
+        do not draft this step (:class:`AdaptiveSpeculation`) are plain rows; a step where none drafts
+        is a plain step."""
         ks = [max(0, min(self.cfg.spec_k, r.sampling.max_tokens - len(r.output_ids) - 1,
                          r.max_context - r.num_tokens - 1)) for r in batch]  # never write past the blocks
+        if self.adaptive is not None:
+            ks = self.adaptive.plan(batch, ks, self.proposer)
+        if not any(ks):
+            return self._plain_run(batch)
         proposals = self.proposer.propose(batch, ks)
+        if not any(p.tokens for p in proposals):
+            return self._plain_run(batch)
         logits = self.runner.run([StepInput([r.output_ids[-1], *p.tokens], r.num_tokens - 1, r.block_table)
                                   for r, p in zip(batch, proposals)], all_logits=True)
         rows = logits.split([len(p.tokens) + 1 for p in proposals])
@@ -302,6 +320,8 @@ class DecodeEngine:
             tokens = verify(req_rows, prop, req.sampling, len(req.output_ids))
             req.num_draft_tokens += len(prop.tokens)
             req.num_accepted_tokens += len(tokens) - 1
+            if self.adaptive is not None:
+                self.adaptive.observe(req, len(prop.tokens), len(tokens) - 1)
             out.append(tokens)
             k = req.sampling.logprobs
             out_logprobs.append(None if k is None
@@ -380,6 +400,8 @@ class DecodeEngine:
         del self._requests[req.attempt_id]
         if self.proposer is not None:
             self.proposer.forget(req)
+        if self.adaptive is not None:
+            self.adaptive.forget(req)
         self.pool.free(req.block_table)
         self._release_id(req.attempt_id)
         if event is not None:

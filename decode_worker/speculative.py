@@ -23,6 +23,9 @@ Proposers:
   Zhang et al., "Draft & Verify", ACL 2024); its KV lands in the target's own cache slots.
 - :class:`DraftModelProposer`: a smaller checkpoint with the target's tokenizer, with its
   own cache indexed by the same block ids.
+
+Whether a request drafts at all is decided per request by :class:`AdaptiveSpeculation`
+(below the engine's batch-size threshold, ``spec_max_batch_size``).
 """
 
 from __future__ import annotations
@@ -181,3 +184,116 @@ class DraftModelProposer:
 
     def forget(self, req: DecodeRequest) -> None:
         self._computed.pop(req.attempt_id, None)
+
+
+@dataclass
+class _SpecState:
+    """One request's speculation state (see :class:`AdaptiveSpeculation`)."""
+
+    drafting: bool
+    interval: int                      # steps between probes while not drafting
+    wait: int = 0                      # steps until the next probe
+    estimate: float | None = None      # EWMA of accepted / drafted; None before the first observation
+    shadow: list[int] = field(default_factory=list)  # an unverified n-gram proposal being checked
+    shadow_at: int = 0                 # len(output_ids) when the shadow proposal was made
+
+
+class AdaptiveSpeculation:
+    """Per request: draft only while it pays; stop when acceptance falls, probe, resume when it rises.
+
+    Cost model. A verify step of ``d`` drafts costs about ``1 + c*d`` plain steps and yields ``1 + a*d``
+    tokens on average, ``a`` being the request's acceptance (accepted / drafted; a draft counts only after
+    all before it were accepted). It pays iff ``a > c``: ``min_acceptance`` is ``c``, the break-even
+    acceptance (docs/benchmarks.md: a fully accepted k = 4 step cost about 2.5 plain steps on TinyStories,
+    ``c`` ~ 0.375; the default 0.3 sits a little below, since steps at 32% acceptance still paid there).
+
+    The rule (our own; it is neither vLLM's batch-size switch, which ``spec_max_batch_size`` mirrors, nor
+    the learned per-step lookahead of SpecDec++ or DISCO, nor transformers' assisted-generation schedule
+    that grows/shrinks the number of assistant tokens):
+
+    - ``a`` is an exponentially weighted mean (weight ``weight``) over the request's verify steps of
+      accepted / drafted; steps that drafted nothing do not count; the first observation sets it.
+    - drafting, ``a < min_acceptance``: stop drafting. The request joins the plain rows (k = 0; a step in
+      which no request drafts is an ordinary plain step, through the graph runner).
+    - not drafting: every ``interval`` steps probe once; the interval doubles after a probe that leaves
+      ``a`` below break-even (up to ``max_interval``) and is reset when drafting resumes.
+    - a probe for a deterministic proposer (n-gram, ``shadow=True``) costs no verification: its proposal
+      is kept aside and compared with the tokens plain decoding then emits. A greedy verify accepts ``d_j``
+      iff it is the argmax, the token plain decoding emits; a sampled one accepts one-hot ``d_j`` with
+      probability ``p(d_j)``, the probability that plain sampling emits it; so the count of leading matches
+      is distributed as the accepted count would have been. Shadow-probed requests also start not drafting,
+      probing at their first step: a prompt the proposer cannot predict never pays for a verify step.
+      Other proposers (self, draft) start drafting and probe with a real verify step.
+
+    Only which rows draft changes, never what is emitted: greedy output is the same as plain decoding.
+    """
+
+    def __init__(self, min_acceptance: float = 0.3, weight: float = 0.3, interval: int = 4,
+                 max_interval: int = 32, shadow: bool = True) -> None:
+        if not (0 <= min_acceptance <= 1 and 0 < weight <= 1 and 1 <= interval <= max_interval):
+            raise ValueError("need 0 <= min_acceptance <= 1, 0 < weight <= 1, 1 <= interval <= max_interval")
+        self.min_acceptance, self.weight, self.shadow = min_acceptance, weight, shadow
+        self.interval, self.max_interval = interval, max_interval
+        self._states: dict[str, _SpecState] = {}
+
+    def state(self, req: DecodeRequest) -> _SpecState:
+        st = self._states.get(req.attempt_id)
+        if st is None:
+            st = self._states[req.attempt_id] = _SpecState(drafting=not self.shadow, interval=self.interval)
+        return st
+
+    def plan(self, reqs: list[DecodeRequest], ks: list[int], proposer: Proposer) -> list[int]:
+        """The proposal lengths of this step: ``ks[i]`` for the requests that draft (or probe with a real
+        verify), 0 for the others. Settles pending shadow probes against the tokens emitted since, and
+        makes new ones (with ``proposer``; nothing is verified)."""
+        out, shadow_probes = [], []
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            st = self.state(req)
+            if st.shadow:
+                self._settle_shadow(req, st)
+            if st.drafting or k == 0:
+                out.append(k)
+                continue
+            out.append(0)
+            if st.shadow:
+                continue
+            st.wait -= 1
+            if st.wait <= 0:
+                st.wait = st.interval  # a probe that proposes nothing just waits again
+                if self.shadow:
+                    shadow_probes.append(i)
+                else:
+                    out[-1] = k
+        if shadow_probes:
+            props = proposer.propose([reqs[i] for i in shadow_probes], [ks[i] for i in shadow_probes])
+            for i, prop in zip(shadow_probes, props):
+                st = self._states[reqs[i].attempt_id]
+                st.shadow, st.shadow_at = list(prop.tokens), len(reqs[i].output_ids)
+        return out
+
+    def observe(self, req: DecodeRequest, num_drafted: int, num_accepted: int) -> None:
+        """A verify step (or a settled shadow probe) of ``num_drafted`` drafts accepted ``num_accepted``."""
+        if num_drafted <= 0:
+            return
+        st = self.state(req)
+        rate = num_accepted / num_drafted
+        st.estimate = rate if st.estimate is None else st.estimate + self.weight * (rate - st.estimate)
+        if st.estimate >= self.min_acceptance:
+            st.drafting, st.interval = True, self.interval
+        elif st.drafting:  # acceptance fell: plain rows from now on, first probe after one interval
+            st.drafting, st.interval, st.wait = False, self.interval, self.interval
+        else:  # a failed probe: back off
+            st.interval = min(2 * st.interval, self.max_interval)
+            st.wait = st.interval
+
+    def _settle_shadow(self, req: DecodeRequest, st: _SpecState) -> None:
+        emitted = req.output_ids[st.shadow_at:st.shadow_at + len(st.shadow)]
+        matched = 0
+        while matched < len(emitted) and emitted[matched] == st.shadow[matched]:
+            matched += 1
+        if matched == len(st.shadow) or matched < len(emitted):  # all matched, or a mismatch seen
+            drafted, st.shadow = len(st.shadow), []
+            self.observe(req, drafted, matched)
+
+    def forget(self, req: DecodeRequest) -> None:
+        self._states.pop(req.attempt_id, None)

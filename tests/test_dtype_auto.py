@@ -1,0 +1,89 @@
+"""``--dtype auto``: resolved once, in the worker, from the checkpoint's ``torch_dtype`` and the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.cluster import worker_process
+from pdserve.cluster.worker_process import WorkerConfig, checkpoint_dtype, resolve_dtype
+from pdserve.deploy import cli
+
+
+def _checkpoint(tmp_path: Path, torch_dtype: str | None, key: str = "torch_dtype") -> Path:
+    cfg = {"model_type": "llama", "hidden_size": 8}
+    if torch_dtype is not None:
+        cfg[key] = torch_dtype
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+@pytest.fixture(params=[True, False], ids=["avx512_bf16", "no_bf16"])
+def bf16_cpu(request, monkeypatch) -> bool:
+    monkeypatch.setattr(worker_process, "cpu_has_avx512_bf16", lambda: request.param)
+    return request.param
+
+
+def test_auto_on_fp32_checkpoint_is_bf16_iff_the_cpu_has_avx512_bf16(tmp_path, bf16_cpu):
+    model = _checkpoint(tmp_path, "float32")
+    assert resolve_dtype("auto", model) == ("bfloat16" if bf16_cpu else "float32")
+    cfg = WorkerConfig(model_dir=str(model), worker_id="w", dtype="auto")
+    assert cfg.torch_dtype is (torch.bfloat16 if bf16_cpu else torch.float32)
+
+
+def test_auto_without_a_torch_dtype_reads_as_fp32(tmp_path, bf16_cpu):
+    assert resolve_dtype("auto", _checkpoint(tmp_path, None)) == ("bfloat16" if bf16_cpu else "float32")
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "float16"])
+def test_auto_keeps_a_16_bit_checkpoint_dtype(tmp_path, bf16_cpu, stored):
+    assert resolve_dtype("auto", _checkpoint(tmp_path, stored)) == stored
+
+
+def test_auto_reads_the_newer_dtype_key(tmp_path, bf16_cpu):
+    assert resolve_dtype("auto", _checkpoint(tmp_path, "float16", key="dtype")) == "float16"
+
+
+@pytest.mark.parametrize("explicit", ["float32", "bfloat16", "float16"])
+def test_explicit_dtype_wins(tmp_path, bf16_cpu, explicit):
+    for stored in ("float32", "bfloat16", "float16"):
+        model = _checkpoint(tmp_path, stored)
+        assert resolve_dtype(explicit, model) == explicit
+        assert WorkerConfig(model_dir=str(model), worker_id="w", dtype=explicit).resolved_dtype == explicit
+
+
+def test_unknown_checkpoint_dtype_is_refused_naming_the_field(tmp_path):
+    model = _checkpoint(tmp_path, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="torch_dtype 'float8_e4m3fn'"):
+        resolve_dtype("auto", model)
+    with pytest.raises(ValueError, match="torch_dtype"):
+        checkpoint_dtype(model)
+    assert resolve_dtype("float32", model) == "float32"  # an explicit dtype needs no field
+
+
+def test_unknown_dtype_name_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be auto or one of"):
+        WorkerConfig(model_dir=str(tmp_path), worker_id="w", dtype="fp8")
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        resolve_dtype("half", tmp_path)
+
+
+def test_worker_config_default_stays_float32_and_pdserve_up_defaults_to_auto(tmp_path):
+    assert WorkerConfig(model_dir=str(tmp_path), worker_id="w").dtype == "float32"
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli._cluster_args(parser)
+    assert parser.parse_args([]).dtype == "auto"
+    assert parser.parse_args(["--dtype", "float32"]).dtype == "float32"
+
+
+def test_cpu_flag_reader_matches_proc_cpuinfo():
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags here")
+    assert worker_process.cpu_has_avx512_bf16() == ("avx512_bf16" in flags.split())
