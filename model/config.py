@@ -1,23 +1,34 @@
-"""Model configuration read from a Hugging Face ``config.json`` (LlamaForCausalLM)."""
+"""Model configuration read from a Hugging Face ``config.json`` of a supported family
+(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdserve.model.checkpoint import read_json, resolve_model_dir
+from pdserve.model.families import FAMILIES, check_supported, family_options
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-architecture decoder.
+    """The shape of a decoder of one of the supported families, and its family options.
 
-    Any ``LlamaForCausalLM`` checkpoint is accepted: ``head_dim`` defaults to
-    ``hidden_size // num_attention_heads`` but is read from the config when given,
-    and no size is assumed to be a multiple of anything.
+    ``head_dim`` is read from the config when given (it need not equal ``hidden / heads``), and no
+    size is assumed to be a multiple of anything. The family options, as :mod:`model.families`
+    derives them from ``config.json``:
+
+    Attributes:
+        model_type: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
+        qkv_bias: the q, k and v projections have biases (Qwen2; Llama/Qwen3 with ``attention_bias``).
+        o_proj_bias: the output projection has a bias (Llama/Qwen3 with ``attention_bias``).
+        mlp_bias: gate, up and down projections have biases (Llama's ``mlp_bias``).
+        qk_norm: per-head RMSNorm (weights ``[head_dim]``, ``rms_norm_eps``) on queries and keys
+            before RoPE (Qwen3's ``q_norm`` / ``k_norm``).
 
     Raises:
-        ValueError: from ``__post_init__`` when sizes are inconsistent (e.g. the
-            attention heads are not a multiple of the KV heads).
+        ValueError: from ``__post_init__`` when sizes are inconsistent (e.g. the attention heads
+            are not a multiple of the KV heads, an odd ``head_dim``) or the family is unknown.
     """
 
     vocab_size: int
@@ -32,8 +43,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, object], ...] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    model_type: str = "llama"
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -45,11 +59,25 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"config: {self.num_heads} attention heads is not a multiple of "
                              f"{self.num_kv_heads} KV heads")
+        if self.head_dim % 2:
+            raise ValueError(f"config: head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"config: model_type {self.model_type!r} is not one of {FAMILIES}")
 
     @property
     def num_queries_per_kv(self) -> int:
         """Query heads sharing one KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        """Features of all query heads (``num_heads * head_dim``; may differ from ``hidden_size``)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Features of all key (or value) heads (``num_kv_heads * head_dim``)."""
+        return self.num_kv_heads * self.head_dim
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -58,28 +86,35 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        """Read ``config.json`` (and ``generation_config.json`` for EOS ids) from a checkpoint directory.
+        """Read ``config.json`` (and ``generation_config.json`` for EOS ids) of a checkpoint
+        directory or a hub repository id in the local cache (:func:`model.checkpoint.resolve_model_dir`).
 
         Raises:
-            FileNotFoundError: no ``config.json``.
-            ValueError: not a Llama checkpoint, or inconsistent sizes.
+            FileNotFoundError: no such checkpoint, or no ``config.json``.
+            ValueError: an unsupported family or setting (:mod:`model.families`; the message names the
+                field and the supported values), or inconsistent sizes.
         """
-        model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
-        if raw.get("model_type", "llama") != "llama":
-            raise ValueError(f"{model_dir}: model_type {raw.get('model_type')!r} is not 'llama'")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{model_dir}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
-        eos = raw.get("eos_token_id")
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.exists():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        num_heads = int(raw["num_attention_heads"])
+        model_dir = resolve_model_dir(model_dir)
+        raw = read_json(model_dir, "config.json")
+        if raw is None:
+            raise FileNotFoundError(f"{model_dir}: no config.json")
+        try:
+            return cls._from_raw(raw, read_json(model_dir, "generation_config.json") or {})
+        except ValueError as exc:
+            raise ValueError(f"{model_dir}: {exc}") from None
+
+    @classmethod
+    def _from_raw(cls, raw: dict, generation: dict) -> "ModelConfig":
+        model_type = raw.get("model_type", "llama")
+        options = family_options(model_type, raw)
         # transformers >= 5 writes `rope_parameters` (theta and scaling together); older ones
         # write `rope_theta` and `rope_scaling`.
         rope = raw.get("rope_parameters") or {}
         scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        check_supported(model_type, raw, scaling, options["head_dim"])
+        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        num_heads = int(raw["num_attention_heads"])
         return cls(
             vocab_size=int(raw["vocab_size"]),
             hidden_size=int(raw["hidden_size"]),
@@ -87,14 +122,13 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // num_heads),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            model_type=model_type,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **options,
         )

@@ -1,8 +1,11 @@
-"""A Llama-architecture decoder over a flat token batch and a paged KV cache.
+"""The one decoder of every supported family, over a flat token batch and a paged KV cache.
 
 RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, tied or untied LM head, as in
-Hugging Face ``transformers`` ``LlamaForCausalLM`` (Touvron et al., "LLaMA", 2023),
-whose numerics it follows so that greedy output is token-exact in float32.
+Hugging Face ``transformers`` ``LlamaForCausalLM`` (Touvron et al., "LLaMA", 2023), with the
+other families' differences as options of :class:`~model.config.ModelConfig` (:mod:`model.families`):
+``qkv_bias`` / ``o_proj_bias`` / ``mlp_bias`` (Qwen2's q/k/v biases), ``qk_norm`` (Qwen3's per-head
+RMSNorm of queries and keys before RoPE) and an explicit ``head_dim`` (Qwen3, Mistral). It follows
+``transformers``' order of operations for each family so that greedy output is token-exact in float32.
 Q/K/V and gate/up projections are fused into one matmul each (as vLLM does);
 :mod:`model.loader` concatenates the checkpoint's weights. On CPUs, decode-sized steps run
 RMSNorm, RoPE with the KV write, attention and SiLU-and-mul as C kernels (:mod:`kernels.cpu`):
@@ -48,8 +51,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, one weight shared by all heads
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -57,15 +63,18 @@ class Attention(nn.Module):
         n, cfg = x.shape[0], self.cfg
         qkv = self.qkv_proj(x)
         if cpu_kernels:
-            # CPU, decode-sized: RoPE + cache write and attention in two C calls
+            # CPU, decode-sized: (q/k norm +) RoPE + cache write and attention in two C calls
+            norms = (self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps) if cfg.qk_norm else ()
             q = fused.rope_write_kv(qkv, cos, sin, kv_cache, self.layer, meta.slot_mapping,
-                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+                                    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *norms)
             out = paged_attention_cpu(q, kv_cache, self.layer, meta.query_start_loc, meta.seq_lens,
                                       meta.block_tables, self.scale)
             return self.o_proj(out.view(n, self.q_size).to(x.dtype))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         write_kv(kv_cache, self.layer, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
@@ -105,7 +114,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head.
+    """The decoder plus LM head, for every supported family (the name is kept for the workers' API).
 
     ``forward`` takes a flat batch of ``num_tokens`` token ids from any mix of
     prefill chunks and decode steps, writes their KV into ``kv_cache`` and returns
@@ -137,8 +146,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         # the fused C kernels (norm, RoPE + KV write, SiLU): the step's metadata allows them, and the
         # model computes in its cache's dtype; attention follows meta.cpu_kernels alone
-        cpu_kernels = (meta.cpu_kernels and kv_cache.dtype == x.dtype
-                       and self.cfg.head_dim % 2 == 0 and self.cfg.head_dim <= fused.MAX_HEAD_DIM)
+        cpu_kernels = meta.cpu_kernels and kv_cache.dtype == x.dtype and self.cfg.head_dim <= fused.MAX_HEAD_DIM
         for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, kv_cache, meta, cpu_kernels)
         return self.norm(x, cpu_kernels)

@@ -1,13 +1,24 @@
-"""Load a Hugging Face Llama checkpoint directory (``config.json`` + ``*.safetensors``)."""
+"""Load a Hugging Face checkpoint of a supported family (``config.json`` + safetensors) into the decoder.
+
+Tensors are read one at a time (:func:`model.checkpoint.iter_tensors`) and each is cast straight
+into its place in the model's state, whose tensors are allocated once in the target dtype: the
+checkpoint is never held twice (peak: the model plus its largest tensor). The checkpoint's q, k, v
+and gate, up projections land in row ranges of our fused ``qkv_proj`` / ``gate_up_proj``::
+
+    qkv_proj.weight  [q_size + 2 kv_size, hidden]   rows: q_proj | k_proj | v_proj   (biases alike)
+    gate_up_proj     [2 intermediate, hidden]       rows: gate_proj | up_proj
+"""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from pdserve.model.checkpoint import iter_tensors, resolve_model_dir
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import RotaryEmbedding
@@ -19,83 +30,111 @@ _FUSED = {  # our fused parameter -> the checkpoint's parts, in concatenation or
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every ``*.safetensors`` file in ``model_dir``, by name.
+@dataclass(frozen=True)
+class Placement:
+    """Where one checkpoint tensor goes: rows ``[row, row + rows)`` of our tensor ``target``."""
 
-    Raises:
-        FileNotFoundError: the directory holds no ``*.safetensors`` file.
-        ValueError: a tensor name appears in two files.
-    """
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise ValueError(f"{model_dir}: tensor {name} appears in more than one file")
-                tensors[name] = f.get_tensor(name)
-    return tensors
+    target: str
+    row: int
+    rows: int
 
 
-def hf_to_pdserve(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename (and fuse) Hugging Face ``LlamaForCausalLM`` tensors into our module's state dict.
-
-    Raises:
-        ValueError: tensors are missing or left over.
-    """
-    hf = {k.removeprefix("model."): v for k, v in hf.items() if not _IGNORED.match(k)}
-    out: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_layers):
-        for fused, parts in _FUSED.items():
-            for suffix in ("weight", "bias"):
-                names = [f"layers.{i}.{p}.{suffix}" for p in parts]
-                if all(n in hf for n in names):
-                    out[f"layers.{i}.{fused}.{suffix}"] = torch.cat([hf.pop(n) for n in names], dim=0)
-    if cfg.tie_word_embeddings:  # either name may hold the shared matrix
-        head = hf.pop("lm_head.weight", None)
-        hf.setdefault("embed_tokens.weight", head)
-    out.update(hf)
-    return out
-
-
-def expected_tensors(model: LlamaForCausalLM, cfg: ModelConfig, state: dict[str, torch.Tensor],
-                     model_dir: Path) -> dict[str, torch.Tensor]:
-    """``model``'s state dict (a tied head counted once), after checking ``state`` has exactly its names.
-
-    Raises:
-        ValueError: tensors are missing or left over.
-    """
+def expected_tensors(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``model``'s state dict by name (meta or real tensors: only shapes and dtypes are read),
+    the LM head left out when tied to the embedding."""
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    missing, unexpected = expected.keys() - state.keys(), state.keys() - expected.keys()
+    return expected
+
+
+def hf_layout(cfg: ModelConfig, expected: dict[str, torch.Tensor]) -> dict[str, Placement]:
+    """Checkpoint tensor name (without the ``model.`` prefix) -> :class:`Placement`, for every
+    tensor a Hugging Face checkpoint of ``cfg`` must hold."""
+    part_rows = {"self_attn.q_proj": cfg.q_size, "self_attn.k_proj": cfg.kv_size, "self_attn.v_proj": cfg.kv_size,
+                 "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size}
+    layout: dict[str, Placement] = {}
+    for name, tensor in expected.items():
+        fused = next((f for f in _FUSED if f".{f}." in name), None)
+        if fused is None:
+            layout[name] = Placement(name, 0, tensor.shape[0])
+            continue
+        row = 0
+        for part in _FUSED[fused]:
+            layout[name.replace(fused, part)] = Placement(name, row, part_rows[part])
+            row += part_rows[part]
+    return layout
+
+
+def assemble_state(tensors: Iterable[tuple[str, torch.Tensor]], expected: dict[str, torch.Tensor],
+                   layout: dict[str, Placement], dtype_for: Callable[[str, torch.Tensor], torch.dtype],
+                   model_dir: Path, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Place each ``(name, tensor)`` (consumed one at a time) into freshly allocated state tensors.
+
+    Args:
+        tensors: checkpoint tensors; a leading ``model.`` is dropped from names, RoPE buffers ignored.
+        expected: our state dict's shapes (:func:`expected_tensors`).
+        layout: checkpoint name -> placement (:func:`hf_layout`, or the identity for our own names).
+        dtype_for: the dtype a target is allocated in, given its name and the first tensor placed there.
+        aliases: other names one layout entry may come under (a tied head stored as ``lm_head.weight``);
+            a second copy of an entry is skipped.
+    Returns:
+        our name -> tensor, every row of every expected tensor written exactly once.
+    Raises:
+        ValueError: missing or unexpected tensors (named as in the checkpoint), or a shape that
+            does not match the config.
+    """
+    aliases = aliases or {}
+    state: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for raw_name, tensor in tensors:
+        name = aliases.get(raw_name.removeprefix("model."), raw_name.removeprefix("model."))
+        place = layout.get(name)
+        if place is None and not _IGNORED.match(name):
+            unexpected.append(raw_name)
+        elif place is not None and name not in seen:   # the tied head stored under both names: one copy
+            want = expected[place.target]
+            shape = (place.rows, *want.shape[1:])
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{model_dir}: {raw_name} has shape {tuple(tensor.shape)}, config implies {shape}")
+            if place.target not in state:
+                state[place.target] = torch.empty(want.shape, dtype=dtype_for(place.target, tensor))
+            state[place.target][place.row:place.row + place.rows].copy_(tensor)
+            seen.add(name)
+        del tensor                                     # gone before the next one is read
+    missing = layout.keys() - seen
     if missing or unexpected:
         raise ValueError(f"{model_dir}: missing tensors {sorted(missing)}, unexpected {sorted(unexpected)}")
-    return expected
+    return state
+
+
+def finish_model(model: LlamaForCausalLM, cfg: ModelConfig, state: dict[str, torch.Tensor],
+                 device: torch.device | str) -> LlamaForCausalLM:
+    """Assign ``state`` to a ``model`` built on the meta device, rebuild its RoPE buffer, tie the head."""
+    model.load_state_dict(state, strict=False, assign=True)
+    model.rotary = RotaryEmbedding(cfg)  # its buffer was built on the meta device
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(device).eval()
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model from a checkpoint directory with weights cast to ``dtype``.
+    """Build the model from a checkpoint (a directory, or a hub repository id in the local cache)
+    with weights cast to ``dtype``, tensor by tensor.
 
     Raises:
-        FileNotFoundError: ``config.json`` or the weights are missing.
-        ValueError: the checkpoint's tensors do not match the config (names or shapes).
+        FileNotFoundError: no such checkpoint, or ``config.json`` or the weights are missing.
+        ValueError: an unsupported family or setting, or tensors that do not match the config
+            (names or shapes).
     """
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_dir(model_dir)
     cfg = ModelConfig.from_hf_dir(model_dir)
-    state = hf_to_pdserve(read_safetensors(model_dir), cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    expected = expected_tensors(model, cfg, state, model_dir)
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)}, "
-                             f"config implies {tuple(expected[name].shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    model.rotary = RotaryEmbedding(cfg)  # its buffer was built on the meta device
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    return model.to(device).eval(), cfg
+    expected = expected_tensors(model, cfg)
+    aliases = {"lm_head.weight": "embed_tokens.weight"} if cfg.tie_word_embeddings else {}
+    state = assemble_state(iter_tensors(model_dir), expected, hf_layout(cfg, expected), lambda _n, _t: dtype,
+                           model_dir, aliases)
+    return finish_model(model, cfg, state, device), cfg

@@ -9,20 +9,28 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from pdserve.model.checkpoint import resolve_model_dir
+
 
 class Tokenizer:
     """Encodes prompts (adding BOS as the checkpoint asks) and decodes token ids.
 
+    ``model_dir``: a checkpoint directory or a hub repository id in the local cache
+    (:func:`model.checkpoint.resolve_model_dir`).
+
     Raises:
-        FileNotFoundError: from the constructor when ``tokenizer.json`` is missing.
+        FileNotFoundError: from the constructor when the checkpoint or its ``tokenizer.json`` is missing.
     """
 
     def __init__(self, model_dir: str | Path, bos_token_id: int | None) -> None:
-        model_dir = Path(model_dir)
+        model_dir = resolve_model_dir(model_dir)
         self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        self._add_bos = bool(tok_cfg.get("add_bos_token", bos_token_id is not None)) and bos_token_id is not None
+        # BOS as transformers adds it: when add_bos_token says so, else when the tokenizer has a BOS
+        # token at all (Qwen's tokenizer_config sets bos_token to null: no BOS, whatever config.json says)
+        has_bos = bos_token_id is not None and tok_cfg.get("bos_token", "") is not None
+        self._add_bos = bool(tok_cfg.get("add_bos_token", has_bos)) and has_bos
         self.bos_token_id = bos_token_id
 
     def encode(self, text: str) -> list[int]:

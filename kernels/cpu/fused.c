@@ -4,6 +4,7 @@
  *
  *   pd_rms_norm       out = w * rmsnorm(x)                                      (RMSNorm, Zhang & Sennrich 2019)
  *   pd_rope_write_kv  q_out = rope(q); cache[slot] = (rope(k), v)               (RoPE, Su et al. 2021)
+ *                     optionally q, k = rmsnorm per head first (Qwen3's q_norm / k_norm)
  *   pd_silu_mul       out = silu(gate) * up                                     (SwiGLU, Shazeer 2020)
  *
  * Element type: float32 or bfloat16 (flag bf16). Every result is rounded to the element
@@ -55,13 +56,22 @@ void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim
     }
 }
 
+/* x[0..D) = w * rmsnorm(x), rounded as pd_rms_norm rounds (the element type's RMSNorm of one head). */
+static inline void head_rms_norm(float *x, const void *w, int64_t D, float eps, int bf16) {
+    float ss = 0.f;
+    for (int64_t d = 0; d < D; d++) ss += x[d] * x[d];
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int64_t d = 0; d < D; d++) x[d] = rnd(get(w, d, bf16) * rnd(x[d] * inv, bf16), bf16);
+}
+
 /* qkv: [n, (H + 2 Hkv) D] rows of stride ld; cos, sin: float32 [n, D]; q_out: float32 [n, H, D].
  * cache: base of one layer; K of (block, off, head) at block*s_block + off*s_tok + head*s_head, V at + s_v.
- * slots: int64 [n] = block * block_size + offset. */
+ * slots: int64 [n] = block * block_size + offset.
+ * q_norm_w, k_norm_w: [D] of the element type, or NULL: RMSNorm (eps) of each query / key head before RoPE. */
 void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
                       const float *cos_t, const float *sin_t, float *q_out, void *cache, int64_t s_block,
                       int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots, int64_t block_size,
-                      int bf16) {
+                      int bf16, const void *q_norm_w, const void *k_norm_w, float eps) {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < n; i++) {
         const float *c = cos_t + i * D, *s = sin_t + i * D;
@@ -71,6 +81,8 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
             const int64_t src = row + h * D;
             float x[512], v[512];                                /* D <= 512 (checked by the caller) */
             for (int64_t d = 0; d < D; d++) x[d] = get(qkv, src + d, bf16);
+            const void *norm_w = h < H ? q_norm_w : k_norm_w;
+            if (norm_w) head_rms_norm(x, norm_w, D, eps, bf16);
             for (int64_t d = 0; d < half; d++)                  /* rotate_half: (-x2, x1) */
                 v[d] = rnd(rnd(x[d] * rnd(c[d], bf16), bf16) + rnd(-x[d + half] * rnd(s[d], bf16), bf16), bf16);
             for (int64_t d = half; d < D; d++)

@@ -4,7 +4,8 @@ Inputs are float32 or bf16 row-major ``[rows, features]`` CPU tensors; the model
 when the step's metadata says so (:func:`kernels.paged_attention.cpu_kernels_apply`).
 
 Each replaces a chain of small tensor operations whose framework overhead, at a few rows,
-outweighs their arithmetic. Results follow the torch code in :mod:`model.llama` and
+outweighs their arithmetic (Qwen3's per-head q/k RMSNorm runs inside :func:`rope_write_kv`).
+Results follow the torch code in :mod:`model.llama` and
 :mod:`model.rope` rounding for rounding (float32 up to the order of the RMS sum).
 """
 
@@ -44,15 +45,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, layer: int,
-                  slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> torch.Tensor:
     """RoPE on the queries and keys of ``qkv`` (``[n, (H + 2 Hkv) D]``, as ``qkv_proj`` returns it);
     rotated keys and the values go to ``kv_cache`` (of qkv's dtype) at ``slot_mapping`` (``[n]`` int64).
     ``cos``/``sin``: ``[n, 1, D]`` or ``[n, D]`` float32. Returns the rotated queries ``[n, H, D]`` float32.
-    Slots must lie inside the cache (not checked; the engine allocates them from its pool).
+    ``q_norm``, ``k_norm`` (``[D]`` of qkv's dtype, both or neither): each query / key head is first
+    RMS-normalized with ``eps`` and scaled by them, as :class:`model.llama.RMSNorm` over the head
+    (Qwen3). Slots must lie inside the cache (not checked; the engine allocates them from its pool).
 
     Raises:
         ValueError: an odd ``head_dim`` or one above 512, or shapes, dtypes and layouts that do not
-            fit each other (the cache must have qkv's dtype and head layout, the slots be int64).
+            fit each other (the cache and norm weights must have qkv's dtype and head layout, the
+            slots be int64).
     """
     n = qkv.shape[0]
     _check_rows("rope_write_kv", qkv)
@@ -66,16 +72,22 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (n,):
         raise ValueError(f"rope_write_kv: slot_mapping must be [{n}] int64, got {tuple(slot_mapping.shape)} "
                          f"{slot_mapping.dtype}")
+    if (q_norm is None) != (k_norm is None) or any(
+            w is not None and (w.dtype != qkv.dtype or w.shape != (head_dim,) or not w.is_contiguous())
+            for w in (q_norm, k_norm)):
+        raise ValueError(f"rope_write_kv: q_norm and k_norm must both be contiguous [{head_dim}] {qkv.dtype} "
+                         f"or both None")
     cos, sin = cos.reshape(n, head_dim).contiguous(), sin.reshape(n, head_dim).contiguous()
     slots = slot_mapping.contiguous()
+    norms = (q_norm.data_ptr(), k_norm.data_ptr()) if q_norm is not None else (None, None)
     q = torch.empty(n, num_heads, head_dim)
     s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
     base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
     _fn("pd_rope_write_kv", [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _i64,
-                             _int])(
+                             _int, _p, _p, _f])(
         qkv.data_ptr(), n, qkv.stride(0), num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         q.data_ptr(), base, s_block, s_tok, s_head, s_kv, slots.data_ptr(), kv_cache.shape[3],
-        int(qkv.dtype == torch.bfloat16))
+        int(qkv.dtype == torch.bfloat16), *norms, eps)
     return q
 
 

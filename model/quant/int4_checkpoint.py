@@ -23,9 +23,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pdserve.model.checkpoint import iter_tensors, resolve_model_dir, safetensors_files
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.loader import expected_tensors, load_model, read_safetensors
+from pdserve.model.loader import Placement, assemble_state, expected_tensors, finish_model, load_model
 from pdserve.model.quant.int4 import Int4Linear, calibrated_weights, iter_targets
 from pdserve.model.quant.int4_format import (
     FORMAT_VERSION,
@@ -36,7 +37,6 @@ from pdserve.model.quant.int4_format import (
     quantization_settings,
     quantize_weight,
 )
-from pdserve.model.rope import RotaryEmbedding
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -81,7 +81,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, group_size: int = 128,
 
 def _source_dtype(model_dir: Path) -> torch.dtype:
     """dtype of the first floating tensor in the checkpoint (header only)."""
-    for path in sorted(model_dir.glob("*.safetensors")):
+    for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
@@ -101,7 +101,7 @@ def save_quantized_checkpoint(model_dir_in: str | Path, out_dir: str | Path, gro
     Raises:
         FileNotFoundError, ValueError: as :func:`model.loader.load_model`, or bad settings.
     """
-    model_dir_in, out_dir = Path(model_dir_in), Path(out_dir)
+    model_dir_in, out_dir = resolve_model_dir(model_dir_in), Path(out_dir)
     if out_dir.resolve() == model_dir_in.resolve():
         raise ValueError(f"{out_dir}: refusing to overwrite the source checkpoint")
     src_dtype = _source_dtype(model_dir_in)
@@ -119,12 +119,9 @@ def save_quantized_checkpoint(model_dir_in: str | Path, out_dir: str | Path, gro
     return out_dir
 
 
-def _header_metadata(model_dir: Path) -> list[dict[str, str]]:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+def _header_metadata(model_dir: str | Path) -> list[dict[str, str]]:
     out = []
-    for path in files:
+    for path in safetensors_files(resolve_model_dir(model_dir)):
         with safe_open(str(path), framework="pt") as f:
             out.append(f.metadata() or {})
     return out
@@ -134,7 +131,7 @@ def is_int4_checkpoint(model_dir: str | Path) -> bool:
     """True when a ``*.safetensors`` header in ``model_dir`` carries :data:`METADATA_KEY`
     (validity is checked by :func:`load_int4_checkpoint`); False also when there are none."""
     try:
-        return any(METADATA_KEY in m for m in _header_metadata(Path(model_dir)))
+        return any(METADATA_KEY in m for m in _header_metadata(model_dir))
     except FileNotFoundError:
         return False
 
@@ -146,7 +143,7 @@ def read_quantization_metadata(model_dir: str | Path) -> dict:
         FileNotFoundError: no ``*.safetensors`` file.
         ValueError: metadata missing, not JSON, of an unknown format version, or unsupported settings.
     """
-    found = [m[METADATA_KEY] for m in _header_metadata(Path(model_dir)) if METADATA_KEY in m]
+    found = [m[METADATA_KEY] for m in _header_metadata(model_dir) if METADATA_KEY in m]
     if not found:
         raise ValueError(f"{model_dir}: not a pre-quantized int4 checkpoint: no {METADATA_KEY!r} key in the "
                          "safetensors header metadata (quantize it with save_quantized_checkpoint(), or load "
@@ -180,28 +177,25 @@ def load_int4_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float
         FileNotFoundError: ``config.json`` or the weights are missing.
         ValueError: missing/unknown quantization metadata, or tensors that do not match the config.
     """
-    model_dir = Path(model_dir)
+    model_dir = resolve_model_dir(model_dir)
     settings = read_quantization_metadata(model_dir)
     cfg = ModelConfig.from_hf_dir(model_dir)
-    state = read_safetensors(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
         for parent, attr, lin in iter_targets(model):
             setattr(parent, attr, Int4Linear(lin.in_features, lin.out_features, lin.bias is not None,
                                              settings["group_size"], bias_dtype=dtype))
-    expected = expected_tensors(model, cfg, state, model_dir)
-    for name, tensor in state.items():
-        want = expected[name]
-        if tuple(tensor.shape) != tuple(want.shape) or (tensor.dtype == torch.uint8) != (want.dtype == torch.uint8):
-            raise ValueError(f"{model_dir}: {name} has shape {tuple(tensor.shape)} {tensor.dtype}, "
-                             f"config implies {tuple(want.shape)} {want.dtype}")
+    expected = expected_tensors(model, cfg)
     quant_buffers = (".qweight", ".scales", ".zeros")
-    state = {k: v if k.endswith(quant_buffers) else v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    model.rotary = RotaryEmbedding(cfg)                         # its buffer was built on the meta device
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model = model.to(device).eval()
+
+    def dtype_for(name: str, first: torch.Tensor) -> torch.dtype:
+        if (first.dtype == torch.uint8) != (expected[name].dtype == torch.uint8):
+            raise ValueError(f"{model_dir}: {name} has dtype {first.dtype}, config implies {expected[name].dtype}")
+        return first.dtype if name.endswith(quant_buffers) else dtype    # quantized buffers as stored
+
+    layout = {name: Placement(name, 0, t.shape[0]) for name, t in expected.items()}
+    state = assemble_state(iter_tensors(model_dir), expected, layout, dtype_for, model_dir)
+    model = finish_model(model, cfg, state, device)
     for _, _, mod in iter_targets(model):
         mod.prepare()
     model.quantization = settings

@@ -1,0 +1,124 @@
+"""The model families the one decoder serves, as small options read from ``config.json``, and the
+checks that refuse what it cannot run exactly.
+
+Each family's options follow its ``transformers`` modeling code (``models/<type>/modeling_<type>.py``),
+which is the reference for token-exact output::
+
+    model_type  projection biases                          q/k norm  head_dim if absent  sliding window
+    llama       q, k, v, o: attention_bias; MLP: mlp_bias  no        hidden / heads      none
+    mistral     none                                       no        hidden / heads      sliding_window, all layers
+    qwen2       q, k, v always; o and MLP none             no        hidden / heads      see below
+    qwen3       q, k, v, o: attention_bias                 yes       128                 see below
+
+    Qwen sliding window: only with use_sliding_window, on the layers layer_types marks
+    "sliding_attention", else on layers >= max_window_layers.
+
+Refused at load, with the field and the supported values named (never loaded silently wrong):
+another ``model_type`` or an ``architectures`` entry of another kind of head, a ``hidden_act``
+other than SiLU, a ``rope_scaling`` type other than default / linear / llama3 (or one missing its
+parameters), any ``quantization_config`` (pdserve quantizes itself: INT4 decode weights, FP8 prefill),
+an odd ``head_dim`` (RoPE rotates pairs), and a sliding window shorter than the context the model is
+served at (``max_position_embeddings``): sliding-window attention is not implemented here, and a
+window at least as long as the context never masks anything, so such checkpoints run exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+HIDDEN_ACTS = ("silu", "swish")              # transformers' ACT2FN maps both to SiLU
+ROPE_TYPES = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28       # Qwen2Config / Qwen3Config default
+
+
+def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The decoder options of ``model_type`` from its ``config.json`` dict ``raw``.
+
+    Returns a dict with ``qkv_bias``, ``o_proj_bias``, ``mlp_bias``, ``qk_norm`` (bools) and
+    ``head_dim`` (int).
+
+    Raises:
+        ValueError: an unsupported ``model_type``.
+    """
+    check_model_type(model_type, raw)
+    heads = int(raw["num_attention_heads"])
+    default_head_dim = 128 if model_type == "qwen3" else int(raw["hidden_size"]) // heads
+    attention_bias = bool(raw.get("attention_bias", False))
+    options = {  # per family: (qkv_bias, o_proj_bias, mlp_bias, qk_norm)
+        "llama": (attention_bias, attention_bias, bool(raw.get("mlp_bias", False)), False),
+        "mistral": (False, False, False, False),
+        "qwen2": (True, False, False, False),
+        "qwen3": (attention_bias, attention_bias, False, True),
+    }[model_type]
+    return dict(zip(("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"), options),
+                head_dim=int(raw.get("head_dim") or default_head_dim))
+
+
+def check_model_type(model_type: str, raw: dict[str, Any]) -> None:
+    """Refuse a ``model_type`` outside :data:`FAMILIES`, or ``architectures`` naming another head.
+
+    Raises:
+        ValueError: naming the field and the supported values.
+    """
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    archs = raw.get("architectures") or []
+    if archs and ARCHITECTURES[model_type] not in archs:
+        raise ValueError(f"config.json architectures {archs} do not include {ARCHITECTURES[model_type]!r}, the "
+                         f"causal LM of model_type {model_type!r}; supported: "
+                         f"{', '.join(ARCHITECTURES.values())}")
+
+
+def check_supported(model_type: str, raw: dict[str, Any], rope_scaling: dict | None, head_dim: int) -> None:
+    """Refuse what the decoder cannot run exactly (see the module docstring).
+
+    Raises:
+        ValueError: naming the ``config.json`` field and the supported values.
+    """
+    act = raw.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"config.json hidden_act {act!r} is not supported; supported: {', '.join(HIDDEN_ACTS)}")
+    if raw.get("quantization_config"):
+        method = (raw["quantization_config"] or {}).get("quant_method", "?")
+        raise ValueError(f"config.json quantization_config (quant_method {method!r}) is not read by pdserve; "
+                         "supported: none (serve the float checkpoint; pdserve quantizes itself: --weights int4, "
+                         "--activations fp8, or an INT4 checkpoint written by save_quantized_checkpoint)")
+    if rope_scaling:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"config.json rope_scaling type {kind!r} is not supported; supported: "
+                             f"{', '.join(ROPE_TYPES)}")
+        missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]
+        if missing:
+            raise ValueError(f"config.json rope_scaling of type {kind!r} lacks {missing}")
+    if head_dim % 2:
+        raise ValueError(f"config.json head_dim {head_dim} is odd; supported: even head dims (RoPE rotates pairs)")
+    window, layers = sliding_window(model_type, raw)
+    context = int(raw.get("max_position_embeddings", 2048))
+    if window is not None and layers and window < context:
+        raise ValueError(
+            f"config.json sliding_window {window} (on layers {layers[0]}..{layers[-1]}) is shorter than the "
+            f"{context}-token context it would be served at (max_position_embeddings): sliding-window attention "
+            f"is not supported; supported: no sliding window, or sliding_window >= max_position_embeddings")
+
+
+def sliding_window(model_type: str, raw: dict[str, Any]) -> tuple[int | None, list[int]]:
+    """``(window, layers)``: the sliding window transformers applies for this config and the layers
+    it applies to (``(None, [])`` when none does)."""
+    num_layers = int(raw["num_hidden_layers"])
+    window = raw.get("sliding_window")
+    if model_type == "mistral":
+        return (int(window), list(range(num_layers))) if window is not None else (None, [])
+    if model_type not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or window is None:
+        return None, []
+    types = raw.get("layer_types")
+    if types:
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    else:
+        first = int(raw.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
+        layers = list(range(first, num_layers))
+    return int(window), layers

@@ -1,0 +1,73 @@
+"""Seeded random checkpoints of every family with awkward shapes, written by ``transformers``' own
+model classes (so the checkpoint format is the reference's, not ours), for the family tests.
+
+    family    hidden  heads x head_dim   KV heads  intermediate  head     other
+    llama         72  3 x 24                    1           100  untied   rope_theta 500 (+ rope_scaling variants)
+    qwen2         80  4 x 20                    1           136  tied     q/k/v biases, rope_theta 1e6
+    qwen3         64  3 x 40 (!= 64 / 3)        1            96  untied   q/k norm, rope_theta 1e6
+    mistral       96  4 x 36 (!= 96 / 4)        2           120  untied   sliding_window = context (never masks)
+
+Every model: 2 layers, vocab 1000, 256 positions, BOS 1, EOS 2, the embedded model's tokenizer.
+Weights N(0, 0.15) (larger than transformers' init, so greedy output is not flat), biases N(0, 0.3),
+norm weights 1 + N(0, 0.2) (so that q/k norm weights matter).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from pdserve.deploy.config import EMBEDDED_MODEL
+
+FAMILIES = ("qwen2", "qwen3", "mistral")
+_COMMON = dict(num_hidden_layers=2, vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-5,
+               bos_token_id=1, eos_token_id=2)
+SHAPES = {
+    "llama": dict(_COMMON, hidden_size=72, intermediate_size=100, num_attention_heads=3, num_key_value_heads=1,
+                  head_dim=24, tie_word_embeddings=False, rope_theta=500.0),
+    "qwen2": dict(_COMMON, hidden_size=80, intermediate_size=136, num_attention_heads=4, num_key_value_heads=1,
+                  tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": dict(_COMMON, hidden_size=64, intermediate_size=96, num_attention_heads=3, num_key_value_heads=1,
+                  head_dim=40, tie_word_embeddings=False, rope_theta=1e6),
+    "mistral": dict(_COMMON, hidden_size=96, intermediate_size=120, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=36, tie_word_embeddings=False, rope_theta=1e4, sliding_window=256),
+}
+
+
+def write_checkpoint(family: str, out: str | Path, seed: int = 0, **overrides) -> str:
+    """Write a random ``family`` checkpoint (:data:`SHAPES`, with ``overrides``) to ``out`` with
+    ``transformers``' ``save_pretrained``; returns the directory."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    out = Path(out)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **(SHAPES[family] | overrides))
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.3)
+            else:
+                p.normal_(0, 0.15)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(EMBEDDED_MODEL) / name, out / name)
+    return str(out)
+
+
+def hf_model(model_dir: str):
+    """The ``transformers`` float32 model of a checkpoint directory, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def random_prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
+    """``n`` seeded token ids in ``[3, vocab)`` (no BOS, no EOS)."""
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()

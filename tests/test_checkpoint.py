@@ -1,0 +1,207 @@
+"""Checkpoints: hub repository ids from a local Hugging Face cache, sharded safetensors, loading
+tensor by tensor, and the checkpoints pdserve refuses (named field, supported values)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.model import checkpoint, loader
+from pdserve.model.checkpoint import INDEX_FILE, model_reference, resolve_model_dir
+from pdserve.model.config import ModelConfig
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.quant.int4_checkpoint import is_int4_checkpoint, load_int4_checkpoint, save_quantized_checkpoint
+from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.tokenizer import Tokenizer
+from tests.family_checkpoints import hf_model, random_prompt, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> str:
+    return write_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"), seed=3)
+
+
+def _logits(model, cfg, ids):
+    runner = ModelRunner(model, KVCacheSpec(16, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim))
+    return runner.run([StepInput(ids, 0, list(range(16)))], all_logits=True)
+
+
+def _fake_hub_cache(root: Path, repo_id: str, src: str, revision: str = "0123abcd") -> Path:
+    """The layout huggingface_hub writes: refs/main -> commit, snapshots/<commit>/ holding the files."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    for f in Path(src).iterdir():
+        shutil.copy(f, snapshot / f.name)
+    return snapshot
+
+
+def test_a_hub_repository_id_resolves_from_the_local_cache(tmp_path, monkeypatch, qwen2_dir):
+    cache = tmp_path / "hub"
+    snapshot = _fake_hub_cache(cache, "Qwen/Qwen2.5-Tiny-Instruct", qwen2_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert resolve_model_dir("Qwen/Qwen2.5-Tiny-Instruct") == snapshot
+    assert model_reference("Qwen/Qwen2.5-Tiny-Instruct") == "Qwen/Qwen2.5-Tiny-Instruct"   # each process resolves
+    assert model_reference(qwen2_dir) == str(Path(qwen2_dir).resolve())
+    cfg = ModelConfig.from_hf_dir("Qwen/Qwen2.5-Tiny-Instruct")
+    assert cfg == ModelConfig.from_hf_dir(qwen2_dir) and cfg.model_type == "qwen2"
+    model, _ = load_model("Qwen/Qwen2.5-Tiny-Instruct")
+    reference, _ = load_model(qwen2_dir)
+    ids = random_prompt(9, seed=1)
+    assert torch.equal(_logits(model, cfg, ids), _logits(reference, cfg, ids))
+    assert Tokenizer("Qwen/Qwen2.5-Tiny-Instruct", cfg.bos_token_id).encode("Once upon") == \
+        Tokenizer(qwen2_dir, cfg.bos_token_id).encode("Once upon")
+    assert not is_int4_checkpoint("Qwen/Qwen2.5-Tiny-Instruct")
+
+
+def test_an_absent_repository_says_where_it_looked(tmp_path, monkeypatch):
+    cache = tmp_path / "empty-hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    for call in (resolve_model_dir, ModelConfig.from_hf_dir, load_model, model_reference,
+                 lambda m: Tokenizer(m, None)):
+        with pytest.raises(FileNotFoundError) as err:
+            call("Qwen/Qwen2.5-0.5B-Instruct")
+        assert str(cache / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots") in str(err.value)
+    with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+        resolve_model_dir(str(tmp_path / "nowhere" / "at" / "all"))
+
+
+def test_sharded_safetensors_load_through_their_index(tmp_path, qwen2_dir):
+    """save_pretrained with a small max_shard_size writes shards and model.safetensors.index.json; a
+    stray *.safetensors beside them is not read; a shard the index names must be there."""
+    sharded = tmp_path / "sharded"
+    hf_model(qwen2_dir).save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(qwen2_dir) / name, sharded / name)
+    shards = checkpoint.safetensors_files(sharded)
+    assert (sharded / INDEX_FILE).exists() and len(shards) > 2
+    shutil.copy(shards[0], sharded / "stray.safetensors")
+    model, cfg = load_model(sharded)
+    reference, _ = load_model(qwen2_dir)
+    ids = random_prompt(11, seed=2)
+    assert torch.equal(_logits(model, cfg, ids), _logits(reference, cfg, ids))
+    q = save_quantized_checkpoint(sharded, tmp_path / "int4", group_size=32)      # INT4 from shards
+    assert not (q / INDEX_FILE).exists() and load_int4_checkpoint(q)[1] == cfg
+    shards[-1].unlink()
+    with pytest.raises(FileNotFoundError, match="shards that are not there"):
+        load_model(sharded)
+
+
+def test_tensors_are_cast_into_place_one_at_a_time(monkeypatch, tmp_path, qwen2_dir):
+    """Loading a bf16 checkpoint as float32: each checkpoint tensor is gone before the next is read
+    (never the whole checkpoint twice), and the model equals a cast of the bf16 weights."""
+    bf16 = tmp_path / "bf16"
+    hf = hf_model(qwen2_dir)
+    hf.to(torch.bfloat16).save_pretrained(bf16)
+    alive: list[weakref.ref] = []
+    real = checkpoint.iter_tensors
+
+    def watched(model_dir):
+        for name, tensor in real(model_dir):
+            assert not [r for r in alive if r() is not None], f"an earlier tensor is still held when {name} is read"
+            alive.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    monkeypatch.setattr(loader, "iter_tensors", watched)
+    model, _ = load_model(bf16, torch.float32)
+    assert len(alive) > 10
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.embed_tokens.weight, hf.model.embed_tokens.weight.float())
+    k_bias = model.layers[1].self_attn.qkv_proj.bias[80:100]      # q: 4 heads x 20, then k: 1 head x 20
+    assert torch.equal(k_bias, hf.model.layers[1].self_attn.k_proj.bias.float())
+
+
+def _edited(tmp_path: Path, src: str, **changes) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(src, out)
+    raw = json.loads((out / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.mark.parametrize("changes, field, supported", [
+    (dict(model_type="gemma"), "model_type 'gemma'", "llama, mistral, qwen2, qwen3"),
+    (dict(architectures=["Qwen2ForSequenceClassification"]), "architectures", "Qwen2ForCausalLM"),
+    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'", "silu"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None), "rope_scaling type 'yarn'",
+     "default, linear, llama3"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}), "rope_scaling type 'dynamic'",
+     "default, linear, llama3"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}, rope_parameters=None), "rope_scaling of type 'llama3'",
+     "low_freq_factor"),
+    (dict(quantization_config={"quant_method": "gptq", "bits": 4}), "quantization_config", "supported: none"),
+    (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1, layer_types=None), "sliding_window 64",
+     "sliding_window >= max_position_embeddings"),
+    (dict(head_dim=21), "head_dim 21", "even"),
+])
+def test_unsupported_checkpoints_are_refused_naming_the_field(tmp_path, qwen2_dir, changes, field, supported):
+    path = _edited(tmp_path, qwen2_dir, **changes)
+    for call in (ModelConfig.from_hf_dir, load_model):
+        with pytest.raises(ValueError) as err:
+            call(path)
+        assert field in str(err.value) and supported in str(err.value), str(err.value)
+
+
+def test_mistral_sliding_window_is_refused_only_when_shorter_than_the_context(tmp_path):
+    path = write_checkpoint("mistral", tmp_path / "m", sliding_window=128)       # 256-token context
+    with pytest.raises(ValueError, match="sliding_window 128 .*shorter than the 256-token context"):
+        load_model(path)
+    for window in (256, 4096, None):
+        raw = json.loads((Path(path) / "config.json").read_text()) | {"sliding_window": window}
+        (Path(path) / "config.json").write_text(json.dumps(raw))
+        assert ModelConfig.from_hf_dir(path).model_type == "mistral"
+
+
+def test_qwen_sliding_window_counts_only_when_enabled(tmp_path, qwen2_dir):
+    """Qwen2.5 checkpoints carry sliding_window with use_sliding_window false: served; layer_types
+    with a sliding layer and use_sliding_window true: refused."""
+    ok = _edited(tmp_path, qwen2_dir, use_sliding_window=False, sliding_window=32, max_window_layers=0)
+    assert ModelConfig.from_hf_dir(ok).qkv_bias
+    shutil.rmtree(ok)
+    bad = _edited(tmp_path, qwen2_dir, use_sliding_window=True, sliding_window=32,
+                  layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ValueError, match=r"sliding_window 32 \(on layers 1..1\)"):
+        ModelConfig.from_hf_dir(bad)
+
+
+def test_family_options_follow_the_transformers_modeling_code(tmp_path):
+    """Which projections carry biases and whether q/k are normalized, per family (module docstring
+    of model/families.py), read from checkpoints transformers wrote."""
+    want = {("llama", False): (False, False, False), ("llama", True): (True, True, False),
+            ("mistral", False): (False, False, False), ("qwen2", False): (True, False, False),
+            ("qwen3", False): (False, False, True), ("qwen3", True): (True, True, True)}
+    for (family, bias), (qkv_bias, o_bias, qk_norm) in want.items():
+        over = {"attention_bias": True} if bias else {}
+        cfg = ModelConfig.from_hf_dir(write_checkpoint(family, tmp_path / f"{family}-{bias}", **over))
+        assert (cfg.qkv_bias, cfg.o_proj_bias, cfg.qk_norm) == (qkv_bias, o_bias, qk_norm), (family, bias)
+
+
+def test_a_cluster_serves_a_hub_repository_id(tmp_path, monkeypatch, redis_url, qwen2_dir):
+    """Router and workers (separate processes, inheriting HF_HUB_CACHE) resolve the id themselves."""
+    from tests.conftest import Cluster, hf_greedy
+
+    _fake_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-Tiny", qwen2_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    c = Cluster("Qwen/Qwen2.5-Tiny", redis_url)
+    try:
+        ids = random_prompt(13, seed=4)
+        assert c.complete(ids, max_tokens=10, temperature=0).token_ids == hf_greedy(hf_model(qwen2_dir), ids, 10)
+        assert c.state().model == "Qwen/Qwen2.5-Tiny"
+        c.assert_pools_free()
+    finally:
+        c.stop()
