@@ -152,8 +152,8 @@ class Router:
                 # into the operator's ranges before admission and the attainment counters see them
                 req = replace(req, slo=req.slo.clamped(self.cfg.min_slo_s, self.cfg.max_ttft_slo_s,
                                                        self.cfg.max_tpot_slo_s))
-                if not self.workers:
-                    await self._refresh_if_stale()
+                if not self.workers:  # none known yet (e.g. the first request after start): look now
+                    await self._refresh_if_stale(max_age_s=0.0)
                 lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
                                    lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
@@ -212,12 +212,14 @@ class Router:
         for w in self.workers:
             self._ids_at.setdefault(w.address, set()).add(w.worker_id)
 
-    async def _refresh_if_stale(self) -> None:
-        """Read the registry unless the last read (usually the poller's) started less than
-        ``registry_poll_s`` ago; concurrent callers wait for one read, so Redis sees at most one
-        registry read per ``registry_poll_s`` however many clients ask."""
+    async def _refresh_if_stale(self, max_age_s: float | None = None) -> None:
+        """Read the registry unless a read (usually the poller's) started less than ``max_age_s``
+        (default ``registry_poll_s``) before this call; concurrent callers wait for one read, so
+        Redis sees at most one registry read per ``registry_poll_s`` however many clients ask
+        (``max_age_s=0``: only a read that started after this call will do)."""
+        asked = time.monotonic()
         async with self._read_lock:
-            if time.monotonic() - self._read_at >= self.cfg.registry_poll_s:
+            if self._read_at <= asked - (self.cfg.registry_poll_s if max_age_s is None else max_age_s):
                 await self._refresh()
 
     async def _slo_attainment(self) -> dict | None:
