@@ -24,16 +24,8 @@ def toks(*labels: int) -> list[int]:
     return [t for lab in labels for t in [lab] * BS] + [99]  # + a partial block: every full block is matchable
 
 
-def drop_keys(url: str, name: str) -> None:
-    r = redis.Redis.from_url(url)
-    keys = r.keys(f"pdserve:{name}:*")
-    if keys:
-        r.delete(*keys)
-    r.close()
-
-
 def new_namespace() -> str:
-    """A fresh registry namespace for one test (delete its keys with :func:`drop_keys`)."""
+    """A fresh registry namespace for one test (delete its keys with :func:`delete_cluster_keys`)."""
     return "idxsync-" + uuid.uuid4().hex[:8]
 
 

@@ -8,9 +8,9 @@ import asyncio
 import uuid
 
 import pytest
-import redis
 import redis.asyncio as aioredis
 
+from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.router.admission import Admission, TpotParams
 
 LOOSE = TpotParams(0.0, 0.0, 0.0, 0)  # decode side never binds
@@ -25,11 +25,7 @@ def cluster(redis_url):
     """A private namespace; every key in it is deleted afterwards."""
     name = "adm-" + uuid.uuid4().hex[:8]
     yield name
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"pdserve:{name}:*", count=500))
-    if keys:
-        r.delete(*keys)
-    r.close()
+    delete_cluster_keys(redis_url, name)
 
 
 def test_ttft_budget_release_and_infeasible(redis_url, cluster):

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdserve.deploy import client
+from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.proto import pdserve_pb2
 from pdserve.router.admission import MAX_DECODE_TTL_S, Admission, TpotParams
 from pdserve.router.choose import ADMISSION_UNAVAILABLE, Reservation
@@ -45,11 +46,7 @@ def namespace(redis_url):
     """A private registry namespace; every key in it is deleted afterwards."""
     name = "poison-" + uuid.uuid4().hex[:8]
     yield name
-    r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(match=f"pdserve:{name}:*", count=500))
-    if keys:
-        r.delete(*keys)
-    r.close()
+    delete_cluster_keys(redis_url, name)
 
 
 def _adm_keys(redis_url: str, cluster: str) -> dict[str, dict]:

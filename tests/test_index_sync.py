@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.cluster.registry import RegistryReader, WorkerInfo, WorkerLease
-from tests.index_sync_helpers import BS, PROMPTS, check, drop_keys, new_namespace, rig, run, toks
+from pdserve.deploy.ray_cluster import delete_cluster_keys
+from tests.index_sync_helpers import BS, PROMPTS, check, new_namespace, rig, run, toks
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def cluster(redis_url):
     """A private namespace; every key in it is deleted afterwards."""
     name = new_namespace()
     yield name
-    drop_keys(redis_url, name)
+    delete_cluster_keys(redis_url, name)
 
 
 def test_events_flow_into_an_exact_index(redis_url, cluster):
@@ -190,4 +191,4 @@ def test_random_histories_keep_the_index_equal_to_the_caches(redis_url, ops, num
     try:
         run(main())
     finally:
-        drop_keys(redis_url, name)
+        delete_cluster_keys(redis_url, name)

@@ -11,9 +11,10 @@ import pytest
 import redis
 
 from pdserve.cluster.kv_events import events_key, read_events
+from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.router.index_sync import IndexSync
 from pdserve.router.prefix_index import PrefixIndex
-from tests.index_sync_helpers import BS, PROMPTS, check, drop_keys, new_namespace, rig, run
+from tests.index_sync_helpers import BS, PROMPTS, check, new_namespace, rig, run
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def cluster(redis_url):
     """A private namespace; every key in it is deleted afterwards."""
     name = new_namespace()
     yield name
-    drop_keys(redis_url, name)
+    delete_cluster_keys(redis_url, name)
 
 
 def test_first_sync_uses_the_snapshot_when_the_stream_is_trimmed(redis_url, cluster):

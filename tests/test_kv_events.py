@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from pdserve.cluster.kv_events import KVEvent, KVEventPublisher, events_key, read_events, read_snapshot, snapshot_key
+from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.model.block_hash import block_hashes, root_hash
 from pdserve.model.kv_cache import BlockPool
 from pdserve.prefill_worker.prefix_cache import PrefixCache
@@ -22,11 +23,7 @@ def cluster(redis_url):
     """A private namespace; every key in it is deleted afterwards."""
     name = "kvev-" + uuid.uuid4().hex[:8]
     yield name
-    r = redis.Redis.from_url(redis_url)
-    keys = r.keys(f"pdserve:{name}:*")
-    if keys:
-        r.delete(*keys)
-    r.close()
+    delete_cluster_keys(redis_url, name)
 
 
 def serve(cache: PrefixCache, prompt: list[int]) -> list[int]:

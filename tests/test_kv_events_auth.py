@@ -20,12 +20,13 @@ from pdserve.cluster.kv_events import (
     read_snapshot,
     snapshot_key,
 )
+from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.model.block_hash import block_hashes
 from pdserve.model.kv_cache import BlockPool
 from pdserve.prefill_worker.prefix_cache import PrefixCache
 from pdserve.router.index_sync import IndexSync
 from pdserve.router.prefix_index import PrefixIndex
-from tests.index_sync_helpers import BS, PROMPTS, Worker, check, drop_keys, new_namespace, run, toks
+from tests.index_sync_helpers import BS, PROMPTS, Worker, check, new_namespace, run, toks
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 OTHER_SECRET = b"fedcba9876543210fedcba9876543210"
@@ -35,7 +36,7 @@ OTHER_SECRET = b"fedcba9876543210fedcba9876543210"
 def cluster(redis_url):
     name = new_namespace()
     yield name
-    drop_keys(redis_url, name)
+    delete_cluster_keys(redis_url, name)
 
 
 class SignedWorker(Worker):

@@ -26,6 +26,7 @@ import redis
 from pdserve.cluster.registry import RegistryReader, WorkerInfo, WorkerLease
 from pdserve.deploy import client
 from pdserve.deploy.processes import spawn_role
+from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import PrefillStats
 from pdserve.router.server import Router
@@ -141,7 +142,6 @@ def test_per_worker_state_returns_to_its_size_after_50_scale_cycles(model_dir, r
     procs = [f.result() for f in futures if f.exception() is None]
     cfg = RouterConfig(model_dir=model_dir, cluster="churn-" + uuid.uuid4().hex[:8], redis_url=redis_url,
                        registry_poll_s=0.05, registry_grace_s=0.2, admission=True, kv_timeout_s=10.0)
-    r = redis.Redis.from_url(redis_url)
     try:
         assert len(procs) == len(specs), [f.exception() for f in futures]
         report = asyncio.run(_churn(cfg, spare, redis_url))
@@ -151,10 +151,7 @@ def test_per_worker_state_returns_to_its_size_after_50_scale_cycles(model_dir, r
         for p in procs:
             p.stop()
         for ns in (cfg.cluster, spare):
-            keys = list(r.scan_iter(match=f"pdserve:{ns}:*", count=500))
-            if keys:
-                r.delete(*keys)
-        r.close()
+            delete_cluster_keys(redis_url, ns)
     print(report)
     start, end = report["start"], report["end"]
     assert report["failed"] == [] and report["recovered"] == 0, report
