@@ -62,7 +62,7 @@ from pdserve.router.validation import ValidRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClusterView", "GenerateError", "run_generate"]
+__all__ = ["run_generate"]
 
 
 async def run_generate(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,

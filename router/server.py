@@ -45,13 +45,14 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.admission import Admission
+from pdserve.router.choose import ClusterView
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import PrefillStats
-from pdserve.router.generate import ClusterView, GenerateError, run_generate
+from pdserve.router.generate import run_generate
 from pdserve.router.http.server import HttpFrontEnd
 from pdserve.router.kv_aware import KVAwareness
 from pdserve.router.limits import StreamLimitExceeded, StreamSlots
-from pdserve.router.recovery import RegistryMemory
+from pdserve.router.recovery import GenerateError, RegistryMemory
 from pdserve.router.request import RequestTimes
 from pdserve.router.slo import Slo, SloGate
 from pdserve.router.validation import parse_request, validate
