@@ -22,7 +22,9 @@ from pdserve.model.sampling import SamplingParams
 
 MAX_ATTEMPT_ID_CHARS = 256
 """Longest ``request_id`` (an attempt id) a worker takes: the router's are about 40 characters."""
-_UNSAFE = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})  # control, format, line/paragraph separators, surrogates
+UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+"""Unicode categories no id may carry into a log line: control, format, line/paragraph separators,
+surrogates (the router escapes them in client ids, workers refuse them in attempt ids)."""
 
 
 def _short(value: object, limit: int = 80) -> str:
@@ -42,7 +44,7 @@ def check_attempt_id(attempt_id: str) -> str:
         raise ValueError("request_id is empty")
     if len(attempt_id) > MAX_ATTEMPT_ID_CHARS:
         raise ValueError(f"request_id of {len(attempt_id)} characters exceeds {MAX_ATTEMPT_ID_CHARS}")
-    if any(unicodedata.category(c) in _UNSAFE for c in attempt_id):
+    if any(unicodedata.category(c) in UNSAFE_CATEGORIES for c in attempt_id):
         raise ValueError(f"request_id {_short(attempt_id)} holds control or format characters")
     return attempt_id
 

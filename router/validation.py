@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from google.protobuf import message as pb_message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from pdserve.cluster.rpc_fields import UNSAFE_CATEGORIES
 from pdserve.model.config import ModelConfig
 from pdserve.model.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
@@ -68,15 +69,12 @@ def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
     return req
 
 
-_UNSAFE = frozenset({"Cc", "Cf", "Zl", "Zp"})
-
-
 def printable_id(request_id: str) -> str:
     """``request_id`` safe to write into a log line: control, format and line/paragraph separator
-    characters (Unicode categories Cc, Cf, Zl, Zp: newlines, ANSI escapes, bidirectional overrides)
+    characters (:data:`cluster.rpc_fields.UNSAFE_CATEGORIES`: newlines, ANSI escapes, bidirectional overrides)
     replaced by their ``\\x..``/``\\u....`` escapes, so a client cannot forge or hide log lines; any
     other text is kept. The router uses (and echoes in ``Final.request_id``) this form."""
-    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in _UNSAFE else c
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in UNSAFE_CATEGORIES else c
                    for c in request_id)
 
 
