@@ -87,7 +87,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     The request id is kept as given when printable, else escaped (:func:`printable_id`).
 
     Raises:
-        ValueError: request_id over 256 characters; empty prompt; text prompt longer than
+        ValueError: request_id over 256 characters once escaped; empty prompt; text prompt longer than
             :attr:`Tokenizer.max_token_chars` x context; token ids outside the vocabulary; prompt plus
             max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
             the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
@@ -96,8 +96,10 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(f"request_id of {len(req.request_id)} characters exceeds {MAX_REQUEST_ID_CHARS}")
+    request_id = printable_id(req.request_id)  # what the router keeps, logs and echoes: bounded as kept
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id of {len(request_id)} characters (control characters escaped) exceeds "
+                         f"{MAX_REQUEST_ID_CHARS}")
     kind = req.WhichOneof("prompt")
     if kind == "text":
         if not req.text:
@@ -152,5 +154,5 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         if not math.isfinite(value) or value < 0 or (value == 0 and name != "queue_timeout_s"):
             kind = "a finite non-negative" if name == "queue_timeout_s" else "a finite positive"
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
-    return ValidRequest(printable_id(req.request_id) or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
+    return ValidRequest(request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
                         stop, n)

@@ -74,7 +74,7 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
     temperature = s.temperature if s.HasField("temperature") else 1.0
     top_p = s.top_p if s.HasField("top_p") else 1.0
     max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+    if len(printable_id(req.request_id)) > MAX_REQUEST_ID_CHARS:  # bounded as the router keeps it
         bad.add("request_id")
     if not ids:
         bad.add("empty prompt")
