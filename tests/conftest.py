@@ -284,10 +284,12 @@ def chat_model_dir(tmp_path_factory, model_dir) -> str:
     return str(out)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def http_cluster(redis_url, chat_model_dir):
     """1 prefill + 1 decode worker + a router serving gRPC and the OpenAI HTTP API, on the templated
-    checkpoint; shared by the HTTP and sampling-feature test files (each test checks the pools free)."""
+    checkpoint; one per test module that uses it (each test checks the pools free), stopped at the
+    module's end so its processes and channels do not outlive it (tests that count the process's file
+    descriptors run later)."""
     c = Cluster(chat_model_dir, redis_url, router_flags={"http_port": 0})
     yield c
     c.stop()
