@@ -215,14 +215,20 @@ class AdaptiveSpeculation:
       accepted / drafted; steps that drafted nothing do not count; the first observation sets it.
     - drafting, ``a < min_acceptance``: stop drafting. The request joins the plain rows (k = 0; a step in
       which no request drafts is an ordinary plain step, through the graph runner).
-    - not drafting: every ``interval`` steps probe once; the interval doubles after a probe that leaves
-      ``a`` below break-even (up to ``max_interval``) and is reset when drafting resumes.
+    - not drafting: every ``interval`` steps probe once; the interval doubles after a probe below
+      break-even (up to ``max_interval``) and is reset when drafting resumes. A probe at or above
+      break-even that leaves ``a`` below it is repeated at the next step, so consecutive good probes
+      turn drafting back on within a few steps (one lucky probe alone does not), where doubling
+      intervals had kept a request that turned predictable off for up to ``max_interval`` steps.
     - a probe for a deterministic proposer (n-gram, ``shadow=True``) costs no verification: its proposal
       is kept aside and compared with the tokens plain decoding then emits. A greedy verify accepts ``d_j``
       iff it is the argmax, the token plain decoding emits; a sampled one accepts one-hot ``d_j`` with
       probability ``p(d_j)``, the probability that plain sampling emits it; so the count of leading matches
       is distributed as the accepted count would have been. Shadow-probed requests also start not drafting,
-      probing at their first step: a prompt the proposer cannot predict never pays for a verify step.
+      probing at their first step: a prompt the proposer cannot predict never pays for a verify step. A
+      shadow probe that proposes nothing (no n-gram match yet) tells nothing about acceptance and costs
+      only the lookup, so it is repeated at the next step rather than after the interval: a request whose
+      text turns repetitive is found as soon as the proposer can match it.
       Other proposers (self, draft) start drafting and probe with a real verify step.
 
     Only which rows draft changes, never what is emitted: greedy output is the same as plain decoding.
@@ -269,6 +275,8 @@ class AdaptiveSpeculation:
             for i, prop in zip(shadow_probes, props):
                 st = self._states[reqs[i].attempt_id]
                 st.shadow, st.shadow_at = list(prop.tokens), len(reqs[i].output_ids)
+                if not st.shadow:  # no match to test: a free probe, so try again next step
+                    st.wait = 1
         return out
 
     def observe(self, req: DecodeRequest, num_drafted: int, num_accepted: int) -> None:
@@ -282,6 +290,8 @@ class AdaptiveSpeculation:
             st.drafting, st.interval = True, self.interval
         elif st.drafting:  # acceptance fell: plain rows from now on, first probe after one interval
             st.drafting, st.interval, st.wait = False, self.interval, self.interval
+        elif rate >= self.min_acceptance:  # a probe that would pay, not yet enough to outweigh the past:
+            st.wait = 1                    # probe again at the next step
         else:  # a failed probe: back off
             st.interval = min(2 * st.interval, self.max_interval)
             st.wait = st.interval

@@ -124,3 +124,31 @@ def test_shadow_probes_cost_no_verification_and_turn_drafting_on_when_they_match
     assert rule.plan([req], [4], _Proposer([])) == [4]               # all four matched: drafting now
     rule.forget(req)
     assert rule.state(req).estimate is None
+
+
+def test_a_shadow_probe_that_proposes_nothing_is_repeated_at_the_next_step():
+    rule = AdaptiveSpeculation(min_acceptance=0.3, interval=4, max_interval=8)
+    req = SimpleNamespace(attempt_id="a", output_ids=[5])
+    empty = _Proposer([])
+    for step in range(3):                       # no n-gram match yet: a probe at every step, none verified
+        assert rule.plan([req], [4], empty) == [0]
+        assert empty.calls == step + 1
+        req.output_ids.append(6)
+    assert rule.state(req).estimate is None     # empty probes are not observations
+    matching = _Proposer([1, 2])
+    assert rule.plan([req], [4], matching) == [0] and matching.calls == 1
+    req.output_ids += [1, 2]
+    assert rule.plan([req], [4], empty) == [4]  # matched: drafting from the next step on
+
+
+def test_a_good_probe_that_does_not_yet_lift_the_estimate_is_repeated_at_once():
+    rule = AdaptiveSpeculation(min_acceptance=0.3, weight=0.3, interval=4, max_interval=32, shadow=False)
+    req, prop = SimpleNamespace(attempt_id="a", output_ids=[5]), _Proposer([])
+    rule.plan([req], [4], prop)
+    rule.observe(req, 4, 0)                    # off, estimate 0
+    assert [rule.plan([req], [4], prop)[0] for _ in range(4)] == [0, 0, 0, 4]
+    rule.observe(req, 4, 3)                    # 0.75 at the probe, estimate 0.225: not yet, but again at once
+    assert not rule.state(req).drafting and rule.state(req).interval == 4
+    assert rule.plan([req], [4], prop) == [4]
+    rule.observe(req, 4, 3)                    # 0.225 -> 0.3825: drafting again
+    assert rule.state(req).drafting
