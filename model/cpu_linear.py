@@ -1,20 +1,30 @@
 """bf16 linear layers for CPU decode over weights packed once for AVX512-BF16 and AMX.
 
 A decode step multiplies a handful of rows by every weight, so its speed is the speed at
-which weights stream from memory. At one row torch's bf16 ``F.linear`` reaches about half
-of this machine's read bandwidth; the packed kernels (:mod:`kernels.cpu.gemv`) reach it:
+which weights stream from memory; from a few dozen rows on, the speed of the dot products.
+The packed kernels (:mod:`kernels.cpu.gemv`) reach both limits where torch's bf16 ``F.linear``
+does not. ms per bench-80m step of projections (151 MB of weights, huge pages), one thread, and
+the share of the step's floor, max(FLOPs / 83.4 GFLOP/s, bytes / 12.9 GB/s), each reaches
+(Xeon, Emerald Rapids, 2 KVM cores, no AMX; medians of thread CPU time):
 
-    rows            kernel                                  ms per bench-80m step of projections, one thread
-    1 .. 2          vdpbf16ps gemv       (gemv_bf16)        10.5 at 1 row    (F.linear 18.9)
-    3 .. 256        AMX tiles            (gemm_bf16_amx)    13.7 at 32 rows  (F.linear 21.5)
-    more            F.linear on a dense copy, if kept       89.3 at 512 rows (AMX 108.8)
+    rows   AVX512-BF16 gemm    gemv            F.linear
+    1       11.7  (100%)        14.6  (80%)      22.2  (53%)
+    4       13.3   (88%)        18.6  (63%)      27.9  (42%)
+    32      63.7   (91%)        71.8  (81%)      80.2  (72%)
+    256    465.3   (99%)                        486.1  (95%)
+    512    926.8  (100%)                        951.9  (97%)     (parity at 1024-2048 rows)
+    on an AMX Xeon: gemv 10.5 at 1 row, AMX 13.7 at 32 rows (F.linear 21.5), 108.8 at 512 (89.3)
 
-(``python bench/cpu_kernels.py``; docs/benchmarks.md). A decode worker drops the dense weights
-once packed (AMX takes any row count, at 512 rows 22% slower than oneDNN); a colocated one keeps
-them for its prefill chunks, and a CPU without AMX keeps them for everything beyond 2 rows.
-Each kernel's output row depends only on its input row; the gemv and AMX kernels sum in
-different orders, so a request's bf16 logits can differ in the last bit between a step of at
-most 2 rows and a larger one.
+(``taskset -c 1 python bench/cpu_kernels.py``; docs/benchmarks.md). Chosen per row count
+(:meth:`PackedBF16Linear.kernel_for`): the AVX512-BF16 gemm for every row count on a CPU without
+AMX (it streams weights faster than the gemv even at one row, and is bit-identical to it), AMX
+tiles for 3..256 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
+:data:`AMX_MAX_ROWS` rows where the dense weight is kept. A decode worker drops the dense weights
+once packed (the packed kernels take any row count); a colocated one keeps them for its prefill
+chunks. These kernels run on one thread: with more torch threads ``F.linear`` gains and they do not.
+Each kernel's output row depends only on its input row; the gemv and the AVX512-BF16 gemm sum
+in the same order (bit-identical), AMX in another, so on an AMX machine a request's bf16 logits
+can differ in the last bit between a step of at most 2 rows and a larger one.
 """
 
 from __future__ import annotations
@@ -23,10 +33,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.cpu.gemv import gemm_amx_available, gemv_available, pack_weight, run_unchecked, unpack_weight
+from pdserve.kernels.cpu.gemv import (
+    KERNELS,
+    gemm_amx_available,
+    gemv_available,
+    pack_weight,
+    run_unchecked,
+    unpack_weight,
+)
 
-GEMV_MAX_ROWS = 2    # bench/cpu_kernels.py: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
-AMX_MAX_ROWS = 256   # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
+GEMV_MAX_ROWS = 0      # bench/cpu_kernels.py: the AVX512-BF16 gemm beats the gemv at 1 and 2 rows (11.7 vs 14.6,
+                       # 12.1 vs 15.9 ms); bit-identical, so the gemv serves only AMX machines' 1..2 rows
+AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
+AMX_MAX_ROWS = 256     # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
+GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
 TARGET_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
 
 
@@ -35,10 +55,11 @@ class PackedBF16Linear(nn.Module):
 
     Input ``[..., in_features]`` bf16, output ``[..., out_features]`` bf16, float32 accumulation
     and one rounding (a bias is added after it: a second rounding, where ``F.linear`` has one).
-    Args: ``linear`` (bf16, CPU); ``keep_dense``: also keep its dense weight
-    (shared, not copied, when tied) for steps of more than :data:`AMX_MAX_ROWS` rows, where
-    ``F.linear`` is faster (prefill chunks of a colocated worker). Without AMX (or an input width
-    that is not a multiple of 32) the dense weight is always kept: the gemv serves only a few rows.
+    Args: ``linear`` (bf16, CPU); ``keep_dense``: also keep its dense weight (shared, not copied,
+    when tied) for steps of more rows than the packed kernels serve best (:data:`AMX_MAX_ROWS`,
+    :data:`GEMM_MAX_ROWS`), where ``F.linear`` is faster (prefill chunks of a colocated worker).
+    Without it every row count runs on the packed weight. A float32 input goes through ``F.linear``
+    (on the dense weight, or one unpacked for the call).
 
     Raises:
         ValueError: ``linear``'s weight is not bf16 on the CPU.
@@ -51,15 +72,25 @@ class PackedBF16Linear(nn.Module):
                              f"on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = gemm_amx_available() and self.in_features % 32 == 0
-        self.weight = linear.weight if keep_dense or not self.amx else None
+        self.weight = linear.weight if keep_dense else None
         self.bias = linear.bias
         self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
         # rows up to which the packed kernels run; beyond, F.linear on the dense weight if there is one
-        self.max_rows = GEMV_MAX_ROWS if not self.amx else AMX_MAX_ROWS if self.weight is not None else None
+        self.max_rows = None if self.weight is None else AMX_MAX_ROWS if self.amx else GEMM_MAX_ROWS
+
+    def kernel_for(self, rows: int) -> str:
+        """The kernel a bf16 input of ``rows`` rows runs on: ``"gemv-avx512bf16"``, ``"gemm-avx512bf16"``,
+        ``"gemm-amx"`` or ``"F.linear"`` (recorded by the benchmarks next to their numbers)."""
+        if self.max_rows is not None and rows > self.max_rows:
+            return "F.linear"
+        if rows <= (AMX_GEMV_MAX_ROWS if self.amx else GEMV_MAX_ROWS):
+            return KERNELS[0]
+        return KERNELS[2] if self.amx else KERNELS[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if x.dtype != torch.bfloat16 or (self.max_rows is not None and rows > self.max_rows):
+        kernel = self.kernel_for(rows)
+        if x.dtype != torch.bfloat16 or kernel == "F.linear":
             dense = self.weight if self.weight is not None else unpack_weight(
                 self.packed, self.out_features, self.in_features)
             return F.linear(x, dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
@@ -68,7 +99,7 @@ class PackedBF16Linear(nn.Module):
             x2 = F.pad(x2, (0, 1))
         elif x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = run_unchecked(x2, self.packed, self.out_features, amx=rows > GEMV_MAX_ROWS)
+        y = run_unchecked(x2, self.packed, self.out_features, kernel)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)

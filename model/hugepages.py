@@ -13,12 +13,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from pathlib import Path
 
 import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @functools.cache
@@ -30,6 +32,37 @@ def _madvise():
         return None
     fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
+
+
+def huge_pages_available() -> bool:
+    """Whether :func:`empty_huge` can get huge pages here: ``madvise`` is callable and transparent huge
+    pages are ``always`` or ``madvise`` (the kernel may still fall back to 4 KiB pages for lack of
+    contiguous memory; :func:`huge_page_bytes` tells what it did)."""
+    try:
+        mode = _THP.read_text()
+    except OSError:
+        return False
+    return _madvise() is not None and ("[always]" in mode or "[madvise]" in mode)
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int:
+    """Bytes in huge pages (``AnonHugePages`` of ``/proc/self/smaps``) of the mappings that hold
+    ``tensor``'s storage: a mapping shared with other allocations counts whole. 0 where unknown."""
+    start = tensor.untyped_storage().data_ptr()
+    end = start + tensor.untyped_storage().nbytes()
+    total, inside = 0, False
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):                    # "lo-hi perms ...": a new mapping
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            inside = lo < end and start < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
 
 
 def empty_huge(numel: int, dtype: torch.dtype) -> torch.Tensor:

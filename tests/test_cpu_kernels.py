@@ -17,9 +17,11 @@ from pdserve.kernels.cpu.attention import attention_available, paged_attention_c
 from pdserve.kernels.cpu.gemv import (
     gemm_amx_available,
     gemm_bf16_amx,
+    gemm_bf16_avx512,
     gemv_available,
     gemv_bf16,
     pack_weight,
+    run_unchecked,
     unpack_weight,
 )
 from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch, write_kv
@@ -67,6 +69,64 @@ def test_gemv_refuses_what_it_cannot_take():
         gemv_bf16(torch.randn(1, 8).bfloat16(), packed, 33)              # more outputs than packed rows
     with pytest.raises(ValueError, match="pack_weight"):
         gemv_bf16(torch.randn(1, 8).bfloat16(), torch.randn(20, 8).bfloat16(), 20)
+
+
+@needs_gemv
+@pytest.mark.parametrize("n,k,m", [(37, 2, 3), (50, 34, 5), (16, 770, 17), (1000, 72, 33), (33, 770, 64),
+                                   (1280, 768, 3), (40, 600, 300)])
+def test_avx512_gemm_is_the_gemv_row_for_row(n, k, m):
+    """Bit-identical to the gemv (same summation order), for any M (row tails, more than one 256-row
+    pass), N (column tails, n_valid < Np) and K (one pair, odd pair counts, several 256-column chunks);
+    each row alone gives the same bits as in the batch; a strided x the same as a contiguous one."""
+    torch.manual_seed(n + k + m)
+    w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
+    packed = pack_weight(w)
+    y = gemm_bf16_avx512(x, packed, n)
+    assert torch.equal(y, gemv_bf16(x, packed, n))
+    _bf16_close(y, x.float() @ w.float().t())
+    for row in (0, m // 2, m - 1):
+        assert torch.equal(gemm_bf16_avx512(x[row:row + 1], packed, n), y[row:row + 1])
+    strided = torch.zeros(m, k + 6).bfloat16()
+    strided[:, 3:3 + k] = x
+    assert torch.equal(gemm_bf16_avx512(strided[:, 3:3 + k], packed, n), y)
+
+
+@needs_gemv
+@pytest.mark.parametrize("n,k,m", [(37, 770, 5), (100, 34, 33), (16, 2, 64)])
+def test_avx512_gemm_rounds_the_exact_product_once(n, k, m):
+    """Small integers: every float32 partial sum is exact, so the result must be the exact product
+    rounded once to bf16, bit for bit."""
+    torch.manual_seed(k)
+    w, x = torch.randint(-8, 9, (n, k)).bfloat16(), torch.randint(-8, 9, (m, k)).bfloat16()
+    ref = (x.double() @ w.double().t()).bfloat16()
+    assert torch.equal(gemm_bf16_avx512(x, pack_weight(w), n), ref)
+
+
+@needs_gemv
+def test_avx512_gemm_refuses_what_it_cannot_take():
+    packed = pack_weight(torch.randn(20, 8))
+    for bad, match in ((torch.randn(3, 8), "row-major 2-D bf16"),                  # float32
+                       (torch.randn(8, 3).bfloat16().t(), "row-major 2-D bf16"),   # column-major
+                       (torch.randn(3, 10).bfloat16(), "10 columns")):             # wrong width
+        with pytest.raises(ValueError, match=match):
+            gemm_bf16_avx512(bad, packed, 20)
+    with pytest.raises(ValueError, match="out_features=4"):
+        gemm_bf16_avx512(torch.randn(3, 8).bfloat16(), packed, 4)                  # a whole block short
+    with pytest.raises(ValueError, match="pack_weight"):
+        gemm_bf16_avx512(torch.randn(3, 8).bfloat16(), torch.randn(20, 8).bfloat16(), 20)
+
+
+@needs_gemv
+def test_kernel_for_names_the_path_each_row_count_takes():
+    lin = nn.Linear(64, 40).bfloat16().requires_grad_(False)
+    packed_only, with_dense = PackedBF16Linear(lin, keep_dense=False), PackedBF16Linear(lin, keep_dense=True)
+    big = "gemm-amx" if gemm_amx_available() else "gemm-avx512bf16"
+    assert packed_only.kernel_for(1) in ("gemv-avx512bf16", "gemm-avx512bf16")
+    assert [packed_only.kernel_for(r) for r in (3, 32, 100_000)] == [big] * 3
+    assert with_dense.kernel_for(32) == big and with_dense.kernel_for(100_000) == "F.linear"
+    x = torch.randn(5, 64).bfloat16()                                 # what it names is what runs
+    assert torch.equal(packed_only(x), run_unchecked(x, packed_only.packed, 40, packed_only.kernel_for(5))
+                       + lin.bias)
 
 
 @needs_amx
@@ -184,7 +244,7 @@ def test_huge_page_tensors_are_aligned_and_weights_stay_tied(model_dir):
 def test_packed_bf16_model_matches_the_plain_bf16_model(which, model_dir, awkward_model_dir):
     """The decode worker's bf16 model (packed linears, huge pages, C attention and fused ops) against
     the same weights through F.linear: logits of a prefill and of decode steps at 1, 4 and 9 rows
-    (gemv, AMX and F.linear) agree to bf16 precision and pick the same greedy tokens."""
+    (gemv or gemm, AVX512-BF16 or AMX gemm, F.linear) agree to bf16 precision and pick the same greedy tokens."""
     path = model_dir if which == "embedded" else awkward_model_dir
     plain, cfg = load_model(path, torch.bfloat16)
     packed = copy.deepcopy(plain)
@@ -232,8 +292,8 @@ def test_without_a_dense_copy_every_row_count_runs_on_the_packed_weight():
     torch.manual_seed(3)
     lin = nn.Linear(64, 40).bfloat16().requires_grad_(False)
     mod = PackedBF16Linear(lin, keep_dense=False)
-    assert (mod.weight is None) == gemm_amx_available()                 # dropped only where AMX covers all rows
-    for rows in (1, 2, 3, 40, 300):
+    assert mod.weight is None                                          # the packed kernels cover every row count
+    for rows in (1, 2, 3, 40, 300, 700):
         x = torch.randn(rows, 64).bfloat16()
         ref = x.float() @ lin.weight.float().t() + lin.bias.float()       # product and bias round once each
         y = mod(x)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels.paged_attention import build_attention_metadata
+from pdserve.model.hugepages import HUGE_PAGE, huge_page_bytes, huge_pages_available
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 
 
@@ -78,3 +79,15 @@ def test_slot_mapping_and_mask():
     assert meta.attn_mask[1, 0, 0].tolist() == [True] * 6
     with pytest.raises(ValueError, match="cannot hold"):
         build_attention_metadata([1], [9], [[0, 1]], block_size=4)
+
+
+def test_a_cpu_cache_is_zeroed_and_lives_in_huge_pages():
+    """The decode worker's KV pages (ModelRunner allocates through the spec) are streamed by attention
+    every step, as the weights are: 2 MiB pages where the kernel grants them."""
+    spec = KVCacheSpec(num_blocks=64, num_layers=4, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+    cache = spec.allocate()
+    assert cache.shape == spec.shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert cache.nbytes == 2 * HUGE_PAGE and not cache.any()
+    if not huge_pages_available():
+        pytest.skip("no transparent huge pages on this machine")
+    assert huge_page_bytes(cache) >= HUGE_PAGE

@@ -3,8 +3,9 @@
 The CPU counterpart of the Triton kernels: the decode worker's hot loops that torch's
 CPU operators run far from the machine's limits at decode shapes.
 
-* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``): bf16 weight x few-row products over weights
-  pre-packed for AVX512-BF16 ``vdpbf16ps``, streaming each weight once per step;
+* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``): bf16 weight x activation products over weights
+  pre-packed for AVX512-BF16 ``vdpbf16ps`` (a gemv, a register-blocked gemm, AMX tiles),
+  streaming each weight once per step;
 * :mod:`kernels.cpu.attention` (``paged_attention.c``): paged attention for decode and short
   query blocks, reading K/V through block tables without gathering them first;
 * :mod:`kernels.cpu.fused` (``fused.c``): RMSNorm, RoPE with the KV cache write, and SiLU-and-mul,
@@ -44,6 +45,8 @@ _FLAGS = {
     "gemv_bf16": ["-O3"],
     "paged_attention": ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
     "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
+    "gemv_int4": ["-O3"],
+    "membw": ["-O2", "-pthread"],
 }
 
 
@@ -145,13 +148,23 @@ def library(name: str) -> ctypes.CDLL:
         raise KernelUnavailable(f"loading {name}: {exc}") from exc
 
 
+PORTABLE_ENV = "PDSERVE_CPU_KERNELS"    # "torch": never use the C kernels (the path a CPU without AVX-512 takes)
+
+
 @functools.cache
 def available(name: str) -> bool:
-    """Whether the kernel library ``name`` builds, loads and (gemv) finds its ISA on this CPU; logs why not."""
+    """Whether the kernel library ``name`` builds, loads and finds its ISA on this CPU; logs why not.
+
+    A library that exports ``pd_cpu_supported()`` is asked whether this CPU has the ISA it needs.
+    ``PDSERVE_CPU_KERNELS=torch`` in the environment makes every library unavailable, as on a CPU
+    without AVX-512 (how the portable path is tested on a machine that has the ISA)."""
     try:
+        if os.environ.get(PORTABLE_ENV, "").lower() == "torch":
+            raise KernelUnavailable(f"{PORTABLE_ENV}=torch")
         lib = library(name)
-        if name == "gemv_bf16" and not lib.pd_cpu_has_avx512_bf16():
-            raise KernelUnavailable("this CPU lacks AVX512-BF16")
+        supported = getattr(lib, "pd_cpu_supported", None)
+        if supported is not None and not supported():
+            raise KernelUnavailable(f"this CPU lacks the ISA {name} needs")
         return True
     except KernelUnavailable as exc:
         log.warning("CPU kernel %s unavailable, using torch: %s", name, exc)

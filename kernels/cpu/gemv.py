@@ -5,7 +5,9 @@ Layout (``N`` output rows padded to 16, ``K`` input columns padded to 2)::
     W [N, K]  ->  Wp [Np / 16, Kp / 2, 16, 2],   Wp[nb, kk, j, e] = W[16 nb + j, 2 kk + e]
 
 so one 64-byte load feeds 16 output rows with 2 input columns each and the weight is one
-sequential stream. Products accumulate in float32 and round once to bf16.
+sequential stream. Products accumulate in float32 and round once to bf16. Three kernels
+take it: :func:`gemv_bf16` (a few rows), :func:`gemm_bf16_avx512` (register-blocked, any row
+count, bit-identical to the gemv) and :func:`gemm_bf16_amx` (AMX tiles, its own summation order).
 """
 
 from __future__ import annotations
@@ -48,20 +50,43 @@ def gemv_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch
         ValueError: wrong dtype, shape or memory layout of ``x``, or a ``packed`` not from :func:`pack_weight`.
     """
     _check(x, packed, out_features)
-    return run_unchecked(x, packed, out_features, amx=False)
+    return run_unchecked(x, packed, out_features, KERNELS[0])
 
 
-def run_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, amx: bool) -> torch.Tensor:
-    """:func:`gemv_bf16` (or with ``amx`` :func:`gemm_bf16_amx`) without the argument checks, for a
-    caller that validated ``packed`` once and passes row-major bf16 ``x`` of its width."""
+def gemm_bf16_avx512(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """As :func:`gemv_bf16`, register-blocked for many rows (3 to a few hundred): each packed weight
+    byte is read from memory once per call. Bit-identical to :func:`gemv_bf16` row for row (the
+    same two float32 chains per output, rounded once), so a row's result does not depend on ``M``.
+
+    Raises:
+        ValueError: as :func:`gemv_bf16`.
+        MemoryError: its float32 partial sums (``M`` x 384 bytes, for widths over 256) could not be allocated.
+    """
+    _check(x, packed, out_features)
+    return run_unchecked(x, packed, out_features, KERNELS[1])
+
+
+KERNELS = ("gemv-avx512bf16", "gemm-avx512bf16", "gemm-amx")     # the names run_unchecked takes
+_SYMBOLS = dict(zip(KERNELS, ("pd_gemv_bf16", "pd_gemm_bf16_avx512", "pd_gemm_bf16_amx")))
+
+
+def run_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str) -> torch.Tensor:
+    """:func:`gemv_bf16`, :func:`gemm_bf16_avx512` or :func:`gemm_bf16_amx` (``kernel``, one of
+    :data:`KERNELS`) without the argument checks, for a caller that validated ``packed`` once and
+    passes row-major bf16 ``x`` of its width (a multiple of 32 for AMX).
+
+    Raises:
+        KernelUnavailable: ``gemm-amx`` on a CPU or process without AMX-BF16.
+        MemoryError: the kernel's scratch memory could not be allocated.
+    """
     y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    rc = _fn("pd_gemm_bf16_amx" if amx else "pd_gemv_bf16")(
+    rc = _fn(_SYMBOLS[kernel])(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), packed.shape[0] * 16, out_features,
         y.data_ptr(), out_features)
     if rc == -2:
-        raise KernelUnavailable("gemm_bf16_amx: this CPU or process cannot use AMX-BF16")
+        raise KernelUnavailable(f"{kernel}: this CPU or process cannot use AMX-BF16")
     if rc:
-        raise MemoryError("gemm_bf16_amx: out of memory for the padded activations")
+        raise MemoryError(f"{kernel}: out of scratch memory")
     return y
 
 
@@ -92,7 +117,7 @@ def gemm_bf16_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     if x.shape[-1] % 32:
         raise ValueError(f"gemm_bf16_amx: input width must be a multiple of 32, got {x.shape[-1]}")
     _check(x, packed, out_features)
-    return run_unchecked(x, packed, out_features, amx=True)
+    return run_unchecked(x, packed, out_features, KERNELS[2])
 
 
 def _fn(name: str):

@@ -14,7 +14,8 @@
  * Activation rows are taken four at a time, so a 16-row weight block (16 K bf16, at most
  * a few hundred KiB) is re-read from cache, not memory, for rows beyond the fourth.
  * Every output row sums in the same order whatever M is: results do not depend on
- * the batch.
+ * the batch. pd_gemm_bf16_avx512 (below) keeps that order for many rows, register-blocked;
+ * pd_gemm_bf16_amx uses AMX tiles and its own order.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -31,6 +32,8 @@ int pd_cpu_has_avx512_bf16(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512bf16");
 }
+
+int pd_cpu_supported(void) { return pd_cpu_has_avx512_bf16(); }   /* asked by kernels.cpu.available */
 
 /* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid.
  * x: bf16 [M, K], row stride ldx (elements), K even. wp: packed [Np/16][K/2][16][2], Np % 16 == 0.
@@ -69,6 +72,128 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             }
         }
     }
+    return 0;
+}
+
+/* ---- AVX512-BF16 GEMM: the gemv's arithmetic, register-blocked for 3..hundreds of rows ----------
+ *
+ * Every output keeps the gemv's two float32 chains (even kk, odd kk, each in ascending kk, added
+ * and rounded once at the end), so a row's result is bit-identical to pd_gemv_bf16's whatever M is.
+ * The loops put the weights outermost, so each packed byte comes from memory once per call:
+ *
+ *   for n0 in steps of GNR blocks (GNR*16 outputs):           weight panel [GNR][K/2][16][2]
+ *     for k0 in steps of GKC pairs:                          its GNR*16*GKC*4 bytes (24 KiB) stay in L1
+ *       for m0 in steps of GMR rows:                         GMR x GNR tile, 2 zmm chains each
+ *         acc = k0 ? cbuf : 0;  acc += x[m0.., kk] (bf16 pair, broadcast) * Wp[n0.., kk]
+ *         k0 last ? y = bf16(acc_even + acc_odd) : cbuf = acc      (float32 store/load: exact)
+ *
+ * 2*GMR*GNR accumulators + GNR weight vectors + 1 broadcast = 28 of the 32 zmm registers. The first
+ * row tile of each k chunk prefetches the weight streams ahead; later tiles find them in L1.
+ */
+#define GMR 4
+#define GNR 3
+#define GKC 128                                    /* kk pairs per k chunk (even: chains keep parity) */
+#define GPF 1024                                   /* elements of prefetch lead per weight stream */
+
+TARGET static inline __attribute__((always_inline)) void gemm_tile(
+        const int mr, const int nr, const int pf, const uint16_t *x, int64_t ldx, int64_t k0, int64_t kn,
+        const uint16_t *wb, int64_t K, float *cb, int first, int last, uint16_t *y, int64_t ldy,
+        int64_t nb, int64_t n_valid) {
+    __m512 a0[GMR][GNR], a1[GMR][GNR], w[GNR];
+    const int32_t *xr[GMR];
+    for (int i = 0; i < mr; i++) xr[i] = (const int32_t *)(x + i * ldx) + k0;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            a0[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(cb + (i * GNR + j) * 32);
+            a1[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(cb + (i * GNR + j) * 32 + 16);
+        }
+    const uint16_t *ws = wb + k0 * 32;              /* block j of the panel at ws + j * 16 * K */
+    int64_t kk = 0;
+    for (; kk + 1 < kn; kk += 2) {
+        if (pf)
+            for (int j = 0; j < nr; j++) {
+                _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + GPF), _MM_HINT_T0);
+                _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + GPF + 32), _MM_HINT_T0);
+            }
+        for (int j = 0; j < nr; j++) w[j] = _mm512_loadu_ps(ws + j * 16 * K + kk * 32);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i][kk]);
+            for (int j = 0; j < nr; j++) a0[i][j] = _mm512_dpbf16_ps(a0[i][j], xb, (__m512bh)w[j]);
+        }
+        for (int j = 0; j < nr; j++) w[j] = _mm512_loadu_ps(ws + j * 16 * K + kk * 32 + 32);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i][kk + 1]);
+            for (int j = 0; j < nr; j++) a1[i][j] = _mm512_dpbf16_ps(a1[i][j], xb, (__m512bh)w[j]);
+        }
+    }
+    if (kk < kn) {
+        for (int j = 0; j < nr; j++) w[j] = _mm512_loadu_ps(ws + j * 16 * K + kk * 32);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i][kk]);
+            for (int j = 0; j < nr; j++) a0[i][j] = _mm512_dpbf16_ps(a0[i][j], xb, (__m512bh)w[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            if (!last) {
+                _mm512_storeu_ps(cb + (i * GNR + j) * 32, a0[i][j]);
+                _mm512_storeu_ps(cb + (i * GNR + j) * 32 + 16, a1[i][j]);
+                continue;
+            }
+            const int64_t n = nb + 16 * j, cnt = n_valid - n < 16 ? n_valid - n : 16;
+            if (cnt <= 0) continue;
+            const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(a0[i][j], a1[i][j]));
+            _mm256_mask_storeu_epi16(y + i * ldy + n, (__mmask16)((1u << cnt) - 1), (__m256i)o);
+        }
+}
+
+/* One k chunk of one weight panel over all M rows; mr, nr, pf compile-time in each instance. */
+#define GEMM_TILE(MR, NR, PF) gemm_tile(MR, NR, PF, x + m0 * ldx, ldx, k0, kn, wb, K, cb, first, last, \
+                                        y + m0 * ldy, ldy, nb, n_valid)
+TARGET static void gemm_chunk(const int nr, const uint16_t *x, int64_t M, int64_t ldx, int64_t k0, int64_t kn,
+                              const uint16_t *wb, int64_t K, float *cbuf, int first, int last,
+                              uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+    for (int64_t m0 = 0; m0 < M; m0 += GMR) {
+        const int mr = M - m0 < GMR ? (int)(M - m0) : GMR;
+        float *cb = cbuf + m0 * GNR * 32;
+        if (nr == GNR && mr == GMR) {
+            if (m0 == 0) GEMM_TILE(GMR, GNR, 1); else GEMM_TILE(GMR, GNR, 0);
+        } else if (nr == GNR) {
+            switch (mr) { case 1: GEMM_TILE(1, GNR, 1); break; case 2: GEMM_TILE(2, GNR, 1); break;
+                          default: GEMM_TILE(3, GNR, 1); }
+        } else if (nr == 2) {
+            switch (mr) { case 1: GEMM_TILE(1, 2, 1); break; case 2: GEMM_TILE(2, 2, 1); break;
+                          case 3: GEMM_TILE(3, 2, 1); break; default: GEMM_TILE(GMR, 2, 1); }
+        } else {
+            switch (mr) { case 1: GEMM_TILE(1, 1, 1); break; case 2: GEMM_TILE(2, 1, 1); break;
+                          case 3: GEMM_TILE(3, 1, 1); break; default: GEMM_TILE(GMR, 1, 1); }
+        }
+    }
+}
+
+/* As pd_gemv_bf16 (same arguments, same packed layout, bit-identical results), for any M. Rows are
+ * taken GMC at a time (the weights are re-read per GMC rows: negligible traffic at that intensity), so
+ * the x chunk and the partial sums of one pass stay in L2 whatever M is.
+ * Returns 0, or -1 if the float32 partial sums (GMC x 384 bytes, when K > 2 * GKC) cannot be allocated. */
+#define GMC 256
+TARGET int pd_gemm_bf16_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                               const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
+    const int64_t K2 = K / 2;
+    float *cbuf = NULL;
+    if (K2 > GKC && !(cbuf = aligned_alloc(64, (size_t)(GMC * GNR * 32) * sizeof(float)))) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += GMC) {
+        const int64_t mc = M - m0 < GMC ? M - m0 : GMC;
+        for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16 * GNR) {
+            const int64_t left = (Np - nb) / 16, nr = left < GNR ? left : GNR;
+            const uint16_t *wb = wp + nb * K;
+            for (int64_t k0 = 0; k0 < K2; k0 += GKC) {
+                const int64_t kn = K2 - k0 < GKC ? K2 - k0 : GKC;
+                gemm_chunk((int)nr, x + m0 * ldx, mc, ldx, k0, kn, wb, K, cbuf, k0 == 0, k0 + kn == K2,
+                           y + m0 * ldy, ldy, nb, n_valid);
+            }
+        }
+    }
+    free(cbuf);
     return 0;
 }
 
