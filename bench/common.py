@@ -32,41 +32,46 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
-def memory_bandwidths() -> dict[str, float]:
-    """Measured memory bandwidth in bytes/s on the calling thread(s): a 256 MiB float32 copy
-    (read + write counted) and a sum reduction over it (read), each in 4 KiB pages and in
-    huge pages (:mod:`model.hugepages`, where the decode worker keeps weights and KV)."""
-    from pdserve.model.hugepages import empty_huge
+def memory_bandwidths(nbytes: int | None = None, threads: int = 1) -> dict[str, float]:
+    """Streaming read bandwidth in bytes/s over an ``nbytes`` buffer (default DRAM-sized: >= 1 GiB and
+    >= 4x the L3; :func:`bench.limits.dram_buffer_bytes`), in 4 KiB and huge pages: ``c_read_*`` the
+    C kernel's best vector read (:mod:`kernels.cpu.membw`; absent without a C compiler),
+    ``torch_sum_*`` a ``torch.sum`` over the same buffer (the second figure)."""
+    from pdserve.bench.limits import cpu_facts, dram_buffer_bytes, read_bandwidths
 
-    n, out = 64 * 1024 * 1024, {}
-    for pages, alloc in (("4k", lambda: torch.empty(n)), ("huge", lambda: empty_huge(n, torch.float32))):
-        out.update(_bandwidths(pages, alloc(), alloc()))
+    figures = read_bandwidths(nbytes or dram_buffer_bytes(cpu_facts()["l3_bytes"]), threads)
+    out = {}
+    for pages in ("4k", "huge"):
+        if figures[pages]["c_read"] is not None:
+            out[f"c_read_{pages}"] = figures[pages]["c_read"]
+        out[f"torch_sum_{pages}"] = figures[pages]["torch_sum"]
     return out
 
 
-def _bandwidths(pages: str, src: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
-    src.uniform_()
-    dst.zero_()
-    nbytes = src.numel() * src.element_size()
-    return {f"copy_{pages}": 2 * nbytes / median_time(lambda: dst.copy_(src), repeats=7),
-            f"read_{pages}": nbytes / median_time(lambda: src.sum(), repeats=7)}
-
-
-def memory_bandwidth() -> float:
-    """The machine's speed of light for streaming memory, bytes/s: the best of
-    :func:`memory_bandwidths` (so a kernel cannot look fast against a handicapped measurement)."""
-    return max(memory_bandwidths().values())
+def memory_bandwidth(nbytes: int | None = None, threads: int = 1) -> float:
+    """The machine's speed of light for streaming memory, bytes/s: the best C vector read of
+    :func:`memory_bandwidths` (the best torch figure where the C kernel cannot run), so a kernel
+    cannot look fast against a handicapped measurement."""
+    figures = memory_bandwidths(nbytes, threads)
+    c = [v for k, v in figures.items() if k.startswith("c_read")]
+    return max(c or figures.values())
 
 
 def matmul_peak(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
-    """Measured matmul throughput in FLOP/s: ``n x n @ n x n`` in ``dtype``."""
+    """Measured FLOP/s of one ``n x n @ n x n`` in ``dtype``: a single shape, kept for old callers; the
+    benchmarks' compute limit is :func:`bench.limits.measure_limits` (best over the model's shapes and
+    every kernel the project has)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     return 2 * n ** 3 / median_time(lambda: a @ b, repeats=5)
 
 
 def machine() -> dict:
+    """What every results file records about the machine: platform, torch and its threads, and the CPU
+    facts of :func:`bench.limits.cpu_facts` (model, ISA flags, L3, clock, which C kernels load)."""
+    from pdserve.bench.limits import cpu_facts
+
     return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "cpu": cpu_facts()}
 
 
 class LocalCluster:

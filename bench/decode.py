@@ -1,15 +1,21 @@
 """Decode at the bandwidth limit: tokens/s against the machine's speed of light.
 
 One run prints and records, in one process tree on this machine:
-  1. measured memory bandwidth and the speed-of-light step time it implies for the
-     model's weight bytes plus the KV bytes a step reads;
+  1. the machine's limits (bench/limits.py): the C-measured streaming read bandwidth at a
+     DRAM-sized buffer and at each step's working set (weight + KV bytes), the best bf16 GEMM
+     rate over the model's shapes at each batch size, the ISA's paper peak, the CPU facts;
   2. decode tokens/s of the decode engine at batch 1, 8, 32 for fp32, bf16 and int4
-     weights, with and without the GraphRunner;
+     weights, with and without the GraphRunner, against the speed of light (working-set bytes /
+     bandwidth at that size; the DRAM figure beside it), the MFU against the best GEMM rate at
+     that batch, and the roofline max(bytes / bandwidth, FLOPs / GEMM rate); each row names the
+     kernel path its linears and attention took;
   3. ``transformers.generate`` at batch 1 and 8 on the same checkpoint;
   4. speculative decoding on the real TinyStories model at batch 1 (n-gram and
      self-draft): speedup and acceptance, and the batch size beyond which it stops paying.
 
     python bench/decode.py --out docs/results/decode        # makes bench-80m if needed
+    python bench/decode.py --model .bench-models/bench-9m --steps 4 --batches 1,8 \
+        --skip-transformers --skip-speculative --out /tmp/decode-quick   # a quick check of the script
 """
 
 from __future__ import annotations
@@ -21,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.common import ROOT, hf_generate_seconds, memory_bandwidths, write_result
+from pdserve.bench.common import ROOT, hf_generate_seconds, write_result
+from pdserve.bench.limits import bandwidth_at, gemm_rate_at, kernel_paths, linear_shapes, measure_limits, summary
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import TokensEvent
 from pdserve.decode_worker.server import load_decode_model
 from pdserve.deploy.make_model import make_model
-from pdserve.model.cpu_linear import PackedBF16Linear
+from pdserve.model.loader import load_model
 from pdserve.model.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 
@@ -45,18 +52,32 @@ def _engine(model_dir: str, dtype: str, weights: str, graph: bool, max_batch: in
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weight a decode step reads: every linear (the LM head too, tied or not; the packed
-    copy where there is one, not its dense twin), norms; not the embedding (one row per token)."""
+    """Bytes of weight a decode step reads: every linear (the LM head too, tied or not), norms; not the
+    embedding (one row per token). A module that keeps a kernel layout in non-persistent buffers (the
+    packed bf16 copy, an INT4 kernel layout) is counted by that layout and its bias, not its portable
+    or dense twin."""
     total = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
-        if isinstance(module, PackedBF16Linear):
-            tensors = [module.packed] + ([module.bias] if module.bias is not None else [])
+        layout = [b for name, b in module.named_buffers(recurse=False)
+                  if name in module._non_persistent_buffers_set and b is not None and b.numel()]
+        if layout:
+            bias = getattr(module, "bias", None)
+            tensors = layout + ([bias] if isinstance(bias, torch.Tensor) else [])
         else:
             tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
+
+
+def step_flops(model: torch.nn.Module, batch: int, context: int) -> float:
+    """Matmul FLOPs of one decode step of ``batch`` sequences at ``context`` tokens each: 2 x rows x
+    (N x K) per linear (the LM head included) + attention (QK^T and PV over the context)."""
+    cfg = model.cfg
+    linear = sum(m.in_features * m.out_features for m in model.modules()
+                 if hasattr(m, "in_features") and hasattr(m, "out_features"))
+    return 2.0 * batch * linear + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * batch
 
 
 def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmup: int = 3,
@@ -92,7 +113,11 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmu
             "acceptance": accepted / drafted if drafted else None}
 
 
-def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: float, prompt_len: int) -> list[dict]:
+def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: float, prompt_len: int,
+                     limits: dict | None = None) -> list[dict]:
+    """Decode rows for fp32, bf16 and int4 weights, graph off/on, at each batch. ``bandwidth`` (bytes/s):
+    the DRAM figure; with ``limits`` (:func:`bench.limits.measure_limits`) the speed of light uses the
+    bandwidth measured at each step's working-set size, and MFU / roofline the GEMM rate at its batch."""
     rows = []
     for dtype, weights in (("fp32", "native"), ("bf16", "native"), ("bf16", "int4")):
         for graph in (False, True):
@@ -103,14 +128,45 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
                                                generator=torch.Generator().manual_seed(i)).tolist() for i in range(b)]
                 res = run_decode(engine, prompts, steps)
                 kv_bytes = b * (prompt_len + steps) * engine.spec.block_nbytes // engine.spec.block_size
-                sol_step = (wbytes + kv_bytes) / bandwidth
-                rows.append({"dtype": dtype, "weights": weights, "graph": graph, "batch": b, **res,
-                             "weight_bytes": wbytes, "sol_step_s": sol_step, "sol_fraction": sol_step / res["step_s"]})
-                print(f"{dtype:5s} {weights:6s} graph={graph!s:5s} batch {b:3d}: {res['tokens_per_s']:8.1f} tok/s, "
-                      f"step {res['step_s'] * 1e3:7.2f} ms, speed of light {sol_step * 1e3:6.2f} ms "
-                      f"({sol_step / res['step_s']:.0%})", flush=True)
+                row = {"dtype": dtype, "weights": weights, "graph": graph, "batch": b, **res, "weight_bytes": wbytes,
+                       "kv_bytes": kv_bytes, "kernels": kernel_paths(model, b, 1, DTYPES[dtype])}
+                row.update(_floors(row, model, limits, bandwidth, prompt_len + steps // 2))
+                rows.append(row)
+                print(_row_line(row), flush=True)
             engine.receiver.close()
     return rows
+
+
+def _floors(row: dict, model, limits: dict | None, dram: float, context: int) -> dict:
+    """Speed of light (working set / bandwidth at that size; at DRAM beside it), MFU and roofline of a row.
+    The compute floor uses the best bf16 GEMM rate at the batch's row count for every dtype: for fp32
+    rows it is a lower floor than fp32's own rate would give (a roofline the step cannot beat)."""
+    ws, step = row["weight_bytes"] + row["kv_bytes"], row["step_s"]
+    bw = bandwidth_at(limits, ws) if limits else dram
+    out = {"working_set_bytes": ws, "bandwidth_bytes_per_s": bw, "sol_step_s": ws / bw,
+           "sol_fraction": ws / bw / step, "sol_dram_step_s": ws / dram, "sol_dram_fraction": ws / dram / step}
+    if limits:
+        flops = step_flops(model, row["batch"], context)
+        gemm = gemm_rate_at(limits, row["batch"])
+        roofline = max(ws / bw, flops / gemm["flops_per_s"])
+        out.update(step_flops=flops, gemm_rate_flops_per_s=gemm["flops_per_s"], gemm_rate_kernel=gemm["kernel"],
+                   mfu=flops / step / gemm["flops_per_s"],
+                   mfu_theoretical=flops / step / limits["theoretical_peak"]["flops"],
+                   roofline_step_s=roofline, roofline_bound="memory" if ws / bw >= flops / gemm["flops_per_s"]
+                   else "compute", roofline_fraction=roofline / step)
+    return out
+
+
+def _row_line(r: dict) -> str:
+    line = (f"{r['dtype']:5s} {r['weights']:6s} graph={r['graph']!s:5s} batch {r['batch']:3d}: "
+            f"{r['tokens_per_s']:8.1f} tok/s, step {r['step_s'] * 1e3:7.2f} ms, speed of light "
+            f"{r['sol_step_s'] * 1e3:6.2f} ms ({r['sol_fraction']:.0%} at {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
+            f"for {r['working_set_bytes'] / 2**20:.0f} MiB; at DRAM bandwidth "
+            f"{r['sol_dram_step_s'] * 1e3:.2f} ms, {r['sol_dram_fraction']:.0%})")
+    if "mfu" in r:
+        line += (f", MFU {r['mfu']:.1%} of measured ({r['mfu_theoretical']:.1%} of paper peak), roofline "
+                 f"{r['roofline_step_s'] * 1e3:.2f} ms {r['roofline_bound']} ({r['roofline_fraction']:.0%})")
+    return line
 
 
 def bench_transformers(model_dir: str, batches: list[int], new_tokens: int, prompt_len: int) -> list[dict]:
@@ -185,23 +241,25 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-speculative", action="store_true", help="leave out the speculative decoding part")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "decode"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not Path(args.model, "config.json").exists():
         make_model("bench-80m", args.model)
     batches = [int(b) for b in args.batches.split(",")]
-    bandwidths = memory_bandwidths()
-    bandwidth = max(bandwidths.values())
-    print("memory bandwidth (GB/s): " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in bandwidths.items())
-          + f"; speed of light uses the best, {bandwidth / 1e9:.1f}", flush=True)
-    result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "bandwidths": bandwidths,
+    limits = measure_limits(linear_shapes(load_model(args.model, torch.bfloat16)[0]), batches, threads=args.threads)
+    print(summary(limits), flush=True)
+    bandwidth = limits["bandwidth_bytes_per_s"]
+    result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "limits": limits,
+              "bandwidths": {"c_read": bandwidth, "torch_sum": limits["torch_sum_bytes_per_s"]},
               "threads": args.threads, "prompt_tokens": args.prompt_tokens}
-    result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens)
+    result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens, limits)
     if not args.skip_transformers:
         result["transformers"] = bench_transformers(args.model, [b for b in batches if b <= 8], 24,
                                                     args.prompt_tokens)
-    result["speculative"] = bench_speculative(max(args.steps, 48))
+    if not args.skip_speculative:
+        result["speculative"] = bench_speculative(max(args.steps, 48))
     out = Path(args.out)
     write_result(result, out)
     _plot(result, out.with_suffix(".png"))

@@ -1,8 +1,11 @@
 """Prefill at the compute limit: MFU, chunking, prefix cache, and hidden KV transfer.
 
 One run, on this machine, prints and records:
-  1. the measured bf16 matmul peak and prefill tokens/s with the MFU it implies, for
-     prompts of 128..4096 tokens, in process, chunked as the worker chunks;
+  1. the machine's limits (bench/limits.py: best bf16 GEMM rate over the model's shapes and the
+     project's kernels at each chunk's row count, the ISA's paper peak, C-measured bandwidth, CPU
+     facts) and prefill tokens/s with the MFU it implies against the best measured rate at that
+     row count (paper peak beside it), for prompts of 128..4096 tokens, in process, chunked as
+     the worker chunks, with the kernel path each linear kind and attention took;
   2. TTFT of a 2,048-token prompt through the cluster with and without chunking while
      8 other requests decode;
   3. TTFT of a 2,048-token prompt whose first 90% is cached, against a cold one;
@@ -11,6 +14,8 @@ One run, on this machine, prints and records:
   5. FP8 first-token accuracy on the real model (bench/fp8_accuracy.py).
 
     python bench/prefill.py --out docs/results/prefill          # makes bench-80m if needed
+    python bench/prefill.py --model .bench-models/bench-9m --lengths 128,512 --mfu-only \
+        --out /tmp/prefill-quick                                  # a quick check of the MFU part
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from pdserve.bench.common import ROOT, LocalCluster, matmul_peak, median_time, timed_stream, write_result
+from pdserve.bench.common import ROOT, LocalCluster, median_time, timed_stream, write_result
+from pdserve.bench.limits import ROWS, gemm_rate_at, kernel_paths, linear_shapes, measure_limits, summary
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.make_model import make_model
@@ -49,12 +55,25 @@ def prefill_flops(model, num_tokens: int) -> float:
     return 2 * linear * num_tokens + attention
 
 
-def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int) -> dict:
+_LIMITS: dict[tuple, dict] = {}     # (model_dir, rows, threads) -> limits, once per process (bench/peers.py asks again)
+
+
+def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int, limits: dict | None = None) -> dict:
+    """Prefill seconds and MFU per prompt length, chunked by ``chunk`` tokens. MFU is against the best
+    bf16 GEMM rate measured at the chunk's row count (``limits``: :func:`bench.limits.measure_limits`;
+    if not given, measured here once per process over the model's shapes at those row counts), with
+    the paper peak's fraction beside it."""
     torch.set_num_threads(threads)
-    peak = matmul_peak(torch.bfloat16)
     model, cfg = load_model(model_dir, torch.bfloat16)
+    if limits is None:
+        key = (model_dir, tuple(sorted({min(n, chunk) for n in lengths})), threads)
+        if key not in _LIMITS:
+            _LIMITS[key] = measure_limits(linear_shapes(model), key[1], threads=threads)
+            print(summary(_LIMITS[key]), flush=True)
+        limits = _LIMITS[key]
     runner = ModelRunner(model, KVCacheSpec.for_model(cfg, max(lengths) // 16 + 2, 16, torch.bfloat16))
-    rows = []
+    paper = limits["theoretical_peak"]["flops"]
+    out_rows = []
     for n in lengths:
         ids, table = prompt(n, n), list(range(n // 16 + 1))
 
@@ -63,9 +82,16 @@ def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int) -> d
                 runner.run([StepInput(ids[start:start + chunk], start, table)])
 
         seconds = median_time(run, repeats=3)
-        rows.append({"prompt_tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
-                     "mfu": prefill_flops(model, n) / seconds / peak})
-    return {"bf16_matmul_peak_flops": peak, "threads": threads, "chunk_tokens": chunk, "rows": rows}
+        flops = prefill_flops(model, n)
+        achieved = flops / seconds
+        gemm = gemm_rate_at(limits, min(n, chunk))
+        out_rows.append({"prompt_tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
+                         "mfu": achieved / gemm["flops_per_s"], "gemm_rate_flops_per_s": gemm["flops_per_s"],
+                         "gemm_rate_rows": gemm["rows"], "gemm_rate_kernel": gemm["kernel"],
+                         "mfu_theoretical": achieved / paper, "compute_floor_s": flops / gemm["flops_per_s"],
+                         "kernels": kernel_paths(model, min(n, chunk), min(n, chunk))})
+    return {"bf16_matmul_peak_flops": limits["best_gemm_flops_per_s"], "theoretical_peak_flops": paper,
+            "threads": threads, "chunk_tokens": chunk, "rows": out_rows}
 
 
 async def _ttft(address: str, ids: list[int]) -> tuple[float, int]:
@@ -159,16 +185,25 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the in-process MFU run")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mfu-only", action="store_true", help="only part 1 (no cluster, no FP8 accuracy)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "prefill"))
     args = ap.parse_args()
     if not Path(args.model, "config.json").exists():
         make_model("bench-80m", args.model)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    torch.set_num_threads(args.threads)
+    shapes = linear_shapes(load_model(args.model, torch.bfloat16)[0])
+    limits = measure_limits(shapes, sorted(set(ROWS) | {min(n, args.chunk) for n in lengths}), threads=args.threads)
+    print(summary(limits), flush=True)
+    result = {"model": args.model, "limits": limits}
+    result["mfu"] = bench_mfu(args.model, lengths, args.chunk, args.threads, limits)
+    _print_mfu(result["mfu"])
+    if args.mfu_only:
+        write_result(result, Path(args.out))
+        return
     redis_url = default_redis_url()
     redis_proc = ensure_redis(redis_url)
     try:
-        result = {"model": args.model}
-        result["mfu"] = bench_mfu(args.model, [int(x) for x in args.lengths.split(",")], args.chunk, args.threads)
-        _print_mfu(result["mfu"])
         result["prefix_cache"] = bench_prefix_cache(args.model, redis_url, 2048, 0.9, args.repeats)
         print("prefix cache:", result["prefix_cache"])
         result["overlap"] = bench_overlap(args.model, redis_url, 2048, args.repeats)
@@ -187,10 +222,15 @@ def main() -> None:
 
 
 def _print_mfu(mfu: dict) -> None:
-    print(f"bf16 matmul peak: {mfu['bf16_matmul_peak_flops'] / 1e9:.0f} GFLOP/s ({mfu['threads']} thread(s))")
-    print(f"{'prompt':>8s} {'seconds':>9s} {'tokens/s':>10s} {'MFU':>6s}")
+    print(f"best measured bf16 GEMM: {mfu['bf16_matmul_peak_flops'] / 1e9:.0f} GFLOP/s, paper peak "
+          f"{mfu['theoretical_peak_flops'] / 1e9:.0f} GFLOP/s ({mfu['threads']} thread(s))")
+    print(f"{'prompt':>8s} {'seconds':>9s} {'tokens/s':>10s} {'MFU':>6s} {'of rate (GFLOP/s, rows, kernel)':>36s} "
+          f"{'paper':>6s}  kernels")
     for r in mfu["rows"]:
-        print(f"{r['prompt_tokens']:8d} {r['seconds']:9.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%}")
+        rate = f"{r['gemm_rate_flops_per_s'] / 1e9:.0f}, {r['gemm_rate_rows']}, {r['gemm_rate_kernel']}"
+        kernels = ", ".join(f"{k}={v}" for k, v in r["kernels"].items())
+        print(f"{r['prompt_tokens']:8d} {r['seconds']:9.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} {rate:>36s} "
+              f"{r['mfu_theoretical']:6.1%}  {kernels}")
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -204,7 +244,7 @@ def _plot(result: dict, path: Path) -> None:
     a.axhline(50, color="gray", ls="--", label="target 50%")
     a.set_xscale("log", base=2)
     a.set_xlabel("prompt tokens")
-    a.set_ylabel("prefill MFU, % of bf16 matmul peak")
+    a.set_ylabel("prefill MFU, % of best measured GEMM")
     a.legend()
     pc, ch = result["prefix_cache"], result["chunking"]["ttft_s_by_budget"]
     labels = ["cold", "90% cached", *[f"budget {k}" for k in ch]]

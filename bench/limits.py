@@ -1,0 +1,415 @@
+"""The machine's limits, measured as limits once per benchmark run, with the ISA's paper peak beside them.
+
+* **Read bandwidth**: the streaming read in C (:mod:`kernels.cpu.membw`, vector loads, best of
+  its paths), in 4 KiB pages (``torch.empty``) and 2 MiB pages (:func:`model.hugepages.empty_huge`),
+  at a DRAM-sized buffer (>= 1 GiB and >= 4x the L3) and at the sizes a caller asks for (a decode
+  step's working set: weights + KV; one smaller than the L3 streams from cache, so its speed of
+  light is the cache's). A ``torch.sum`` over the same buffer is kept as a second figure.
+* **Compute**: the best GEMM rate over the model's linear shapes ``[N, K]`` at each row count, over
+  every bf16 kernel the project has for it (``F.linear``; the packed ``gemv_bf16`` and
+  ``gemm_bf16_amx``; ``PackedBF16Linear.forward``, whatever it selects).
+* **Theoretical peak**: cores x clock x FLOP/cycle/core of the best ISA present (:func:`theoretical_peak`).
+* **CPU facts**: model, ISA flags, L3, which C kernels load here (:func:`cpu_facts`).
+
+    python bench/limits.py --model .bench-models/bench-80m --threads 1
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROWS = (1, 8, 32, 512, 2048)
+FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
+C_KERNELS = ("gemv_bf16", "paged_attention", "fused", "gemv_int4", "membw")
+GIB = 1 << 30
+
+# FLOP per cycle per core, by ISA. AMX: one TDPBF16PS (16x16 fp32 tile += 16x32 by 32x16 bf16,
+# 16,384 FLOP) per 16 cycles = 1024 (Intel AMX, Sapphire Rapids). vdpbf16ps zmm: 16 fp32 lanes x
+# 2 bf16 pairs x (mul + add) = 64 FLOP per instruction, times the issue rate per microarchitecture
+# (_BF16_ISSUE). FMA: 2 FLOP per lane, 2 FMA pipes: AVX-512 2 x 16 x 2, AVX2 2 x 8 x 2; Zen 4 runs a
+# 512-bit op over both 256-bit halves ("double-pumped"), so one zmm FMA or vdpbf16ps per cycle.
+_AMX_BF16 = 1024
+_VDPBF16PS_FLOP = 64
+_FMA512_FLOP = 32          # one zmm FMA: 16 lanes x 2
+_FMA256_FLOP = 16          # one ymm FMA: 8 lanes x 2
+
+
+def _bf16_issue(vendor: str, family: int) -> tuple[float, str]:
+    """zmm vdpbf16ps (and zmm FMA) per cycle per core, with its source.
+
+    Intel Cooper Lake / Sapphire Rapids / Emerald Rapids: 2 (ports 0 and 5, the two 512-bit FMA
+    units; LLVM's scheduling model: llvm-mca -mcpu=sapphirerapids, RThroughput 0.5). AMD Zen 4
+    (family 0x19): 1 (512-bit ops double-pumped through 256-bit units; A. Yee, "Zen5's AVX512
+    Teardown", numberworld.org, 2024, on Zen 4). AMD Zen 5 (family 0x1a): 2 (full 512-bit
+    datapath, same article). Unknown: 2, an upper bound."""
+    if vendor == "AuthenticAMD" and family == 0x19:
+        return 1.0, "Zen 4 double-pumps 512-bit ops: 1 zmm vdpbf16ps/FMA per cycle"
+    if vendor == "AuthenticAMD" and family >= 0x1a:
+        return 2.0, "Zen 5 native 512-bit: 2 zmm vdpbf16ps/FMA per cycle"
+    if vendor == "GenuineIntel":
+        return 2.0, "Intel server core: 2 zmm vdpbf16ps/FMA per cycle (ports 0 and 5)"
+    return 2.0, "unknown microarchitecture: assumed 2 zmm ops per cycle (upper bound)"
+
+
+def theoretical_peak(flags: Iterable[str], mhz: float, cores: int, vendor: str = "GenuineIntel",
+                     family: int = 6) -> dict:
+    """Paper peak of bf16 matmul on ``cores`` cores at ``mhz``: cores x clock x FLOP/cycle/core of the
+    best ISA in ``flags`` (``/proc/cpuinfo`` names: ``amx_bf16``, ``avx512_bf16``, ``avx512f``,
+    ``avx2`` + ``fma``). A pure function.
+
+    Returns ``{"isa", "flop_per_cycle_per_core", "cores", "clock_mhz", "flops" (FLOP/s), "note"}``.
+    """
+    flags = set(flags)
+    issue, note = _bf16_issue(vendor, family)
+    if "amx_bf16" in flags and "amx_tile" in flags:
+        isa, per_cycle, note = "amx_bf16", float(_AMX_BF16), "one TDPBF16PS (16,384 FLOP) per 16 cycles"
+    elif "avx512_bf16" in flags:
+        isa, per_cycle = "avx512_bf16", _VDPBF16PS_FLOP * issue
+    elif "avx512f" in flags:
+        isa, per_cycle = "avx512f_fma_fp32", _FMA512_FLOP * issue
+    elif "avx2" in flags and "fma" in flags:
+        isa, per_cycle, note = "avx2_fma_fp32", 2.0 * _FMA256_FLOP, "2 ymm FMA per cycle"
+    else:
+        isa, per_cycle, note = "scalar", 2.0, "one scalar FMA per cycle"
+    return {"isa": isa, "flop_per_cycle_per_core": per_cycle, "cores": cores, "clock_mhz": mhz,
+            "flops": cores * mhz * 1e6 * per_cycle, "note": note}
+
+
+def _cpuinfo() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if not key and out:
+                break                                       # first processor only
+            out.setdefault(key, value.strip())
+    except OSError:
+        pass
+    return out
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def _size_bytes(text: str) -> int | None:
+    """``"260 MiB (1 instance)"`` / ``"32768K"`` -> bytes."""
+    m = re.match(r"\s*([\d.]+)\s*([KMG]?)i?B?", text or "")
+    if not m:
+        return None
+    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
+
+
+def cpu_facts() -> dict:
+    """Model name, vendor/family/model, the ISA flags that set the limits, L3 bytes, the clock used for
+    the paper peak (``clock_source`` says where from: under KVM ``cpu MHz`` is often only the nominal
+    clock), and which C kernels build and load here."""
+    from pdserve.kernels.cpu import available
+
+    info, ls = _cpuinfo(), _lscpu()
+    flags = set(info.get("flags", "").split())
+    l3 = _size_bytes(ls.get("L3 cache", "")) or _size_bytes(info.get("cache size", ""))
+    if ls.get("CPU max MHz"):
+        mhz, source = float(ls["CPU max MHz"]), "lscpu CPU max MHz"
+    elif info.get("cpu MHz"):
+        mhz, source = float(info["cpu MHz"]), "/proc/cpuinfo cpu MHz (may be only the nominal clock, e.g. under KVM)"
+    else:
+        mhz, source = float("nan"), "unknown"
+    return {"model_name": info.get("model name", platform.processor()), "vendor": info.get("vendor_id", ""),
+            "family": int(info.get("cpu family", "0") or 0), "model": int(info.get("model", "0") or 0),
+            "features": {f: f in flags for f in FEATURES}, "l3_bytes": l3, "clock_mhz": mhz,
+            "clock_source": source, "hypervisor": ls.get("Hypervisor vendor"), "logical_cpus": os.cpu_count(),
+            "kernels": {k: available(k) for k in C_KERNELS}}
+
+
+def dram_buffer_bytes(l3_bytes: int | None) -> int:
+    """Buffer size for the DRAM figure: >= 1 GiB and >= 4x the L3, at most a quarter of free memory."""
+    want = max(GIB, 4 * (l3_bytes or 0))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return want
+    return max(64 << 20, min(want, avail // 4))
+
+
+def read_bandwidths(nbytes: int, threads: int = 1) -> dict:
+    """Streaming read of an ``nbytes`` buffer, bytes/s, in 4 KiB and huge pages: the C kernel's best path
+    (``c_read``, ``c_path``, every path in ``c_paths``) and ``torch.sum`` over float32 as a second figure.
+    ``best`` is the best C figure; where the C kernel cannot run (no compiler) it is the best torch
+    figure and ``best_path`` says ``"torch_sum"``."""
+    from pdserve.kernels.cpu import KernelUnavailable
+    from pdserve.kernels.cpu.membw import best_pass_seconds
+    from pdserve.model.hugepages import empty_huge
+
+    numel = max(16, nbytes // 4)
+    nbytes = numel * 4
+    repeats = int(min(50, max(3, (256 << 20) // nbytes)))
+    out: dict = {"bytes": nbytes, "threads": threads}
+    for pages, alloc in (("4k", lambda: torch.empty(numel)), ("huge", lambda: empty_huge(numel, torch.float32))):
+        buf = alloc().fill_(1.0)                          # touch every page before timing
+        with _torch_threads(threads):
+            figure = {"torch_sum": nbytes / _best_time(buf.sum, repeats)}
+        try:
+            per_path = best_pass_seconds(buf, repeats, threads)
+        except KernelUnavailable:
+            figure.update(c_read=None, c_path="torch_sum", c_paths={})
+        else:
+            path = min(per_path, key=per_path.get)
+            figure.update(c_read=nbytes / per_path[path], c_path=path,
+                          c_paths={p: nbytes / s for p, s in per_path.items()})
+        out[pages] = figure
+        del buf
+    best = max(("4k", "huge"), key=lambda p: out[p]["c_read"] or out[p]["torch_sum"])
+    out.update(best=out[best]["c_read"] or out[best]["torch_sum"], best_pages=best, best_path=out[best]["c_path"],
+               torch_sum_best=max(out["4k"]["torch_sum"], out["huge"]["torch_sum"]))
+    return out
+
+
+def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: int = 1,
+               budget_s: float = 0.3) -> list[dict]:
+    """FLOP/s of ``x [m, K] @ W[N, K].T`` in bf16 for each ``(N, K)`` of ``shapes`` and ``m`` of ``rows``, by
+    every kernel that runs here: ``f_linear``; ``gemv_bf16`` (up to 64 rows: a few-row kernel) and
+    ``gemm_bf16_avx512`` (where the module has it) and ``gemm_bf16_amx`` on the packed weight;
+    ``packed_linear`` (``PackedBF16Linear.forward``, with its ``kernel_for(rows)`` where it has one).
+    Each the fastest of repeated calls (about ``budget_s``); a kernel that raises is recorded with
+    its ``error`` and no rate."""
+    from pdserve.kernels.cpu import gemv as gemv_module
+    from pdserve.kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_available, gemv_bf16, pack_weight
+    from pdserve.model.cpu_linear import PackedBF16Linear
+
+    gemm_avx512 = getattr(gemv_module, "gemm_bf16_avx512", None)
+
+    torch.manual_seed(0)
+    out = []
+    with _torch_threads(threads):
+        for n, k in dict.fromkeys((int(n), int(k)) for n, k in shapes):
+            linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+            w = linear.weight.detach()
+            packed = pack_weight(w) if gemv_available() else None
+            module, module_error = None, None
+            try:
+                module = PackedBF16Linear(linear) if packed is not None else None
+            except Exception as exc:            # as below: report a module another change broke
+                module_error = f"{type(exc).__name__}: {exc}"
+            for m in rows:
+                x = torch.randn(m, k).bfloat16()
+                kernels: dict[str, Callable[[], object]] = {"f_linear": lambda: F.linear(x, w)}
+                if packed is not None:
+                    xp = F.pad(x, (0, k % 2))
+                    if m <= 64:
+                        kernels["gemv_bf16"] = lambda: gemv_bf16(xp, packed, n)
+                    if gemm_avx512 is not None:
+                        kernels["gemm_bf16_avx512"] = lambda: gemm_avx512(xp, packed, n)
+                    if gemm_amx_available() and k % 32 == 0:
+                        kernels["gemm_bf16_amx"] = lambda: gemm_bf16_amx(x, packed, n)
+                    if module is not None:
+                        kernels["packed_linear"] = lambda: module(x)
+                    else:
+                        out.append({"rows": m, "n": n, "k": k, "kernel": "packed_linear", "error": module_error})
+                for name, fn in kernels.items():
+                    row: dict = {"rows": m, "n": n, "k": k, "kernel": name}
+                    try:
+                        with torch.no_grad():
+                            seconds = _best_time(fn, None, budget_s)
+                        row.update(seconds=seconds, flops_per_s=2.0 * m * n * k / seconds)
+                    except Exception as exc:    # a kernel another change broke must not stop the benchmark
+                        row.update(error=f"{type(exc).__name__}: {exc}")
+                    if name == "packed_linear":
+                        row["kernel_path"] = kernel_path(module, m)
+                    out.append(row)
+    return out
+
+
+def kernel_path(module: torch.nn.Module, rows: int) -> str | None:
+    """``module.kernel_for(rows)`` as a string where the module has it (the packed linears), else None."""
+    kernel_for = getattr(module, "kernel_for", None)
+    if not callable(kernel_for):
+        return None
+    try:
+        return str(kernel_for(rows))
+    except Exception as exc:                # report, never fail the benchmark over a label
+        return f"error: {exc}"
+
+
+def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
+                 kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The path each kind of linear takes at ``rows`` rows (``kernel_for`` of the packed bf16 and INT4
+    modules, else the module's class: torch), and attention's for steps of ``query_len`` new tokens per
+    sequence over a ``kv_dtype`` cache (:func:`kernels.paged_attention.cpu_kernels_apply`: the C
+    kernels or torch)."""
+    from pdserve.kernels.paged_attention import cpu_kernels_apply
+
+    out: dict = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "in_features") and hasattr(module, "out_features"):
+            kind = name.rsplit(".", 1)[-1]
+            out.setdefault(kind, kernel_path(module, rows) or f"{type(module).__name__} (torch)")
+    c = cpu_kernels_apply(torch.device("cpu"), query_len, rows, kv_dtype)
+    out["attention"] = "paged_attention (C)" if c else "torch"
+    return out
+
+
+def best_by_rows(measurements: list[dict]) -> dict[str, dict]:
+    """``{str(rows): the fastest measurement at that row count}`` (its FLOP/s, kernel, shape)."""
+    best: dict[str, dict] = {}
+    for r in measurements:
+        if "flops_per_s" not in r:
+            continue
+        key = str(r["rows"])
+        if key not in best or r["flops_per_s"] > best[key]["flops_per_s"]:
+            best[key] = r
+    return best
+
+
+def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] = ROWS,
+                   working_set_bytes: Sequence[int] = (), threads: int | None = None,
+                   dram_bytes: int | None = None) -> dict:
+    """Measure this machine's limits for a model whose linears have ``model_shapes`` (``[N, K]`` each).
+
+    ``rows``: GEMM row counts to measure; ``working_set_bytes``: buffer sizes at which to measure the
+    read bandwidth besides the DRAM-sized one (a decode step's weight + KV bytes); ``threads``: cores
+    used (default ``torch.get_num_threads()``); ``dram_bytes``: the DRAM buffer's size (default
+    :func:`dram_buffer_bytes`; smaller only to test). Returns a JSON-ready dict::
+
+        cpu                  cpu_facts()
+        threads              cores measured on
+        bandwidth            {"dram": read_bandwidths(...), "working_set": {str(bytes): read_bandwidths(...)}}
+        bandwidth_bytes_per_s   best C read at the DRAM size (bytes/s); torch_sum_bytes_per_s beside it
+        gemm                 {"measurements": [...], "best_by_rows": {str(rows): {...}}, "best": {...}}
+        best_gemm_flops_per_s   the overall best measured rate (FLOP/s)
+        theoretical_peak     theoretical_peak(...) for these threads at the reported clock
+
+    Without a C compiler the bandwidths are torch's (``best_path`` ``"torch_sum"``) and only
+    ``F.linear`` is measured.
+    """
+    threads = threads or torch.get_num_threads()
+    cpu = cpu_facts()
+    dram = read_bandwidths(dram_bytes or dram_buffer_bytes(cpu["l3_bytes"]), threads)
+    working = {str(int(b)): read_bandwidths(int(b), threads) for b in dict.fromkeys(working_set_bytes)}
+    measurements = gemm_rates(model_shapes, rows, threads)
+    by_rows = best_by_rows(measurements)
+    best = max(by_rows.values(), key=lambda r: r["flops_per_s"])
+    flags = [f for f, present in cpu["features"].items() if present]
+    return {"cpu": cpu, "threads": threads,
+            "bandwidth": {"dram": dram, "working_set": working},
+            "bandwidth_bytes_per_s": dram["best"], "torch_sum_bytes_per_s": dram["torch_sum_best"],
+            "gemm": {"measurements": measurements, "best_by_rows": by_rows, "best": best},
+            "best_gemm_flops_per_s": best["flops_per_s"],
+            "theoretical_peak": theoretical_peak(flags, cpu["clock_mhz"], threads, cpu["vendor"], cpu["family"])}
+
+
+def bandwidth_at(limits: dict, nbytes: int, threads: int | None = None) -> float:
+    """Best C read bandwidth (bytes/s) for a working set of ``nbytes``: measured now and added to
+    ``limits["bandwidth"]["working_set"]`` unless a figure within 5% of that size is there."""
+    table = limits["bandwidth"]["working_set"]
+    for key, figure in table.items():
+        if abs(int(key) - nbytes) <= 0.05 * nbytes:
+            return figure["best"]
+    table[str(int(nbytes))] = read_bandwidths(int(nbytes), threads or limits["threads"])
+    return table[str(int(nbytes))]["best"]
+
+
+def gemm_rate_at(limits: dict, rows: int) -> dict:
+    """The best measurement at ``rows`` rows (else at the nearest measured row count)."""
+    by_rows = limits["gemm"]["best_by_rows"]
+    key = min(by_rows, key=lambda r: (abs(math.log(int(r) / rows)), int(r)))
+    return by_rows[key]
+
+
+def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """``[N, K]`` of every linear layer of ``model`` (``nn.Linear`` or anything with in/out_features), deduplicated."""
+    shapes = [(int(m.out_features), int(m.in_features)) for m in model.modules()
+              if hasattr(m, "in_features") and hasattr(m, "out_features")]
+    return list(dict.fromkeys(shapes))
+
+
+def summary(limits: dict) -> str:
+    """Lines to print: bandwidths, best GEMM rate per row count, and the paper peak."""
+    cpu, peak, dram = limits["cpu"], limits["theoretical_peak"], limits["bandwidth"]["dram"]
+    lines = [f"CPU: {cpu['model_name']} ({limits['threads']} thread(s)); kernels: "
+             + ", ".join(k for k, ok in cpu["kernels"].items() if ok),
+             f"read bandwidth, {dram['bytes'] / GIB:.2f} GiB buffer: C {dram['best'] / 1e9:.1f} GB/s "
+             f"({dram['best_pages']} pages, {dram['best_path']}); torch.sum {dram['torch_sum_best'] / 1e9:.1f} GB/s"]
+    for key, ws in limits["bandwidth"]["working_set"].items():
+        lines.append(f"read bandwidth, {int(key) / 2**20:.1f} MiB working set: C {ws['best'] / 1e9:.1f} GB/s "
+                     f"({ws['best_pages']} pages, {ws['best_path']}); torch.sum {ws['torch_sum_best'] / 1e9:.1f} GB/s")
+    for key, r in limits["gemm"]["best_by_rows"].items():
+        lines.append(f"best bf16 GEMM at {int(key):5d} rows: {r['flops_per_s'] / 1e9:7.1f} GFLOP/s "
+                     f"({r['kernel']}{' -> ' + r['kernel_path'] if r.get('kernel_path') else ''}, "
+                     f"N={r['n']} K={r['k']})")
+    failed = sorted({r["kernel"] for r in limits["gemm"]["measurements"] if "error" in r})
+    if failed:
+        lines.append("kernels that raised (see gemm.measurements): " + ", ".join(failed))
+    lines.append(f"theoretical peak: {peak['flops'] / 1e9:.0f} GFLOP/s = {peak['cores']} core(s) x "
+                 f"{peak['clock_mhz']:.0f} MHz ({cpu['clock_source']}) x {peak['flop_per_cycle_per_core']:.0f} "
+                 f"FLOP/cycle ({peak['isa']}: {peak['note']})")
+    return "\n".join(lines)
+
+
+class _torch_threads:
+    """Context: ``torch.set_num_threads(n)`` inside, the previous count restored after."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.before = n, torch.get_num_threads()
+
+    def __enter__(self) -> None:
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.before)
+
+
+def _best_time(fn: Callable[[], object], repeats: int | None, budget_s: float = 0.3) -> float:
+    """Fastest of ``repeats`` calls of ``fn`` in seconds after one warm-up call; ``repeats=None``:
+    as many as fit in about ``budget_s`` (3 to 50)."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    if repeats is None:
+        repeats = int(min(50, max(3, budget_s / max(first, 1e-6))))
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a model directory: measure its linear shapes (default: bench-80m's)")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", help="write the limits as JSON here")
+    args = ap.parse_args()
+    if args.model:
+        from pdserve.model.loader import load_model
+        shapes = linear_shapes(load_model(args.model, torch.bfloat16)[0])
+    else:
+        shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048), (2048, 768)]
+    limits = measure_limits(shapes, [int(r) for r in args.rows.split(",")], threads=args.threads)
+    print(summary(limits))
+    if args.out:
+        Path(args.out).write_text(json.dumps(limits, indent=2))
+
+
+if __name__ == "__main__":
+    main()

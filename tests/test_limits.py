@@ -1,0 +1,137 @@
+"""The machine limits the benchmarks measure against (bench/limits.py, kernels/cpu/membw.c).
+
+The C read must really read: its checksum (sum mod 2^64 of the buffer's little-endian 8-byte words,
+the last partial word zero-extended) must equal numpy's over the same bytes, for every ISA path this
+CPU has, on awkward lengths and start addresses, split over several threads. No timed assertions:
+measured figures are only checked to be positive and finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.bench import limits
+from pdserve.kernels.cpu import KernelUnavailable, membw
+
+needs_membw = pytest.mark.skipif(not membw.membw_available(), reason="no C compiler: the read kernel cannot build")
+
+
+def reference_checksum(buf: torch.Tensor) -> int:
+    raw = buf.contiguous().view(torch.uint8).numpy().tobytes()
+    raw += bytes(-len(raw) % 8)
+    return int(np.frombuffer(raw, dtype="<u8").sum(dtype=np.uint64))
+
+
+@needs_membw
+@pytest.mark.parametrize("path", list(membw.PATHS))
+def test_read_checksum_is_exact_on_awkward_lengths_and_offsets(path):
+    if path not in membw.paths():
+        pytest.skip(f"this CPU lacks {path}")
+    base = torch.randint(0, 256, (200_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    base[::97] = 255                                  # high bytes: carries across the 64-bit wraparound
+    for length in (0, 1, 7, 8, 63, 64, 65, 255, 511, 512, 513, 2049, 4096 + 3, 100_003):
+        for offset in (0, 1, 3, 8, 61):
+            buf = base[offset:offset + length]
+            for threads in (1, 3):
+                _, checksum = membw.read_pass(buf, 2, path, threads)
+                assert checksum == reference_checksum(buf), (path, length, offset, threads)
+
+
+@needs_membw
+def test_read_checksum_of_float_tensor_and_wraparound():
+    buf = torch.full((1 << 16,), -1.0)               # 0xBF800000 words: the 64-bit sum wraps many times
+    for path in membw.paths():
+        assert membw.read_pass(buf, 1, path, 2)[1] == reference_checksum(buf)
+    ones = torch.full((1000,), 0xFF, dtype=torch.uint8)   # 125 words of 2^64 - 1
+    assert membw.read_pass(ones, 1, membw.paths()[-1])[1] == (125 * (2**64 - 1)) % 2**64
+
+
+@needs_membw
+def test_read_rejects_bad_arguments():
+    buf = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError):
+        membw.read_pass(buf[::2], 1)                  # not contiguous
+    with pytest.raises(ValueError):
+        membw.read_pass(buf, 0)
+    with pytest.raises(ValueError):
+        membw.read_pass(buf, 1, "sse9")
+    with pytest.raises(ValueError):
+        membw.read_bandwidth(buf[:0])
+    missing = [p for p in membw.PATHS if p not in membw.paths()]
+    if missing:
+        with pytest.raises(KernelUnavailable):
+            membw.read_pass(buf, 1, missing[0])
+
+
+@needs_membw
+def test_read_bandwidth_is_positive_and_finite():
+    bw = membw.read_bandwidth(torch.ones(1 << 18), repeats=2, threads=2)
+    assert math.isfinite(bw) and bw > 0
+
+
+@pytest.mark.parametrize("flags, mhz, cores, vendor, family, isa, per_cycle", [
+    ({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}, 2000.0, 4, "GenuineIntel", 6, "amx_bf16", 1024),
+    ({"avx512_bf16", "avx512f", "avx2", "fma"}, 2300.0, 1, "GenuineIntel", 6, "avx512_bf16", 128),   # EMR, no AMX
+    ({"avx512_bf16", "avx512f", "avx2", "fma"}, 3000.0, 2, "AuthenticAMD", 0x19, "avx512_bf16", 64),  # Zen 4
+    ({"avx512_bf16", "avx512f"}, 3000.0, 2, "AuthenticAMD", 0x1a, "avx512_bf16", 128),                # Zen 5
+    ({"avx512f", "avx2", "fma"}, 2500.0, 8, "GenuineIntel", 6, "avx512f_fma_fp32", 64),
+    ({"avx512f", "avx2", "fma"}, 2500.0, 8, "AuthenticAMD", 0x19, "avx512f_fma_fp32", 32),
+    ({"avx2", "fma"}, 3500.0, 2, "AuthenticAMD", 0x17, "avx2_fma_fp32", 32),
+    ({"amx_bf16"}, 1000.0, 1, "GenuineIntel", 6, "scalar", 2),       # AMX-BF16 without AMX tiles: not usable
+])
+def test_theoretical_peak(flags, mhz, cores, vendor, family, isa, per_cycle):
+    peak = limits.theoretical_peak(flags, mhz, cores, vendor, family)
+    assert peak["isa"] == isa
+    assert peak["flop_per_cycle_per_core"] == per_cycle
+    assert peak["flops"] == cores * mhz * 1e6 * per_cycle
+
+
+def test_size_parsing_and_nearest_gemm_rate():
+    assert limits._size_bytes("260 MiB (1 instance)") == 260 << 20
+    assert limits._size_bytes("32768 KB") == 32 << 20
+    assert limits._size_bytes("") is None
+    fake = {"gemm": {"best_by_rows": {"1": {"flops_per_s": 1.0}, "32": {"flops_per_s": 2.0},
+                                      "512": {"flops_per_s": 3.0}}}}
+    assert limits.gemm_rate_at(fake, 32)["flops_per_s"] == 2.0
+    assert limits.gemm_rate_at(fake, 24)["flops_per_s"] == 2.0      # nearest on a log scale
+    assert limits.gemm_rate_at(fake, 300)["flops_per_s"] == 3.0
+
+
+def test_best_by_rows_skips_failed_kernels():
+    rows = [{"rows": 8, "kernel": "a", "flops_per_s": 5.0}, {"rows": 8, "kernel": "b", "error": "boom"},
+            {"rows": 8, "kernel": "c", "flops_per_s": 7.0}, {"rows": 1, "kernel": "a", "flops_per_s": 1.0}]
+    best = limits.best_by_rows(rows)
+    assert best["8"]["kernel"] == "c" and best["1"]["kernel"] == "a"
+
+
+@needs_membw
+def test_measure_limits_on_tiny_shapes():
+    out = limits.measure_limits([(48, 64), (32, 32), (48, 64)], rows=[1, 3], working_set_bytes=[1 << 20],
+                                threads=1, dram_bytes=4 << 20)
+    assert set(out) >= {"cpu", "threads", "bandwidth", "bandwidth_bytes_per_s", "torch_sum_bytes_per_s", "gemm",
+                        "best_gemm_flops_per_s", "theoretical_peak"}
+    for figure in (out["bandwidth"]["dram"], out["bandwidth"]["working_set"][str(1 << 20)]):
+        for pages in ("4k", "huge"):
+            assert figure[pages]["c_path"] in membw.paths()
+            for v in (figure[pages]["c_read"], figure[pages]["torch_sum"]):
+                assert math.isfinite(v) and v > 0
+        assert figure["best"] == max(figure["4k"]["c_read"], figure["huge"]["c_read"])
+    assert out["bandwidth_bytes_per_s"] == out["bandwidth"]["dram"]["best"]
+    measured = {(r["n"], r["k"], r["rows"], r["kernel"]) for r in out["gemm"]["measurements"] if "flops_per_s" in r}
+    assert {(n, k, m, "f_linear") for n, k in [(48, 64), (32, 32)] for m in (1, 3)} <= measured
+    assert set(out["gemm"]["best_by_rows"]) == {"1", "3"}
+    for r in out["gemm"]["best_by_rows"].values():
+        assert math.isfinite(r["flops_per_s"]) and r["flops_per_s"] > 0
+    assert out["best_gemm_flops_per_s"] == max(r["flops_per_s"] for r in out["gemm"]["best_by_rows"].values())
+    assert out["theoretical_peak"]["flops"] > 0 and out["theoretical_peak"]["cores"] == 1
+    cpu = out["cpu"]
+    assert set(cpu["features"]) == set(limits.FEATURES) and set(cpu["kernels"]) == set(limits.C_KERNELS)
+    assert cpu["kernels"]["membw"] is True
+    # a working set within 5% of a measured one reuses it; another size is measured and recorded
+    before = dict(out["bandwidth"]["working_set"])
+    assert limits.bandwidth_at(out, (1 << 20) + 1000) == before[str(1 << 20)]["best"]
+    assert limits.bandwidth_at(out, 2 << 20) > 0 and str(2 << 20) in out["bandwidth"]["working_set"]
