@@ -1,11 +1,17 @@
-"""Single-request TTFT and decode tokens/s through the cluster, next to ``transformers``.
+"""Single-request TTFT and decode tokens/s through the cluster, next to ``transformers``
+and next to the decode engine alone.
 
 Starts a router, one prefill and one decode worker as processes (one torch thread
 each) on the given checkpoint, and in the same run times ``transformers``
-``generate`` on the same checkpoint in this process (one torch thread). Warm-up
-first, medians of repeated runs. Writes JSON and a PNG bar chart.
+``generate`` on the same checkpoint in this process (one torch thread) and the decode
+engine's batch-1 step in this process, loaded as the decode worker loads it (same dtype,
+GraphRunner as the worker's default): the cluster's TPOT over that step time is what the
+router -> prefill -> KV -> decode -> client path costs per token. ``--core N`` pins this
+process and so every worker it starts to one core. Warm-up first, medians of repeated runs.
+Writes JSON and a PNG bar chart.
 
     python bench/e2e.py --out bench/out/e2e
+    python bench/e2e.py --model .bench-models/bench-80m --dtype bfloat16 --core 1 --out docs/results/e2e_bench80m
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -23,7 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from pdserve.bench.common import hf_generate_seconds
+from pdserve.bench.common import hf_generate_seconds, machine
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
@@ -46,9 +52,10 @@ async def _timed_stream(channel, request) -> tuple[float, float, int]:
     return first - start, last - first, n
 
 
-def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: int, redis_url: str) -> dict:
+def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: int, redis_url: str,
+                  dtype: str = "auto") -> dict:
     name = "bench-" + uuid.uuid4().hex[:8]
-    common = dict(model_dir=model, cluster=name, redis_url=redis_url, num_threads=1)
+    common = dict(model_dir=model, cluster=name, redis_url=redis_url, num_threads=1, dtype=dtype)
     procs = [spawn_role("decode_worker", dict(worker_id="d0", **common)),
              spawn_role("prefill_worker", dict(worker_id="p0", **common))]
     procs.append(spawn_role("router", dict(model_dir=model, cluster=name, redis_url=redis_url)))
@@ -70,6 +77,24 @@ def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: in
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def bench_engine(model: str, prompt: list[int], decode_tokens: int, repeats: int, dtype: str) -> dict:
+    """The decode engine alone at batch 1, in this process: median step seconds over ``repeats`` runs of
+    ``decode_tokens`` steps, loaded as the decode worker loads it (``dtype`` resolved as the worker does)."""
+    from pdserve.bench.decode import _engine, run_decode
+    from pdserve.cluster.worker_process import resolve_dtype
+    from pdserve.decode_worker.config import DecodeWorkerConfig
+
+    short = {"float32": "fp32", "bfloat16": "bf16"}[resolve_dtype(dtype, model)]
+    engine, model_obj = _engine(model, short, "native", DecodeWorkerConfig.graph, 1,
+                                (len(prompt) + (DecodeWorkerConfig.spec_k + 1) * decode_tokens) // 16 + 16)
+    try:
+        steps = [run_decode(engine, [prompt], decode_tokens)["step_s"] for _ in range(repeats)]
+    finally:
+        engine.receiver.close()
+    return {"dtype": short, "step_s": statistics.median(steps), "step_runs_s": steps,
+            "decode_tokens_per_s": 1 / statistics.median(steps)}
 
 
 def bench_transformers(model: str, prompt: list[int], decode_tokens: int, repeats: int) -> dict:
@@ -95,8 +120,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--dtype", default="auto", help="the workers' and the engine's dtype (auto: as pdserve up)")
+    ap.add_argument("--core", type=int, default=None, help="pin this process and every worker to this core")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "e2e"))
     args = ap.parse_args()
+    if args.core is not None:
+        os.sched_setaffinity(0, {args.core})                 # inherited by the workers spawned below
     torch.set_num_threads(1)
     redis_url = default_redis_url()
     redis_proc = ensure_redis(redis_url)
@@ -105,24 +134,28 @@ def main() -> None:
     try:
         result = {
             "command": "python " + " ".join(sys.argv),
-            "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+            "machine": machine(), "core": args.core, "dtype": args.dtype,
             "model": args.model, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
             "repeats": args.repeats,
-            "pdserve_cluster": bench_cluster(args.model, prompt, args.decode_tokens, args.repeats, redis_url),
+            "pdserve_cluster": bench_cluster(args.model, prompt, args.decode_tokens, args.repeats, redis_url,
+                                             args.dtype),
+            "decode_engine": bench_engine(args.model, prompt, args.decode_tokens, args.repeats, args.dtype),
             "transformers_generate": bench_transformers(args.model, prompt, args.decode_tokens, args.repeats),
         }
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
-    c, h = result["pdserve_cluster"], result["transformers_generate"]
+    c, h, e = result["pdserve_cluster"], result["transformers_generate"], result["decode_engine"]
     result["ratios"] = {"ttft_cluster_over_transformers": c["ttft_s"] / h["ttft_s"],
-                        "decode_speedup_over_transformers": c["decode_tokens_per_s"] / h["decode_tokens_per_s"]}
+                        "decode_speedup_over_transformers": c["decode_tokens_per_s"] / h["decode_tokens_per_s"],
+                        "cluster_tpot_over_engine_step": e["decode_tokens_per_s"] / c["decode_tokens_per_s"]}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=2))
     print(f"{'':28s}{'TTFT (ms)':>12s}{'decode tok/s':>14s}")
     for label, r in (("pdserve (router+P+D)", c), ("transformers.generate", h)):
         print(f"{label:28s}{r['ttft_s'] * 1e3:12.2f}{r['decode_tokens_per_s']:14.1f}")
+    print(f"{'decode engine alone':28s}{'':>12s}{e['decode_tokens_per_s']:14.1f}")
     print(f"ratios: {json.dumps(result['ratios'])}")
     _plot(result, out.with_suffix(".png"))
 
