@@ -179,19 +179,17 @@ def _coalesce(events: list) -> list:
 def load_decode_model(cfg: DecodeWorkerConfig):
     """The model as ``cfg.weights`` asks: a pre-quantized INT4 checkpoint as stored, a float one
     quantized at load (gpt-fast's ``convert_for_runtime``), or the weights as they are (bf16
-    projections on a CPU packed for :mod:`kernels.cpu.gemv`); then moved into huge pages."""
+    projections on a CPU packed for :mod:`kernels.cpu.gemv`; with INT4, the bf16 LM head is); then
+    moved into huge pages, kernel layouts included (INT4 builds its layout at load, in buffers that
+    move with the module)."""
     if cfg.weights == "int4" and int4_checkpoint.is_int4_checkpoint(cfg.model_dir):
         model, model_cfg = int4_checkpoint.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
     else:
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.weights == "int4":
             int4.convert_for_runtime(model, group_size=cfg.int4_group_size, method=cfg.int4_method)
-        else:
-            pack_for_cpu_decode(model, keep_dense=cfg.colocated)   # bf16 on CPU: packed for the C kernels
+    pack_for_cpu_decode(model, keep_dense=cfg.colocated)   # bf16 on CPU: the float linears left, for the C kernels
     move_to_huge_pages(model)
-    for module in model.modules():            # INT4: rebuild the kernels' layout from the moved buffers
-        if isinstance(module, int4.Int4Linear):  # now, not in the first request's step (it stays in 4 KiB pages)
-            module.prepare()
     return model, model_cfg
 
 

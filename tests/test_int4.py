@@ -102,6 +102,22 @@ def _reference(m: Int4Linear, x: torch.Tensor, kernel_dtype: torch.dtype) -> tor
     return y + m.bias.to(x.dtype) if m.bias is not None else y
 
 
+def _default_reference(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """What the default CPU path computes: with the VNNI kernel, activations quantized to int8 per row
+    and group (``round(x * 127 / max|x|)``, scale ``max|x| / 127``), fp32 products, output in ``x.dtype``;
+    otherwise :func:`_reference` in bf16."""
+    if m.kernel_for(x.numel() // m.in_features) != "int4-vnni":
+        return _reference(m, x, torch.bfloat16)
+    g, kp = m.group_size, m.qweight.shape[1] * 2
+    xg = F.pad(x.float().reshape(-1, m.in_features), (0, kp - m.in_features)).view(-1, kp // g, g)
+    a = xg.abs().amax(-1, keepdim=True).double()
+    xq = torch.round(xg * torch.where(a > 0, 127 / a, 0.0).float()).clamp(-127, 127)
+    xd = (xq * (a / 127).float()).view(-1, kp)[:, : m.in_features]
+    y = (xd @ dequantize_weight(m.qweight, m.scales, m.zeros, m.in_features).t()).to(x.dtype)
+    y = y + m.bias.to(x.dtype) if m.bias is not None else y
+    return y.view(*x.shape[:-1], m.out_features)
+
+
 @pytest.mark.parametrize("k,n,g,bias", [(384, 128, 128, False), (72, 100, 32, True), (72, 100, 128, True),
                                         (128, 1152, 64, False), (100, 33, 64, True)])
 def test_int4_linear_cpu_matches_dequantized_matmul(k, n, g, bias):
@@ -111,14 +127,15 @@ def test_int4_linear_cpu_matches_dequantized_matmul(k, n, g, bias):
         # exact mode: the kernel in fp32, against fp32 dequantize-then-matmul
         m.exact_cpu = True
         torch.testing.assert_close(m(x), _reference(m, x, torch.float32), rtol=1e-5, atol=1e-5)
-        # default: fp32 activations through the bf16 kernel; bf16 activations
+        # default: the VNNI kernel (int8 activations) where it runs, else torch's kernel in bf16
         m.exact_cpu = False
         for xx in (x, x.bfloat16()):
-            y, ref = m(xx), _reference(m, xx, torch.bfloat16)
+            y, ref = m(xx), _default_reference(m, xx)
             assert y.dtype == xx.dtype and y.shape == (2, 3, n)
             torch.testing.assert_close(y.float(), ref.float(), rtol=0, atol=ref.abs().max().item() * 2 ** -7)
         # many rows: dequantize + dense matmul, fp32 throughout
-        xl = torch.randn(m.dequant_min_rows + 5, k)
+        xl = torch.randn(max(m.dequant_min_rows, m.dequant_min_rows_vnni) + 5, k)
+        assert m.kernel_for(xl.shape[0]) == "int4-dequant-F.linear"
         w = dequantize_weight(m.qweight, m.scales, m.zeros, k)
         torch.testing.assert_close(m(xl), F.linear(xl, w, lin.bias), rtol=1e-5, atol=1e-5)
         # and the quantized layer is close to the float one (sanity of the whole format)
@@ -259,8 +276,8 @@ def test_prequantized_checkpoint_equals_load_time_quantization(tmp_path, model_d
     convert_for_runtime(converted, 32)
     assert loaded.quantization["group_size"] == 32 and loaded.lm_head.weight is loaded.embed_tokens.weight
     ids = seqs[0][:60]
-    assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, cfg, ids))          # dequant path
-    assert torch.equal(_all_logits(loaded, cfg, ids[:5]), _all_logits(converted, cfg, ids[:5]))  # int4 kernel
+    assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, cfg, ids))
+    assert torch.equal(_all_logits(loaded, cfg, ids[:5]), _all_logits(converted, cfg, ids[:5]))
 
 
 def test_gptq_checkpoint_equals_load_time_gptq(tmp_path, model_dir):

@@ -1,4 +1,5 @@
-"""Group-wise asymmetric INT4 weight-only quantization (W4A16) for the decode worker.
+"""Group-wise asymmetric INT4 weight quantization for the decode worker (W4A16 on CUDA and
+on CPUs without AVX512-VNNI; with it, activations are quantized to int8 per step: W4A8).
 
 Two phases, as in gpt-fast's ``quantize.py`` (``WeightOnlyInt4QuantHandler``):
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.cpu.int4 import int4_available, pack_int4_weight, run_unchecked
 from pdserve.model.quant.gptq import gptq_quantize_model
 from pdserve.model.quant.int4_format import (
     CALIBRATED,
@@ -36,35 +38,48 @@ from pdserve.model.quant.int4_format import (
 )
 
 _CPU_N_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
+# kernel_for() names, recorded by benchmarks
+VNNI, TORCH, DEQUANT, TRITON = "int4-vnni", "int4-torch", "int4-dequant-F.linear", "int4-triton"
+_VNNI_DTYPES = (torch.float32, torch.bfloat16)
+_LAYOUT_BUFFERS = {VNNI: ("vnni_wq", "vnni_scales", "vnni_zc"), TORCH: ("tinygemm_packed", "tinygemm_sz"),
+                   TRITON: ("triton_qweight_t", "triton_sz")}
 
 
 class Int4Linear(nn.Module):
     """``nn.Linear`` with a group-wise INT4 weight: ``[..., in_features] -> [..., out_features]``.
 
     Buffers ``qweight`` / ``scales`` / ``zeros`` (module docstring) are the portable form that
-    ``state_dict()`` holds; the kernels' own layout is built from them on first use per device
-    (and after ``load_state_dict``), and kept besides them:
+    ``state_dict()`` holds. :meth:`prepare` (at load; again, lazily, after ``load_state_dict`` or a
+    move to another device type) builds one kernel layout from them into non-persistent buffers,
+    which move with the module (``.to()``, :func:`model.hugepages.move_to_huge_pages`) and stay out
+    of ``state_dict()``. :meth:`kernel_for` names the path a row count takes:
 
-    * CPU, fewer than ``dequant_min_rows`` rows (decode): torch's tinygemm kernels,
-      ``aten._convert_weight_to_int4pack_for_cpu`` (int32 ``[Np, Kp]``, ``Np`` = N rounded up to
-      16 -> uint8 ``[Np, Kp // 2]`` blocked layout) and ``aten._weight_int4pack_mm_for_cpu(x [M, Kp]
-      contiguous, packed, G, sz [Kp // G, Np, 2])`` with ``sz`` in the activation dtype. The op
-      accepts fp32, fp16 and bf16 but only bf16 is fast (torch 2.13 CPU: fp32/fp16 are 10-40x
-      slower than a dense fp32 matmul), so by default activations are cast to bf16 and the
-      result back to ``x.dtype``; set ``exact_cpu = True`` to run the kernel in ``x.dtype``.
-      Its cost grows ~linearly in M (~0.05 ms per row per 768x2048 weight, 1 thread), hence:
-    * CPU, ``dequant_min_rows`` rows or more (prefill-sized): :func:`dequantize_weight` in fp32
-      (~3.5-5 ms per 1.5M weights), cast to ``x.dtype``, then a dense ``F.linear``. The two paths
-      cross over at ~100-130 rows for the 768x2048 + 2048x768 pair (measured, noisy machine).
-    * CUDA: :func:`kernels.w4a16_triton.w4a16_matmul` on ``qweight.T`` (``[Kp // 2, N]``) and
-      float32 ``sz [Kp // G, N, 2]``.
+    * ``"int4-vnni"``, CPU with AVX512-VNNI, fewer than ``dequant_min_rows`` rows:
+      :func:`kernels.cpu.int4.gemv_int4`, activations quantized per step to int8 per group of
+      ``group_size`` (llama.cpp's Q8_0 scheme; int32-exact dot products), fp32 accumulation, output
+      in the activation dtype (fp32 or bf16; fp16 runs in fp32). Streams the weight once per call.
+      Accuracy cost of the int8 activations on TinyStories-656K (mse, G 128, 1280 positions): mean
+      KL to the float model 0.0825 vs 0.0815 with exact activations, top-1 agreement 0.788 vs 0.780.
+    * ``"int4-torch"``, CPU without the C kernel (or ``exact_cpu = True``): torch's tinygemm,
+      ``aten._weight_int4pack_mm_for_cpu`` over ``aten._convert_weight_to_int4pack_for_cpu``'s layout
+      (N padded to 16) with ``sz [Kp // G, Np, 2]`` in the activation dtype. Only bf16 is fast there
+      (torch 2.13 CPU: fp32/fp16 10-40x slower), so activations are cast to bf16 unless ``exact_cpu``.
+    * ``"int4-dequant-F.linear"``, CPU, ``dequant_min_rows`` rows or more (prefill-sized):
+      :func:`dequantize_weight` in fp32, cast to ``x.dtype``, then a dense ``F.linear``.
+    * ``"int4-triton"``, CUDA: :func:`kernels.w4a16_triton.w4a16_matmul` on ``qweight.T``
+      (``[Kp // 2, N]``) and float32 ``sz [Kp // G, N, 2]``.
 
     Output dtype is ``x.dtype`` (float32, bfloat16 or float16; other dtypes run in float32).
     ``bias`` (``[N]``, float, or ``None``) is added in the output dtype.
     """
 
-    exact_cpu: bool = False       # CPU kernel in x.dtype instead of bf16 (slow except for bf16)
-    dequant_min_rows: int = 128   # CPU: from this many rows on, dequantize + dense matmul
+    exact_cpu: bool = False       # CPU: torch's kernel in x.dtype (exact activations; slow except for bf16)
+    # CPU: from this many rows on, dequantize + dense bf16 matmul (1 thread, Xeon without AMX, the
+    # 768x4096 + 2048x768 pair): VNNI 1.9 / 33 / 145 ms vs 62 / 170 / 508 ms at 64 / 1024 / 4096 rows,
+    # so VNNI serves everything short of very long prefills (AMX CPUs may cross over sooner);
+    # torch's kernel vs dequantize: ~100-130 rows.
+    dequant_min_rows_vnni: int = 4096
+    dequant_min_rows: int = 128
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
                  device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32) -> None:
@@ -77,8 +92,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("zeros", torch.empty(out_features, kp // group_size, device=device))
         self.bias = (nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device), requires_grad=False)
                      if bias else None)
-        self._rt_key: tuple | None = None
-        self._rt: dict = {}
+        self._layout: str | None = None                          # the kernel layout the buffers hold
+        self._vnni: tuple | None = None                          # its buffers, for forward's fast path
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, method: str = DEFAULT_METHOD,
@@ -99,24 +114,68 @@ class Int4Linear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         super()._load_from_state_dict(*args, **kwargs)
-        self._rt_key = None                                      # buffers may have changed in place
+        self._drop_layout()                                      # buffers may have changed in place
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name in ("qweight", "scales", "zeros") and self.__dict__.get("_layout") is not None:
+            self._drop_layout()                                  # new portable tensors: rebuild from them
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()`` & co.: the layout buffers move along; a cast or a move to another
+        device type makes them unusable, and they are rebuilt from the portable tensors on next use."""
+        out = super()._apply(fn, recurse)
+        if self._layout is not None:
+            bufs = tuple(self._buffers[name] for name in _LAYOUT_BUFFERS[self._layout])
+            if tuple(t.dtype for t in bufs) != self._layout_dtypes or self._wanted_layout() != self._layout:
+                self._drop_layout()
+            elif self._layout == VNNI:
+                self._vnni = bufs                                # new tensor objects
+        return out
+
+    def _wanted_layout(self) -> str:
+        if self.qweight.device.type == "cuda":
+            return TRITON
+        return VNNI if not self.exact_cpu and int4_available() else TORCH
+
+    def _drop_layout(self) -> None:
+        for name in _LAYOUT_BUFFERS.get(self._layout, ()):
+            del self._buffers[name]
+        self._layout, self._vnni = None, None
 
     def prepare(self) -> None:
-        """Build the kernel layout for the buffers' current device (done lazily by ``forward``)."""
-        dev = self.qweight.device
-        key = (dev, self.qweight.data_ptr(), self.scales.data_ptr(), self.zeros.data_ptr())
-        if key == self._rt_key or dev.type == "meta":
+        """Build the kernel layout for the buffers' device type into non-persistent buffers, unless
+        they hold it already (``forward`` calls this; loaders call it once at load)."""
+        want = self._wanted_layout()
+        if want == self._layout or self.qweight.device.type == "meta":
+            if want == VNNI:
+                self._vnni = (self.vnni_wq, self.vnni_scales, self.vnni_zc)
             return
-        if dev.type == "cuda":
-            qweight_t, sz = self.triton_operands()
-            self._rt = {"qweight_t": qweight_t, "sz": sz}
+        self._drop_layout()
+        if want == TRITON:
+            tensors = self.triton_operands()
+        elif want == VNNI:
+            tensors = pack_int4_weight(self.qweight, self.scales, self.zeros, self.group_size)
         else:
             sz = torch.stack([self.scales.float().t(), self.zeros.float().t()], dim=-1)  # [Gs, N, 2]
             pad = -self.out_features % _CPU_N_ALIGN                              # zero rows: q = 8, scale = zero = 0
             q = F.pad(unpack_int4(self.qweight).to(torch.int32), (0, 0, 0, pad), value=8)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
-            self._rt = {"packed": packed, "sz": F.pad(sz, (0, 0, 0, pad)).contiguous(), "sz_by_dtype": {}}
-        self._rt_key = key
+            sz_dtype = torch.float32 if self.exact_cpu else torch.bfloat16        # the dtype it will run in
+            tensors = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2),
+                       F.pad(sz, (0, 0, 0, pad)).to(sz_dtype).contiguous())
+        for name, t in zip(_LAYOUT_BUFFERS[want], tensors):
+            self.register_buffer(name, t, persistent=False)
+        self._layout, self._layout_dtypes = want, tuple(t.dtype for t in tensors)
+        if want == VNNI:        # the same tensor objects: move_to_huge_pages swaps their storage in place
+            self._vnni = tuple(tensors)
+
+    def kernel_for(self, rows: int) -> str:
+        """The path ``forward`` takes for ``rows`` activation rows on the buffers' device:
+        ``"int4-vnni"``, ``"int4-torch"``, ``"int4-dequant-F.linear"`` or ``"int4-triton"`` (class docstring)."""
+        want = self._wanted_layout()
+        if want == TRITON:
+            return TRITON
+        return DEQUANT if rows >= (self.dequant_min_rows_vnni if want == VNNI else self.dequant_min_rows) else want
 
     def triton_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qweight_t uint8 [Kp // 2, N], sz float32 [Kp // G, N, 2])`` for :func:`w4a16_matmul`."""
@@ -124,6 +183,16 @@ class Int4Linear(nn.Module):
         return self.qweight.t().contiguous(), sz.contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vnni, k = self._vnni, x.shape[-1]
+        if vnni is not None and not self.exact_cpu and k == self.in_features and x.dtype in _VNNI_DTYPES and x.is_cpu:
+            x2 = x.reshape(-1, k)                                # decode fast path: ~5 us of Python per call
+            if x2.shape[0] < self.dequant_min_rows_vnni:
+                if k > 1 and x2.stride(1) != 1:
+                    x2 = x2.contiguous()
+                y = run_unchecked(x2, *vnni, self.out_features, self.group_size, x2.dtype)
+                if self.bias is not None:
+                    y += self.bias
+                return y.view(*x.shape[:-1], self.out_features)
         self.prepare()
         lead, k = x.shape[:-1], x.shape[-1]
         if k != self.in_features:
@@ -134,25 +203,32 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, k)
         if x2.device.type == "cuda":
             from pdserve.kernels.w4a16_triton import w4a16_matmul  # triton only where it can run natively
-            y = w4a16_matmul(x2, self._rt["qweight_t"], self._rt["sz"], self.group_size, self.bias)
+            y = w4a16_matmul(x2, self.triton_qweight_t, self.triton_sz, self.group_size, self.bias)
         else:
             y = self._forward_cpu(x2)
         return y.reshape(*lead, self.out_features).to(out_dtype)
 
     def _forward_cpu(self, x2: torch.Tensor) -> torch.Tensor:
+        path = self.kernel_for(x2.shape[0])
+        if path == VNNI:
+            xk = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+            if xk.shape[1] > 1 and xk.stride(1) != 1:
+                xk = xk.contiguous()
+            y = run_unchecked(xk, self.vnni_wq, self.vnni_scales, self.vnni_zc, self.out_features,
+                              self.group_size, xk.dtype)
+            if self.bias is not None:
+                y += self.bias                                   # as forward's fast path
+            return y
         bias = self.bias.to(x2.dtype) if self.bias is not None else None
-        if x2.shape[0] >= self.dequant_min_rows:
+        if path == DEQUANT:
             w = dequantize_weight(self.qweight, self.scales, self.zeros, self.in_features).to(x2.dtype)
             return F.linear(x2, w, bias)
         xk = x2 if self.exact_cpu or x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
         kp = self.qweight.shape[1] * 2
         if kp != self.in_features:
             xk = F.pad(xk, (0, kp - self.in_features))           # zero activations x padded columns
-        sz_by_dtype = self._rt["sz_by_dtype"]
-        sz = sz_by_dtype.get(xk.dtype)
-        if sz is None:
-            sz = sz_by_dtype[xk.dtype] = self._rt["sz"].to(xk.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk.contiguous(), self._rt["packed"], self.group_size, sz)
+        sz = self.tinygemm_sz if self.tinygemm_sz.dtype == xk.dtype else self.tinygemm_sz.to(xk.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk.contiguous(), self.tinygemm_packed, self.group_size, sz)
         y = y[:, : self.out_features].to(x2.dtype)
         return y + bias if bias is not None else y
 

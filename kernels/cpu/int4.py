@@ -1,0 +1,141 @@
+"""INT4-weight x int8-activation products for CPU decode (``gemv_int4.c``, AVX512-VNNI).
+
+Weights in the portable format of :mod:`model.quant.int4_format` (``W = (q - 8) s + z`` per
+group of ``G`` columns) are repacked once by :func:`pack_int4_weight`::
+
+    wq     uint8   [Np / 16, Kp / 8, 16, 4]   wq[nb, kb, j, b] = q[16 nb + j, 8 kb + b]
+                                                                 | q[16 nb + j, 8 kb + 4 + b] << 4
+    scales float32 [Np / 16, Kp / G, 16]      s of rows 16 nb .. 16 nb + 15
+    zc     float32 [Np / 16, Kp / G, 16]      z - 8 s
+
+(``Np`` = N rounded up to 16; padded rows have ``q = 0``, ``s = zc = 0``). Each call quantizes
+the activations per row and per group of ``G`` columns to int8 (symmetric, ``sx = max|x| / 127``,
+round half to even), then computes per group ``sx (s dot(q, xq) + zc sum(xq))`` with exact int32
+dot products (``vpdpbusd``), the scheme of llama.cpp's ``ggml_vec_dot_q4_0_q8_0`` adapted to an
+asymmetric weight format and a 16-row layout. One 64-byte load feeds 16 output rows x 8 columns,
+and the weight is streamed once per call at any row count (rows inside the weight-block loop).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.cpu import available, library
+
+_i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+KERNEL = "int4-vnni"      # the path name benchmarks record
+
+
+def int4_available() -> bool:
+    """Whether :func:`gemv_int4` can run here (a C compiler and AVX512-F/BW/VL/VNNI)."""
+    return available("gemv_int4")
+
+
+def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Portable INT4 tensors -> ``(wq, scales, zc)`` in the layout of the module docstring.
+
+    Args:
+        qweight: uint8 ``[N, Kp // 2]`` (even column in the low nibble).
+        scales, zeros: float ``[N, Kp // G]``.
+        group_size: ``G``, a multiple of 16 dividing ``Kp``.
+    Raises:
+        ValueError: inconsistent shapes or dtypes.
+    """
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or scales.shape != zeros.shape or scales.dim() != 2:
+        raise ValueError("pack_int4_weight: qweight must be uint8 [N, Kp/2], scales and zeros [N, Kp/G]")
+    n, kp = qweight.shape[0], qweight.shape[1] * 2
+    if group_size % 16 or kp % group_size or scales.shape != (n, kp // group_size):
+        raise ValueError(f"pack_int4_weight: qweight {tuple(qweight.shape)}, scales {tuple(scales.shape)} "
+                         f"and group_size {group_size} disagree")
+    pad = -n % 16
+    q = torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(n, kp)         # [N, Kp] in 0..15
+    q = F.pad(q, (0, 0, 0, pad)).view(n + pad, kp // 8, 2, 4)
+    wq = (q[:, :, 0] | (q[:, :, 1] << 4)).view((n + pad) // 16, 16, kp // 8, 4).permute(0, 2, 1, 3).contiguous()
+
+    def blocked(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t.float(), (0, 0, 0, pad))
+        return t.view((n + pad) // 16, 16, -1).permute(0, 2, 1).contiguous()
+
+    s = scales.float()
+    return wq, blocked(s), blocked(zeros.float() - 8 * s)
+
+
+def quantize_activations(x: torch.Tensor, group_size: int, kp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantization, run by the C code: ``x`` ``[M, K]`` fp32 or bf16 ->
+    ``(xq int8 [M, Kp], sx float32 [M, Kp // G], sxs float32 [M, Kp // G])`` with ``sxs = sx * sum(xq)``
+    per group (columns past ``K`` are zero). For tests and for measuring its accuracy.
+
+    Raises:
+        ValueError: as :func:`gemv_int4`.
+    """
+    _check_x(x, kp)
+    m, gs = x.shape[0], kp // group_size
+    xq = torch.empty(m, kp, dtype=torch.int8)
+    sx, sxs = torch.empty(m, gs), torch.empty(m, gs)
+    _fn("pd_int4_quantize_rows")(x.data_ptr(), int(x.dtype == torch.bfloat16), m, x.shape[1], x.stride(0),
+                                 group_size, kp, xq.data_ptr(), sx.data_ptr(), sxs.data_ptr())
+    return xq, sx, sxs
+
+
+def gemv_int4(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch.Tensor, out_features: int,
+              group_size: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` for ``x`` ``[M, K]`` (fp32 or bf16, unit column stride, ``K <= Kp``) and a weight
+    packed by :func:`pack_int4_weight` -> ``[M, out_features]`` in ``out_dtype`` (default ``x.dtype``;
+    fp32 or bf16). Activations are quantized to int8 per group (module docstring).
+
+    Raises:
+        ValueError: wrong dtype, shape or memory layout of an argument.
+    """
+    out_dtype = out_dtype or x.dtype
+    kp = wq.shape[1] * 8
+    if wq.dtype != torch.uint8 or wq.dim() != 4 or wq.shape[2:] != (16, 4) or not wq.is_contiguous():
+        raise ValueError("gemv_int4: wq must come from pack_int4_weight")
+    want = (wq.shape[0], kp // group_size if group_size and kp % group_size == 0 else -1, 16)
+    for t in (scales, zc):
+        if t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous():
+            raise ValueError(f"gemv_int4: scales and zc must be float32 {want} for group_size {group_size}")
+    if group_size % 16 or not wq.shape[0] * 16 - 16 < out_features <= wq.shape[0] * 16:
+        raise ValueError(f"gemv_int4: out_features={out_features}, group_size={group_size} do not fit "
+                         f"a packed weight of {wq.shape[0] * 16} x {kp}")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"gemv_int4: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _check_x(x, kp)
+    return run_unchecked(x, wq, scales, zc, out_features, group_size, out_dtype)
+
+
+def run_unchecked(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch.Tensor, out_features: int,
+                  group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`gemv_int4` without the checks, for a caller that packed the weight itself and passes
+    a CPU fp32/bf16 ``x`` with unit column stride and at most ``Kp`` columns."""
+    y = torch.empty(x.shape[0], out_features, dtype=out_dtype)
+    rc = _fn("pd_int4_gemv")(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.stride(0),
+                             wq.shape[1] * 8, group_size, wq.data_ptr(), scales.data_ptr(), zc.data_ptr(),
+                             wq.shape[0] * 16, out_features, y.data_ptr(), int(out_dtype == torch.bfloat16),
+                             out_features)
+    if rc:
+        raise MemoryError("gemv_int4: out of memory for the quantized activations")
+    return y
+
+
+def _check_x(x: torch.Tensor, kp: int) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2 or x.device.type != "cpu" \
+            or (x.shape[1] > 1 and x.stride(1) != 1) or not 0 < x.shape[1] <= kp:
+        raise ValueError(f"gemv_int4: x must be a 2-D fp32/bf16 CPU tensor with unit column stride and 1 to "
+                         f"{kp} columns, got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+_SIGS = {
+    "pd_int4_quantize_rows": [_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p],
+    "pd_int4_gemv": [_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _int, _i64],
+}
+
+
+def _fn(name: str):
+    fn = getattr(library("gemv_int4"), name)
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _SIGS[name], ctypes.c_int if name == "pd_int4_gemv" else None
+    return fn
