@@ -23,6 +23,7 @@ Names follow vLLM's under the ``pdserve:`` prefix, so dashboards written for vLL
     spec_decode_num_accepted_tokens_total       counter                       x      DecodeFinished
     num_requests_running / num_requests_waiting gauge                 x       x      the registry entry's load,
     kv_cache_usage_perc (a fraction, 0..1)      gauge                 x       x      read at scrape time
+    warmup_seconds                              gauge                 x       x      WorkerInfo.warmup_s (0: none)
 
 Worker metrics carry ``worker_id`` and ``role`` labels, so one Prometheus job scraping every worker
 (their addresses are in the registry: ``WorkerInfo.metrics_address``, ``pdserve status``) sums or splits
@@ -159,8 +160,9 @@ WORKER_LABELS = ("worker_id", "role")
 
 
 def _load_gauges(registry: CollectorRegistry, labels: dict[str, str], load: Callable[[], object]) -> None:
-    """``num_requests_running``, ``num_requests_waiting`` and ``kv_cache_usage_perc`` read from ``load()``
-    (the worker's registry entry, :class:`cluster.registry.WorkerInfo`) at scrape time."""
+    """``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` and ``warmup_seconds``
+    (the start-up warm-up's duration; 0 without one) read from ``load()`` (the worker's registry entry,
+    :class:`cluster.registry.WorkerInfo`) at scrape time."""
     def usage() -> float:
         info = load()
         return 1.0 - info.num_free_blocks / info.num_total_blocks if info.num_total_blocks else 0.0
@@ -170,7 +172,9 @@ def _load_gauges(registry: CollectorRegistry, labels: dict[str, str], load: Call
              lambda: load().num_running),
             ("num_requests_waiting", "Requests waiting: for KV pages (decode), in the queue (prefill)",
              lambda: load().num_waiting),
-            ("kv_cache_usage_perc", "Fraction of the KV block pool in use (0..1)", usage)):
+            ("kv_cache_usage_perc", "Fraction of the KV block pool in use (0..1)", usage),
+            ("warmup_seconds", "Seconds the start-up warm-up took before the worker registered (0: none)",
+             lambda: load().warmup_s)):
         Gauge(PREFIX + name, doc, WORKER_LABELS, registry=registry).labels(**labels).set_function(fn)
 
 

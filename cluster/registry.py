@@ -67,6 +67,8 @@ class WorkerInfo:
         lease_s: the lease the renewal took (seconds; stamped by :meth:`WorkerLease.renew`): a signed
             entry older than ``heartbeat_at + lease_s`` plus the readers' clock-skew bound is stale.
         metrics_address: ``host:port`` of the worker's Prometheus metrics (``GET /metrics``; empty: none).
+        warmup_s: seconds the worker's start-up warm-up took before it first registered (0: it started
+            without one, or wrote the entry before the field existed).
     """
 
     worker_id: str
@@ -87,6 +89,7 @@ class WorkerInfo:
     heartbeat_at: float = 0.0
     lease_s: float = 0.0
     metrics_address: str = ""
+    warmup_s: float = 0.0
 
 
 DEFAULT_MAX_CLOCK_SKEW_S = 30.0

@@ -112,6 +112,10 @@ class WorkerConfig:
             to start (logged at start and every minute).
         metrics_port: port of the Prometheus metrics server on ``host`` (0 = pick a free one;
             :mod:`cluster.metrics`), advertised as ``WorkerInfo.metrics_address``.
+        warmup: before registering, run every shape the worker can meet once (prefill chunk-length
+            classes, decode batch buckets, kernel and sampling paths: :meth:`WorkerProcess.warm_up`), so
+            the first requests do not pay first-use costs (kernel builds, oneDNN primitives). False
+            (``--warmup false``, ``--no-warmup``): register at once, for tests that need a fast start.
     """
 
     model_dir: str
@@ -127,6 +131,7 @@ class WorkerConfig:
     lease_s: float = 3.0
     insecure: bool = False
     metrics_port: int = 0
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
@@ -148,6 +153,35 @@ class WorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.resolved_dtype]
+
+
+def row_classes(limit: int) -> list[int]:
+    """Row counts that stand for every count in ``[1, limit]``: the powers of two below ``limit``, and
+    ``limit`` itself. Kernels (oneDNN's matmuls, the C kernels, SDPA) pick their code paths by row count
+    classes like these, so a warm-up that runs each meets every path a step of up to ``limit`` rows takes.
+    Empty when ``limit < 1``."""
+    out, n = [], 1
+    while n < limit:
+        out.append(n)
+        n *= 2
+    return out + [limit] if limit >= 1 else []
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What a worker's start-up warm-up ran: ``num_prefill_shapes`` prefill chunk shapes (first chunks,
+    continuations, multi-sequence steps) and ``num_decode_buckets`` decode batch buckets (or batch-size
+    classes without the graph runner)."""
+
+    num_prefill_shapes: int = 0
+    num_decode_buckets: int = 0
+
+
+def add_no_warmup_flag(parser) -> None:
+    """``--no-warmup``: the same as ``--warmup false`` (:attr:`WorkerConfig.warmup`), on a parser that
+    :func:`cluster.args.add_config_args` filled."""
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", default=None,
+                        help="register without warming up first (tests that need a fast start)")
 
 
 def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:
@@ -225,8 +259,10 @@ class Heartbeat(threading.Thread):
 
 
 class WorkerProcess:
-    """A worker's running parts, started in this order: engine thread, gRPC server, and
-    last the Redis lease, so that traffic arrives only when the worker can take it.
+    """A worker's running parts, started in this order: engine thread (which first warms up, when
+    ``cfg.warmup``: :meth:`warm_up`), gRPC server once the warm-up is done, and last the Redis lease,
+    so that traffic arrives only when the worker can take it at full speed (vLLM likewise profiles
+    and captures its CUDA graphs before it serves).
     Subclasses build the engine (anything with ``run_forever(stop_event)``) and say
     which servicer to serve and what load to report.
 
@@ -240,13 +276,41 @@ class WorkerProcess:
     def __init__(self, cfg: WorkerConfig, engine, secret: bytes | None = None) -> None:
         self.cfg, self.engine, self._secret = cfg, engine, secret
         self._halt = threading.Event()
-        self._thread = threading.Thread(target=engine.run_forever, args=(self._halt,),
-                                        name=f"{type(self).__name__}-engine", daemon=True)
+        self._thread = threading.Thread(target=self._engine_main, name=f"{type(self).__name__}-engine", daemon=True)
+        self._warmed = threading.Event()
+        self._warmup_report: WarmupReport | BaseException = WarmupReport()
         self.address = ""
         self.metrics = CollectorRegistry()  # this worker's Prometheus metrics (cluster.metrics), served on start
         self.metrics_address = ""
         self._metrics_server = None
         self._grace_s, self._unroute_s = 1.0, 0.0
+        self.warmup_s = 0.0  # seconds the start-up warm-up took (0: none); in the registry entry and metrics
+
+    def warm_up(self) -> WarmupReport:
+        """Run every shape and path the engine can meet once, on scratch KV blocks that are all free again
+        afterwards, leaving no request, cached prefix or request metric behind. Runs on the engine thread
+        before it serves (:meth:`start` waits for it; nothing else reaches the engine yet), so it may drive
+        the engine directly. Default: nothing to warm.
+
+        Raises:
+            RuntimeError: a warm-up step failed or left blocks allocated (the worker must not serve).
+        """
+        return WarmupReport()
+
+    def _engine_main(self) -> None:
+        """The engine thread: warm up (when configured; on this thread, so that per-thread state such as
+        the OpenMP team serving torch is the serving thread's own), tell :meth:`start`, then serve."""
+        if self.cfg.warmup:
+            started = time.perf_counter()
+            try:
+                self._warmup_report = self.warm_up()
+            except BaseException as exc:  # start() raises it; the engine never serves
+                self._warmup_report = exc
+                self._warmed.set()
+                return
+            self.warmup_s = max(time.perf_counter() - started, 1e-6)  # > 0: the entry shows it warmed up
+        self._warmed.set()
+        self.engine.run_forever(self._halt)
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -290,12 +354,19 @@ class WorkerProcess:
         """Start serving and register. Returns the gRPC ``host:port``.
 
         Raises:
-            RuntimeError: the port could not be bound.
+            RuntimeError: the warm-up failed (:meth:`warm_up`), or the port could not be bound.
             redis.RedisError: the registry is unreachable.
         """
         log.info("worker %s serving %s in %s (dtype %s)", self.cfg.worker_id, self.cfg.model_dir,
                  self.cfg.resolved_dtype, self.cfg.dtype)
         self._thread.start()
+        await asyncio.to_thread(self._warmed.wait)
+        report = self._warmup_report
+        if isinstance(report, BaseException):
+            raise RuntimeError(f"worker {self.cfg.worker_id}: warm-up failed: {report}") from report
+        if self.cfg.warmup:
+            log.info("worker %s warmed up in %.2f s: %d prefill shapes, %d decode buckets", self.cfg.worker_id,
+                     self.warmup_s, report.num_prefill_shapes, report.num_decode_buckets)
         # with a secret, only the router (which derives the same token) may call
         auth = [BearerTokenInterceptor(worker_rpc_token(self._secret))] if self._secret is not None else []
         self._server, port = await start_grpc_server(self.cfg.host, self.cfg.port, self.add_servicer,

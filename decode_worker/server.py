@@ -25,10 +25,11 @@ from pdserve.cluster.rpc_fields import (
     check_token_ids,
     lenient_parser,
 )
-from pdserve.cluster.worker_process import WorkerProcess, worker_secret
+from pdserve.cluster.worker_process import WarmupReport, WorkerProcess, worker_secret
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine, check_kv_timeout
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent
+from pdserve.decode_worker.warmup import warm_up_decode
 from pdserve.model.cpu_linear import pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.kv_cache import NoFreeBlocks
@@ -220,4 +221,9 @@ class DecodeWorker(WorkerProcess):
                           num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
                           num_running=e.num_decoding, num_waiting=e.num_transferring,
                           step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2],
-                          metrics_address=self.metrics_address)
+                          metrics_address=self.metrics_address, warmup_s=self.warmup_s)
+
+    def warm_up(self) -> WarmupReport:
+        """Every decode batch bucket, speculation's verify shapes, the sampling paths and (colocated) the
+        prefill chunk classes, through the engine itself: :func:`decode_worker.warmup.warm_up_decode`."""
+        return warm_up_decode(self.engine)

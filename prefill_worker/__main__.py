@@ -5,12 +5,14 @@ import argparse
 from pdserve.cluster.args import add_config_args, config_from_args
 from pdserve.cluster.logs import add_logging_args
 from pdserve.cluster.service import run_foreground
+from pdserve.cluster.worker_process import add_no_warmup_flag
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.server import PrefillWorker
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m pdserve.prefill_worker", description=__doc__)
     add_config_args(parser, PrefillWorkerConfig)
+    add_no_warmup_flag(parser)
     add_logging_args(parser)
     args = parser.parse_args()
     cfg = config_from_args(PrefillWorkerConfig, args)

@@ -30,7 +30,7 @@ from pdserve.cluster.rpc_fields import (
     check_token_ids,
     lenient_parser,
 )
-from pdserve.cluster.worker_process import WorkerProcess, worker_secret
+from pdserve.cluster.worker_process import WarmupReport, WorkerProcess, worker_secret
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.select import backend_of_address
 from pdserve.kvtransfer.wire.channel import parse_address
@@ -40,6 +40,7 @@ from pdserve.model.sampling import SamplingParams
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.engine import PrefillEngine
 from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
+from pdserve.prefill_worker.warmup import warm_up_prefill
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import logprobs_to_wire, sampling_from_wire
 
@@ -211,7 +212,13 @@ class PrefillWorker(WorkerProcess):
                           num_free_blocks=e.blocks.num_available, num_running=e.num_in_flight,
                           num_waiting=e.num_queued, num_queued_tokens=e.num_queued_tokens,
                           prefill_s_per_block=(e.seconds_per_token or 0.0) * self.cfg.block_size,
-                          kv_backends=e.kv_sender.backends, metrics_address=self.metrics_address)
+                          kv_backends=e.kv_sender.backends, metrics_address=self.metrics_address,
+                          warmup_s=self.warmup_s)
+
+    def warm_up(self) -> WarmupReport:
+        """Every prefill chunk-length class, first and continuation chunks, the prefix-cache path and the
+        sampling paths, on scratch blocks: :func:`prefill_worker.warmup.warm_up_prefill`."""
+        return warm_up_prefill(self.engine)
 
     def on_heartbeat(self) -> None:
         """Publish a snapshot of the cached block hashes every ``snapshot_interval_s`` (for routers' re-sync),
