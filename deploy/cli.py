@@ -56,6 +56,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="native", choices=["native", "int4"], help="decode: INT4 weight-only")
     p.add_argument("--no-graph", action="store_true",
                    help="decode: no GraphRunner (padded buckets, CUDA graphs on GPUs); on by default")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="workers register without first running every batch bucket and chunk size (faster start, "
+                        "slow first requests); warm-up is on by default")
     p.add_argument("--port", type=int, default=0, help="router port (0: any free port)")
     p.add_argument("--tls-cert", default="", help="router: PEM certificate chain; with --tls-key the API is TLS-only")
     p.add_argument("--tls-key", default="", help="router: PEM private key of --tls-cert")
@@ -155,7 +158,8 @@ def _start_cluster(args: argparse.Namespace):
                         "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
                         "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "graph": not args.no_graph},
-        worker_options={"insecure": True} if args.insecure else {},
+        worker_options={**({"insecure": True} if args.insecure else {}),
+                        **({"warmup": False} if args.no_warmup else {})},
         router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
                         **{name: getattr(args, name) for name in ROUTER_LIMIT_FLAGS if getattr(args, name) is not None},
                         **{name: getattr(args, flag) for flag, (name, _) in ROUTER_SLO_RANGE_FLAGS.items()
