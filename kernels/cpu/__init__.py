@@ -43,7 +43,7 @@ _HERE = Path(__file__).resolve().parent
 # expf vectorizes through glibc's libmvec, declared "omp declare simd" in the sources.
 _FLAGS = {
     "gemv_bf16": ["-O3"],
-    "paged_attention": ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
+    "paged_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "gemv_int4": ["-O3"],
     "membw": ["-O2", "-pthread"],

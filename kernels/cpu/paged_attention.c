@@ -10,17 +10,22 @@
  * its seq_lens[b] context; row i may attend to positions <= seq_lens[b] - q_len + i
  * (causal inside the query block). Grouped-query: kv head h serves query heads
  * h*G .. h*G+G-1, G = num_heads / num_kv_heads. The (query row, head) pairs of one kv head
- * are taken R at a time with their queries and output accumulators held in registers, so
- * each K/V row is loaded once per R pairs:
+ * are taken R at a time (all G heads of a decode row together), so each K and V row is
+ * loaded and converted to float32 once for R pairs.
  *
- *   pass 1   s[r][t] = scale * <q_r, K_t>            t <= limit_r
- *   softmax  p[r][t] = exp(s[r][t] - max_t s[r]) / sum_t exp(...)
- *   pass 2   out_r   = sum_t p[r][t] V_t
+ * AVX-512 path (head_dim % 16 == 0, head_dim <= 256): the context is walked a page at a
+ * time, in chunks of up to 16 tokens of one page. Per chunk and pair the 16 scores
+ * s = scale * <q, K_t> come out of one transpose-and-add tree as one vector, then one
+ * online-softmax update (running max m, running sum l, accumulator rescaled only when m
+ * grows) and the chunk's V rows are added with weights exp(s - m); out = acc / l at the
+ * end. This is the split-free form of flash-decoding (Dao et al. 2023) / the per-block
+ * softmax of vLLM's paged attention, with the next-but-one page's rows prefetched through
+ * the block table while the current one is read. Portable path (other shapes and CPUs):
+ * exact two-pass softmax per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
  *
- * Exact two-pass softmax in float32 whatever the cache dtype, per sequence, as
- * PagedAttention v1 (Kwon et al., SOSP 2023). Each output row depends only on its own
- * sequence: batch-invariant. The AVX-512 path takes head_dim % 16 == 0 and head_dim <= 256;
- * other shapes and CPUs use the portable path.
+ * Float32 arithmetic throughout whatever the cache dtype; every pair's result depends only
+ * on its own query, sequence and causal limit, computed by the same instruction sequence
+ * whichever other pairs share its group: batch-invariant.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -91,17 +96,10 @@ static void rows_portable(const Ctx *c, int64_t kvh, int R, const float **qrow, 
     }
 }
 
-/* Ask for the K and V rows of head kvh in the block holding position t, ahead of use. */
-static inline void prefetch_block(const Ctx *c, int64_t t, int64_t kvh) {
-    const int64_t off = kv_offset(c, t, kvh), row = c->D * (c->bf16 ? 2 : 4);
-    const char *base = (const char *)c->cache + off * (c->bf16 ? 2 : 4);
-    const int64_t s_tok = c->s_tok * (c->bf16 ? 2 : 4), s_v = c->s_v * (c->bf16 ? 2 : 4);
-    for (int64_t o = 0; o < c->block_size; o++)
-        for (int64_t b = 0; b < row; b += 64) {
-            __builtin_prefetch(base + o * s_tok + b);
-            __builtin_prefetch(base + s_v + o * s_tok + b);
-        }
-}
+#define PF_PAGES 2                                      /* prefetch distance in pages */
+#define MAX_R 8                                         /* pairs per group */
+
+AVX512 extern __m512 _ZGVeN16v_expf(__m512);           /* libmvec's 16-lane expf */
 
 AVX512 static inline __m512 load16(const Ctx *c, int64_t off) {
     if (c->bf16) {
@@ -129,69 +127,181 @@ AVX512 static inline __m512 hsum16(const __m512 *a) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-/* AVX-512 over R pairs with V = D/16 vectors each; inlined with constant V and R, so queries and
- * accumulators live in registers. Pairs past the real count carry lim = -1 and are skipped. */
-AVX512 static inline __attribute__((always_inline)) void rows_avx512_impl(
-        const Ctx *c, int64_t kvh, const int R, const float **qrow, float **orow, const int64_t *lim,
-        int64_t L, float scale, float *scores, const int V) {
-    const int64_t Ls = (L + 15) / 16 * 16;      /* score row stride: whole groups of 16 */
-    __m512 qv[MAX_VECS], acc[MAX_VECS], kv[MAX_VECS];
-    int64_t lmax = 0;
-    for (int r = 0; r < R; r++) {
-        if (lim[r] > lmax) lmax = lim[r];
-        for (int j = 0; j < V; j++) qv[r * V + j] = lim[r] >= 0 ? _mm512_loadu_ps(qrow[r] + 16 * j) : _mm512_setzero_ps();
-    }
-    __m512 part[MAX_VECS][16];                  /* per pair: 16 positions' unreduced products */
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t0 = 0, off = 0, o = 0; t0 <= lmax; t0 += 16) {
-        for (int tt = 0; tt < 16; tt++) {
-            const int64_t t = t0 + tt;
-            if (t > lmax) {
-                for (int r = 0; r < R; r++) part[r][tt] = _mm512_setzero_ps();
-                continue;
-            }
-            if (o == c->block_size || t == 0) {
-                off = kv_offset(c, t, kvh);
-                o = 0;
-                if (t + c->block_size <= lmax) prefetch_block(c, t + c->block_size, kvh);
-            }
-            for (int j = 0; j < V; j++) kv[j] = load16(c, off + 16 * j);
-            for (int r = 0; r < R; r++) {
-                __m512 s = _mm512_mul_ps(qv[r * V], kv[0]);
-                for (int j = 1; j < V; j++) s = _mm512_fmadd_ps(qv[r * V + j], kv[j], s);
-                part[r][tt] = s;
-            }
-            off += c->s_tok, o++;
-        }
-        for (int r = 0; r < R; r++)             /* past lim[r]: written, never read */
-            _mm512_storeu_ps(scores + r * Ls + t0, _mm512_mul_ps(vscale, hsum16(part[r])));
-    }
-    for (int r = 0; r < R; r++) if (lim[r] >= 0) softmax(scores + r * Ls, lim[r] + 1);
-    for (int i = 0; i < R * V; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0, off = 0, o = 0; t <= lmax; t++, off += c->s_tok, o++) {
-        if (o == c->block_size || t == 0) { off = kv_offset(c, t, kvh) + c->s_v; o = 0; }
-        for (int j = 0; j < V; j++) kv[j] = load16(c, off + 16 * j);
-        for (int r = 0; r < R; r++) {
-            if (t > lim[r]) continue;
-            const __m512 p = _mm512_set1_ps(scores[r * Ls + t]);
-            for (int j = 0; j < V; j++) acc[r * V + j] = _mm512_fmadd_ps(p, kv[j], acc[r * V + j]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        if (lim[r] >= 0)
-            for (int j = 0; j < V; j++) _mm512_storeu_ps(orow[r] + 16 * j, acc[r * V + j]);
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-AVX512 static void rows_avx512(const Ctx *c, int64_t kvh, const float **qrow, float **orow, const int64_t *lim,
-                               int64_t L, float scale, float *scores) {
-    switch (c->D / 16) {   /* R = MAX_VECS / V pairs per pass */
-    case 1: rows_avx512_impl(c, kvh, 16, qrow, orow, lim, L, scale, scores, 1); break;
-    case 2: rows_avx512_impl(c, kvh, 8, qrow, orow, lim, L, scale, scores, 2); break;
-    case 4: rows_avx512_impl(c, kvh, 4, qrow, orow, lim, L, scale, scores, 4); break;
-    case 8: rows_avx512_impl(c, kvh, 2, qrow, orow, lim, L, scale, scores, 8); break;
-    default: rows_avx512_impl(c, kvh, (int)(MAX_VECS / (c->D / 16)), qrow, orow, lim, L, scale, scores,
-                              (int)(c->D / 16));
+/* Group state: R pairs of NV vectors each; queries, accumulators and running sums in registers. */
+typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; float m[MAX_R]; } State;
+
+/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off. Inlined with constant
+ * R, NV, full. */
+AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
+        const Ctx *c, State *st, int64_t off, int n, int64_t t0, const int64_t *lim, __m512 vscale,
+        const int R, const int NV, const int full) {
+    if (full) n = 16;
+    __m512 part[MAX_R][16], kv[MAX_VECS];
+    float pb[MAX_R][16] __attribute__((aligned(64)));
+    for (int tt = 0; tt < n; tt++) {                    /* scores: R x n unreduced products */
+        for (int j = 0; j < NV; j++) kv[j] = load16(c, off + tt * c->s_tok + 16 * j);
+        for (int r = 0; r < R; r++) {
+            __m512 s = _mm512_mul_ps(st->qv[r * NV], kv[0]);
+            for (int j = 1; j < NV; j++) s = _mm512_fmadd_ps(st->qv[r * NV + j], kv[j], s);
+            part[r][tt] = s;
+        }
     }
+    if (!full)
+        for (int tt = n; tt < 16; tt++)
+            for (int r = 0; r < R; r++) part[r][tt] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {                       /* one online-softmax update per pair */
+        int64_t count = lim[r] - t0 + 1;
+        count = count < n ? count : n;
+        if (count <= 0) { _mm512_store_ps(pb[r], _mm512_setzero_ps()); continue; }
+        const __mmask16 mask = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1);
+        const __m512 s = _mm512_mul_ps(vscale, hsum16(part[r]));
+        const float cm = _mm512_mask_reduce_max_ps(mask, s);
+        if (cm > st->m[r]) {                            /* rescale what was summed under the old max */
+            const __m512 alpha = _mm512_set1_ps(expf(st->m[r] - cm));
+            for (int j = 0; j < NV; j++) st->acc[r * NV + j] = _mm512_mul_ps(st->acc[r * NV + j], alpha);
+            st->lv[r] = _mm512_mul_ps(st->lv[r], alpha);
+            st->m[r] = cm;
+        }
+        const __m512 mv = _mm512_set1_ps(st->m[r]);
+        const __m512 e = _mm512_maskz_mov_ps(mask, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_mask_mov_ps(mv, mask, s), mv)));
+        st->lv[r] = _mm512_add_ps(st->lv[r], e);
+        _mm512_store_ps(pb[r], e);
+    }
+    for (int tt = 0; tt < n; tt++) {                    /* acc += p V over the chunk */
+        for (int j = 0; j < NV; j++) kv[j] = load16(c, off + c->s_v + tt * c->s_tok + 16 * j);
+        for (int r = 0; r < R; r++) {
+            const __m512 p = _mm512_set1_ps(pb[r][tt]);
+            for (int j = 0; j < NV; j++) st->acc[r * NV + j] = _mm512_fmadd_ps(p, kv[j], st->acc[r * NV + j]);
+        }
+    }
+}
+
+/* A group's R pairs (queries qrow[r], outputs orow[r], causal limits lim[r] >= 0) of kv head kvh and
+ * their online-softmax state between pages. */
+typedef struct {
+    __m512 acc[MAX_VECS], lv[MAX_R]; float m[MAX_R];
+    const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R], lmax, kvh; int R;
+} Group;
+
+/* Page p of group g (tokens up to g->lmax). Inlined with constant R and NV. */
+AVX512 static inline __attribute__((always_inline)) void page_avx512(
+        const Ctx *c, Group *g, int64_t p, __m512 vscale, const int R, const int NV) {
+    State st;
+    for (int r = 0; r < R; r++) {
+        st.m[r] = g->m[r];
+        st.lv[r] = g->lv[r];
+        for (int j = 0; j < NV; j++) {
+            st.qv[r * NV + j] = _mm512_loadu_ps(g->qrow[r] + 16 * j);
+            st.acc[r * NV + j] = g->acc[r * NV + j];
+        }
+    }
+    const int64_t bs = c->block_size, t0 = p * bs;
+    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
+    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
+    for (int64_t o = 0; o < np; o += 16) {
+        if (np - o >= 16)
+            chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, R, NV, 1);
+        else
+            chunk_avx512(c, &st, base + o * c->s_tok, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);
+    }
+    for (int r = 0; r < R; r++) {
+        g->m[r] = st.m[r];
+        g->lv[r] = st.lv[r];
+        for (int j = 0; j < NV; j++) g->acc[r * NV + j] = st.acc[r * NV + j];
+    }
+}
+
+#define G_(R_, NV_) case R_: page_avx512(c, g, p, vscale, R_, NV_); return;
+#define UPTO4(NV_) G_(1, NV_) G_(2, NV_) G_(3, NV_) G_(4, NV_)
+#define UPTO8(NV_) UPTO4(NV_) G_(5, NV_) G_(6, NV_) G_(7, NV_) G_(8, NV_)
+
+/* Pairs per group for NV vectors per row: queries and accumulators fill at most 2 x MAX_VECS registers. */
+static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
+
+/* page_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
+AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, __m512 vscale) {
+    switch (c->D / 16) {
+    case 1: switch (g->R) { UPTO8(1) } break;
+    case 2: switch (g->R) { UPTO8(2) } break;
+    case 3: switch (g->R) { UPTO4(3) G_(5, 3) } break;
+    case 4: switch (g->R) { UPTO4(4) } break;
+    case 8: switch (g->R) { G_(1, 8) G_(2, 8) } break;
+    case 16: switch (g->R) { G_(1, 16) } break;
+    }
+    page_avx512(c, g, p, vscale, g->R, (int)(c->D / 16));
+}
+
+/* Address of the K row of token 0, kv head 0 in page `ahead` pages past page p of sequence b, running
+ * on into sequence b + 1; NULL past the last. */
+static const char *page_ahead(const Ctx *c, const int32_t *seq_lens, const int32_t *tables, int64_t max_blocks,
+                              int64_t B, int64_t b, int64_t p, int64_t ahead) {
+    const int64_t esz = c->bf16 ? 2 : 4;
+    for (p += ahead; b < B; b++) {
+        const int64_t npages = (seq_lens[b] + c->block_size - 1) / c->block_size;
+        if (p < npages) return (const char *)c->cache + (int64_t)tables[b * max_blocks + p] * c->s_block * esz;
+        p -= npages;
+    }
+    return NULL;
+}
+
+/* All query rows of sequence b: groups of its (row, head) pairs walked page-major, so the heads of one
+ * page are read together; groups: room for Hkv * ceil(nq * G / R_max). */
+AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, float *out, int64_t H,
+                                   int64_t Hkv, int64_t q0, int64_t nq, int64_t L, float scale,
+                                   const int32_t *seq_lens, const int32_t *tables, int64_t max_blocks,
+                                   int64_t B, int64_t b) {
+    const int64_t G = H / Hkv, D = c->D, NV = D / 16, R_max = group_max(NV), first = L - nq;
+    const int64_t esz = c->bf16 ? 2 : 4, rowb = D * esz;
+    int64_t n = 0;
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+        for (int64_t p0 = 0; p0 < nq * G; p0 += R_max, n++) {      /* pairs (row i, head g), R at a time */
+            Group *g = groups + n;
+            g->R = (int)(nq * G - p0 < R_max ? nq * G - p0 : R_max);
+            g->kvh = kvh, g->lmax = 0;
+            for (int r = 0; r < g->R; r++) {
+                const int64_t i = (p0 + r) / G, h = kvh * G + (p0 + r) % G;
+                g->qrow[r] = q + ((q0 + i) * H + h) * D;
+                g->orow[r] = out + ((q0 + i) * H + h) * D;
+                g->lim[r] = first + i;
+                g->lmax = g->lim[r] > g->lmax ? g->lim[r] : g->lmax;
+                g->m[r] = -INFINITY;
+                g->lv[r] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < NV; j++) g->acc[r * NV + j] = _mm512_setzero_ps();
+            }
+        }
+    if (b == 0)                                         /* later sequences' first pages: prefetched ahead */
+        for (int64_t a = 0; a < PF_PAGES; a++) {
+            const char *page = page_ahead(c, seq_lens, tables, max_blocks, B, b, 0, a);
+            for (int64_t o = 0; page && o < c->block_size; o++)
+                for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+                    prefetch_row(page + (o * c->s_tok + kvh * c->s_head) * esz, rowb);
+                    prefetch_row(page + (o * c->s_tok + kvh * c->s_head + c->s_v) * esz, rowb);
+                }
+        }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t npages = (L + c->block_size - 1) / c->block_size;
+    for (int64_t p = 0; p < npages; p++) {
+        const char *pf = page_ahead(c, seq_lens, tables, max_blocks, B, b, p, PF_PAGES);
+        if (pf) {           /* one burst per page: spreading these over the page's rows measured slower */
+            prefetch_row(pf, c->block_size * c->s_tok * esz);
+            prefetch_row(pf + c->s_v * esz, c->block_size * c->s_tok * esz);
+        }
+        for (int64_t k = 0; k < n; k++) {
+            Group *g = groups + k;
+            if (p * c->block_size > g->lmax) continue;
+            page_dispatch(c, g, p, vscale);
+        }
+    }
+    for (int64_t k = 0; k < n; k++)
+        for (int r = 0; r < groups[k].R; r++) {
+            const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(groups[k].lv[r]));
+            for (int64_t j = 0; j < NV; j++)
+                _mm512_storeu_ps(groups[k].orow[r] + 16 * j, _mm512_mul_ps(groups[k].acc[r * NV + j], inv));
+        }
 }
 
 /* q, out: float32 [num_tokens, H, D] contiguous. qs: int32 [B+1] row offsets. seq_lens: int32 [B].
@@ -203,32 +313,37 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
     __builtin_cpu_init();
     const int fast = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                      && D % 16 == 0 && D / 16 <= MAX_VECS;
-    const int R_max = fast ? (int)(MAX_VECS / (D / 16)) : 8;
-    const int64_t G = H / Hkv;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    max_len = (max_len + 15) / 16 * 16;                                 /* score rows padded to 16 */
-    float *scores = malloc(sizeof(float) * (size_t)(R_max * max_len + D));
-    if (!scores) return -1;
+    const int64_t G = H / Hkv, R_max = fast ? group_max(D / 16) : 8;
+    int64_t max_len = 0, max_q = 0;
+    for (int64_t b = 0; b < B; b++) {
+        max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+        max_q = qs[b + 1] - qs[b] > max_q ? qs[b + 1] - qs[b] : max_q;
+    }
+    const size_t scratch = fast ? sizeof(Group) * (size_t)(Hkv * ((max_q * G + R_max - 1) / R_max))
+                                : sizeof(float) * (size_t)(R_max * max_len + D);   /* groups / score rows */
+    void *buf = aligned_alloc(64, (scratch + 63) / 64 * 64);
+    if (!buf) return -1;
     Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL };
-    const float *qrow[MAX_VECS]; float *orow[MAX_VECS]; int64_t lim[MAX_VECS];
+    const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R];
     for (int64_t b = 0; b < B; b++) {
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
         c.table = tables + b * max_blocks;
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+        if (fast) {
+            sequence_avx512(&c, buf, q, out, H, Hkv, q0, nq, L, scale, seq_lens, tables, max_blocks, B, b);
+            continue;
+        }
+        for (int64_t kvh = 0; kvh < Hkv; kvh++)
             for (int64_t p0 = 0; p0 < nq * G; p0 += R_max) {      /* pairs (row i, head g), R at a time */
                 const int R = (int)(nq * G - p0 < R_max ? nq * G - p0 : R_max);
-                for (int r = 0; r < R_max; r++) {
+                for (int r = 0; r < R; r++) {
                     const int64_t i = (p0 + r) / G, h = kvh * G + (p0 + r) % G;
-                    qrow[r] = r < R ? q + ((q0 + i) * H + h) * D : q;
-                    orow[r] = r < R ? out + ((q0 + i) * H + h) * D : out;
-                    lim[r] = r < R ? first + i : -1;
+                    qrow[r] = q + ((q0 + i) * H + h) * D;
+                    orow[r] = out + ((q0 + i) * H + h) * D;
+                    lim[r] = first + i;
                 }
-                if (fast) rows_avx512(&c, kvh, qrow, orow, lim, L, scale, scores);
-                else rows_portable(&c, kvh, R, qrow, orow, lim, L, scale, scores, scores + R_max * max_len);
+                rows_portable(&c, kvh, R, qrow, orow, lim, L, scale, buf, (float *)buf + R_max * max_len);
             }
-        }
     }
-    free(scores);
+    free(buf);
     return 0;
 }
