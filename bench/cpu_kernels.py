@@ -19,7 +19,6 @@ descheduled on a shared machine is not counted; pin the run (``taskset -c 1``).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.common import ROOT, memory_bandwidth, write_result
+from pdserve.bench.common import median_time as common_median_time
 from pdserve.kernels.cpu.attention import paged_attention_cpu
 from pdserve.kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemm_bf16_avx512, gemv_bf16, pack_weight
 from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch
@@ -38,14 +38,7 @@ BENCH_80M = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12   # (out, i
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
     """Median CPU time of the calling thread over ``repeats`` calls of ``fn()``, in seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        fn()
-        times.append(time.thread_time() - start)
-    return statistics.median(times)
+    return common_median_time(fn, repeats, warmup, clock=time.thread_time)
 
 
 def gemm_peak(rows: int = 64) -> float:

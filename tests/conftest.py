@@ -254,6 +254,16 @@ def engine(model_dir):
     e.receiver.close()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small ops: one thread avoids OpenMP spin-waits when the 2 cores are busy (restored after the module).
+    Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def hf_model(model_dir):
     from transformers import AutoModelForCausalLM

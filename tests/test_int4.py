@@ -28,13 +28,7 @@ from pdserve.model.runner import ModelRunner, StepInput
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Small ops: one thread avoids OpenMP spin-waits when the 2 cores are busy (restored after)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _all_logits(model, cfg, ids: list[int]) -> torch.Tensor:

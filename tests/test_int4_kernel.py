@@ -24,12 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 needs_vnni = pytest.mark.skipif(not int4_available(), reason="no C compiler or no AVX512-VNNI here")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _weight(n: int, k: int, g: int, seed: int = 0):
