@@ -140,12 +140,16 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
 def _floors(row: dict, model, limits: dict | None, dram: float, context: int) -> dict:
     """Speed of light (working set / bandwidth at that size; at DRAM beside it), MFU and roofline of a row.
     The compute floor uses the best bf16 GEMM rate at the batch's row count for every dtype: for fp32
-    rows it is a lower floor than fp32's own rate would give (a roofline the step cannot beat)."""
+    rows it is a lower floor than fp32's own rate would give (a roofline the step cannot beat). INT4 rows
+    run int8 products (AVX512-VNNI), whose peak the bf16 GEMM rate does not bound: their roofline is the
+    bandwidth floor alone and no MFU is given."""
     ws, step = row["weight_bytes"] + row["kv_bytes"], row["step_s"]
     bw = bandwidth_at(limits, ws) if limits else dram
     out = {"working_set_bytes": ws, "bandwidth_bytes_per_s": bw, "sol_step_s": ws / bw,
            "sol_fraction": ws / bw / step, "sol_dram_step_s": ws / dram, "sol_dram_fraction": ws / dram / step}
-    if limits:
+    if limits and row["weights"] == "int4":
+        out.update(roofline_step_s=ws / bw, roofline_bound="memory", roofline_fraction=ws / bw / step)
+    elif limits:
         flops = step_flops(model, row["batch"], context)
         gemm = gemm_rate_at(limits, row["batch"])
         roofline = max(ws / bw, flops / gemm["flops_per_s"])
@@ -164,8 +168,9 @@ def _row_line(r: dict) -> str:
             f"for {r['working_set_bytes'] / 2**20:.0f} MiB; at DRAM bandwidth "
             f"{r['sol_dram_step_s'] * 1e3:.2f} ms, {r['sol_dram_fraction']:.0%})")
     if "mfu" in r:
-        line += (f", MFU {r['mfu']:.1%} of measured ({r['mfu_theoretical']:.1%} of paper peak), roofline "
-                 f"{r['roofline_step_s'] * 1e3:.2f} ms {r['roofline_bound']} ({r['roofline_fraction']:.0%})")
+        line += f", MFU {r['mfu']:.1%} of measured ({r['mfu_theoretical']:.1%} of paper peak)"
+    if "roofline_step_s" in r:
+        line += f", roofline {r['roofline_step_s'] * 1e3:.2f} ms {r['roofline_bound']} ({r['roofline_fraction']:.0%})"
     return line
 
 

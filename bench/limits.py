@@ -408,7 +408,7 @@ def main() -> None:
     limits = measure_limits(shapes, [int(r) for r in args.rows.split(",")], threads=args.threads)
     print(summary(limits))
     if args.out:
-        Path(args.out).write_text(json.dumps(limits, indent=2))
+        Path(args.out).with_suffix(".json").write_text(json.dumps(limits, indent=2))
 
 
 if __name__ == "__main__":
