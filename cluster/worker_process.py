@@ -22,6 +22,7 @@ from pdserve.cluster.metrics import start_metrics_server
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
 from pdserve.cluster.secret import InsecureReminder, check_exposure, cluster_secret, worker_rpc_token
 from pdserve.cluster.service import start_grpc_server
+from pdserve.cluster.warmup import WarmupReport
 
 log = logging.getLogger(__name__)
 
@@ -153,28 +154,6 @@ class WorkerConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.resolved_dtype]
-
-
-def row_classes(limit: int) -> list[int]:
-    """Row counts that stand for every count in ``[1, limit]``: the powers of two below ``limit``, and
-    ``limit`` itself. Kernels (oneDNN's matmuls, the C kernels, SDPA) pick their code paths by row count
-    classes like these, so a warm-up that runs each meets every path a step of up to ``limit`` rows takes.
-    Empty when ``limit < 1``."""
-    out, n = [], 1
-    while n < limit:
-        out.append(n)
-        n *= 2
-    return out + [limit] if limit >= 1 else []
-
-
-@dataclass(frozen=True)
-class WarmupReport:
-    """What a worker's start-up warm-up ran: ``num_prefill_shapes`` prefill chunk shapes (first chunks,
-    continuations, multi-sequence steps) and ``num_decode_buckets`` decode batch buckets (or batch-size
-    classes without the graph runner)."""
-
-    num_prefill_shapes: int = 0
-    num_decode_buckets: int = 0
 
 
 def add_no_warmup_flag(parser) -> None:

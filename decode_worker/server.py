@@ -25,7 +25,8 @@ from pdserve.cluster.rpc_fields import (
     check_token_ids,
     lenient_parser,
 )
-from pdserve.cluster.worker_process import WarmupReport, WorkerProcess, worker_secret
+from pdserve.cluster.warmup import WarmupReport
+from pdserve.cluster.worker_process import WorkerProcess, worker_secret
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine, check_kv_timeout
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent

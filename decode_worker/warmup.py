@@ -30,7 +30,7 @@ import itertools
 
 import torch
 
-from pdserve.cluster.worker_process import WarmupReport, row_classes
+from pdserve.cluster.warmup import WarmupReport, row_classes
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import ErrorEvent
 from pdserve.model.runner import StepInput

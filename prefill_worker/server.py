@@ -30,7 +30,8 @@ from pdserve.cluster.rpc_fields import (
     check_token_ids,
     lenient_parser,
 )
-from pdserve.cluster.worker_process import WarmupReport, WorkerProcess, worker_secret
+from pdserve.cluster.warmup import WarmupReport
+from pdserve.cluster.worker_process import WorkerProcess, worker_secret
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.select import backend_of_address
 from pdserve.kvtransfer.wire.channel import parse_address

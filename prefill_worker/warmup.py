@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.cluster.worker_process import WarmupReport, row_classes
+from pdserve.cluster.warmup import WarmupReport, row_classes
 from pdserve.kernels.paged_attention import CPU_KERNEL_MAX_QUERY
 from pdserve.model.runner import StepInput
 from pdserve.model.sampling import SamplingParams, sample, token_logprobs
