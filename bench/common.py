@@ -39,7 +39,8 @@ def memory_bandwidths(nbytes: int | None = None, threads: int = 1) -> dict[str, 
     >= 4x the L3; :func:`bench.limits.dram_buffer_bytes`), in 4 KiB and huge pages: ``c_read_*`` the
     C kernel's best vector read (:mod:`kernels.cpu.membw`; absent without a C compiler),
     ``torch_sum_*`` a ``torch.sum`` over the same buffer (the second figure)."""
-    from pdserve.bench.limits import cpu_facts, dram_buffer_bytes, read_bandwidths
+    from pdserve.bench.cpu_facts import cpu_facts
+    from pdserve.bench.limits import dram_buffer_bytes, read_bandwidths
 
     figures = read_bandwidths(nbytes or dram_buffer_bytes(cpu_facts()["l3_bytes"]), threads)
     out = {}
@@ -69,8 +70,8 @@ def matmul_peak(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
 
 def machine() -> dict:
     """What every results file records about the machine: platform, torch and its threads, and the CPU
-    facts of :func:`bench.limits.cpu_facts` (model, ISA flags, L3, clock, which C kernels load)."""
-    from pdserve.bench.limits import cpu_facts
+    facts of :func:`bench.cpu_facts.cpu_facts` (model, ISA flags, L3, clock, which C kernels load)."""
+    from pdserve.bench.cpu_facts import cpu_facts
 
     return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "cpu": cpu_facts()}

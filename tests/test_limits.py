@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.bench import limits
+from pdserve.bench import cpu_facts, limits
 from pdserve.kernels.cpu import KernelUnavailable, membw
 
 needs_membw = pytest.mark.skipif(not membw.membw_available(), reason="no C compiler: the read kernel cannot build")
@@ -84,16 +84,16 @@ def test_read_bandwidth_is_positive_and_finite():
     ({"amx_bf16"}, 1000.0, 1, "GenuineIntel", 6, "scalar", 2),       # AMX-BF16 without AMX tiles: not usable
 ])
 def test_theoretical_peak(flags, mhz, cores, vendor, family, isa, per_cycle):
-    peak = limits.theoretical_peak(flags, mhz, cores, vendor, family)
+    peak = cpu_facts.theoretical_peak(flags, mhz, cores, vendor, family)
     assert peak["isa"] == isa
     assert peak["flop_per_cycle_per_core"] == per_cycle
     assert peak["flops"] == cores * mhz * 1e6 * per_cycle
 
 
 def test_size_parsing_and_nearest_gemm_rate():
-    assert limits._size_bytes("260 MiB (1 instance)") == 260 << 20
-    assert limits._size_bytes("32768 KB") == 32 << 20
-    assert limits._size_bytes("") is None
+    assert cpu_facts._size_bytes("260 MiB (1 instance)") == 260 << 20
+    assert cpu_facts._size_bytes("32768 KB") == 32 << 20
+    assert cpu_facts._size_bytes("") is None
     fake = {"gemm": {"best_by_rows": {"1": {"flops_per_s": 1.0}, "32": {"flops_per_s": 2.0},
                                       "512": {"flops_per_s": 3.0}}}}
     assert limits.gemm_rate_at(fake, 32)["flops_per_s"] == 2.0
@@ -129,7 +129,7 @@ def test_measure_limits_on_tiny_shapes():
     assert out["best_gemm_flops_per_s"] == max(r["flops_per_s"] for r in out["gemm"]["best_by_rows"].values())
     assert out["theoretical_peak"]["flops"] > 0 and out["theoretical_peak"]["cores"] == 1
     cpu = out["cpu"]
-    assert set(cpu["features"]) == set(limits.FEATURES) and set(cpu["kernels"]) == set(limits.C_KERNELS)
+    assert set(cpu["features"]) == set(cpu_facts.FEATURES) and set(cpu["kernels"]) == set(cpu_facts.C_KERNELS)
     assert cpu["kernels"]["membw"] is True
     # a working set within 5% of a measured one reuses it; another size is measured and recorded
     before = dict(out["bandwidth"]["working_set"])
