@@ -23,6 +23,7 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
+SENTENCEPIECE = "0.2.3"                   # what llama.cpp's converter imports (pinned like the peer itself)
 CACHE = Path.home() / ".cache" / "pdserve" / "peers"
 TARGETS = ("llama-bench", "llama-quantize", "llama-perplexity")
 # /proc/cpuinfo flag -> ggml CMake option (the AMX ones only exist where the kernel exposes AMX)
@@ -65,14 +66,13 @@ def cmake_flags(flags: set[str]) -> list[str]:
 
 
 def fetch_sdist(work: Path) -> Path:
-    """The pinned sdist: ``/tmp/peers/<sdist>`` if present, else ``pip download`` it into ``work``.
+    """The pinned sdist in ``work`` (the peers cache), downloaded there with ``pip download`` once.
 
     Raises:
         subprocess.CalledProcessError: pip could not fetch it.
     """
-    for cand in (Path("/tmp/peers") / SDIST, work / SDIST):
-        if cand.exists():
-            return cand
+    if (work / SDIST).exists():
+        return work / SDIST
     work.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
                     f"llama-cpp-python=={VERSION}", "-d", str(work)], check=True)
@@ -132,10 +132,10 @@ def converter_deps() -> Path:
     Raises:
         subprocess.CalledProcessError: pip could not install it.
     """
-    deps = CACHE / "pydeps"
+    deps = CACHE / f"pydeps-sentencepiece-{SENTENCEPIECE}"
     if not (deps / "sentencepiece").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(deps), "sentencepiece"],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(deps),
+                        f"sentencepiece=={SENTENCEPIECE}"], check=True)
     return deps
 
 
