@@ -254,6 +254,23 @@ def engine(model_dir):
     e.receiver.close()
 
 
+def prefill_then_decode(prefill_model, decode_model, model_cfg, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy tokens as a disaggregated pair computes them, in process: ``prefill_model`` runs the prompt
+    (the first token and the KV pages, fp32, 4 blocks of 16), ``decode_model`` continues over a copy of
+    those pages (what the decode worker receives)."""
+    from pdserve.model.kv_cache import KVCacheSpec
+    from pdserve.model.runner import ModelRunner, StepInput
+
+    spec = KVCacheSpec.for_model(model_cfg, 4, 16, torch.float32)
+    prefill, decode = ModelRunner(prefill_model, spec), ModelRunner(decode_model, spec)
+    table = [0, 1, 2, 3]
+    out = [int(prefill.run([StepInput(prompt, 0, table)])[0].argmax())]
+    decode.kv_cache.copy_(prefill.kv_cache)
+    for i in range(num_tokens - 1):
+        out.append(int(decode.run([StepInput([out[-1]], len(prompt) + i, table)])[0].argmax()))
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Small ops: one thread avoids OpenMP spin-waits when the 2 cores are busy (restored after the module).

@@ -15,7 +15,7 @@ from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.quant import fp8, int4
 from pdserve.model.runner import ModelRunner, StepInput
-from tests.conftest import Cluster
+from tests.conftest import Cluster, prefill_then_decode
 from tests.family_checkpoints import FAMILIES, random_prompt, write_checkpoint
 
 NUM_PROMPTS = 96
@@ -83,14 +83,7 @@ def _expected(path: str, prompt: list[int], num_tokens: int) -> list[int]:
     fp8.convert_for_runtime(prefill_model)
     decode_model, _ = load_model(path)
     int4.convert_for_runtime(decode_model, group_size=32)
-    spec = KVCacheSpec.for_model(cfg, 4, 16, torch.float32)
-    prefill, decode = ModelRunner(prefill_model, spec), ModelRunner(decode_model, spec)
-    table = [0, 1, 2, 3]
-    out = [int(prefill.run([StepInput(prompt, 0, table)])[0].argmax())]
-    decode.kv_cache.copy_(prefill.kv_cache)                 # the pages the decode worker receives
-    for i in range(num_tokens - 1):
-        out.append(int(decode.run([StepInput([out[-1]], len(prompt) + i, table)])[0].argmax()))
-    return out
+    return prefill_then_decode(prefill_model, decode_model, cfg, prompt, num_tokens)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

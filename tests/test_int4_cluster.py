@@ -3,27 +3,16 @@ decoding over the KV pages the (fp32) prefill worker sent."""
 
 from __future__ import annotations
 
-import torch
-
-from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.quant import int4
-from pdserve.model.runner import ModelRunner, StepInput
-from tests.conftest import Cluster
+from tests.conftest import Cluster, prefill_then_decode
 
 
 def _expected(model_dir: str, prompt: list[int], num_tokens: int) -> list[int]:
     fp32, cfg = load_model(model_dir)
     quant, _ = load_model(model_dir)
     int4.convert_for_runtime(quant, group_size=32)
-    spec = KVCacheSpec.for_model(cfg, 4, 16, torch.float32)
-    prefill, decode = ModelRunner(fp32, spec), ModelRunner(quant, spec)
-    table = [0, 1, 2, 3]
-    out = [int(prefill.run([StepInput(prompt, 0, table)])[0].argmax())]
-    decode.kv_cache.copy_(prefill.kv_cache)                 # the pages the decode worker receives
-    for i in range(num_tokens - 1):
-        out.append(int(decode.run([StepInput([out[-1]], len(prompt) + i, table)])[0].argmax()))
-    return out
+    return prefill_then_decode(fp32, quant, cfg, prompt, num_tokens)
 
 
 def test_decode_worker_runs_int4_weights(redis_url, model_dir):
