@@ -98,9 +98,12 @@ def _size_bytes(text: str) -> int | None:
 
 def cpu_facts() -> dict:
     """Model name, vendor/family/model, the ISA flags that set the limits, L3 bytes, the clock used for
-    the paper peak (``clock_source`` says where from: under KVM ``cpu MHz`` is often only the nominal
-    clock), and which C kernels build and load here."""
+    the paper peak, and which C kernels build and load here. The clock is the larger of the reported
+    one (lscpu's maximum, else ``cpu MHz``: under KVM often only the nominal clock) and the one measured
+    on the calling thread's core (:func:`kernels.cpu.membw.measured_clock_mhz`); ``clock_source`` says
+    which, both are recorded."""
     from pdserve.kernels.cpu import available
+    from pdserve.kernels.cpu.membw import measured_clock_mhz
 
     info, ls = _cpuinfo(), _lscpu()
     flags = set(info.get("flags", "").split())
@@ -111,8 +114,13 @@ def cpu_facts() -> dict:
         mhz, source = float(info["cpu MHz"]), "/proc/cpuinfo cpu MHz (may be only the nominal clock, e.g. under KVM)"
     else:
         mhz, source = float("nan"), "unknown"
+    reported = mhz
+    measured = measured_clock_mhz()
+    if measured is not None and not measured <= mhz:       # a reported clock below the measured one is not the limit
+        mhz, source = measured, f"measured: dependent-add chain in C ({source}: {reported:.0f} MHz)"
     return {"model_name": info.get("model name", platform.processor()), "vendor": info.get("vendor_id", ""),
             "family": int(info.get("cpu family", "0") or 0), "model": int(info.get("model", "0") or 0),
             "features": {f: f in flags for f in FEATURES}, "l3_bytes": l3, "clock_mhz": mhz,
-            "clock_source": source, "hypervisor": ls.get("Hypervisor vendor"), "logical_cpus": os.cpu_count(),
+            "clock_source": source, "clock_reported_mhz": reported, "clock_measured_mhz": measured,
+            "hypervisor": ls.get("Hypervisor vendor"), "logical_cpus": os.cpu_count(),
             "kernels": {k: available(k) for k in C_KERNELS}}

@@ -185,7 +185,7 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
         bandwidth_bytes_per_s   best C read at the DRAM size (bytes/s); torch_sum_bytes_per_s beside it
         gemm                 {"measurements": [...], "best_by_rows": {str(rows): {...}}, "best": {...}}
         best_gemm_flops_per_s   the overall best measured rate (FLOP/s)
-        theoretical_peak     theoretical_peak(...) for these threads at the reported clock
+        theoretical_peak     theoretical_peak(...) for these threads at cpu_facts()'s clock (measured or reported)
 
     Without a C compiler the bandwidths are torch's (``best_path`` ``"torch_sum"``) and only
     ``F.linear`` is measured.

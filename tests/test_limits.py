@@ -73,6 +73,16 @@ def test_read_bandwidth_is_positive_and_finite():
     assert math.isfinite(bw) and bw > 0
 
 
+@needs_membw
+def test_the_paper_peak_uses_the_larger_of_the_measured_and_the_reported_clock():
+    mhz = membw.measured_clock_mhz(cycles=20_000_000, repeats=3)
+    assert 100 < mhz < 10_000                          # a clock, not a loop the compiler folded away
+    facts = cpu_facts.cpu_facts()
+    reported, measured = facts["clock_reported_mhz"], facts["clock_measured_mhz"]
+    assert facts["clock_mhz"] == (measured if math.isnan(reported) or measured > reported else reported)
+    assert facts["clock_source"].startswith("measured") == (facts["clock_mhz"] == measured)
+
+
 @pytest.mark.parametrize("flags, mhz, cores, vendor, family, isa, per_cycle", [
     ({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f"}, 2000.0, 4, "GenuineIntel", 6, "amx_bf16", 1024),
     ({"avx512_bf16", "avx512f", "avx2", "fma"}, 2300.0, 1, "GenuineIntel", 6, "avx512_bf16", 128),   # EMR, no AMX

@@ -12,6 +12,7 @@ reads cannot be optimised away and a caller can check them. Method as in McCalpi
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -87,3 +88,27 @@ def best_pass_seconds(buf: torch.Tensor, repeats: int = 5, threads: int = 1) -> 
         raise KernelUnavailable("membw: the C read kernel is unavailable")
     read_pass(buf, 1, available_paths[-1], threads)
     return {p: read_pass(buf, repeats, p, threads)[0] for p in available_paths}
+
+
+def measured_clock_mhz(cycles: int = 200_000_000, repeats: int = 5) -> float | None:
+    """This core's clock in MHz while busy, from a chain of dependent integer adds (one cycle each)
+    in C: ``cycles / seconds``, best of ``repeats`` timed runs (about 50 ms each at 4 GHz). ``None``
+    without the kernel. Take it with the process pinned to the core it is about.
+
+    Raises:
+        RuntimeError: the chain's result is not what it must be (the loop did not run as written).
+    """
+    if not membw_available():
+        return None
+    fn = library("membw").pd_add_chain
+    fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_int64
+    iterations = cycles // 64
+    fn(iterations // 10)                                    # warm the core up to its working clock
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        got = fn(iterations)
+        best = min(best, time.perf_counter() - t0)
+        if got != iterations * 64:
+            raise RuntimeError(f"measured_clock_mhz: the add chain returned {got}, not {iterations * 64}")
+    return iterations * 64 / best / 1e6
