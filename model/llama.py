@@ -11,7 +11,9 @@ Q/K/V and gate/up projections are fused into one matmul each (as vLLM does);
 RMSNorm, RoPE with the KV write, attention and SiLU-and-mul as C kernels (:mod:`kernels.cpu`):
 the first three round as the torch code here (bit-identical in bf16); attention accumulates
 in float32 where the torch path's SDPA rounds in bf16, so bf16 logits differ slightly between
-the two paths (and a near-tie can pick another token).
+the two paths (and a near-tie can pick another token). Where every projection runs on a C kernel
+too (packed bf16 or INT4), all layers of such a step run in one C call (:mod:`model.cpu_stack`),
+bit-identical to the per-operation path.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pdserve.kernels.cpu import fused
 from pdserve.kernels.cpu.attention import paged_attention_cpu
 from pdserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_stack import decode_stack
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -119,7 +122,11 @@ class LlamaForCausalLM(nn.Module):
     ``forward`` takes a flat batch of ``num_tokens`` token ids from any mix of
     prefill chunks and decode steps, writes their KV into ``kv_cache`` and returns
     hidden states; ``compute_logits`` turns the rows that need sampling into logits.
+    ``cpu_stack``: decode-sized CPU steps run all layers in one C call where the projections allow
+    it (:mod:`model.cpu_stack`; bit-identical to the per-operation C-kernel path).
     """
+
+    cpu_stack: bool = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -147,6 +154,9 @@ class LlamaForCausalLM(nn.Module):
         # the fused C kernels (norm, RoPE + KV write, SiLU): the step's metadata allows them, and the
         # model computes in its cache's dtype; attention follows meta.cpu_kernels alone
         cpu_kernels = meta.cpu_kernels and kv_cache.dtype == x.dtype and self.cfg.head_dim <= fused.MAX_HEAD_DIM
+        if cpu_kernels and self.cpu_stack and (stack := decode_stack(self)) is not None:
+            return stack.run(x, cos, sin, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
+                             meta.block_tables, num_layers)
         for layer in self.layers[:num_layers]:
             x = layer(x, cos, sin, kv_cache, meta, cpu_kernels)
         return self.norm(x, cpu_kernels)

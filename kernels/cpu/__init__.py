@@ -9,7 +9,9 @@ CPU operators run far from the machine's limits at decode shapes.
 * :mod:`kernels.cpu.attention` (``paged_attention.c``): paged attention for decode and short
   query blocks, reading K/V through block tables without gathering them first;
 * :mod:`kernels.cpu.fused` (``fused.c``): RMSNorm, RoPE with the KV cache write, and SiLU-and-mul,
-  one call each instead of a dozen tensor operations.
+  one call each instead of a dozen tensor operations;
+* :mod:`kernels.cpu.decode_stack` (``decode_stack.c``): all decoder layers of a decode step in one
+  call, through the kernels above.
 
 Each source is compiled with the system C compiler (``cc``, else ``gcc``) into a shared
 library cached under ``~/.cache/pdserve/kernels`` (``$XDG_CACHE_HOME`` respected), keyed
@@ -47,6 +49,7 @@ _FLAGS = {
     "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "gemv_int4": ["-O3"],
     "membw": ["-O2", "-pthread"],
+    "decode_stack": ["-O3", "-march=native", "-ffp-contract=off"],
 }
 
 

@@ -1,0 +1,201 @@
+/* A decode step's decoder layers in one call: the per-layer work of model/llama.py's C-kernel
+ * path, in the same order with the same kernels, without returning to Python between them.
+ *
+ * At decode sizes a layer's arithmetic takes tens of microseconds and its dozen Python-level
+ * operations (wrappers, argument checks, tensor allocations, ctypes calls) about as much
+ * again; on a 12-layer model that is a millisecond of a 3-5 ms INT4 step. Here the layer loop
+ * runs in C and calls the kernels of the other libraries (fused.c, paged_attention.c,
+ * gemv_bf16.c, gemv_int4.c) through function pointers the caller resolves once, so each
+ * library keeps its own build flags and this file holds only the glue:
+ *
+ *   for each layer:
+ *     h   = rms_norm(x, input_layernorm)                          pd_rms_norm
+ *     qkv = linear(h, qkv_proj) [+ bias]                          bf16 packed or INT4 kernel
+ *     q   = rope(qkv) [q/k norm]; cache[slot] = (rope(k), v)       pd_rope_write_kv
+ *     a   = attention(q, cache) -> element type                   pd_paged_attention
+ *     x   = x + linear(a, o_proj) [+ bias]
+ *     h   = rms_norm(x, post_attention_layernorm)
+ *     x   = x + linear(silu(gate) * up, down_proj) [+ biases]     pd_silu_mul between
+ *   out = rms_norm(x, norm)
+ *
+ * Every rounding is the torch code's: element-wise sums round once to the element type,
+ * a bias is added to the rounded product (in float32 if the bias is float32, as torch's
+ * type promotion does), the float32 attention output is rounded to the element type before
+ * o_proj. So the hidden states are bit-identical to the per-operation C-kernel path.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*bf16_linear_fn)(const void *x, int64_t M, int64_t K, int64_t ldx, const void *wp, int64_t Np,
+                              int64_t n_valid, void *y, int64_t ldy);
+typedef int (*int4_linear_fn)(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, int64_t Kp, int64_t G,
+                              const void *wq, const float *sc, const float *zc, int64_t Np, int64_t n_valid,
+                              void *y, int y_bf16, int64_t ldy);
+typedef void (*rms_norm_fn)(const void *x, const void *w, void *out, int64_t n, int64_t dim, int64_t ldx,
+                            int64_t ldo, float eps, int bf16);
+typedef void (*rope_write_kv_fn)(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
+                                 const float *cos_t, const float *sin_t, float *q_out, void *cache, int64_t s_block,
+                                 int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots,
+                                 int64_t block_size, int bf16, const void *q_norm_w, const void *k_norm_w, float eps);
+typedef int (*attention_fn)(const float *q, float *out, int64_t H, int64_t Hkv, int64_t D, const int32_t *qs,
+                            const int32_t *seq_lens, int64_t B, const void *cache, int bf16, int64_t s_block,
+                            int64_t s_tok, int64_t s_head, int64_t s_v, const int32_t *tables, int64_t max_blocks,
+                            int64_t block_size, float scale);
+typedef void (*silu_mul_fn)(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16);
+
+enum { LINEAR_BF16 = 0, LINEAR_INT4 = 1 };
+
+/* One projection. BF16: w = packed [Np/16][K/2][16][2] (gemv_bf16.c); steps of at most
+ * gemv_max_rows rows take the gemv, others AMX tiles if amx, else the AVX512-BF16 gemm.
+ * INT4: w = wq, sc / zc = scales and z - 8 s (gemv_int4.c), Kp and G its padded width and group.
+ * bias: [N] float32 (bias_bf16 = 0) or bf16, or NULL. */
+typedef struct {
+    int32_t kind, amx, bias_bf16, gemv_max_rows;
+    const void *w;
+    const float *sc, *zc;
+    int64_t N, Np, K, Kp, G;
+    const void *bias;
+} Linear;
+
+/* One decoder layer: norms of the element type ([hidden]; q_norm / k_norm [D] or NULL). */
+typedef struct {
+    const void *input_norm, *post_norm, *q_norm, *k_norm;
+    Linear qkv, o, gate_up, down;
+} Layer;
+
+/* The kernels, resolved by the caller from their libraries. */
+typedef struct {
+    bf16_linear_fn gemv_bf16, gemm_bf16, gemm_amx;
+    int4_linear_fn gemm_int4;
+    rms_norm_fn rms_norm;
+    rope_write_kv_fn rope_write_kv;
+    attention_fn attention;
+    silu_mul_fn silu_mul;
+} Kernels;
+
+/* The model: shapes, the element type (bf16 = 1, else float32), the layers, the final norm. */
+typedef struct {
+    int64_t hidden, H, Hkv, D, inter, num_layers;
+    int32_t bf16, _pad;
+    float eps, scale;
+    const Layer *layers;
+    const void *final_norm;
+    Kernels k;
+} Model;
+
+/* The step: cos / sin float32 [n, D]; cache: the whole KV cache, layer l at cache + l * s_layer
+ * bytes; strides in elements; slots int64 [n]; qs int32 [B + 1], seq_lens int32 [B],
+ * tables int32 [B, max_blocks]. */
+typedef struct {
+    const float *cos_t, *sin_t;
+    char *cache;
+    int64_t s_layer_bytes, s_block, s_tok, s_head, s_v, block_size;
+    const int64_t *slots;
+    const int32_t *qs, *seq_lens, *tables;
+    int64_t B, max_blocks;
+} Step;
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {          /* round to nearest even, NaN kept quiet (as fused.c) */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* x[i] = x[i] + y[i], rounded to the element type (torch's add on bf16 or float32 tensors). */
+static void add_inplace(void *x, const void *y, int64_t count, int bf16) {
+    if (!bf16) {
+        float *a = x; const float *b = y;
+        for (int64_t i = 0; i < count; i++) a[i] += b[i];
+        return;
+    }
+    uint16_t *a = x; const uint16_t *b = y;
+    for (int64_t i = 0; i < count; i++) a[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
+}
+
+/* y[r, :] += bias, y [rows, N] of the element type; computed in float32, rounded once. */
+static void add_bias(void *y, const void *bias, int bias_bf16, int64_t rows, int64_t N, int bf16) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < N; j++) {
+            const float b = bias_bf16 ? bf16_to_f32(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+            if (bf16) {
+                uint16_t *row = (uint16_t *)y + r * N;
+                row[j] = f32_to_bf16(bf16_to_f32(row[j]) + b);
+            } else {
+                ((float *)y + r * N)[j] += b;
+            }
+        }
+}
+
+/* y [n, N] = x [n, K] W^T (+ bias). Returns the kernel's status (0 = done). */
+static int linear(const Model *m, const Linear *l, const void *x, void *y, int64_t n) {
+    int rc;
+    if (l->kind == LINEAR_INT4) {
+        rc = m->k.gemm_int4(x, m->bf16, n, l->K, l->K, l->Kp, l->G, l->w, l->sc, l->zc, l->Np, l->N, y, m->bf16, l->N);
+    } else {
+        const bf16_linear_fn fn = n <= l->gemv_max_rows ? m->k.gemv_bf16 : l->amx ? m->k.gemm_amx : m->k.gemm_bf16;
+        rc = fn(x, n, l->K, l->K, l->w, l->Np, l->N, y, l->N);
+    }
+    if (rc == 0 && l->bias) add_bias(y, l->bias, l->bias_bf16, n, l->N, m->bf16);
+    return rc;
+}
+
+/* Scratch of one step, element counts per row (float32 counts for q and attn). */
+static size_t row_bytes(const Model *m) {
+    const size_t e = m->bf16 ? 2 : 4, qkv = (size_t)((m->H + 2 * m->Hkv) * m->D), hd = (size_t)(m->H * m->D);
+    const size_t h = (size_t)m->hidden, inter = (size_t)m->inter;
+    return e * (h + qkv + hd + h + 2 * inter + inter) + 4 * (2 * hd) + 64 * 8;
+}
+
+static void *carve(char **p, size_t bytes) {            /* 64-byte aligned slices of the scratch block */
+    void *out = *p;
+    *p += (bytes + 63) / 64 * 64;
+    return out;
+}
+
+/* Runs layers [0, num_layers) of `m` over x (element type [n, hidden], updated in place: the
+ * residual stream) and writes the final RMSNorm of the result to out ([n, hidden]).
+ * Returns 0; -1 if its scratch memory could not be allocated; otherwise 1000 * (layer + 1) plus
+ * the failing kernel's negative code (-1: out of scratch memory, -2: AMX refused). */
+int pd_decode_stack(const Model *m, const Step *s, void *x, void *out, int64_t n, int64_t num_layers) {
+    const size_t e = m->bf16 ? 2 : 4, hidden = (size_t)m->hidden, hd = (size_t)(m->H * m->D);
+    const int64_t qkv_n = (m->H + 2 * m->Hkv) * m->D;
+    char *block = aligned_alloc(64, (row_bytes(m) * (size_t)n + 63) / 64 * 64), *p = block;
+    if (!block) return -1;
+    void *h = carve(&p, e * hidden * n), *qkv = carve(&p, e * (size_t)qkv_n * n);
+    float *q = carve(&p, 4 * hd * n), *att = carve(&p, 4 * hd * n);
+    void *att_e = m->bf16 ? carve(&p, e * hd * n) : att;
+    void *proj = carve(&p, e * hidden * n), *gu = carve(&p, e * 2 * (size_t)m->inter * n);
+    void *act = carve(&p, e * (size_t)m->inter * n);
+    int rc = 0;
+    int64_t li = 0;
+    for (; li < num_layers; li++) {
+        const Layer *L = &m->layers[li];
+        char *cache = s->cache + li * s->s_layer_bytes;
+        m->k.rms_norm(x, L->input_norm, h, n, m->hidden, m->hidden, m->hidden, m->eps, m->bf16);
+        if ((rc = linear(m, &L->qkv, h, qkv, n))) break;
+        m->k.rope_write_kv(qkv, n, qkv_n, m->H, m->Hkv, m->D, s->cos_t, s->sin_t, q, cache, s->s_block, s->s_tok,
+                           s->s_head, s->s_v, s->slots, s->block_size, m->bf16, L->q_norm, L->k_norm, m->eps);
+        if ((rc = m->k.attention(q, att, m->H, m->Hkv, m->D, s->qs, s->seq_lens, s->B, cache, m->bf16, s->s_block,
+                                 s->s_tok, s->s_head, s->s_v, s->tables, s->max_blocks, s->block_size, m->scale)))
+            break;
+        if (m->bf16)
+            for (size_t i = 0; i < hd * (size_t)n; i++) ((uint16_t *)att_e)[i] = f32_to_bf16(att[i]);
+        if ((rc = linear(m, &L->o, att_e, proj, n))) break;
+        add_inplace(x, proj, (int64_t)hidden * n, m->bf16);
+        m->k.rms_norm(x, L->post_norm, h, n, m->hidden, m->hidden, m->hidden, m->eps, m->bf16);
+        if ((rc = linear(m, &L->gate_up, h, gu, n))) break;
+        m->k.silu_mul(gu, n, m->inter, 2 * m->inter, act, m->bf16);
+        if ((rc = linear(m, &L->down, act, proj, n))) break;
+        add_inplace(x, proj, (int64_t)hidden * n, m->bf16);
+    }
+    if (rc) rc += 1000 * (int)(li + 1);
+    else m->k.rms_norm(x, m->final_norm, out, n, m->hidden, m->hidden, m->hidden, m->eps, m->bf16);
+    free(block);
+    return rc;
+}

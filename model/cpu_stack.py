@@ -1,0 +1,89 @@
+"""The model's decoder layers as one :class:`~kernels.cpu.decode_stack.DecodeStack` for CPU decode steps.
+
+:func:`decode_stack` builds the stack from a :class:`~model.llama.LlamaForCausalLM` whose projections
+all run on the C kernels at decode sizes (:class:`~model.cpu_linear.PackedBF16Linear`, or
+:class:`~model.quant.int4.Int4Linear` on its ``int4-vnni`` layout); :func:`decode_stack` keeps it
+beside the model (not in it: a ``copy.deepcopy`` of the model builds its own);
+it is rebuilt when a weight has moved (:meth:`DecodeStack.valid`, e.g. after
+:func:`model.hugepages.move_to_huge_pages`). Any other projection (``nn.Linear``, FP8, the torch
+INT4 layout) leaves the model on the per-operation path, as does
+``LlamaForCausalLM.cpu_stack = False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from pdserve.kernels.cpu import KernelUnavailable
+from pdserve.kernels.cpu.decode_stack import DecodeStack, LayerSpec, LinearSpec, stack_available
+from pdserve.model.cpu_linear import AMX_GEMV_MAX_ROWS, GEMV_MAX_ROWS, PackedBF16Linear
+from pdserve.model.quant.int4 import VNNI, Int4Linear
+
+log = logging.getLogger(__name__)
+_STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (stack or None, what to re-check)
+
+
+def _linear_spec(module: torch.nn.Module) -> LinearSpec | None:
+    if type(module) is PackedBF16Linear:
+        if module.in_features % 2:
+            return None
+        return LinearSpec("bf16", module.packed, module.out_features, module.in_features, module.bias,
+                          gemv_max_rows=AMX_GEMV_MAX_ROWS if module.amx else GEMV_MAX_ROWS, amx=module.amx)
+    if type(module) is Int4Linear and module.qweight.device.type == "cpu" and not module.exact_cpu:
+        module.prepare()
+        if module.kernel_for(1) != VNNI or module._vnni is None:
+            return None
+        wq, scales, zc = module._vnni
+        return LinearSpec("int4", wq, module.out_features, module.in_features, module.bias, scales, zc,
+                          module.group_size)
+    return None
+
+
+def build_decode_stack(model) -> DecodeStack | None:
+    """A :class:`DecodeStack` over ``model``'s current weights, or ``None`` where one cannot serve it
+    (a projection the stack does not take, a library that does not build)."""
+    cfg = model.cfg
+    specs = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(s is None for s in linears):
+            return None
+        norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
+        specs.append(LayerSpec(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
+                               q_norm=norms[0], k_norm=norms[1]))
+    kinds = {getattr(s, name).kind for s in specs for name in ("qkv", "o", "gate_up", "down")}
+    if not stack_available(int4="int4" in kinds, bf16_packed="bf16" in kinds):
+        return None
+    try:
+        return DecodeStack(specs, model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5, model.norm.weight.dtype)
+    except (ValueError, KernelUnavailable) as exc:
+        log.info("no decode stack for this model: %s", exc)
+        return None
+
+
+def decode_stack(model) -> DecodeStack | None:
+    """The model's stack, built on first use and rebuilt when its weights have moved or an INT4
+    projection was switched to ``exact_cpu``; ``None`` if the model cannot use one (looked at again
+    once the first or last projection is replaced, as :func:`model.cpu_linear.pack_for_cpu_decode` does)."""
+    cached = _STACKS.get(model)
+    if cached is not None:
+        stack, int4_modules = cached
+        if stack is None:
+            if int4_modules == _fingerprint(model):
+                return None
+        elif stack.valid() and not any(m.exact_cpu for m in int4_modules):
+            return stack
+    stack = build_decode_stack(model)
+    int4_modules = [m for m in model.modules() if type(m) is Int4Linear]
+    _STACKS[model] = (stack, int4_modules if stack is not None else _fingerprint(model))
+    return stack
+
+
+def _fingerprint(model) -> tuple:
+    """The types of the first and the last projection: where they change, the model is looked at again."""
+    return type(model.layers[0].self_attn.qkv_proj), type(model.layers[-1].mlp.down_proj)
