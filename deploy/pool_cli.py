@@ -62,7 +62,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
         print("error: give --prefill, --decode (or --colocated) pool sizes", file=sys.stderr)
         return 2
     if not ray.is_initialized():
-        from pdserve.deploy.ray_cluster import connect, read_launches
+        from pdserve.deploy.ray_cluster import read_launches
+        from pdserve.deploy.ray_local import connect
 
         if args.ray_address is None:
             try:

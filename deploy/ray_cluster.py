@@ -25,15 +25,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import ray
 import redis
@@ -49,112 +44,7 @@ from pdserve.deploy.config import (
 )
 from pdserve.deploy.controller import PoolController
 from pdserve.deploy.placement import device_decision
-
-HEAD_PREFIX = "pdserve-ray-"  # a local head's --temp-dir; short, Ray's socket paths must fit in 107 bytes
-
-
-@dataclass(frozen=True)
-class LocalHead:
-    """A Ray head ``pdserve up --detach`` started on this machine: its GCS ``address`` and its private
-    ``temp_dir`` (every process of it carries that path on its command line)."""
-
-    address: str
-    temp_dir: str
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ray_command() -> list[str]:
-    beside = Path(sys.executable).parent / "ray"
-    return [str(beside)] if beside.exists() else [sys.executable, "-c", "from ray.scripts.scripts import main; main()"]
-
-
-def start_local_head(num_cpus: int, timeout_s: float = 180.0) -> LocalHead:
-    """Start a local Ray head that outlives this process (``ray start --head`` in its own session),
-    with every port it listens on chosen free and no dashboard.
-
-    Raises:
-        RuntimeError: ``ray start`` failed or timed out (anything it started is stopped again).
-    """
-    temp_dir = tempfile.mkdtemp(prefix=HEAD_PREFIX, dir="/tmp")
-    port = _free_port()
-    head = LocalHead(f"127.0.0.1:{port}", temp_dir)
-    cmd = [*_ray_command(), "start", "--head", f"--port={port}",
-           f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-           f"--ray-client-server-port={_free_port()}", f"--dashboard-port={_free_port()}",
-           f"--dashboard-agent-listen-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"]
-    log_path = Path(temp_dir) / "ray-start.log"
-    try:
-        with open(log_path, "wb") as log:  # not a pipe: the daemons it forks would hold it open
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, timeout=timeout_s).returncode
-    except subprocess.TimeoutExpired:
-        rc = -1
-    if rc != 0:
-        tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        stop_local_head(head)
-        raise RuntimeError(f"`ray start --head` failed (exit {rc}):\n{tail}")
-    return head
-
-
-def connect(address: str | None, **kwargs) -> None:
-    """``ray.init`` as a driver of the Ray cluster at ``address`` (``None``/``"auto"``: the local one). Like
-    ``address="auto"`` does, it sends the local Ray auth token (``~/.ray/auth_token``) when there is one:
-    ``ray start --head`` turns token auth on by default, and an explicit address would not send it."""
-    if address not in (None, "auto"):
-        try:
-            from ray._private.authentication.authentication_token_setup import (
-                maybe_enable_token_auth_if_token_available,
-            )
-        except ImportError:  # a Ray without token auth
-            pass
-        else:
-            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    ray.init(address=address or "auto", **kwargs)
-
-
-def head_processes(temp_dir: str) -> list:
-    """The processes of the local head whose ``--temp-dir`` is ``temp_dir`` (their command line names it),
-    and their descendants (the actors' worker processes), as ``psutil.Process`` objects."""
-    import psutil  # Ray's own copy (ray/thirdparty_files, on sys.path once ray is imported)
-
-    procs: dict[int, psutil.Process] = {}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(temp_dir in arg for arg in p.info["cmdline"] or ()):
-                procs[p.pid] = p
-                procs.update((c.pid, c) for c in p.children(recursive=True))
-        except psutil.Error:
-            continue
-    procs.pop(os.getpid(), None)
-    return list(procs.values())
-
-
-def stop_local_head(head: LocalHead, grace_s: float = 10.0) -> int:
-    """Stop every process of the local head ``head`` (:func:`head_processes`): SIGTERM, then SIGKILL after
-    ``grace_s``; remove its temp dir. Other Ray instances on the machine are left alone (unlike
-    ``ray stop``). Returns how many processes were running."""
-    import psutil
-
-    procs = head_processes(head.temp_dir)
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-    shutil.rmtree(head.temp_dir, ignore_errors=True)
-    return len(procs)
+from pdserve.deploy.ray_local import LocalHead, _answers, connect, init_local_ray, start_local_head, stop_local_head
 
 
 def wait_for_device(cfg: ClusterConfig, resources: Callable[[], dict] = ray.cluster_resources,
@@ -212,8 +102,10 @@ class RayCluster:
         if cfg.detach and cfg.local:  # a driver-started local Ray dies with the driver: start a head
             self.head = start_local_head(num_cpus)
             connect(self.head.address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
+        elif cfg.local:
+            init_local_ray(num_cpus=num_cpus, **quiet)
         else:
-            ray.init(address=cfg.ray_address, **quiet, **({"num_cpus": num_cpus} if cfg.local else {}))
+            ray.init(address=cfg.ray_address, **quiet)
         self._started_ray = True
         self.ray_address = ray.get_runtime_context().gcs_address
 
@@ -379,16 +271,6 @@ def teardown(cluster: str, redis_url: str, ray_address: str | None = None, timeo
     elif head is not None:
         report(f"left the Ray head at {head.address} running: clusters {', '.join(others)} still use it")
     return found
-
-
-def _answers(address: str, timeout_s: float = 3.0) -> bool:
-    """True when something accepts TCP connections at the GCS ``host:port``."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 def _stop_actors(cluster: str, timeout_s: float, report: Callable[[str], None]) -> tuple[bool, list[str]]:
