@@ -1,16 +1,26 @@
 """The AVX-512 paged attention kernel's grouped-query and page-walk paths (kernels/cpu/paged_attention.c)
 against the torch path: every group size 1, 2, 3, 4, 8 of query heads per KV head, contexts of one token,
-one page, a page plus one and mid-page, query blocks, and batch invariance."""
+one page, a page plus one and mid-page, query blocks, and batch invariance; and the same for the
+prefill kernel (kernels/cpu/prefill_attention.c): whole prompts and later chunks, key tiles cut at
+every edge, groups wider than its query tile, every head size it takes."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from pdserve.kernels.cpu.attention import attention_available, paged_attention_cpu
-from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch
+from pdserve.kernels.cpu.attention import (
+    attention_available,
+    paged_attention_cpu,
+    prefill_attention_available,
+    prefill_attention_cpu,
+)
+from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention, paged_attention_torch
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
+needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX512-BF16")
 
 
 def _case(heads, kv_heads, head_dim, block_size, query_lens, seq_lens, dtype, seed=0):
@@ -82,3 +92,51 @@ def test_each_row_is_independent_of_the_rest_of_the_batch(dtype):
         one = paged_attention_cpu(q[i:i + 1], cache, 1, qsl, meta.seq_lens[i:i + 1].contiguous(),
                                   meta.block_tables[i:i + 1].contiguous(), 0.2)
         assert torch.equal(one, full[i:i + 1])
+
+
+def _check_prefill(cache, meta, q, scale=0.2):
+    whole = dataclasses.replace(meta, fresh_prefill=False)       # the reference reads the cache too
+    ref = paged_attention_torch(q.float(), None, None, cache.nan_to_num(0.0).float(), 1, whole, scale)
+    out = prefill_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+    return out
+
+
+@needs_prefill
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 16])          # 16 heads per KV head: wider than a 12-row tile
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128, 256])
+def test_prefill_kernel_matches_torch_for_every_group_and_head_size(group, head_dim):
+    # whole prompts around the 32-key tile edges, a later chunk, and three sequences in one step
+    for query_lens, seq_lens in ([1], [1]), ([31], [31]), ([33], [33]), ([40], [130]), ([5, 64, 17], [5, 100, 90]):
+        _check_prefill(*_case(2 * group, 2, head_dim, 16, query_lens, seq_lens, torch.bfloat16, seed=group))
+
+
+@needs_prefill
+@pytest.mark.parametrize("block_size", [1, 7, 32, 40])
+def test_prefill_kernel_on_pages_of_any_size(block_size):
+    _check_prefill(*_case(12, 4, 64, block_size, [70, 9], [150, 9], torch.bfloat16))
+
+
+@needs_prefill
+def test_prefill_kernel_rows_do_not_depend_on_the_batch_and_large_scores_stay_finite():
+    cache, meta, q = _case(12, 4, 64, 16, [20, 50, 3], [60, 50, 40], torch.bfloat16, seed=3)
+    together = prefill_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
+    alone_meta = build_attention_metadata([50], [50], [meta.block_tables[1].tolist()], 16)
+    alone = prefill_attention_cpu(q[20:70].contiguous(), cache, 1, alone_meta.query_start_loc, alone_meta.seq_lens,
+                                  alone_meta.block_tables, 0.2)
+    assert torch.equal(alone, together[20:70])
+    _check_prefill(cache, meta, q, scale=40.0)                  # scores in the thousands: max-subtracted softmax
+
+
+@needs_prefill
+def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it():
+    cache, meta, q = _case(6, 2, 64, 16, [30], [30], torch.bfloat16)
+    args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
+    with pytest.raises(ValueError, match="bf16"):
+        prefill_attention_cpu(q.float(), *args)
+    with pytest.raises(ValueError, match="int32"):
+        prefill_attention_cpu(q, cache, 1, meta.query_start_loc.long(), meta.seq_lens, meta.block_tables, 0.2)
+    assert not prefill_attention_available(24) and not prefill_attention_available(512)
+    routed = paged_attention(q, None, None, cache, 1, meta, 0.2)  # not decode-sized: no cpu_kernels flag
+    assert torch.equal(routed, prefill_attention_cpu(q, *args))

@@ -6,8 +6,9 @@ CPU operators run far from the machine's limits at decode shapes.
 * :mod:`kernels.cpu.gemv` (``gemv_bf16.c``): bf16 weight x activation products over weights
   pre-packed for AVX512-BF16 ``vdpbf16ps`` (a gemv, a register-blocked gemm, AMX tiles),
   streaming each weight once per step;
-* :mod:`kernels.cpu.attention` (``paged_attention.c``): paged attention for decode and short
-  query blocks, reading K/V through block tables without gathering them first;
+* :mod:`kernels.cpu.attention` (``paged_attention.c``, ``prefill_attention.c``): paged attention
+  for decode and short query blocks, reading K/V through block tables without gathering them
+  first, and causal flash-style attention of bf16 prefill chunks;
 * :mod:`kernels.cpu.fused` (``fused.c``): RMSNorm, RoPE with the KV cache write, and SiLU-and-mul,
   one call each instead of a dozen tensor operations;
 * :mod:`kernels.cpu.decode_stack` (``decode_stack.c``): all decoder layers of a decode step in one
@@ -50,6 +51,7 @@ _FLAGS = {
     "gemv_int4": ["-O3"],
     "membw": ["-O2", "-pthread"],
     "decode_stack": ["-O3", "-march=native", "-ffp-contract=off"],
+    "prefill_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
 }
 
 

@@ -1,8 +1,11 @@
-"""Paged attention on CPUs for decode steps and short query blocks (``paged_attention.c``).
+"""Paged attention on CPUs (``paged_attention.c``, ``prefill_attention.c``).
 
 Same contract as :func:`kernels.paged_attention.paged_attention_torch` for steps whose new
 tokens' K/V are already in the cache, without the torch path's gather of every context
-into a padded batch: the kernel walks each sequence's block table once per KV head.
+into a padded batch: the kernels walk each sequence's block table once per KV head.
+:func:`paged_attention_cpu` serves decode steps and short query blocks (float32 or bf16 cache);
+:func:`prefill_attention_cpu` serves prefill chunks of any length over a bf16 cache, about 4x
+torch's CPU flash attention on one core (``bench/cpu_kernels.py``).
 """
 
 from __future__ import annotations
@@ -75,3 +78,51 @@ def _fn():
                        _p, _i64, _i64, ctypes.c_float]
         fn.restype = ctypes.c_int
     return fn
+
+
+PREFILL_MAX_HEAD_DIM = 256
+
+
+def prefill_attention_available(head_dim: int) -> bool:
+    """Whether :func:`prefill_attention_cpu` takes this head size here (AVX512-BF16, ``head_dim`` a
+    multiple of 16 up to :data:`PREFILL_MAX_HEAD_DIM`)."""
+    return head_dim % 16 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM and available("prefill_attention")
+
+
+def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of every sequence's new tokens over its paged context (earlier chunks and
+    these tokens), for bf16 queries and a bf16 cache; arguments as :func:`paged_attention_cpu`.
+    Scores, softmax and the value sums are float32 (the kernel's comment has the algorithm);
+    returns ``[num_tokens, num_heads, head_dim]`` bf16.
+
+    Raises:
+        ValueError: dtypes, shapes or a head size it does not take (:func:`prefill_attention_available`).
+        MemoryError: its packed K/V scratch could not be allocated.
+    """
+    n, heads, dim = q.shape
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or kv_cache.device.type != "cpu" \
+            or not kv_cache.is_contiguous() or heads % kv_cache.shape[4] or dim != kv_cache.shape[5] \
+            or dim % 16 or dim > PREFILL_MAX_HEAD_DIM:
+        raise ValueError(f"prefill_attention_cpu: needs bf16 q and cache with head_dim a multiple of 16 up to "
+                         f"{PREFILL_MAX_HEAD_DIM}; got q {tuple(q.shape)} {q.dtype}, cache {tuple(kv_cache.shape)} "
+                         f"{kv_cache.dtype}")
+    for t in (query_start_loc, seq_lens, block_tables):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError("prefill_attention_cpu: query_start_loc, seq_lens and block_tables must be contiguous "
+                             "int32")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
+    base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
+    fn = library("prefill_attention").pd_prefill_attention
+    if fn.argtypes is None:
+        fn.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _i64, _i64,
+                       ctypes.c_float]
+        fn.restype = ctypes.c_int
+    rc = fn(q.data_ptr(), out.data_ptr(), heads, kv_cache.shape[4], dim, query_start_loc.data_ptr(),
+            seq_lens.data_ptr(), seq_lens.shape[0], base, s_block, s_tok, s_head, s_kv, block_tables.data_ptr(),
+            block_tables.shape[1], kv_cache.shape[3], float(scale))
+    if rc != 0:
+        raise MemoryError("prefill_attention_cpu: could not allocate the packed K/V")
+    return out

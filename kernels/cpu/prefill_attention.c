@@ -1,0 +1,229 @@
+/* Causal attention of prefill chunks over the paged bf16 KV cache, on AVX512-BF16.
+ *
+ * torch's CPU flash attention runs at 40-75 GFLOP/s on one core for a 512- or 2,048-token
+ * bf16 prompt (bench-80m shapes, Zen 5 and Emerald Rapids), a tenth of the same core's GEMM
+ * rate, so at 2,048 tokens attention was half of a prefill. This kernel follows the online-
+ * softmax formulation of FlashAttention (Dao et al., 2022; Milakov & Gimelshein, 2018): per
+ * query tile, key tiles of 32 are scored, the running max and sum are rescaled, and the
+ * output accumulates without the score matrix ever being stored:
+ *
+ *   for each sequence b, KV head g:
+ *     K -> Kp [L/32][D/2][32][2] bf16   (pairs of dims, 32 keys per zmm pair: vdpbf16ps B operand)
+ *     V -> Vf [L][D] float32            (exact widening)
+ *     for each tile of query rows (tokens x the heads of g):
+ *       for each key tile at or before the tile's last position:
+ *         S = scale * q Kp^T              vdpbf16ps, float32 sums of exact bf16 products
+ *         S[key > position] = -inf        (causal: query token i sits at position L - nq + i)
+ *         m' = max(m, max S); a = exp(m - m'); P = exp(S - m'); l = a l + sum P; O = a O + P V
+ *       out = O / l, rounded to bf16
+ *
+ * Scores and P stay in float32 (the V product is a float32 FMA), so the only roundings beyond
+ * float32 are the inputs' and the output's. Layout of the cache as paged_attention.c reads it.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#pragma omp declare simd notinbranch
+extern float expf(float);                                /* glibc's vector variants (libmvec) */
+
+#define NK 32                     /* keys per tile: two zmm of scores per row */
+#define RMAX 12                   /* query rows per tile: 24 score accumulators */
+#define MAX_D 256
+
+int pd_cpu_supported(void) {                             /* asked by kernels.cpu.available */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512bf16");
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {          /* round to nearest even, NaN kept quiet */
+    union { float f; uint32_t u; } v = { f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+typedef struct {
+    const uint16_t *cache;        /* one layer */
+    int64_t s_block, s_tok, s_head, s_v, block_size;
+    const int32_t *table;
+} Paged;
+
+static inline const uint16_t *kv_row(const Paged *c, int64_t pos, int64_t kvh, int v) {
+    const int64_t blk = c->table[pos / c->block_size], off = pos % c->block_size;
+    return c->cache + blk * c->s_block + off * c->s_tok + kvh * c->s_head + (v ? c->s_v : 0);
+}
+
+/* Kp[t][p][k][e] = K[32 t + k][2 p + e] (zero past L); Vf[j][d] = V[j][d] as float32. */
+static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t *kp, float *vf) {
+    const int64_t tiles = (L + NK - 1) / NK, P = D / 2;
+    memset(kp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
+    for (int64_t j = 0; j < L; j++) {
+        const uint16_t *k = kv_row(c, j, kvh, 0), *v = kv_row(c, j, kvh, 1);
+        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2;
+        for (int64_t p = 0; p < P; p++) {
+            dst[p * NK * 2] = k[2 * p];
+            dst[p * NK * 2 + 1] = k[2 * p + 1];
+        }
+        for (int64_t d = 0; d < D; d++) vf[j * D + d] = bf16_to_f32(v[d]);
+    }
+}
+
+extern __m512 _ZGVeN16v_expf(__m512);                   /* glibc libmvec: expf on 16 lanes */
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
+ * each V row is loaded once (NVC zmm per row; compile-time in each instance). */
+TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const float *alpha, const float (*P)[NK],
+                           const float *vt, int64_t D, int keys) {
+    __m512 o[6][16];
+    for (int r = 0; r < RG; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        for (int v = 0; v < NVC; v++) o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O[r] + 16 * v), a);
+    }
+    for (int j = 0; j < keys; j++) {
+        __m512 vv[16];
+        for (int v = 0; v < NVC; v++) vv[v] = _mm512_loadu_ps(vt + j * D + 16 * v);
+        for (int r = 0; r < RG; r++) {
+            const __m512 pj = _mm512_set1_ps(P[r][j]);
+            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_fmadd_ps(pj, vv[v], o[r][v]);
+        }
+    }
+    for (int r = 0; r < RG; r++)
+        for (int v = 0; v < NVC; v++) _mm512_storeu_ps(O[r] + 16 * v, o[r][v]);
+}
+
+/* PV of R rows in register groups: 6 rows for D = 64 (24 accumulators), 3 for D = 128, else 1. */
+TARGET static void pv(int R, float *const *O, const float *alpha, const float (*P)[NK], const float *vt, int64_t D,
+                      int keys) {
+    for (int r0 = 0; r0 < R;) {
+        const int left = R - r0;
+        if (D == 64 && left >= 6) { pv_rows(4, 6, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 6; }
+        else if (D == 64) { pv_rows(4, 1, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 1; }
+        else if (D == 128 && left >= 3) { pv_rows(8, 3, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 3; }
+        else if (D == 128) { pv_rows(8, 1, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 1; }
+        else {                                                 /* other head sizes: one row, any D */
+            const __m512 a = _mm512_set1_ps(alpha[r0]);
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 o = _mm512_mul_ps(_mm512_loadu_ps(O[r0] + d), a);
+                for (int j = 0; j < keys; j++)
+                    o = _mm512_fmadd_ps(_mm512_set1_ps(P[r0][j]), _mm512_loadu_ps(vt + j * D + d), o);
+                _mm512_storeu_ps(O[r0] + d, o);
+            }
+            r0 += 1;
+        }
+    }
+}
+
+/* One query tile of R rows (their bf16 query vectors qr[r], positions pos[r]) against keys
+ * [0, max pos], writing out rows or[r]. */
+TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                        const uint16_t *kp, const float *vf, int64_t D, float scale) {
+    float Obuf[RMAX][MAX_D] __attribute__((aligned(64))), m[RMAX], l[RMAX], alpha[RMAX];
+    float P[RMAX][NK] __attribute__((aligned(64)));
+    float *O[RMAX];
+    int64_t last = 0;
+    for (int r = 0; r < R; r++) {
+        O[r] = Obuf[r];
+        m[r] = -INFINITY; l[r] = 0.f;
+        memset(O[r], 0, sizeof(float) * (size_t)D);
+        last = pos[r] > last ? pos[r] : last;
+    }
+    const int64_t NP = D / 2;
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t * NK <= last; t++) {
+        const uint16_t *kt = kp + t * NK * D;
+        __m512 acc[RMAX][2];
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < NP; p++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2 + 32);
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, qr[r] + 2 * p, 4);
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+            }
+        }
+        int keys = 0;                                        /* the widest row's visible keys */
+        for (int r = 0; r < R; r++) {
+            const int64_t n = pos[r] - t * NK + 1;           /* keys of this tile the row may see */
+            if (n <= 0) {                                    /* none: the row is unchanged */
+                alpha[r] = 1.f;
+                memset(P[r], 0, sizeof P[r]);
+                continue;
+            }
+            const __mmask32 vis = n >= NK ? 0xffffffffu : (__mmask32)((1u << n) - 1);
+            keys = n > keys ? (n < NK ? (int)n : NK) : keys;
+            const __m512 s0 = _mm512_mask_mov_ps(ninf, (__mmask16)vis, _mm512_mul_ps(acc[r][0], sc));
+            const __m512 s1 = _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16), _mm512_mul_ps(acc[r][1], sc));
+            const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            const float mt = tmax > m[r] ? tmax : m[r];
+            const __m512 mv = _mm512_set1_ps(mt);
+            const __m512 p0 = _ZGVeN16v_expf(_mm512_sub_ps(s0, mv)), p1 = _ZGVeN16v_expf(_mm512_sub_ps(s1, mv));
+            alpha[r] = expf(m[r] - mt);                      /* exp(-inf) = 0 on the row's first tile */
+            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = mt;
+            _mm512_store_ps(P[r], p0);
+            _mm512_store_ps(P[r] + 16, p1);
+        }
+        pv(R, O, alpha, (const float (*)[NK])P, vf + t * NK * D, D, keys);
+    }
+    for (int r = 0; r < R; r++) {
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) orow[r][d] = f32_to_bf16(O[r][d] * inv);
+    }
+}
+
+/* q, out: bf16 [num_tokens, H, D] contiguous. qs: int32 [B + 1] row offsets; seq_lens: int32 [B]
+ * (the new tokens are each sequence's last qs[b+1] - qs[b] positions, their K/V already in the
+ * cache). cache: one layer, strides in elements as paged_attention.c. tables: int32 [B, max_blocks].
+ * Returns 0; -1 if scratch memory could not be allocated; -2 for a head size it does not take
+ * (D must be a multiple of 16, at most 256). */
+int pd_prefill_attention(const uint16_t *q, uint16_t *out, int64_t H, int64_t Hkv, int64_t D,
+                         const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache,
+                         int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v, const int32_t *tables,
+                         int64_t max_blocks, int64_t block_size, float scale) {
+    if (D % 16 || D > MAX_D || H % Hkv) return -2;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t tiles = (max_len + NK - 1) / NK;
+    uint16_t *kp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
+    float *vf = aligned_alloc(64, ((size_t)(tiles * NK * D) * 4 + 63) / 64 * 64);
+    if (!kp || !vf) { free(kp); free(vf); return -1; }
+    const int64_t G = H / Hkv, rows_per = RMAX / G > 0 ? RMAX / G : 1;   /* tokens per tile */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
+        Paged c = { cache, s_block, s_tok, s_head, s_v, block_size, tables + b * max_blocks };
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            pack_kv(&c, kvh, L, D, kp, vf);
+            for (int64_t i0 = 0; i0 < nq; i0 += rows_per) {
+                const int64_t nt = nq - i0 < rows_per ? nq - i0 : rows_per;
+                for (int64_t g0 = 0; g0 < G; g0 += RMAX) {          /* groups wider than a tile */
+                    const uint16_t *qr[RMAX]; uint16_t *orow[RMAX]; int64_t pos[RMAX];
+                    int R = 0;
+                    for (int64_t i = i0; i < i0 + nt; i++)
+                        for (int64_t g = g0; g < G && g < g0 + RMAX && R < RMAX; g++) {
+                            const int64_t h = kvh * G + g, row = (q0 + i) * H + h;
+                            qr[R] = q + row * D; orow[R] = out + row * D; pos[R] = first + i;
+                            R++;
+                        }
+                    tile(R, qr, pos, orow, kp, vf, D, scale);
+                    if (G <= RMAX) break;
+                }
+            }
+        }
+    }
+    free(kp); free(vf);
+    return 0;
+}
