@@ -143,9 +143,12 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
                  kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     """The path each kind of linear takes at ``rows`` rows (``kernel_for`` of the packed bf16 and INT4
     modules, else the module's class: torch), and attention's for steps of ``query_len`` new tokens per
-    sequence over a ``kv_dtype`` cache (:func:`kernels.paged_attention.cpu_kernels_apply`: the C
-    kernels or torch)."""
+    sequence over a ``kv_dtype`` cache (:func:`kernels.paged_attention.paged_attention`'s choice: the C
+    decode kernel, the C prefill kernel or torch), and ``layers``: whether such a step runs every
+    decoder layer in one C call (:mod:`model.cpu_stack`) or operation by operation."""
+    from pdserve.kernels.cpu.attention import prefill_attention_available
     from pdserve.kernels.paged_attention import cpu_kernels_apply
+    from pdserve.model.cpu_stack import decode_stack
 
     out: dict = {}
     for name, module in model.named_modules():
@@ -153,7 +156,11 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
             kind = name.rsplit(".", 1)[-1]
             out.setdefault(kind, kernel_path(module, rows) or f"{type(module).__name__} (torch)")
     c = cpu_kernels_apply(torch.device("cpu"), query_len, rows, kv_dtype)
-    out["attention"] = "paged_attention (C)" if c else "torch"
+    cfg = getattr(model, "cfg", None)
+    prefill_c = cfg is not None and kv_dtype == torch.bfloat16 and prefill_attention_available(cfg.head_dim)
+    out["attention"] = "paged_attention (C)" if c else "prefill_attention (C)" if prefill_c else "torch"
+    stacked = c and cfg is not None and getattr(model, "cpu_stack", False) and decode_stack(model) is not None
+    out["layers"] = "decode-stack (C, one call)" if stacked else "per operation"
     return out
 
 

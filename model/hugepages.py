@@ -10,71 +10,73 @@ Where the kernel refuses (not Linux, THP off) tensors stay in ordinary pages.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+import mmap
 from pathlib import Path
 
 import torch
 from torch import nn
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-@functools.cache
-def _madvise():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
 def huge_pages_available() -> bool:
-    """Whether :func:`empty_huge` can get huge pages here: ``madvise`` is callable and transparent huge
+    """Whether :func:`empty_huge` can get huge pages here: ``MADV_HUGEPAGE`` exists and transparent huge
     pages are ``always`` or ``madvise`` (the kernel may still fall back to 4 KiB pages for lack of
     contiguous memory; :func:`huge_page_bytes` tells what it did)."""
     try:
         mode = _THP.read_text()
     except OSError:
         return False
-    return _madvise() is not None and ("[always]" in mode or "[madvise]" in mode)
+    return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in mode or "[madvise]" in mode)
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
     """Bytes in huge pages (``AnonHugePages`` of ``/proc/self/smaps``) of the mappings that hold
     ``tensor``'s storage: a mapping shared with other allocations counts whole. 0 where unknown."""
+    return sum(_smaps_fields(tensor, "AnonHugePages:")) * 1024
+
+
+def huge_page_eligible(tensor: torch.Tensor) -> bool:
+    """Whether some mapping holding ``tensor``'s storage may be backed by huge pages (``THPeligible``
+    of ``/proc/self/smaps``): what this module controls; whether the kernel then grants them
+    depends on free contiguous memory at fault time (:func:`huge_page_bytes` tells)."""
+    return any(_smaps_fields(tensor, "THPeligible:"))
+
+
+def _smaps_fields(tensor: torch.Tensor, field: str) -> list[int]:
+    """The integer ``field`` of every ``/proc/self/smaps`` mapping overlapping ``tensor``'s storage."""
     start = tensor.untyped_storage().data_ptr()
     end = start + tensor.untyped_storage().nbytes()
-    total, inside = 0, False
+    out, inside = [], False
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
-        return 0
+        return []
     for line in lines:
         head = line.split(maxsplit=1)[0]
         if "-" in head and not head.endswith(":"):                    # "lo-hi perms ...": a new mapping
             lo, hi = (int(a, 16) for a in head.split("-"))
             inside = lo < end and start < hi
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
-    return total
+        elif inside and head == field:
+            out.append(int(line.split()[1]))
+    return out
 
 
 def empty_huge(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D CPU tensor of ``numel`` elements whose whole 2 MiB pages are advised
-    huge before first touch (the unaligned head and tail stay in 4 KiB pages)."""
-    item = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(numel * item + HUGE_PAGE, dtype=torch.uint8)
+    """A zero-filled 1-D CPU tensor of ``numel`` elements in a fresh anonymous mapping whose whole
+    2 MiB pages are advised huge before first touch (the unaligned head and tail stay in 4 KiB
+    pages). A mapping of its own, not the allocator's: memory the process touched before (the
+    allocator reuses it for large blocks once it has freed some) keeps its 4 KiB pages whatever
+    the advice, so a long-lived worker's later allocations got none; the tensor keeps the mapping
+    alive and it is unmapped with its last view."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE)   # private: THP does not back shared memory
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    madvise = _madvise()
-    if madvise is not None and numel * item >= HUGE_PAGE:
-        madvise(raw.data_ptr() + start, numel * item // HUGE_PAGE * HUGE_PAGE, _MADV_HUGEPAGE)
-    return raw[start:start + numel * item].view(dtype)
+    if nbytes >= HUGE_PAGE and huge_pages_available():
+        buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    return raw[start:start + nbytes].view(dtype)
 
 
 def move_to_huge_pages(module: nn.Module) -> int:

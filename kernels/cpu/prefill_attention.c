@@ -8,17 +8,18 @@
  * output accumulates without the score matrix ever being stored:
  *
  *   for each sequence b, KV head g:
- *     K -> Kp [L/32][D/2][32][2] bf16   (pairs of dims, 32 keys per zmm pair: vdpbf16ps B operand)
- *     V -> Vf [L][D] float32            (exact widening)
+ *     K -> Kp [L/32][D/2][32][2] bf16   (pairs of dims, 32 keys per two zmm: vdpbf16ps B operand)
+ *     V -> Vp [L/2][D][2] bf16          (pairs of keys: the B operand of the value sums)
  *     for each tile of query rows (tokens x the heads of g):
  *       for each key tile at or before the tile's last position:
  *         S = scale * q Kp^T              vdpbf16ps, float32 sums of exact bf16 products
  *         S[key > position] = -inf        (causal: query token i sits at position L - nq + i)
- *         m' = max(m, max S); a = exp(m - m'); P = exp(S - m'); l = a l + sum P; O = a O + P V
+ *         m' = max(m, max S); a = exp(m - m'); P = exp(S - m'); l = a l + sum P; O = a O + bf16(P) V
  *       out = O / l, rounded to bf16
  *
- * Scores and P stay in float32 (the V product is a float32 FMA), so the only roundings beyond
- * float32 are the inputs' and the output's. Layout of the cache as paged_attention.c reads it.
+ * Scores, the softmax and its sum are float32; P is rounded to bf16 for the value sums (as
+ * FlashAttention rounds P to the input type), which are float32 sums of exact products.
+ * Layout of the cache as paged_attention.c reads it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -61,18 +62,20 @@ static inline const uint16_t *kv_row(const Paged *c, int64_t pos, int64_t kvh, i
     return c->cache + blk * c->s_block + off * c->s_tok + kvh * c->s_head + (v ? c->s_v : 0);
 }
 
-/* Kp[t][p][k][e] = K[32 t + k][2 p + e] (zero past L); Vf[j][d] = V[j][d] as float32. */
-static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t *kp, float *vf) {
+/* Kp[t][p][k][e] = K[32 t + k][2 p + e] and Vp[j / 2][d][e] = V[2 (j / 2) + e][d] (zero past L):
+ * the B operands of vdpbf16ps for the scores (pairs of dims) and for the value sums (pairs of keys). */
+static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t *kp, uint16_t *vp) {
     const int64_t tiles = (L + NK - 1) / NK, P = D / 2;
     memset(kp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
+    memset(vp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
     for (int64_t j = 0; j < L; j++) {
         const uint16_t *k = kv_row(c, j, kvh, 0), *v = kv_row(c, j, kvh, 1);
-        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2;
+        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2, *vd = vp + (j / 2) * 2 * D + (j % 2);
         for (int64_t p = 0; p < P; p++) {
             dst[p * NK * 2] = k[2 * p];
             dst[p * NK * 2 + 1] = k[2 * p + 1];
         }
-        for (int64_t d = 0; d < D; d++) vf[j * D + d] = bf16_to_f32(v[d]);
+        for (int64_t d = 0; d < D; d++) vd[2 * d] = v[d];
     }
 }
 
@@ -82,20 +85,23 @@ extern __m512 _ZGVeN16v_expf(__m512);                   /* glibc libmvec: expf o
 #define INLINE static inline __attribute__((always_inline))
 
 /* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
- * each V row is loaded once (NVC zmm per row; compile-time in each instance). */
-TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const float *alpha, const float (*P)[NK],
-                           const float *vt, int64_t D, int keys) {
+ * each pair of V rows is loaded once (NVC zmm per pair; compile-time in each instance). P is bf16,
+ * taken two keys at a time (vdpbf16ps); keys past a row's last one have P = 0. */
+TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const float *alpha, const uint16_t (*P)[NK],
+                           const uint16_t *vt, int64_t D, int keys) {
     __m512 o[6][16];
     for (int r = 0; r < RG; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r]);
         for (int v = 0; v < NVC; v++) o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O[r] + 16 * v), a);
     }
-    for (int j = 0; j < keys; j++) {
-        __m512 vv[16];
-        for (int v = 0; v < NVC; v++) vv[v] = _mm512_loadu_ps(vt + j * D + 16 * v);
+    for (int j = 0; j < keys; j += 2) {
+        __m512bh vv[16];
+        for (int v = 0; v < NVC; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vt + j * D + 32 * v);
         for (int r = 0; r < RG; r++) {
-            const __m512 pj = _mm512_set1_ps(P[r][j]);
-            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_fmadd_ps(pj, vv[v], o[r][v]);
+            int32_t pair;
+            memcpy(&pair, P[r] + j, 4);
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_dpbf16_ps(o[r][v], pj, vv[v]);
         }
     }
     for (int r = 0; r < RG; r++)
@@ -103,8 +109,8 @@ TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const f
 }
 
 /* PV of R rows in register groups: 6 rows for D = 64 (24 accumulators), 3 for D = 128, else 1. */
-TARGET static void pv(int R, float *const *O, const float *alpha, const float (*P)[NK], const float *vt, int64_t D,
-                      int keys) {
+TARGET static void pv(int R, float *const *O, const float *alpha, const uint16_t (*P)[NK], const uint16_t *vt,
+                      int64_t D, int keys) {
     for (int r0 = 0; r0 < R;) {
         const int left = R - r0;
         if (D == 64 && left >= 6) { pv_rows(4, 6, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 6; }
@@ -115,8 +121,12 @@ TARGET static void pv(int R, float *const *O, const float *alpha, const float (*
             const __m512 a = _mm512_set1_ps(alpha[r0]);
             for (int64_t d = 0; d < D; d += 16) {
                 __m512 o = _mm512_mul_ps(_mm512_loadu_ps(O[r0] + d), a);
-                for (int j = 0; j < keys; j++)
-                    o = _mm512_fmadd_ps(_mm512_set1_ps(P[r0][j]), _mm512_loadu_ps(vt + j * D + d), o);
+                for (int j = 0; j < keys; j += 2) {
+                    int32_t pair;
+                    memcpy(&pair, P[r0] + j, 4);
+                    o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_set1_epi32(pair),
+                                         (__m512bh)_mm512_loadu_si512(vt + j * D + 2 * d));
+                }
                 _mm512_storeu_ps(O[r0] + d, o);
             }
             r0 += 1;
@@ -127,9 +137,9 @@ TARGET static void pv(int R, float *const *O, const float *alpha, const float (*
 /* One query tile of R rows (their bf16 query vectors qr[r], positions pos[r]) against keys
  * [0, max pos], writing out rows or[r]. */
 TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
-                        const uint16_t *kp, const float *vf, int64_t D, float scale) {
+                        const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     float Obuf[RMAX][MAX_D] __attribute__((aligned(64))), m[RMAX], l[RMAX], alpha[RMAX];
-    float P[RMAX][NK] __attribute__((aligned(64)));
+    uint16_t P[RMAX][NK] __attribute__((aligned(64)));
     float *O[RMAX];
     int64_t last = 0;
     for (int r = 0; r < R; r++) {
@@ -174,10 +184,9 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             alpha[r] = expf(m[r] - mt);                      /* exp(-inf) = 0 on the row's first tile */
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             m[r] = mt;
-            _mm512_store_ps(P[r], p0);
-            _mm512_store_ps(P[r] + 16, p1);
+            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
         }
-        pv(R, O, alpha, (const float (*)[NK])P, vf + t * NK * D, D, keys);
+        pv(R, O, alpha, (const uint16_t (*)[NK])P, vp + t * NK * D, D, keys);
     }
     for (int r = 0; r < R; r++) {
         const float inv = 1.f / l[r];
@@ -199,14 +208,14 @@ int pd_prefill_attention(const uint16_t *q, uint16_t *out, int64_t H, int64_t Hk
     for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     const int64_t tiles = (max_len + NK - 1) / NK;
     uint16_t *kp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
-    float *vf = aligned_alloc(64, ((size_t)(tiles * NK * D) * 4 + 63) / 64 * 64);
-    if (!kp || !vf) { free(kp); free(vf); return -1; }
+    uint16_t *vp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
+    if (!kp || !vp) { free(kp); free(vp); return -1; }
     const int64_t G = H / Hkv, rows_per = RMAX / G > 0 ? RMAX / G : 1;   /* tokens per tile */
     for (int64_t b = 0; b < B; b++) {
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
         Paged c = { cache, s_block, s_tok, s_head, s_v, block_size, tables + b * max_blocks };
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            pack_kv(&c, kvh, L, D, kp, vf);
+            pack_kv(&c, kvh, L, D, kp, vp);
             for (int64_t i0 = 0; i0 < nq; i0 += rows_per) {
                 const int64_t nt = nq - i0 < rows_per ? nq - i0 : rows_per;
                 for (int64_t g0 = 0; g0 < G; g0 += RMAX) {          /* groups wider than a tile */
@@ -218,12 +227,12 @@ int pd_prefill_attention(const uint16_t *q, uint16_t *out, int64_t H, int64_t Hk
                             qr[R] = q + row * D; orow[R] = out + row * D; pos[R] = first + i;
                             R++;
                         }
-                    tile(R, qr, pos, orow, kp, vf, D, scale);
+                    tile(R, qr, pos, orow, kp, vp, D, scale);
                     if (G <= RMAX) break;
                 }
             }
         }
     }
-    free(kp); free(vf);
+    free(kp); free(vp);
     return 0;
 }
