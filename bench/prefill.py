@@ -38,6 +38,7 @@ from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams
+from pdserve.prefill_worker.server import load_prefill_model
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 
@@ -64,7 +65,7 @@ def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int, limi
     if not given, measured here once per process over the model's shapes at those row counts), with
     the paper peak's fraction beside it."""
     torch.set_num_threads(threads)
-    model, cfg = load_model(model_dir, torch.bfloat16)
+    model, cfg = load_prefill_model(model_dir, torch.bfloat16)      # as the prefill worker loads it
     if limits is None:
         key = (model_dir, tuple(sorted({min(n, chunk) for n in lengths})), threads)
         if key not in _LIMITS:

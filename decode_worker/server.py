@@ -31,7 +31,7 @@ from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine, check_kv_timeout
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent
 from pdserve.decode_worker.warmup import warm_up_decode
-from pdserve.model.cpu_linear import pack_for_cpu_decode
+from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.kv_cache import NoFreeBlocks
 from pdserve.model.loader import load_model
@@ -190,7 +190,9 @@ def load_decode_model(cfg: DecodeWorkerConfig):
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.weights == "int4":
             int4.convert_for_runtime(model, group_size=cfg.int4_group_size, method=cfg.int4_method)
-    pack_for_cpu_decode(model, keep_dense=cfg.colocated)   # bf16 on CPU: the float linears left, for the C kernels
+    # bf16 on CPU: the float linears left, for the C kernels; a colocated worker keeps dense copies for its
+    # prefill chunks only where F.linear beats the packed gemm at their sizes (AMX CPUs)
+    pack_for_cpu_decode(model, keep_dense=cfg.colocated and dense_beats_packed_for_prefill())
     move_to_huge_pages(model)
     return model, model_cfg
 

@@ -105,6 +105,15 @@ class PackedBF16Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def dense_beats_packed_for_prefill() -> bool:
+    """Whether prefill-sized products (hundreds of rows) run faster through ``F.linear`` on dense weights
+    than on the packed ones here: on an AMX CPU (AMX tiles lose to oneDNN beyond :data:`AMX_MAX_ROWS`
+    rows: 108.8 vs 89.3 ms per bench-80m step at 512 rows). Without AMX the AVX512-BF16 gemm is at
+    least as fast at every chunk size measured (Xeon model 207: 927 vs 952 ms at 512 rows; Zen 5:
+    ~520 vs ~505 GFLOP/s at 128 to 1,024 rows; `bench/cpu_kernels.py` measures both)."""
+    return gemm_amx_available()
+
+
 def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
     """Swap the decoder layers' bf16 projections and the LM head for :class:`PackedBF16Linear` in place
     (a tied head gets a packed copy; the embedding keeps the dense weight). ``keep_dense``: see

@@ -65,7 +65,8 @@ def test_wheel_carries_the_model_and_the_contracts_under_one_name(wheel):
     for required in ("pdserve/proto/pdserve.proto", "pdserve/proto/worker.proto",
                      "pdserve/assets/models/tinystories-656k/model.safetensors",
                      "pdserve/assets/models/tinystories-656k/tokenizer.json",
-                     "pdserve/kernels/cpu/gemv_bf16.c", "pdserve/bench/replay/corpus.txt"):
+                     "pdserve/kernels/cpu/gemv_bf16.c", "pdserve/kernels/cpu/bf16.h",
+                     "pdserve/bench/replay/corpus.txt"):
         assert required in names, required
     entry_points = zipfile.ZipFile(wheel).read(f"{wheel.name.split('-py3')[0]}.dist-info/entry_points.txt").decode()
     assert "pdserve = pdserve.deploy.cli:main" in entry_points and "bench = pdserve.bench.replay.cli" in entry_points

@@ -109,7 +109,8 @@ def _trusted(lib: Path) -> bool:
 
 
 def _build(name: str) -> Path:
-    """Compile ``name.c`` into the cache (once per source/flags/compiler/CPU) and return the library path.
+    """Compile ``name.c`` into the cache (once per source, headers, flags, compiler and CPU) and return the
+    library path.
     The cache directory is owner-only; a cached library that is not this user's own, or that others
     can write, is rebuilt rather than loaded.
 
@@ -118,9 +119,10 @@ def _build(name: str) -> Path:
     """
     cc = _compiler()
     source = (_HERE / f"{name}.c").read_bytes()
+    headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))    # what the sources #include
     flags = _FLAGS[name]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, headers, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
     if _trusted(out):

@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef int (*bf16_linear_fn)(const void *x, int64_t M, int64_t K, int64_t ldx, const void *wp, int64_t Np,
                               int64_t n_valid, void *y, int64_t ldy);
 typedef int (*int4_linear_fn)(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, int64_t Kp, int64_t G,
@@ -96,16 +98,6 @@ typedef struct {
     int64_t B, max_blocks;
 } Step;
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {          /* round to nearest even, NaN kept quiet (as fused.c) */
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* x[i] = x[i] + y[i], rounded to the element type (torch's add on bf16 or float32 tensors). */
 static void add_inplace(void *x, const void *y, int64_t count, int bf16) {

@@ -16,19 +16,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #pragma omp declare simd notinbranch
 extern float expf(float);                                /* glibc's vector variants (libmvec) */
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {          /* round to nearest even, NaN kept quiet */
-    union { float f; uint32_t u; } v = { f };
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 static inline float get(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];

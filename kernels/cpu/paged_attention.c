@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #pragma omp declare simd notinbranch
 extern float expf(float);                                /* glibc's vector variants (libmvec) */
 
@@ -48,10 +50,6 @@ static inline int64_t kv_offset(const Ctx *c, int64_t t, int64_t kvh) {
     return (int64_t)c->table[t / c->block_size] * c->s_block + (t % c->block_size) * c->s_tok + kvh * c->s_head;
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
 
 static void load_row(const Ctx *c, int64_t off, float *dst) {
     if (c->bf16) {
