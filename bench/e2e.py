@@ -7,11 +7,14 @@ each) on the given checkpoint, and in the same run times ``transformers``
 engine's batch-1 step in this process, loaded as the decode worker loads it (same dtype,
 GraphRunner as the worker's default): the cluster's TPOT over that step time is what the
 router -> prefill -> KV -> decode -> client path costs per token. ``--core N`` pins this
-process and so every worker it starts to one core. Warm-up first, medians of repeated runs.
-Writes JSON and a PNG bar chart.
+process and so every worker it starts to one core; ``--decode-core M`` then gives the decode
+worker a core of its own (router, prefill worker and client stay on N), as a 2-core machine
+would be laid out, and the engine's step is timed on core M too. Warm-up first, medians of
+repeated runs. Writes JSON and a PNG bar chart.
 
     python bench/e2e.py --out bench/out/e2e
     python bench/e2e.py --model .bench-models/bench-80m --dtype bfloat16 --core 1 --out docs/results/e2e_bench80m
+    python bench/e2e.py --model .bench-models/bench-80m --dtype bfloat16 --core 0 --decode-core 1 --out /tmp/e2e-split
 """
 
 from __future__ import annotations
@@ -53,10 +56,11 @@ async def _timed_stream(channel, request) -> tuple[float, float, int]:
 
 
 def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: int, redis_url: str,
-                  dtype: str = "auto") -> dict:
+                  dtype: str = "auto", decode_core: int | None = None) -> dict:
     name = "bench-" + uuid.uuid4().hex[:8]
     common = dict(model_dir=model, cluster=name, redis_url=redis_url, num_threads=1, dtype=dtype)
-    procs = [spawn_role("decode_worker", dict(worker_id="d0", **common)),
+    decode_cpus = None if decode_core is None else str(decode_core)
+    procs = [spawn_role("decode_worker", dict(worker_id="d0", **common), cpus=decode_cpus),
              spawn_role("prefill_worker", dict(worker_id="p0", **common))]
     procs.append(spawn_role("router", dict(model_dir=model, cluster=name, redis_url=redis_url)))
     try:
@@ -97,6 +101,18 @@ def bench_engine(model: str, prompt: list[int], decode_tokens: int, repeats: int
             "decode_tokens_per_s": 1 / statistics.median(steps)}
 
 
+def _on_core(core: int | None, fn):
+    """``fn()`` with this process pinned to ``core`` (if given), its affinity restored after."""
+    if core is None:
+        return fn()
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    try:
+        return fn()
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def bench_transformers(model: str, prompt: list[int], decode_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -122,6 +138,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--dtype", default="auto", help="the workers' and the engine's dtype (auto: as pdserve up)")
     ap.add_argument("--core", type=int, default=None, help="pin this process and every worker to this core")
+    ap.add_argument("--decode-core", type=int, default=None,
+                    help="pin the decode worker (and the engine-alone run) to this core instead")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "e2e"))
     args = ap.parse_args()
     if args.core is not None:
@@ -134,12 +152,13 @@ def main() -> None:
     try:
         result = {
             "command": "python " + " ".join(sys.argv),
-            "machine": machine(), "core": args.core, "dtype": args.dtype,
+            "machine": machine(), "core": args.core, "decode_core": args.decode_core, "dtype": args.dtype,
             "model": args.model, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
             "repeats": args.repeats,
             "pdserve_cluster": bench_cluster(args.model, prompt, args.decode_tokens, args.repeats, redis_url,
-                                             args.dtype),
-            "decode_engine": bench_engine(args.model, prompt, args.decode_tokens, args.repeats, args.dtype),
+                                             args.dtype, args.decode_core),
+            "decode_engine": _on_core(args.decode_core, lambda: bench_engine(
+                args.model, prompt, args.decode_tokens, args.repeats, args.dtype)),
             "transformers_generate": bench_transformers(args.model, prompt, args.decode_tokens, args.repeats),
         }
     finally:
