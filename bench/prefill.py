@@ -50,8 +50,9 @@ def prompt(n: int, seed: int, vocab: int = 2048) -> list[int]:
 def prefill_flops(model, num_tokens: int) -> float:
     """Matmul FLOPs of one prefill: 2 x (linear weights) per token + causal attention (QK^T and PV)."""
     cfg = model.cfg
-    linear = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers") and p.dim() == 2)
-    linear += model.lm_head.weight.numel() / num_tokens  # logits only for the last token of each chunk: negligible
+    linear = sum(m.in_features * m.out_features for n, m in model.named_modules()   # dense or packed alike
+                 if n.startswith("layers") and hasattr(m, "in_features") and hasattr(m, "out_features"))
+    linear += cfg.hidden_size * cfg.vocab_size / num_tokens  # logits only for the last token of each chunk
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_tokens * num_tokens / 2
     return 2 * linear * num_tokens + attention
 

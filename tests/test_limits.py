@@ -145,3 +145,20 @@ def test_measure_limits_on_tiny_shapes():
     before = dict(out["bandwidth"]["working_set"])
     assert limits.bandwidth_at(out, (1 << 20) + 1000) == before[str(1 << 20)]["best"]
     assert limits.bandwidth_at(out, 2 << 20) > 0 and str(2 << 20) in out["bandwidth"]["working_set"]
+
+
+def test_prefill_flops_count_packed_and_dense_projections_alike(model_dir):
+    """MFU's numerator must not depend on how the projections hold their weights (a packed module has no
+    dense ``weight``; counting parameters would see none and report an MFU of almost nothing)."""
+    from pdserve.bench.prefill import prefill_flops
+    from pdserve.model.cpu_linear import pack_for_cpu_decode
+    from pdserve.model.loader import load_model
+
+    model, cfg = load_model(model_dir, torch.bfloat16)
+    dense = prefill_flops(model, 512)
+    per_token = 2 * cfg.num_layers * (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+                                      + cfg.num_heads * cfg.head_dim * cfg.hidden_size
+                                      + 3 * cfg.hidden_size * cfg.intermediate_size)
+    assert dense > per_token * 512
+    if pack_for_cpu_decode(model):
+        assert prefill_flops(model, 512) == dense
