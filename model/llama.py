@@ -39,7 +39,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
-        if cpu_kernel:
+        if cpu_kernel or (x.dtype == torch.bfloat16 == self.weight.dtype and x.dim() == 2 and x.is_cpu
+                          and x.stride(1) == 1 and fused.rms_norm_vectorized()):   # prefill-sized bf16 rows too
             return fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

@@ -157,7 +157,9 @@ def test_per_worker_state_returns_to_its_size_after_50_scale_cycles(model_dir, r
     assert report["failed"] == [] and report["recovered"] == 0, report
     assert report["completed"] >= 3 * NUM_CYCLES and report["busy_at_scale_down"] > 0, report
     assert end["maps"] == start["maps"], report
-    assert end["fds"] <= start["fds"] + 2, report
+    # a leak per cycle would add >= 50; connection pools that grow to the peak concurrency once (Redis,
+    # gRPC) may open a few more descriptors than the start saw (+3 seen in one CI run)
+    assert end["fds"] <= start["fds"] + 5, report
     assert end["rss_kib"] <= start["rss_kib"] + 16 * 1024, report
 
 

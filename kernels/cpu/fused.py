@@ -12,10 +12,11 @@ Results follow the torch code in :mod:`model.llama` and
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
-from pdserve.kernels.cpu import DTYPES, library
+from pdserve.kernels.cpu import DTYPES, available, library
 
 _i64, _p, _int, _f = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 MAX_ROWS = 64   # decode-sized: beyond this torch's vectorized operations win (used by cpu_kernels_apply)
@@ -26,6 +27,14 @@ def _check_rows(name: str, x: torch.Tensor) -> None:
     if x.dtype not in DTYPES or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
         raise ValueError(f"{name}: needs a row-major 2-D float32/bf16 CPU tensor, got {x.dtype} {tuple(x.shape)} "
                          f"strides {x.stride()}")
+
+
+@functools.cache
+def rms_norm_vectorized() -> bool:
+    """Whether :func:`rms_norm` runs on AVX-512 here, and so beats torch's operators at every row
+    count (bench-80m's 512 x 768 bf16 rows: C ~0.05 ms vs torch's chain of seven operations ~0.2 ms);
+    the scalar build serves decode-sized steps only."""
+    return available("fused") and bool(library("fused").pd_rms_norm_vectorized())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
