@@ -220,6 +220,20 @@ def test_fused_ops_round_as_the_torch_code(dtype):
     assert torch.equal(cache, ref_cache)
 
 
+@pytest.mark.skipif(not cfused.rms_norm_vectorized(), reason="RMSNorm not built for AVX-512 here")
+def test_prefill_sized_bf16_rows_take_the_c_rms_norm_within_one_rounding_of_torch():
+    torch.manual_seed(2)
+    x = torch.randn(512, 768).bfloat16()
+    norm = RMSNorm(768, 1e-5).bfloat16()
+    norm.weight.data = torch.randn(768).bfloat16()
+    got = norm(x)                                            # no cpu_kernel flag: a prefill chunk's rows
+    assert torch.equal(got, cfused.rms_norm(x, norm.weight, 1e-5))
+    xf = x.float()
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    ulp = 2.0 ** (torch.floor(torch.log2(ref.float().abs().clamp_min(2 ** -126))) - 7)
+    assert ((got.float() - ref.float()).abs() <= 2 * ulp).all()   # the sum's order moves a rounding at most
+
+
 def _same(y: torch.Tensor, ref: torch.Tensor, exact: bool) -> None:
     assert y.dtype == ref.dtype and y.shape == ref.shape
     if exact:

@@ -1,7 +1,8 @@
 """Fused RMSNorm, RoPE + KV cache write and SiLU-and-mul for decode-sized steps on CPUs (``fused.c``).
 
 Inputs are float32 or bf16 row-major ``[rows, features]`` CPU tensors; the model calls these
-when the step's metadata says so (:func:`kernels.paged_attention.cpu_kernels_apply`).
+when the step's metadata says so (:func:`kernels.paged_attention.cpu_kernels_apply`), and RMSNorm
+for bf16 rows of any count where it runs on AVX-512 (:func:`rms_norm_vectorized`).
 
 Each replaces a chain of small tensor operations whose framework overhead, at a few rows,
 outweighs their arithmetic (Qwen3's per-head q/k RMSNorm runs inside :func:`rope_write_kv`).
