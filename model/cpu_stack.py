@@ -2,12 +2,11 @@
 
 :func:`decode_stack` builds the stack from a :class:`~model.llama.LlamaForCausalLM` whose projections
 all run on the C kernels at decode sizes (:class:`~model.cpu_linear.PackedBF16Linear`, or
-:class:`~model.quant.int4.Int4Linear` on its ``int4-vnni`` layout); :func:`decode_stack` keeps it
-beside the model (not in it: a ``copy.deepcopy`` of the model builds its own);
-it is rebuilt when a weight has moved (:meth:`DecodeStack.valid`, e.g. after
-:func:`model.hugepages.move_to_huge_pages`). Any other projection (``nn.Linear``, FP8, the torch
-INT4 layout) leaves the model on the per-operation path, as does
-``LlamaForCausalLM.cpu_stack = False``.
+:class:`~model.quant.int4.Int4Linear` on its ``int4-vnni`` layout) and keeps it beside the model
+(not in it: a ``copy.deepcopy`` of the model builds its own); it is rebuilt when a weight has moved
+(:meth:`DecodeStack.valid`, e.g. after :func:`model.hugepages.move_to_huge_pages`). Any other
+projection (``nn.Linear``, FP8, the torch INT4 layout) leaves the model on the per-operation path, as
+does ``LlamaForCausalLM.cpu_stack = False``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ RMSNorm of queries and keys before RoPE) and an explicit ``head_dim`` (Qwen3, Mi
 Q/K/V and gate/up projections are fused into one matmul each (as vLLM does);
 :mod:`model.loader` concatenates the checkpoint's weights. On CPUs, decode-sized steps run
 RMSNorm, RoPE with the KV write, attention and SiLU-and-mul as C kernels (:mod:`kernels.cpu`):
-the first three round as the torch code here (bit-identical in bf16); attention accumulates
+RoPE and SiLU round as the torch code here (bit-identical in bf16), RMSNorm too up to the order of
+its sum of squares (16 lanes on AVX-512, where bf16 prefill rows take it as well); attention accumulates
 in float32 where the torch path's SDPA rounds in bf16, so bf16 logits differ slightly between
 the two paths (and a near-tie can pick another token). Where every projection runs on a C kernel
 too (packed bf16 or INT4), all layers of such a step run in one C call (:mod:`model.cpu_stack`),
