@@ -147,6 +147,7 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
     decode kernel, the C prefill kernel or torch), and ``layers``: whether such a step runs every
     decoder layer in one C call (:mod:`model.cpu_stack`) or operation by operation."""
     from pdserve.kernels.cpu.attention import prefill_attention_available
+    from pdserve.kernels.cpu.decode_stack import KERNEL as STACK_KERNEL
     from pdserve.kernels.paged_attention import cpu_kernels_apply
     from pdserve.model.cpu_stack import decode_stack
 
@@ -160,7 +161,7 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
     prefill_c = cfg is not None and kv_dtype == torch.bfloat16 and prefill_attention_available(cfg.head_dim)
     out["attention"] = "paged_attention (C)" if c else "prefill_attention (C)" if prefill_c else "torch"
     stacked = c and cfg is not None and getattr(model, "cpu_stack", False) and decode_stack(model) is not None
-    out["layers"] = "decode-stack (C, one call)" if stacked else "per operation"
+    out["layers"] = f"{STACK_KERNEL} (C, one call)" if stacked else "per operation"
     return out
 
 

@@ -55,13 +55,10 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, que
         raise ValueError("paged_attention_cpu: kv_cache must be a contiguous float32/bfloat16 CPU tensor")
     if heads % num_kv_heads or dim != kv_cache.shape[5]:
         raise ValueError(f"paged_attention_cpu: q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
-    for t in (query_start_loc, seq_lens, block_tables):
-        if t.dtype != torch.int32 or not t.is_contiguous():
-            raise ValueError("paged_attention_cpu: query_start_loc, seq_lens and block_tables must be contiguous int32")
+    _check_int32("paged_attention_cpu", query_start_loc, seq_lens, block_tables)
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
-    base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
+    base, s_block, s_tok, s_head, s_kv = _layer_layout(kv_cache, layer)
     rc = _fn()(qf.data_ptr(), out.data_ptr(), heads, num_kv_heads, dim,
                query_start_loc.data_ptr(), seq_lens.data_ptr(), seq_lens.shape[0],
                base, int(kv_cache.dtype == torch.bfloat16), s_block, s_tok, s_head, s_kv,
@@ -69,6 +66,20 @@ def paged_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, que
     if rc != 0:
         raise MemoryError("paged_attention_cpu: could not allocate the score buffer")
     return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _check_int32(name: str, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor) -> None:
+    for t in (query_start_loc, seq_lens, block_tables):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name}: query_start_loc, seq_lens and block_tables must be contiguous int32")
+
+
+def _layer_layout(kv_cache: torch.Tensor, layer: int) -> tuple[int, int, int, int, int]:
+    """``(address of layer's slice, s_block, s_tok, s_head, s_v)``: the cache as the C kernels walk it
+    (strides in elements; V of a row at its K address + ``s_v``)."""
+    s_block, s_layer, s_kv, s_tok, s_head, _ = kv_cache.stride()
+    return kv_cache.data_ptr() + layer * s_layer * kv_cache.element_size(), s_block, s_tok, s_head, s_kv
 
 
 def _fn():
@@ -107,14 +118,10 @@ def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, q
         raise ValueError(f"prefill_attention_cpu: needs bf16 q and cache with head_dim a multiple of 16 up to "
                          f"{PREFILL_MAX_HEAD_DIM}; got q {tuple(q.shape)} {q.dtype}, cache {tuple(kv_cache.shape)} "
                          f"{kv_cache.dtype}")
-    for t in (query_start_loc, seq_lens, block_tables):
-        if t.dtype != torch.int32 or not t.is_contiguous():
-            raise ValueError("prefill_attention_cpu: query_start_loc, seq_lens and block_tables must be contiguous "
-                             "int32")
+    _check_int32("prefill_attention_cpu", query_start_loc, seq_lens, block_tables)
     q = q.contiguous()
     out = torch.empty_like(q)
-    s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
-    base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
+    base, s_block, s_tok, s_head, s_kv = _layer_layout(kv_cache, layer)
     fn = library("prefill_attention").pd_prefill_attention
     if fn.argtypes is None:
         fn.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _i64, _i64,

@@ -21,7 +21,6 @@
 #pragma omp declare simd notinbranch
 extern float expf(float);                                /* glibc's vector variants (libmvec) */
 
-
 static inline float get(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
