@@ -87,15 +87,19 @@ def connect(address: str | None, **kwargs) -> None:
     ray.init(address=address or "auto", **kwargs)
 
 
-LOCAL_START_ATTEMPTS = 2
+LOCAL_START_ATTEMPTS = 3
+# how Ray says one of its own daemons did not come up in time (messages of ray 2.60's node start-up)
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def init_local_ray(**kwargs) -> None:
-    """``ray.init`` of a Ray that this driver starts on its own machine, tried :data:`LOCAL_START_ATTEMPTS`
-    times. Ray waits a fixed 30 s for its raylet to register with the GCS and gives up otherwise ("The
-    current node timed out during startup", ray-project/ray#47087 and #62883); seen here once in a full
-    test run on a 2-core VM, the raylet never registering while the GCS ran. Between attempts the
-    half-started node's processes (this process's Ray children) are stopped.
+    """``ray.init`` of a Ray that this driver starts on its own machine, tried up to
+    :data:`LOCAL_START_ATTEMPTS` times when Ray reports that one of its daemons missed its start-up
+    wait (:data:`STARTUP_TIMEOUTS`): Ray waits a fixed 30 s for the raylet to register ("The current
+    node timed out during startup", ray-project/ray#47087 and #62883) and a fixed time for the GCS to
+    write its port file ("Timed out waiting for file .../gcs_server_port_..."). Both were seen here in
+    full test runs on a 2-core VM, each leaving no log of the daemon at all; the same start alone
+    succeeds. Between attempts the half-started node's processes (this process's Ray children) are stopped.
 
     Raises:
         Exception: Ray's own, when the last attempt fails too or the failure is another one.
@@ -105,7 +109,7 @@ def init_local_ray(**kwargs) -> None:
             ray.init(**kwargs)
             return
         except Exception as exc:
-            if attempt == LOCAL_START_ATTEMPTS or "timed out during startup" not in str(exc):
+            if attempt == LOCAL_START_ATTEMPTS or not any(m in str(exc) for m in STARTUP_TIMEOUTS):
                 raise
             log.warning("local Ray did not start (attempt %d of %d): %s; starting it again", attempt,
                         LOCAL_START_ATTEMPTS, exc)
