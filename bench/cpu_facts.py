@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
-C_KERNELS = ("gemv_bf16", "paged_attention", "prefill_attention", "fused", "decode_stack", "gemv_int4", "membw")
+C_KERNELS = ("gemv_bf16", "gemm_bf16_fma", "paged_attention", "prefill_attention", "fused", "decode_stack", "gemv_int4",
+             "membw")
 
 # FLOP per cycle per core, by ISA. AMX: one TDPBF16PS (16x16 fp32 tile += 16x32 by 32x16 bf16,
 # 16,384 FLOP) per 16 cycles = 1024 (Intel AMX, Sapphire Rapids). vdpbf16ps zmm: 16 fp32 lanes x
@@ -43,10 +44,13 @@ def _bf16_issue(vendor: str, family: int) -> tuple[float, str]:
 
 
 def theoretical_peak(flags: Iterable[str], mhz: float, cores: int, vendor: str = "GenuineIntel",
-                     family: int = 6) -> dict:
+                     family: int = 6, dp_fma_ratio: float = 0.0) -> dict:
     """Paper peak of bf16 matmul on ``cores`` cores at ``mhz``: cores x clock x FLOP/cycle/core of the
     best ISA in ``flags`` (``/proc/cpuinfo`` names: ``amx_bf16``, ``avx512_bf16``, ``avx512f``,
-    ``avx2`` + ``fma``). A pure function.
+    ``avx2`` + ``fma``). ``dp_fma_ratio`` (:func:`kernels.cpu.gemv.dp_fma_ratio`, 0: not measured): how
+    many times longer a zmm ``vdpbf16ps`` issues than a zmm FMA on this core; where the dot product's
+    FLOPs per cycle fall below the FMA's (an Emerald Rapids core under KVM measured 4.1), the peak is
+    the FMA's. A pure function.
 
     Returns ``{"isa", "flop_per_cycle_per_core", "cores", "clock_mhz", "flops" (FLOP/s), "note"}``.
     """
@@ -54,6 +58,9 @@ def theoretical_peak(flags: Iterable[str], mhz: float, cores: int, vendor: str =
     issue, note = _bf16_issue(vendor, family)
     if "amx_bf16" in flags and "amx_tile" in flags:
         isa, per_cycle, note = "amx_bf16", float(_AMX_BF16), "one TDPBF16PS (16,384 FLOP) per 16 cycles"
+    elif "avx512_bf16" in flags and dp_fma_ratio > 0 and _VDPBF16PS_FLOP / dp_fma_ratio < _FMA512_FLOP:
+        isa, per_cycle = "avx512f_fma_fp32", _FMA512_FLOP * issue
+        note = f"{issue:g} zmm FMA per cycle; vdpbf16ps measured {dp_fma_ratio:.1f}x slower to issue"
     elif "avx512_bf16" in flags:
         isa, per_cycle = "avx512_bf16", _VDPBF16PS_FLOP * issue
     elif "avx512f" in flags:

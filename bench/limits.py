@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.bench.cpu_facts import cpu_facts, theoretical_peak
+from pdserve.kernels.cpu import available
+from pdserve.kernels.cpu.gemv import dp_fma_ratio
 
 ROWS = (1, 8, 32, 512, 2048)
 GIB = 1 << 30
@@ -77,7 +79,7 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
                budget_s: float = 0.3) -> list[dict]:
     """FLOP/s of ``x [m, K] @ W[N, K].T`` in bf16 for each ``(N, K)`` of ``shapes`` and ``m`` of ``rows``, by
     every kernel that runs here: ``f_linear``; ``gemv_bf16`` (up to 64 rows: a few-row kernel) and
-    ``gemm_bf16_avx512`` (where the module has it) and ``gemm_bf16_amx`` on the packed weight;
+    ``gemm_bf16_avx512`` (where the module has it), ``gemm_bf16_fma`` and ``gemm_bf16_amx`` on the packed weight;
     ``packed_linear`` (``PackedBF16Linear.forward``, with its ``kernel_for(rows)`` where it has one).
     Each the fastest of repeated calls (about ``budget_s``); a kernel that raises is recorded with
     its ``error`` and no rate."""
@@ -86,6 +88,7 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
     from pdserve.model.cpu_linear import PackedBF16Linear
 
     gemm_avx512 = getattr(gemv_module, "gemm_bf16_avx512", None)
+    gemm_fma = getattr(gemv_module, "gemm_bf16_fma", None) if available("gemm_bf16_fma") else None
 
     torch.manual_seed(0)
     out = []
@@ -108,6 +111,8 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
                         kernels["gemv_bf16"] = lambda: gemv_bf16(xp, packed, n)
                     if gemm_avx512 is not None:
                         kernels["gemm_bf16_avx512"] = lambda: gemm_avx512(xp, packed, n)
+                    if gemm_fma is not None:
+                        kernels["gemm_bf16_fma"] = lambda: gemm_fma(xp, packed, n)
                     if gemm_amx_available() and k % 32 == 0:
                         kernels["gemm_bf16_amx"] = lambda: gemm_bf16_amx(x, packed, n)
                     if module is not None:
@@ -211,7 +216,8 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
             "bandwidth_bytes_per_s": dram["best"], "torch_sum_bytes_per_s": dram["torch_sum_best"],
             "gemm": {"measurements": measurements, "best_by_rows": by_rows, "best": best},
             "best_gemm_flops_per_s": best["flops_per_s"],
-            "theoretical_peak": theoretical_peak(flags, cpu["clock_mhz"], threads, cpu["vendor"], cpu["family"])}
+            "theoretical_peak": theoretical_peak(flags, cpu["clock_mhz"], threads, cpu["vendor"], cpu["family"],
+                                                 dp_fma_ratio())}
 
 
 def bandwidth_at(limits: dict, nbytes: int, threads: int | None = None) -> float:

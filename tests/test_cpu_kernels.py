@@ -15,6 +15,7 @@ from pdserve.kernels.cpu import KernelUnavailable, _build, available
 from pdserve.kernels.cpu import fused as cfused
 from pdserve.kernels.cpu.attention import attention_available, paged_attention_cpu
 from pdserve.kernels.cpu.gemv import (
+    bf16_gemm_kernel,
     gemm_amx_available,
     gemm_bf16_amx,
     gemm_bf16_avx512,
@@ -120,8 +121,8 @@ def test_avx512_gemm_refuses_what_it_cannot_take():
 def test_kernel_for_names_the_path_each_row_count_takes():
     lin = nn.Linear(64, 40).bfloat16().requires_grad_(False)
     packed_only, with_dense = PackedBF16Linear(lin, keep_dense=False), PackedBF16Linear(lin, keep_dense=True)
-    big = "gemm-amx" if gemm_amx_available() else "gemm-avx512bf16"
-    assert packed_only.kernel_for(1) in ("gemv-avx512bf16", "gemm-avx512bf16")
+    big = "gemm-amx" if gemm_amx_available() else bf16_gemm_kernel()
+    assert packed_only.kernel_for(1) in ("gemv-avx512bf16", bf16_gemm_kernel())
     assert [packed_only.kernel_for(r) for r in (3, 32, 100_000)] == [big] * 3
     assert with_dense.kernel_for(32) == big and with_dense.kernel_for(100_000) == "F.linear"
     x = torch.randn(5, 64).bfloat16()                                 # what it names is what runs

@@ -100,6 +100,15 @@ def test_theoretical_peak(flags, mhz, cores, vendor, family, isa, per_cycle):
     assert peak["flops"] == cores * mhz * 1e6 * per_cycle
 
 
+@pytest.mark.parametrize("ratio, isa, per_cycle", [(4.1, "avx512f_fma_fp32", 64), (1.9, "avx512_bf16", 128),
+                                                   (1.0, "avx512_bf16", 128), (0.0, "avx512_bf16", 128)])
+def test_a_slowly_issued_vdpbf16ps_leaves_the_fma_peak(ratio, isa, per_cycle):
+    """Where a zmm vdpbf16ps issues more than twice as slowly as a zmm FMA (an Emerald Rapids core under KVM:
+    4.1x), its 64 FLOP per instruction fall below the FMA's 32 x 2 per cycle; 0 means not measured."""
+    peak = cpu_facts.theoretical_peak({"avx512_bf16", "avx512f"}, 3000.0, 1, "GenuineIntel", 6, ratio)
+    assert (peak["isa"], peak["flop_per_cycle_per_core"]) == (isa, per_cycle)
+
+
 def test_size_parsing_and_nearest_gemm_rate():
     assert cpu_facts._size_bytes("260 MiB (1 instance)") == 260 << 20
     assert cpu_facts._size_bytes("32768 KB") == 32 << 20

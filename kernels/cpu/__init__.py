@@ -49,6 +49,7 @@ _FLAGS = {
     "paged_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "gemv_int4": ["-O3"],
+    "gemm_bf16_fma": ["-O3"],
     "membw": ["-O2", "-pthread"],
     "decode_stack": ["-O3", "-march=native", "-ffp-contract=off"],
     "prefill_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],

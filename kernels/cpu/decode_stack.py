@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.cpu import available, library
+from pdserve.kernels.cpu.attention import attention_library
+from pdserve.kernels.cpu.gemv import SYMBOLS, bf16_gemm_kernel
 
 _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 KERNEL = "decode-stack"       # the path name benchmarks record
@@ -29,7 +31,8 @@ _LIBRARIES = ("decode_stack", "fused", "paged_attention")
 
 def stack_available(int4: bool = False, bf16_packed: bool = False) -> bool:
     """Whether :class:`DecodeStack` can run here with the kernels it would call (C compiler, ISA)."""
-    libs = _LIBRARIES + (("gemv_int4",) if int4 else ()) + (("gemv_bf16",) if bf16_packed else ())
+    libs = _LIBRARIES + (("gemv_int4",) if int4 else ()) + \
+        (("gemv_bf16", SYMBOLS[bf16_gemm_kernel()][0]) if bf16_packed else ())
     return all(available(name) for name in libs)
 
 
@@ -38,7 +41,8 @@ class LinearSpec:
     """One projection ``y [n, N] = x [n, K] W^T (+ bias)`` as a CPU kernel holds its weight.
 
     ``kind`` ``"bf16"``: ``weight`` packed bf16 ``[Np / 16, K / 2, 16, 2]`` (:func:`kernels.cpu.gemv.pack_weight`,
-    ``K`` even), the gemv up to ``gemv_max_rows`` rows, then AMX tiles if ``amx`` else the AVX512-BF16 gemm.
+    ``K`` even), the gemv up to ``gemv_max_rows`` rows, then AMX tiles if ``amx`` else the CPU's bf16 gemm
+    (:func:`kernels.cpu.gemv.bf16_gemm_kernel`).
     ``kind`` ``"int4"``: ``weight`` / ``scales`` / ``zc`` from :func:`kernels.cpu.int4.pack_int4_weight`
     with group ``group_size``. ``bias``: ``[N]`` float32 or bf16, or ``None``.
     """
@@ -144,12 +148,13 @@ class DecodeStack:
         kinds = {getattr(s, name).kind for s in layers for name in shapes}
         if "bf16" in kinds and dtype != torch.bfloat16:
             raise ValueError("DecodeStack: bf16-packed projections need bf16 activations")
+        attention_library()                     # its bf16 chunk chosen before the stack takes the kernel
         kernels = _Kernels(
             rms_norm=_symbol("fused", "pd_rms_norm"), rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
             silu_mul=_symbol("fused", "pd_silu_mul"), attention=_symbol("paged_attention", "pd_paged_attention"))
         if "bf16" in kinds:
             kernels.gemv_bf16 = _symbol("gemv_bf16", "pd_gemv_bf16")
-            kernels.gemm_bf16 = _symbol("gemv_bf16", "pd_gemm_bf16_avx512")
+            kernels.gemm_bf16 = _symbol(*SYMBOLS[bf16_gemm_kernel()])
             kernels.gemm_amx = _symbol("gemv_bf16", "pd_gemm_bf16_amx")
         if "int4" in kinds:
             kernels.gemm_int4 = _symbol("gemv_int4", "pd_int4_gemv")

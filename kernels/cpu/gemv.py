@@ -5,18 +5,25 @@ Layout (``N`` output rows padded to 16, ``K`` input columns padded to 2)::
     W [N, K]  ->  Wp [Np / 16, Kp / 2, 16, 2],   Wp[nb, kk, j, e] = W[16 nb + j, 2 kk + e]
 
 so one 64-byte load feeds 16 output rows with 2 input columns each and the weight is one
-sequential stream. Products accumulate in float32 and round once to bf16. Three kernels
+sequential stream. Products accumulate in float32 and round once to bf16. Four kernels
 take it: :func:`gemv_bf16` (a few rows), :func:`gemm_bf16_avx512` (register-blocked, any row
-count, bit-identical to the gemv) and :func:`gemm_bf16_amx` (AMX tiles, its own summation order).
+count, bit-identical to the gemv), :func:`gemm_bf16_amx` (AMX tiles, its own summation order) and
+:func:`gemm_bf16_fma` (``gemm_bf16_fma.c``: float32 FMAs on the widened weights, for CPUs whose
+``vdpbf16ps`` issues slowly; :func:`bf16_gemm_kernel` picks it from a measurement).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
+import os
 
 import torch
 
 from pdserve.kernels.cpu import KernelUnavailable, available, library
+
+log = logging.getLogger(__name__)
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -66,13 +73,63 @@ def gemm_bf16_avx512(x: torch.Tensor, packed: torch.Tensor, out_features: int) -
     return run_unchecked(x, packed, out_features, KERNELS[1])
 
 
-KERNELS = ("gemv-avx512bf16", "gemm-avx512bf16", "gemm-amx")     # the names run_unchecked takes
-_SYMBOLS = dict(zip(KERNELS, ("pd_gemv_bf16", "pd_gemm_bf16_avx512", "pd_gemm_bf16_amx")))
+def gemm_bf16_fma(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """As :func:`gemm_bf16_avx512` on float32 FMAs (each packed pair widened by a shift and a mask):
+    1.6x its rate on an Emerald Rapids core whose ``vdpbf16ps`` issues at a quarter of the FMA rate.
+    One float32 chain per output in ``k`` order, rounded once: batch-invariant, but not bit-identical
+    to the ``vdpbf16ps`` kernels. Needs AVX-512 only.
+
+    Raises:
+        ValueError: as :func:`gemv_bf16`.
+        MemoryError: its float32 copy of ``x`` (up to 1 MiB) could not be allocated.
+    """
+    _check(x, packed, out_features)
+    return run_unchecked(x, packed, out_features, KERNELS[3])
+
+
+KERNELS = ("gemv-avx512bf16", "gemm-avx512bf16", "gemm-amx", "gemm-fma")     # the names run_unchecked takes
+# (library, C function) of each kernel; all four take the same arguments
+SYMBOLS = dict(zip(KERNELS, (("gemv_bf16", "pd_gemv_bf16"), ("gemv_bf16", "pd_gemm_bf16_avx512"),
+                              ("gemv_bf16", "pd_gemm_bf16_amx"), ("gemm_bf16_fma", "pd_gemm_bf16_fma"))))
+GEMM_ENV = "PDSERVE_BF16_GEMM"     # "fma" or "dpbf16": overrides bf16_gemm_kernel's measurement
+DP_FMA_SLOW = 2.0                  # vdpbf16ps does 2x an FMA's FLOPs: slower than this, FMAs win
+
+
+def dp_fma_ratio() -> float:
+    """How many times longer a zmm ``vdpbf16ps`` takes to issue than a zmm FMA on this core, measured
+    (``gemm_bf16_fma.c: pd_dp_fma_ratio``, ~10 ms): 4.1 on an Emerald Rapids core under KVM, about 1 on
+    AMD Zen 4 / Zen 5. 0.0 where either kernel library cannot run."""
+    if not (available("gemm_bf16_fma") and gemv_available()):
+        return 0.0
+    fn = library("gemm_bf16_fma").pd_dp_fma_ratio
+    fn.argtypes, fn.restype = [ctypes.c_int64], ctypes.c_double
+    return float(fn(100_000))
+
+
+@functools.cache
+def bf16_gemm_kernel() -> str:
+    """The packed bf16 GEMM for this CPU when AMX does not serve: ``"gemm-fma"`` where ``vdpbf16ps``
+    issues more than :data:`DP_FMA_SLOW` times slower than an FMA (:func:`dp_fma_ratio`), else
+    ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16`` overrides the measurement. Every row count
+    and the decode stack use the one answer, so a row's result does not depend on its batch.
+
+    Raises:
+        ValueError: ``PDSERVE_BF16_GEMM`` is set to something else.
+    """
+    forced = os.environ.get(GEMM_ENV, "").lower()
+    if forced not in ("", "fma", "dpbf16"):
+        raise ValueError(f"{GEMM_ENV} must be 'fma' or 'dpbf16', got {forced!r}")
+    if forced:
+        return KERNELS[3] if forced == "fma" else KERNELS[1]
+    ratio = dp_fma_ratio()
+    kernel = KERNELS[3] if ratio > DP_FMA_SLOW else KERNELS[1]
+    log.info("bf16 GEMM: %s (vdpbf16ps / FMA issue time %.2f)", kernel, ratio)
+    return kernel
 
 
 def run_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str) -> torch.Tensor:
-    """:func:`gemv_bf16`, :func:`gemm_bf16_avx512` or :func:`gemm_bf16_amx` (``kernel``, one of
-    :data:`KERNELS`) without the argument checks, for a caller that validated ``packed`` once and
+    """:func:`gemv_bf16`, :func:`gemm_bf16_avx512`, :func:`gemm_bf16_amx` or :func:`gemm_bf16_fma`
+    (``kernel``, one of :data:`KERNELS`) without the argument checks, for a caller that validated ``packed`` once and
     passes row-major bf16 ``x`` of its width (a multiple of 32 for AMX).
 
     Raises:
@@ -80,7 +137,7 @@ def run_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, kern
         MemoryError: the kernel's scratch memory could not be allocated.
     """
     y = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    rc = _fn(_SYMBOLS[kernel])(
+    rc = _fn(*SYMBOLS[kernel])(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), packed.data_ptr(), packed.shape[0] * 16, out_features,
         y.data_ptr(), out_features)
     if rc == -2:
@@ -120,8 +177,8 @@ def gemm_bf16_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return run_unchecked(x, packed, out_features, KERNELS[2])
 
 
-def _fn(name: str):
-    fn = getattr(library("gemv_bf16"), name)
+def _fn(lib: str, name: str):
+    fn = getattr(library(lib), name)
     if fn.argtypes is None:
         fn.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
         fn.restype = ctypes.c_int

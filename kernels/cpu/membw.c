@@ -188,17 +188,19 @@ int pd_membw_read(const uint8_t *buf, int64_t nbytes, int path, int64_t repeats,
     return 0;
 }
 
-/* The core's clock, measured: `iterations` x 64 integer adds, each depending on the one before
- * (latency 1 cycle on every x86 core since the Pentium Pro), so the loop takes iterations x 64
- * cycles whatever the reported frequency; the caller times it. Under a hypervisor /proc/cpuinfo
+/* The core's clock, measured: `iterations` x 64 register-to-register integer adds, each depending on
+ * the one before (latency 1 cycle on every x86 core since the Pentium Pro), so the loop takes
+ * iterations x 64 cycles whatever the reported frequency; the caller times it. The addend is a
+ * register, not an immediate: Golden Cove and later fold chains of immediate adds at rename (an
+ * Emerald Rapids core "ran" such a chain at 17.8 GHz). Under a hypervisor /proc/cpuinfo
  * often gives only the nominal clock, and a paper peak from it can fall below a measured rate.
  * Returns the chain's value (iterations x 64) so the loop cannot be dropped. */
 int64_t pd_add_chain(int64_t iterations) {
-    uint64_t x = 0;
+    uint64_t x = 0, one = 1;
     for (int64_t i = 0; i < iterations; i++) {
 #if defined(__x86_64__)
-#define ADD8 "add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\t"
-        __asm__ volatile(ADD8 ADD8 ADD8 ADD8 ADD8 ADD8 ADD8 ADD8 : "+r"(x));
+#define ADD8 "add %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\tadd %1, %0\n\t"
+        __asm__ volatile(ADD8 ADD8 ADD8 ADD8 ADD8 ADD8 ADD8 ADD8 : "+r"(x) : "r"(one));
 #undef ADD8
 #else
         for (int j = 0; j < 64; j++) __asm__ volatile("" : "+r"(x)), x += 1;
