@@ -97,7 +97,7 @@ DP_FMA_SLOW = 2.0                  # vdpbf16ps does 2x an FMA's FLOPs: slower th
 
 def dp_fma_ratio() -> float:
     """How many times longer a zmm ``vdpbf16ps`` takes to issue than a zmm FMA on this core, measured
-    (``gemm_bf16_fma.c: pd_dp_fma_ratio``, ~10 ms): 4.1 on an Emerald Rapids core under KVM, about 1 on
+    (``gemm_bf16_fma.c: pd_dp_fma_ratio``, a few ms): 4.1 on an Emerald Rapids core under KVM, about 1 on
     AMD Zen 4 / Zen 5. 0.0 where either kernel library cannot run."""
     if not (available("gemm_bf16_fma") and gemv_available()):
         return 0.0
