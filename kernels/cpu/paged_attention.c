@@ -23,9 +23,11 @@
  * the block table while the current one is read. Portable path (other shapes and CPUs):
  * exact two-pass softmax per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
  *
- * Float32 arithmetic throughout whatever the cache dtype; every pair's result depends only
- * on its own query, sequence and causal limit, computed by the same instruction sequence
- * whichever other pairs share its group: batch-invariant.
+ * A bf16 cache on a CPU whose vdpbf16ps is not slow (pd_attention_dpbf16, set from Python by
+ * kernels.cpu.attention.attention_library) takes chunk_dpbf16: products of bf16 pairs, P rounded
+ * to bf16 for the value sums; otherwise float32 arithmetic throughout whatever the cache dtype.
+ * Every pair's result depends only on its own query, sequence and causal limit, computed by the
+ * same instruction sequence whichever other pairs share its group: batch-invariant.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -35,65 +37,10 @@
 
 #include "bf16.h"
 
-#pragma omp declare simd notinbranch
-extern float expf(float);                                /* glibc's vector variants (libmvec) */
-
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define MAX_VECS 16                          /* zmm registers of queries (and of accumulators) */
 
-typedef struct {
-    const void *cache; int bf16; int64_t s_block, s_tok, s_head, s_v, block_size, D;
-    const int32_t *table;
-    int dp;                                              /* chunk_dpbf16 (bf16 cache, AVX512-BF16, D % 32 == 0) */
-} Ctx;
-
-static inline int64_t kv_offset(const Ctx *c, int64_t t, int64_t kvh) {
-    return (int64_t)c->table[t / c->block_size] * c->s_block + (t % c->block_size) * c->s_tok + kvh * c->s_head;
-}
-
-
-static void load_row(const Ctx *c, int64_t off, float *dst) {
-    if (c->bf16) {
-        const uint16_t *p = (const uint16_t *)c->cache + off;
-        for (int64_t d = 0; d < c->D; d++) dst[d] = bf16_to_f32(p[d]);
-    } else {
-        memcpy(dst, (const float *)c->cache + off, (size_t)c->D * sizeof(float));
-    }
-}
-
-/* p = softmax(s[0..n)) in place, n >= 1 */
-static void softmax(float *s, int64_t n) {
-    float mx = s[0], sum = 0.f;
-    for (int64_t t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < n; t++) s[t] *= inv;
-}
-
-/* Portable: rows qrow[r] (float32, D) with limits lim[r] -> orow[r]; scores has R x L floats. */
-static void rows_portable(const Ctx *c, int64_t kvh, int R, const float **qrow, float **orow,
-                          const int64_t *lim, int64_t L, float scale, float *scores, float *buf) {
-    const int64_t D = c->D;
-    for (int64_t t = 0; t < L; t++) {
-        load_row(c, kv_offset(c, t, kvh), buf);
-        for (int r = 0; r < R; r++) {
-            if (t > lim[r]) continue;
-            float s = 0.f;
-            for (int64_t d = 0; d < D; d++) s += qrow[r][d] * buf[d];
-            scores[r * L + t] = scale * s;
-        }
-    }
-    for (int r = 0; r < R; r++) { softmax(scores + r * L, lim[r] + 1); memset(orow[r], 0, D * sizeof(float)); }
-    for (int64_t t = 0; t < L; t++) {
-        load_row(c, kv_offset(c, t, kvh) + c->s_v, buf);
-        for (int r = 0; r < R; r++) {
-            if (t > lim[r]) continue;
-            const float p = scores[r * L + t];
-            for (int64_t d = 0; d < D; d++) orow[r][d] += p * buf[d];
-        }
-    }
-}
+#include "paged_attention_portable.h"
 
 #ifndef PF_PAGES
 #define PF_PAGES 2                                      /* prefetch distance in pages */
@@ -292,23 +239,27 @@ AVX512 static inline __attribute__((always_inline)) void state_store(const State
     }
 }
 
+/* The body both page functions share: the page's chunks of up to 16 tokens through CHUNK (full chunks
+ * with n constant), each prefetching its rows of the page `ahead`. A macro, not a function: the two
+ * callers are compiled for different ISA targets. */
+#define PAGE_CHUNKS(CHUNK) do {                                                                          \
+    const int64_t bs = c->block_size, t0 = p * bs;                                                      \
+    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;                        \
+    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs, esz = c->bf16 ? 2 : 4;            \
+    const char *pf = ahead ? ahead + g->kvh * c->s_head * esz : NULL;                                   \
+    for (int64_t o = 0; o < np; o += 16) {                                                              \
+        const char *pfo = pf ? pf + o * c->s_tok * esz : NULL;                                          \
+        if (np - o >= 16) CHUNK(c, &st, base + o * c->s_tok, pfo, 16, t0 + o, g->lim, vscale, R, NV, 1); \
+        else CHUNK(c, &st, base + o * c->s_tok, pfo, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);  \
+    }                                                                                                   \
+} while (0)
+
 /* Page p of group g (tokens up to g->lmax). Inlined with constant R and NV. */
 AVX512 static inline __attribute__((always_inline)) void page_avx512(
         const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale, const int R, const int NV) {
     State st;
     state_load(&st, g, R, NV);
-    const int64_t bs = c->block_size, t0 = p * bs;
-    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
-    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs, esz = c->bf16 ? 2 : 4;
-    const char *pf = ahead ? ahead + g->kvh * c->s_head * esz : NULL;
-    for (int64_t o = 0; o < np; o += 16) {
-        if (np - o >= 16)
-            chunk_avx512(c, &st, base + o * c->s_tok, pf ? pf + o * c->s_tok * esz : NULL, 16, t0 + o, g->lim,
-                         vscale, R, NV, 1);
-        else
-            chunk_avx512(c, &st, base + o * c->s_tok, pf ? pf + o * c->s_tok * esz : NULL, (int)(np - o), t0 + o,
-                         g->lim, vscale, R, NV, 0);
-    }
+    PAGE_CHUNKS(chunk_avx512);
     state_store(&st, g, R, NV);
 }
 
@@ -320,18 +271,7 @@ DPBF16 static inline __attribute__((always_inline)) void page_dpbf16(
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NV / 2; j++)
             st.qb[r * (NV / 2) + j] = (__m512i)_mm512_cvtne2ps_pbh(st.qv[r * NV + 2 * j + 1], st.qv[r * NV + 2 * j]);
-    const int64_t bs = c->block_size, t0 = p * bs;
-    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
-    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs, esz = c->bf16 ? 2 : 4;
-    const char *pf = ahead ? ahead + g->kvh * c->s_head * esz : NULL;
-    for (int64_t o = 0; o < np; o += 16) {
-        if (np - o >= 16)
-            chunk_dpbf16(c, &st, base + o * c->s_tok, pf ? pf + o * c->s_tok * esz : NULL, 16, t0 + o, g->lim,
-                         vscale, R, NV, 1);
-        else
-            chunk_dpbf16(c, &st, base + o * c->s_tok, pf ? pf + o * c->s_tok * esz : NULL, (int)(np - o), t0 + o,
-                         g->lim, vscale, R, NV, 0);
-    }
+    PAGE_CHUNKS(chunk_dpbf16);
     state_store(&st, g, R, NV);
 }
 
