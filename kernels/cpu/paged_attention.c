@@ -42,55 +42,10 @@
 
 #include "paged_attention_portable.h"
 
-#ifndef PF_PAGES
-#define PF_PAGES 2                                      /* prefetch distance in pages */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 #define MAX_R 8                                         /* pairs per group */
-
 AVX512 extern __m512 _ZGVeN16v_expf(__m512);           /* libmvec's 16-lane expf */
 
-AVX512 static inline __m512 load16(const Ctx *c, int64_t off) {
-    if (c->bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)c->cache + off));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps((const float *)c->cache + off);
-}
-
-/* Lane m of the result = sum of the 16 lanes of a[m]: a transpose-and-add tree, 60 shuffles and adds
- * for 16 sums instead of 16 separate reductions. After the tree, lane 4k + j holds a[k + 4j]. */
-AVX512 static inline __m512 hsum16(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
-                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, e);
-}
-
-static inline void prefetch_row(const char *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, PF_HINT);
-}
-
-/* The K and V rows of token tt past `ahead` (this group's rows PF_PAGES pages on; NULL: none), one
- * token per token computed, so the reads of the page ahead overlap this page's arithmetic (a burst of
- * a whole page's prefetches per page stalled on the line-fill buffers: ~45% of a warm call). */
-static inline void prefetch_token(const Ctx *c, const char *ahead, int tt) {
-    if (!ahead) return;
-    const int64_t esz = c->bf16 ? 2 : 4;
-    prefetch_row(ahead + tt * c->s_tok * esz, c->D * esz);
-    prefetch_row(ahead + (tt * c->s_tok + c->s_v) * esz, c->D * esz);
-}
+#include "paged_attention_rows.h"
 
 /* Group state: R pairs of NV vectors each; queries (float32, or bf16 for the dot-product chunk: NV / 2
  * vectors a pair), accumulators and running sums in registers. */
@@ -132,7 +87,7 @@ AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
     float pb[MAX_R][16] __attribute__((aligned(64)));
     for (int tt = 0; tt < n; tt++) {                    /* scores: R x n unreduced products */
         prefetch_token(c, ahead, tt);
-        for (int j = 0; j < NV; j++) kv[j] = load16(c, off + tt * c->s_tok + 16 * j);
+        load_row_vecs(c, off + tt * c->s_tok, kv, NV);
         for (int r = 0; r < R; r++) {
             __m512 s = _mm512_mul_ps(st->qv[r * NV], kv[0]);
             for (int j = 1; j < NV; j++) s = _mm512_fmadd_ps(st->qv[r * NV + j], kv[j], s);
@@ -144,7 +99,7 @@ AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
             for (int r = 0; r < R; r++) part[r][tt] = _mm512_setzero_ps();
     online_softmax(st, part, pb, n, t0, lim, vscale, R, NV);
     for (int tt = 0; tt < n; tt++) {                    /* acc += p V over the chunk */
-        for (int j = 0; j < NV; j++) kv[j] = load16(c, off + c->s_v + tt * c->s_tok + 16 * j);
+        load_row_vecs(c, off + c->s_v + tt * c->s_tok, kv, NV);
         for (int r = 0; r < R; r++) {
             const __m512 p = _mm512_set1_ps(pb[r][tt]);
             for (int j = 0; j < NV; j++) st->acc[r * NV + j] = _mm512_fmadd_ps(p, kv[j], st->acc[r * NV + j]);
@@ -259,6 +214,9 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
         const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale, const int R, const int NV) {
     State st;
     state_load(&st, g, R, NV);
+    if (c->bf16 && !(NV & 1))                          /* queries in the order load_row_vecs gives K */
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NV; j += 2) pair_order(&st.qv[r * NV + j], &st.qv[r * NV + j + 1]);
     PAGE_CHUNKS(chunk_avx512);
     state_store(&st, g, R, NV);
 }
@@ -369,6 +327,8 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
     for (int64_t k = 0; k < n; k++)
         for (int r = 0; r < groups[k].R; r++) {
             if (c->dp) unpermute_dp(groups[k].acc + r * NV, NV);
+            else if (c->bf16 && !(NV & 1))
+                for (int64_t j = 0; j < NV; j += 2) dim_order(&groups[k].acc[r * NV + j], &groups[k].acc[r * NV + j + 1]);
             const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(groups[k].lv[r]));
             for (int64_t j = 0; j < NV; j++)
                 _mm512_storeu_ps(groups[k].orow[r] + 16 * j, _mm512_mul_ps(groups[k].acc[r * NV + j], inv));
