@@ -6,7 +6,6 @@ every edge, groups wider than its query tile, every head size it takes."""
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 
 from pdserve.kernels.cpu.attention import (
     attention_available,
-    attention_library,
     paged_attention_cpu,
     prefill_attention_available,
     prefill_attention_cpu,
@@ -23,18 +21,6 @@ from pdserve.kernels.paged_attention import build_attention_metadata, paged_atte
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
 
-
-@pytest.fixture(params=["dpbf16", "float32"])
-def bf16_chunk(request):
-    """Runs a test with each of the decode kernel's chunks for a bf16 cache: ``vdpbf16ps`` on the rows as
-    they lie (where the CPU has AVX512-BF16; else it takes the float32 one anyway) and float32 FMAs on
-    widened rows; the CPU's own choice is restored after."""
-    if not attention_available():
-        pytest.skip("no C compiler")
-    flag = ctypes.c_int.in_dll(attention_library(), "pd_attention_dpbf16")
-    chosen, flag.value = flag.value, int(request.param == "dpbf16")
-    yield request.param
-    flag.value = chosen
 needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX512-BF16")
 
 
@@ -69,7 +55,7 @@ def _check(cache, meta, q, scale=0.2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_every_group_size_and_context_edge_matches_torch(dtype, group, head_dim, bf16_chunk):
+def test_every_group_size_and_context_edge_matches_torch(dtype, group, head_dim):
     """Decode rows with 1, 2, 3, 4, 8 query heads per KV head (groups split across the kernel's
     register budget for head_dim 128), contexts of one token, exactly one page, one page + 1,
     mid-page and many pages, plus query blocks causal inside the block."""
@@ -81,7 +67,7 @@ def test_every_group_size_and_context_edge_matches_torch(dtype, group, head_dim,
 
 @needs_attention
 @pytest.mark.parametrize("block_size", [1, 7, 32, 40])
-def test_pages_smaller_and_larger_than_a_chunk(block_size, bf16_chunk):
+def test_pages_smaller_and_larger_than_a_chunk(block_size):
     """Pages of 1 and 7 tokens (a chunk per page) and of 32 and 40 (several chunks, the last partial)."""
     cache, meta, q = _case(6, 2, 64, block_size, [1, 1, 3], [1, 75, 64], torch.bfloat16, seed=block_size)
     _check(cache, meta, q)
@@ -98,7 +84,7 @@ def test_large_scores_do_not_overflow():
 
 @needs_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_is_independent_of_the_rest_of_the_batch(dtype, bf16_chunk):
+def test_each_row_is_independent_of_the_rest_of_the_batch(dtype):
     """A sequence's output is bit-identical alone and inside a batch (batch invariance)."""
     cache, meta, q = _case(12, 4, 64, 16, [1, 1, 1, 1], [300, 17, 64, 1], dtype)
     full = paged_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)

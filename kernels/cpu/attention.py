@@ -11,12 +11,10 @@ torch's CPU flash attention on one core (``bench/cpu_kernels.py``).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from pdserve.kernels.cpu import DTYPES, available, library
-from pdserve.kernels.cpu.gemv import KERNELS, bf16_gemm_kernel
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -84,23 +82,8 @@ def _layer_layout(kv_cache: torch.Tensor, layer: int) -> tuple[int, int, int, in
     return kv_cache.data_ptr() + layer * s_layer * kv_cache.element_size(), s_block, s_tok, s_head, s_kv
 
 
-@functools.cache
-def attention_library() -> ctypes.CDLL:
-    """``paged_attention.c``'s library with its bf16-cache chunk chosen for this CPU: ``vdpbf16ps`` on the
-    cache rows as they lie, unless :func:`~kernels.cpu.gemv.bf16_gemm_kernel` found that instruction slow
-    here (then float32 FMAs on the widened rows, faster on such a core: 754 vs 777 us for a bench-80m
-    layer at batch 32 x 256 tokens on Emerald Rapids). Every caller of the kernel loads it through this.
-
-    Raises:
-        KernelUnavailable: the library cannot be built or loaded here.
-    """
-    lib = library("paged_attention")
-    ctypes.c_int.in_dll(lib, "pd_attention_dpbf16").value = int(bf16_gemm_kernel() != KERNELS[3])
-    return lib
-
-
 def _fn():
-    fn = attention_library().pd_paged_attention
+    fn = library("paged_attention").pd_paged_attention
     if fn.argtypes is None:
         fn.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, ctypes.c_int, _i64, _i64, _i64, _i64,
                        _p, _i64, _i64, ctypes.c_float]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.cpu import available, library
-from pdserve.kernels.cpu.attention import attention_library
 from pdserve.kernels.cpu.gemv import SYMBOLS, bf16_gemm_kernel
 
 _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -148,7 +147,6 @@ class DecodeStack:
         kinds = {getattr(s, name).kind for s in layers for name in shapes}
         if "bf16" in kinds and dtype != torch.bfloat16:
             raise ValueError("DecodeStack: bf16-packed projections need bf16 activations")
-        attention_library()                     # its bf16 chunk chosen before the stack takes the kernel
         kernels = _Kernels(
             rms_norm=_symbol("fused", "pd_rms_norm"), rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
             silu_mul=_symbol("fused", "pd_silu_mul"), attention=_symbol("paged_attention", "pd_paged_attention"))

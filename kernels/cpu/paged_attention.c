@@ -23,10 +23,9 @@
  * the block table while the current one is read. Portable path (other shapes and CPUs):
  * exact two-pass softmax per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
  *
- * A bf16 cache on a CPU whose vdpbf16ps is not slow (pd_attention_dpbf16, set from Python by
- * kernels.cpu.attention.attention_library) takes chunk_dpbf16: products of bf16 pairs, P rounded
- * to bf16 for the value sums; otherwise float32 arithmetic throughout whatever the cache dtype.
- * Every pair's result depends only on its own query, sequence and causal limit, computed by the
+ * Float32 arithmetic throughout whatever the cache dtype (bf16 rows are widened exactly; a
+ * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core: the kernel is
+ * not bound by its multiplies). Every pair's result depends only on its own query, sequence and causal limit, computed by the
  * same instruction sequence whichever other pairs share its group: batch-invariant.
  */
 #include <immintrin.h>
@@ -49,7 +48,7 @@ AVX512 extern __m512 _ZGVeN16v_expf(__m512);           /* libmvec's 16-lane expf
 
 /* Group state: R pairs of NV vectors each; queries (float32, or bf16 for the dot-product chunk: NV / 2
  * vectors a pair), accumulators and running sums in registers. */
-typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; __m512i qb[MAX_VECS / 2]; float m[MAX_R]; } State;
+typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; float m[MAX_R]; } State;
 
 /* One online-softmax update per pair for a chunk of n <= 16 tokens t0..: part[r][t] holds the unreduced
  * products of pair r with token t (zero past n). Rescales what was summed under the old max when it
@@ -107,67 +106,6 @@ AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
     }
 }
 
-#define DPBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-/* chunk_avx512 on AVX512-BF16 for a bf16 cache (D % 32 == 0): the K rows enter vdpbf16ps as they lie in
- * the cache (lane i sums dims 2i, 2i+1 against the bf16 query), and the value sums take the chunk's
- * tokens in pairs: rows t, t+1 interleaved by vpunpck{l,h}wd are the B operand for the broadcast pair
- * (p_t, p_t+1) rounded to bf16 (as FlashAttention rounds P to the input type). Half the loads, no
- * widening and half the multiply-adds of the float32 chunk. Accumulator j of a pair holds, for its
- * 32-dim block j / 2, dims 8k + 4 (j % 2) + 0..3 of each 128-bit lane k; unpermute_dp restores the
- * order. Products are exact and summed in float32; only P is rounded. */
-DPBF16 static inline __attribute__((always_inline)) void chunk_dpbf16(
-        const Ctx *c, State *st, int64_t off, const char *ahead, int n, int64_t t0, const int64_t *lim,
-        __m512 vscale, const int R, const int NV, const int full) {
-    if (full) n = 16;
-    const int NQ = NV / 2;
-    const uint16_t *kp = (const uint16_t *)c->cache + off, *vp = kp + c->s_v;
-    __m512 part[MAX_R][16];
-    __m512i kv[MAX_VECS];
-    float pb[MAX_R][16] __attribute__((aligned(64)));
-    uint16_t ph[MAX_R][16] __attribute__((aligned(32)));
-    for (int tt = 0; tt < n; tt++) {                    /* scores: R x n unreduced products */
-        prefetch_token(c, ahead, tt);
-        for (int j = 0; j < NQ; j++) kv[j] = _mm512_loadu_si512(kp + tt * c->s_tok + 32 * j);
-        for (int r = 0; r < R; r++) {
-            __m512 s = _mm512_setzero_ps();
-            for (int j = 0; j < NQ; j++) s = _mm512_dpbf16_ps(s, (__m512bh)st->qb[r * NQ + j], (__m512bh)kv[j]);
-            part[r][tt] = s;
-        }
-    }
-    if (!full)
-        for (int tt = n; tt < 16; tt++)
-            for (int r = 0; r < R; r++) part[r][tt] = _mm512_setzero_ps();
-    online_softmax(st, part, pb, n, t0, lim, vscale, R, NV);
-    for (int r = 0; r < R; r++) _mm256_store_si256((__m256i *)ph[r], (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(pb[r])));
-    for (int tt = 0; tt < n; tt += 2) {                 /* acc += p V over the chunk, two tokens at a time */
-        for (int j = 0; j < NQ; j++) {
-            const __m512i v0 = _mm512_loadu_si512(vp + tt * c->s_tok + 32 * j);
-            const __m512i v1 = full || tt + 1 < n ? _mm512_loadu_si512(vp + (tt + 1) * c->s_tok + 32 * j)
-                                                  : _mm512_setzero_si512();    /* past the context: not read */
-            kv[2 * j] = _mm512_unpacklo_epi16(v0, v1);
-            kv[2 * j + 1] = _mm512_unpackhi_epi16(v0, v1);
-        }
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;                              /* (p_tt, p_tt+1); p past n is 0 */
-            memcpy(&pair, &ph[r][tt], sizeof pair);
-            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int j = 0; j < NV; j++) st->acc[r * NV + j] = _mm512_dpbf16_ps(st->acc[r * NV + j], (__m512bh)kv[j], p);
-        }
-    }
-}
-
-/* Accumulators of chunk_dpbf16 (NV per pair) back into dim order, in place. */
-DPBF16 static void unpermute_dp(__m512 *acc, int64_t NV) {
-    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int64_t j = 0; j < NV; j += 2) {
-        const __m512 a = acc[j], b = acc[j + 1];
-        acc[j] = _mm512_permutex2var_ps(a, lo, b);
-        acc[j + 1] = _mm512_permutex2var_ps(a, hi, b);
-    }
-}
-
 /* A group's R pairs (queries qrow[r], outputs orow[r], causal limits lim[r] >= 0) of kv head kvh and
  * their online-softmax state between pages. */
 typedef struct {
@@ -194,21 +132,6 @@ AVX512 static inline __attribute__((always_inline)) void state_store(const State
     }
 }
 
-/* The body both page functions share: the page's chunks of up to 16 tokens through CHUNK (full chunks
- * with n constant), each prefetching its rows of the page `ahead`. A macro, not a function: the two
- * callers are compiled for different ISA targets. */
-#define PAGE_CHUNKS(CHUNK) do {                                                                          \
-    const int64_t bs = c->block_size, t0 = p * bs;                                                      \
-    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;                        \
-    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs, esz = c->bf16 ? 2 : 4;            \
-    const char *pf = ahead ? ahead + g->kvh * c->s_head * esz : NULL;                                   \
-    for (int64_t o = 0; o < np; o += 16) {                                                              \
-        const char *pfo = pf ? pf + o * c->s_tok * esz : NULL;                                          \
-        if (np - o >= 16) CHUNK(c, &st, base + o * c->s_tok, pfo, 16, t0 + o, g->lim, vscale, R, NV, 1); \
-        else CHUNK(c, &st, base + o * c->s_tok, pfo, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);  \
-    }                                                                                                   \
-} while (0)
-
 /* Page p of group g (tokens up to g->lmax). Inlined with constant R and NV. */
 AVX512 static inline __attribute__((always_inline)) void page_avx512(
         const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale, const int R, const int NV) {
@@ -217,19 +140,15 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
     if (c->bf16 && !(NV & 1))                          /* queries in the order load_row_vecs gives K */
         for (int r = 0; r < R; r++)
             for (int j = 0; j < NV; j += 2) pair_order(&st.qv[r * NV + j], &st.qv[r * NV + j + 1]);
-    PAGE_CHUNKS(chunk_avx512);
-    state_store(&st, g, R, NV);
-}
-
-/* page_avx512 on chunk_dpbf16: the queries rounded to bf16 (exact for a bf16 model's queries). */
-DPBF16 static inline __attribute__((always_inline)) void page_dpbf16(
-        const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale, const int R, const int NV) {
-    State st;
-    state_load(&st, g, R, NV);
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NV / 2; j++)
-            st.qb[r * (NV / 2) + j] = (__m512i)_mm512_cvtne2ps_pbh(st.qv[r * NV + 2 * j + 1], st.qv[r * NV + 2 * j]);
-    PAGE_CHUNKS(chunk_dpbf16);
+    const int64_t bs = c->block_size, t0 = p * bs;
+    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
+    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs, esz = c->bf16 ? 2 : 4;
+    const char *pf = ahead ? ahead + g->kvh * c->s_head * esz : NULL;
+    for (int64_t o = 0; o < np; o += 16) {
+        const char *pfo = pf ? pf + o * c->s_tok * esz : NULL;
+        if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, pfo, 16, t0 + o, g->lim, vscale, R, NV, 1);
+        else chunk_avx512(c, &st, base + o * c->s_tok, pfo, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);
+    }
     state_store(&st, g, R, NV);
 }
 
@@ -241,21 +160,8 @@ DPBF16 static inline __attribute__((always_inline)) void page_dpbf16(
 /* Pairs per group for NV vectors per row: queries and accumulators fill at most 2 x MAX_VECS registers. */
 static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
 
-/* page_dpbf16 with R and NV = D/16 as constants for head sizes 32, 64, 128, 256 (D % 32 == 0). */
-DPBF16 static void page_dispatch_dp(const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale) {
-    switch (c->D / 16) {
-    case 2: switch (g->R) { UPTO8(page_dpbf16, 2) } break;
-    case 4: switch (g->R) { UPTO4(page_dpbf16, 4) } break;
-    case 8: switch (g->R) { UPTO2(page_dpbf16, 8) } break;
-    case 16: switch (g->R) { G_(page_dpbf16, 1, 16) } break;
-    }
-    page_dpbf16(c, g, p, ahead, vscale, g->R, (int)(c->D / 16));
-}
-
-/* page_avx512 (or page_dpbf16 when c->dp) with R and NV = D/16 as constants for the common head sizes,
- * else a generic one. */
+/* page_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
 AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale) {
-    if (c->dp) { page_dispatch_dp(c, g, p, ahead, vscale); return; }
     switch (c->D / 16) {
     case 1: switch (g->R) { UPTO8(page_avx512, 1) } break;
     case 2: switch (g->R) { UPTO8(page_avx512, 2) } break;
@@ -326,17 +232,13 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
     }
     for (int64_t k = 0; k < n; k++)
         for (int r = 0; r < groups[k].R; r++) {
-            if (c->dp) unpermute_dp(groups[k].acc + r * NV, NV);
-            else if (c->bf16 && !(NV & 1))
+            if (c->bf16 && !(NV & 1))
                 for (int64_t j = 0; j < NV; j += 2) dim_order(&groups[k].acc[r * NV + j], &groups[k].acc[r * NV + j + 1]);
             const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(groups[k].lv[r]));
             for (int64_t j = 0; j < NV; j++)
                 _mm512_storeu_ps(groups[k].orow[r] + 16 * j, _mm512_mul_ps(groups[k].acc[r * NV + j], inv));
         }
 }
-
-/* 0 keeps bf16 caches on the float32 chunk even where AVX512-BF16 runs (the tests compare the two). */
-int pd_attention_dpbf16 = 1;
 
 /* q, out: float32 [num_tokens, H, D] contiguous. qs: int32 [B+1] row offsets. seq_lens: int32 [B].
  * tables: int32 [B, max_blocks]. Returns 0, or -1 if scratch memory could not be allocated. */
@@ -357,8 +259,7 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
                                 : sizeof(float) * (size_t)(R_max * max_len + D);   /* groups / score rows */
     void *buf = aligned_alloc(64, (scratch + 63) / 64 * 64);
     if (!buf) return -1;
-    const int dp = fast && bf16 && D % 32 == 0 && pd_attention_dpbf16 && __builtin_cpu_supports("avx512bf16");
-    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, dp };
+    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL };
     const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R];
     for (int64_t b = 0; b < B; b++) {
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
