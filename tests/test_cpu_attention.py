@@ -20,7 +20,6 @@ from pdserve.kernels.cpu.attention import (
 from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention, paged_attention_torch
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
-
 needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX512-BF16")
 
 

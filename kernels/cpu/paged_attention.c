@@ -46,38 +46,11 @@ AVX512 extern __m512 _ZGVeN16v_expf(__m512);           /* libmvec's 16-lane expf
 
 #include "paged_attention_rows.h"
 
-/* Group state: R pairs of NV vectors each; queries (float32, or bf16 for the dot-product chunk: NV / 2
- * vectors a pair), accumulators and running sums in registers. */
+/* Group state: R pairs of NV vectors each; queries, accumulators and running sums in registers. */
 typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; float m[MAX_R]; } State;
 
-/* One online-softmax update per pair for a chunk of n <= 16 tokens t0..: part[r][t] holds the unreduced
- * products of pair r with token t (zero past n). Rescales what was summed under the old max when it
- * grows; pb[r][t] = exp(s - m) for the tokens inside pair r's causal limit, 0 for the others. */
-AVX512 static inline __attribute__((always_inline)) void online_softmax(
-        State *st, const __m512 part[][16], float pb[][16], int n, int64_t t0, const int64_t *lim, __m512 vscale,
-        const int R, const int NV) {
-    for (int r = 0; r < R; r++) {                       /* one online-softmax update per pair */
-        int64_t count = lim[r] - t0 + 1;
-        count = count < n ? count : n;
-        if (count <= 0) { _mm512_store_ps(pb[r], _mm512_setzero_ps()); continue; }
-        const __mmask16 mask = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1);
-        const __m512 s = _mm512_mul_ps(vscale, hsum16(part[r]));
-        const float cm = _mm512_mask_reduce_max_ps(mask, s);
-        if (cm > st->m[r]) {                            /* rescale what was summed under the old max */
-            const __m512 alpha = _mm512_set1_ps(expf(st->m[r] - cm));
-            for (int j = 0; j < NV; j++) st->acc[r * NV + j] = _mm512_mul_ps(st->acc[r * NV + j], alpha);
-            st->lv[r] = _mm512_mul_ps(st->lv[r], alpha);
-            st->m[r] = cm;
-        }
-        const __m512 mv = _mm512_set1_ps(st->m[r]);
-        const __m512 e = _mm512_maskz_mov_ps(mask, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_mask_mov_ps(mv, mask, s), mv)));
-        st->lv[r] = _mm512_add_ps(st->lv[r], e);
-        _mm512_store_ps(pb[r], e);
-    }
-}
-
-/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off. Inlined with constant
- * R, NV, full. */
+/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off; prefetches its rows of
+ * the page ahead (or none: ahead NULL). Inlined with constant R, NV, full. */
 AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
         const Ctx *c, State *st, int64_t off, const char *ahead, int n, int64_t t0, const int64_t *lim,
         __m512 vscale, const int R, const int NV, const int full) {
@@ -96,7 +69,24 @@ AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
     if (!full)
         for (int tt = n; tt < 16; tt++)
             for (int r = 0; r < R; r++) part[r][tt] = _mm512_setzero_ps();
-    online_softmax(st, part, pb, n, t0, lim, vscale, R, NV);
+    for (int r = 0; r < R; r++) {                       /* one online-softmax update per pair */
+        int64_t count = lim[r] - t0 + 1;
+        count = count < n ? count : n;
+        if (count <= 0) { _mm512_store_ps(pb[r], _mm512_setzero_ps()); continue; }
+        const __mmask16 mask = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1);
+        const __m512 s = _mm512_mul_ps(vscale, hsum16(part[r]));
+        const float cm = _mm512_mask_reduce_max_ps(mask, s);
+        if (cm > st->m[r]) {                            /* rescale what was summed under the old max */
+            const __m512 alpha = _mm512_set1_ps(expf(st->m[r] - cm));
+            for (int j = 0; j < NV; j++) st->acc[r * NV + j] = _mm512_mul_ps(st->acc[r * NV + j], alpha);
+            st->lv[r] = _mm512_mul_ps(st->lv[r], alpha);
+            st->m[r] = cm;
+        }
+        const __m512 mv = _mm512_set1_ps(st->m[r]);
+        const __m512 e = _mm512_maskz_mov_ps(mask, _ZGVeN16v_expf(_mm512_sub_ps(_mm512_mask_mov_ps(mv, mask, s), mv)));
+        st->lv[r] = _mm512_add_ps(st->lv[r], e);
+        _mm512_store_ps(pb[r], e);
+    }
     for (int tt = 0; tt < n; tt++) {                    /* acc += p V over the chunk */
         load_row_vecs(c, off + c->s_v + tt * c->s_tok, kv, NV);
         for (int r = 0; r < R; r++) {
@@ -113,30 +103,18 @@ typedef struct {
     const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R], lmax, kvh; int R;
 } Group;
 
-AVX512 static inline __attribute__((always_inline)) void state_load(State *st, const Group *g, const int R, const int NV) {
-    for (int r = 0; r < R; r++) {
-        st->m[r] = g->m[r];
-        st->lv[r] = g->lv[r];
-        for (int j = 0; j < NV; j++) {
-            st->qv[r * NV + j] = _mm512_loadu_ps(g->qrow[r] + 16 * j);
-            st->acc[r * NV + j] = g->acc[r * NV + j];
-        }
-    }
-}
-
-AVX512 static inline __attribute__((always_inline)) void state_store(const State *st, Group *g, const int R, const int NV) {
-    for (int r = 0; r < R; r++) {
-        g->m[r] = st->m[r];
-        g->lv[r] = st->lv[r];
-        for (int j = 0; j < NV; j++) g->acc[r * NV + j] = st->acc[r * NV + j];
-    }
-}
-
 /* Page p of group g (tokens up to g->lmax). Inlined with constant R and NV. */
 AVX512 static inline __attribute__((always_inline)) void page_avx512(
         const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale, const int R, const int NV) {
     State st;
-    state_load(&st, g, R, NV);
+    for (int r = 0; r < R; r++) {
+        st.m[r] = g->m[r];
+        st.lv[r] = g->lv[r];
+        for (int j = 0; j < NV; j++) {
+            st.qv[r * NV + j] = _mm512_loadu_ps(g->qrow[r] + 16 * j);
+            st.acc[r * NV + j] = g->acc[r * NV + j];
+        }
+    }
     if (c->bf16 && !(NV & 1))                          /* queries in the order load_row_vecs gives K */
         for (int r = 0; r < R; r++)
             for (int j = 0; j < NV; j += 2) pair_order(&st.qv[r * NV + j], &st.qv[r * NV + j + 1]);
@@ -149,7 +127,11 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
         if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, pfo, 16, t0 + o, g->lim, vscale, R, NV, 1);
         else chunk_avx512(c, &st, base + o * c->s_tok, pfo, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);
     }
-    state_store(&st, g, R, NV);
+    for (int r = 0; r < R; r++) {
+        g->m[r] = st.m[r];
+        g->lv[r] = st.lv[r];
+        for (int j = 0; j < NV; j++) g->acc[r * NV + j] = st.acc[r * NV + j];
+    }
 }
 
 #define G_(F, R_, NV_) case R_: F(c, g, p, ahead, vscale, R_, NV_); return;
