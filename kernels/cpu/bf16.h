@@ -16,4 +16,18 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* f32_to_bf16 on 16 lanes: each lane's bf16 bits in its low half (narrow with _mm512_cvtepi32_epi16). */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512i f32_to_bf16_x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+#endif
+
 #endif

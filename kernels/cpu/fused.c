@@ -43,21 +43,12 @@ static inline __m512 load16(const void *p, int64_t i, int bf16, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline __m512i bf16_bits16(__m512 f) {           /* f32_to_bf16 on 16 lanes, as bf16.h rounds */
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-}
-
 static inline __m512 rnd16(__m512 f, int bf16) {         /* f as the element type holds it */
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(f), 16)) : f;
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_x16(f), 16)) : f;
 }
 
 static inline void store16(void *p, int64_t i, __m512 f, int bf16, __mmask16 m) {
-    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(bf16_bits16(f)));
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(f32_to_bf16_x16(f)));
     else _mm512_mask_storeu_ps((float *)p + i, m, f);
 }
 #endif

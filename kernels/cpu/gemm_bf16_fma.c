@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "bf16.h"
+
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define FMR 6                                      /* rows per tile */
 #define FNR 3                                      /* 16-output blocks per panel: 18 accumulators */
@@ -64,13 +66,8 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
             if (!last) { _mm512_storeu_ps(cb + (i * FNR + j) * 16, acc[i][j]); continue; }
             const int64_t n = nb + 16 * j, cnt = n_valid - n < 16 ? n_valid - n : 16;
             if (cnt <= 0) continue;
-            /* round to nearest even, NaN kept quiet: as bf16.h's f32_to_bf16, 16 lanes at once */
-            const __m512i u = _mm512_castps_si512(acc[i][j]);
-            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-            const __mmask16 nan = _mm512_cmp_ps_mask(acc[i][j], acc[i][j], _CMP_UNORD_Q);
-            r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-            _mm256_mask_storeu_epi16(y + i * ldy + n, (__mmask16)((1u << cnt) - 1), _mm512_cvtepi32_epi16(r));
+            _mm256_mask_storeu_epi16(y + i * ldy + n, (__mmask16)((1u << cnt) - 1),
+                                     _mm512_cvtepi32_epi16(f32_to_bf16_x16(acc[i][j])));
         }
 }
 
