@@ -60,6 +60,7 @@ def test_fma_gemm_keeps_nan_and_infinity_and_refuses_what_the_packed_kernels_ref
     x[1, 2], x[2, 0] = float("nan"), float("inf")
     y = gemm_bf16_fma(x, pack_weight(w), 20)
     assert (y[0] == 8).all() and y[1].isnan().all() and (y[2] == float("inf")).all()
+    assert gemm_bf16_fma(x[:0], pack_weight(w), 20).shape == (0, 20)        # an empty batch is no error
     with pytest.raises(ValueError, match="row-major 2-D bf16"):
         gemm_bf16_fma(torch.randn(3, 8), pack_weight(w), 20)
     with pytest.raises(ValueError, match="10 columns"):

@@ -98,6 +98,7 @@ TARGET static void fma_chunk(const int nr, const float *xf, int64_t mc, int64_t 
 TARGET int pd_gemm_bf16_fma(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                             const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     const int64_t K2 = K / 2;
+    if (M <= 0) return 0;                          /* nothing to widen (aligned_alloc(.., 0) may be NULL) */
     int64_t rows = X_BUDGET / (K > 0 ? K : 1);
     rows = rows < FMR ? FMR : rows > 256 ? 256 : rows;
     rows = rows < M ? rows : M;
