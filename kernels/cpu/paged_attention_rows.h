@@ -8,12 +8,7 @@
 
 #include "paged_attention_portable.h"
 
-#ifndef PF_PAGES
 #define PF_PAGES 2                                      /* prefetch distance in pages */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 
 AVX512 static inline __m512 load16(const Ctx *c, int64_t off) {
     if (c->bf16) {
@@ -77,7 +72,7 @@ AVX512 static inline __m512 hsum16(const __m512 *a) {
 }
 
 static inline void prefetch_row(const char *p, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, PF_HINT);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 /* The K and V rows of token tt past `ahead` (this group's rows PF_PAGES pages on; NULL: none), one
