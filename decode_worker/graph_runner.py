@@ -14,20 +14,25 @@ nearest bucket::
 On CUDA each bucket's forward is captured once as a ``torch.cuda.CUDAGraph``
 (largest bucket first, all sharing one memory pool) and replayed; attention then goes
 through the Triton paged-attention kernel, whose inputs (block tables, sequence
-lengths) live in the static buffers. On CPU there is no graph to capture: the runner
-runs the same padded step eagerly, with the step's metadata built by tensor ops from
-the static buffers instead of per-sequence Python loops, and attention through the C
-kernel (:mod:`kernels.cpu.attention`) where it builds. Design after nano-vllm's
-``model_runner.py`` and mini-sglang's ``engine/graph.py``.
+lengths) live in the static buffers. On CPU there is no graph to capture; where the
+model's decode stack runs (:func:`model.cpu_stack.decode_graph`), the whole step, from
+the static buffers to the logits, is one C call over the real rows (no padding: the
+kernels are batch-invariant), otherwise the runner runs the padded step eagerly, its
+metadata built by tensor ops from the static buffers. The buffers are filled from host
+arrays (on CPU they are the same memory). Design after nano-vllm's ``model_runner.py``
+and mini-sglang's ``engine/graph.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from pdserve.kernels.cpu.decode_graph import DecodeGraph
 from pdserve.kernels.paged_attention import AttentionMetadata, cpu_kernels_apply
+from pdserve.model.cpu_stack import decode_graph
 from pdserve.model.kv_cache import BlockPool
 from pdserve.model.runner import ModelRunner, StepInput
 
@@ -83,11 +88,12 @@ class GraphRunner:
         self.runner, self.buckets = runner, tuple(buckets)
         self.block_size = runner.spec.block_size
         self.scratch_block = pool.allocate(1)[0]
-        device, n = runner.device, self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.block_tables = torch.full((n, max_blocks_per_seq), self.scratch_block, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.capture = torch.device(device).type == "cuda" if capture is None else capture
+        device, n = torch.device(runner.device), self.buckets[-1]
+        self._host = (np.zeros(n, np.int64), np.ones(n, np.int32),         # token ids, context lengths,
+                      np.full((n, max_blocks_per_seq), self.scratch_block, np.int32))   # block tables
+        self.input_ids, self.seq_lens, self.block_tables = (torch.from_numpy(a).to(device) for a in self._host)
+        self.capture = device.type == "cuda" if capture is None else capture
+        self._cpu_graph: DecodeGraph | None = None
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         if self.capture:
@@ -123,19 +129,32 @@ class GraphRunner:
         if self.capture:
             self._graphs[bucket].replay()
             return self._outputs[bucket][:size].clone()
+        if (graph := self._step_graph(size)) is not None:
+            return graph.run(size, max(s.num_computed for s in batch) + 1)
         return self._forward(bucket)[:size]
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:
-        size, width = len(batch), self.block_tables.shape[1]
-        self.input_ids[:size] = torch.tensor([s.token_ids[0] for s in batch])
-        self.seq_lens[:size] = torch.tensor([s.num_computed + 1 for s in batch], dtype=torch.int32)
-        tables = torch.full((size, width), self.scratch_block, dtype=torch.int32)
+        """Rows ``[0, bucket)`` of the static buffers: the batch, then padded rows that write into the scratch block."""
+        size, (ids, lens, tables) = len(batch), self._host
+        ids[:size] = [s.token_ids[0] for s in batch]
+        lens[:size] = [s.num_computed + 1 for s in batch]
+        tables[:bucket] = self.scratch_block
         for row, s in enumerate(batch):
-            tables[row, :len(s.block_table)] = torch.tensor(s.block_table[:width], dtype=torch.int32)
-        self.block_tables[:size] = tables
-        self.input_ids[size:bucket] = 0                      # padded rows: write into the scratch block
-        self.seq_lens[size:bucket] = 1
-        self.block_tables[size:bucket] = self.scratch_block
+            n = min(len(s.block_table), tables.shape[1])
+            tables[row, :n] = s.block_table[:n]
+        ids[size:bucket], lens[size:bucket] = 0, 1
+        if self.input_ids.device.type != "cpu":                 # on CPU the buffers are the host arrays
+            for buf, host in zip((self.input_ids, self.seq_lens, self.block_tables), self._host):
+                buf[:bucket].copy_(torch.from_numpy(host[:bucket]))
+
+    def _step_graph(self, size: int) -> DecodeGraph | None:
+        """The C decode step over the static buffers, where the model's stack runs this step (CPU only)."""
+        if not cpu_kernels_apply(self.input_ids.device, 1, size, self.runner.kv_cache.dtype):
+            return None
+        self._cpu_graph = decode_graph(self.runner.model, self.input_ids, self.seq_lens, self.block_tables,
+                                       self.runner.kv_cache, self.block_tables.shape[1] * self.block_size,
+                                       current=self._cpu_graph)
+        return self._cpu_graph
 
     def _forward(self, bucket: int) -> torch.Tensor:
         cpu_kernels = cpu_kernels_apply(self.input_ids.device, 1, bucket, self.runner.kv_cache.dtype)

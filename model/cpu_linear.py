@@ -17,7 +17,8 @@ the share of the step's floor, max(FLOPs / 83.4 GFLOP/s, bytes / 12.9 GB/s), eac
 
 (``taskset -c 1 python bench/cpu_kernels.py``; docs/benchmarks.md). Chosen per row count
 (:meth:`PackedBF16Linear.kernel_for`): the AVX512-BF16 gemm for every row count on a CPU without
-AMX (it streams weights faster than the gemv even at one row, and is bit-identical to it), AMX
+AMX, but the gemv for one row (bit-identical; on Zen 5 it streams 13% faster than the gemm at one row,
+3.66 vs 4.20 ms, where on the Xeon above the gemm won: that Xeon now runs the FMA gemm throughout), AMX
 tiles for 3..256 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
 :data:`AMX_MAX_ROWS` rows where the dense weight is kept. A decode worker drops the dense weights
 once packed (the packed kernels take any row count); a colocated one keeps them for its prefill
@@ -47,8 +48,8 @@ from pdserve.kernels.cpu.gemv import (
     unpack_weight,
 )
 
-GEMV_MAX_ROWS = 0      # bench/cpu_kernels.py: the AVX512-BF16 gemm beats the gemv at 1 and 2 rows (11.7 vs 14.6,
-                       # 12.1 vs 15.9 ms); bit-identical, so the gemv serves only AMX machines' 1..2 rows
+GEMV_MAX_ROWS = 1      # Zen 5: gemv 3.66 vs AVX512-BF16 gemm 4.20 ms per bench-80m step at 1 row, even at 2
+                       # (bench/cpu_kernels.py); where the FMA gemm serves, never (gemv_max_rows)
 AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
 AMX_MAX_ROWS = 256     # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
@@ -88,7 +89,7 @@ class PackedBF16Linear(nn.Module):
         ``"gemm-fma"``, ``"gemm-amx"`` or ``"F.linear"`` (recorded by the benchmarks next to their numbers)."""
         if self.max_rows is not None and rows > self.max_rows:
             return "F.linear"
-        if rows <= (AMX_GEMV_MAX_ROWS if self.amx else GEMV_MAX_ROWS):
+        if rows <= gemv_max_rows(self.amx):
             return KERNELS[0]
         return KERNELS[2] if self.amx else bf16_gemm_kernel()
 
@@ -108,6 +109,16 @@ class PackedBF16Linear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def gemv_max_rows(amx: bool) -> int:
+    """Rows up to which the gemv serves a packed projection: :data:`AMX_GEMV_MAX_ROWS` where AMX tiles serve
+    the rest, :data:`GEMV_MAX_ROWS` where the AVX512-BF16 gemm does (bit-identical to the gemv), 0 where the
+    float32-FMA gemm does (:func:`kernels.cpu.gemv.bf16_gemm_kernel`): its summation order differs from the
+    gemv's, and a row's result must not depend on how many rows share its step."""
+    if amx:
+        return AMX_GEMV_MAX_ROWS
+    return GEMV_MAX_ROWS if bf16_gemm_kernel() == KERNELS[1] else 0
 
 
 def dense_beats_packed_for_prefill() -> bool:

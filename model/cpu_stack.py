@@ -6,7 +6,8 @@ all run on the C kernels at decode sizes (:class:`~model.cpu_linear.PackedBF16Li
 (not in it: a ``copy.deepcopy`` of the model builds its own); it is rebuilt when a weight has moved
 (:meth:`DecodeStack.valid`, e.g. after :func:`model.hugepages.move_to_huge_pages`). Any other
 projection (``nn.Linear``, FP8, the torch INT4 layout) leaves the model on the per-operation path, as
-does ``LlamaForCausalLM.cpu_stack = False``.
+does ``LlamaForCausalLM.cpu_stack = False``. :func:`decode_graph` binds the stack, the embedding and
+the LM head to a graph runner's static buffers (:class:`~kernels.cpu.decode_graph.DecodeGraph`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import weakref
 
 import torch
 
-from pdserve.kernels.cpu import KernelUnavailable
+from pdserve.kernels.cpu import KernelUnavailable, fused
+from pdserve.kernels.cpu.decode_graph import DecodeGraph
 from pdserve.kernels.cpu.decode_stack import DecodeStack, LayerSpec, LinearSpec, stack_available
-from pdserve.model.cpu_linear import AMX_GEMV_MAX_ROWS, GEMV_MAX_ROWS, PackedBF16Linear
+from pdserve.model.cpu_linear import PackedBF16Linear, gemv_max_rows
 from pdserve.model.quant.int4 import VNNI, Int4Linear
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ def _linear_spec(module: torch.nn.Module) -> LinearSpec | None:
         if module.in_features % 2:
             return None
         return LinearSpec("bf16", module.packed, module.out_features, module.in_features, module.bias,
-                          gemv_max_rows=AMX_GEMV_MAX_ROWS if module.amx else GEMV_MAX_ROWS, amx=module.amx)
+                          gemv_max_rows=gemv_max_rows(module.amx), amx=module.amx)
     if type(module) is Int4Linear and module.qweight.device.type == "cpu" and not module.exact_cpu:
         module.prepare()
         if module.kernel_for(1) != VNNI or module._vnni is None:
@@ -86,3 +88,23 @@ def decode_stack(model) -> DecodeStack | None:
 def _fingerprint(model) -> tuple:
     """The types of the first and the last projection: where they change, the model is looked at again."""
     return type(model.layers[0].self_attn.qkv_proj), type(model.layers[-1].mlp.down_proj)
+
+
+def decode_graph(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 kv_cache: torch.Tensor, max_positions: int, current: DecodeGraph | None = None) -> DecodeGraph | None:
+    """A :class:`DecodeGraph` running ``model``'s whole decode step over the given static buffers (see
+    :class:`DecodeGraph` for their shapes), or ``None`` where the step cannot run so: no decode stack
+    (:func:`decode_stack`), an LM head the stack does not take (not packed bf16 or INT4), a cache not of the
+    model's dtype, or ``model.cpu_stack`` off. ``current``: the graph returned before, returned again while
+    the stack it runs is still the model's."""
+    if not model.cpu_stack or kv_cache.dtype != model.embed_tokens.weight.dtype \
+            or model.cfg.head_dim > fused.MAX_HEAD_DIM:
+        return None
+    stack = decode_stack(model)
+    if stack is None or (current is not None and current.stack is stack and current.valid()):
+        return current if stack is not None else None
+    head = _linear_spec(model.lm_head)
+    if head is None:
+        return None
+    return DecodeGraph(stack, model.embed_tokens.weight, head, model.rotary.cos_sin, input_ids, seq_lens,
+                       block_tables, kv_cache, max_positions)

@@ -191,3 +191,75 @@ int pd_decode_stack(const Model *m, const Step *s, void *x, void *out, int64_t n
     free(block);
     return rc;
 }
+
+/* ---- a whole decode step over static buffers: the CPU counterpart of a captured CUDA graph ----
+ *
+ * The decode worker's graph runner keeps one set of input buffers (token ids, context lengths,
+ * block tables); a step's metadata, embedding lookup, rotary tables, layers and LM head are all
+ * derived from them here, so the Python side of a step is filling three buffers and one call:
+ *
+ *   pos = seq_lens[i] - 1;  slot[i] = tables[i, pos / block_size] * block_size + pos % block_size
+ *   x[i] = embed[token_ids[i]];  cos/sin rows = cos_table / sin_table [pos]
+ *   h = pd_decode_stack(x);  logits[i] = float32(linear(h[i], lm_head))
+ *
+ * The rotary tables are the model's own (model/rope.py computed for positions 0..positions-1), and
+ * the LM head rounds to the element type before widening as torch's lm_head(h).float() does, so
+ * the logits are bit-identical to the per-operation path's. */
+typedef struct {
+    const int64_t *token_ids;                /* [B] */
+    const int32_t *seq_lens, *tables;        /* [B], [B, max_blocks] */
+    int64_t max_blocks, block_size, num_blocks;
+    const void *embed;                       /* [vocab, hidden], element type */
+    int64_t vocab;
+    const float *cos_table, *sin_table;      /* [positions, D] */
+    int64_t positions;
+    char *cache;
+    int64_t s_layer_bytes, s_block, s_tok, s_head, s_v;
+    Linear lm_head;                          /* N = the logits' width */
+} Graph;
+
+/* Checks every row's token, context length and block ids before anything is written: -3 if one is
+ * out of range (token >= vocab, seq_len outside [1, positions], a block id outside the cache). */
+static int graph_rows_valid(const Graph *g, int64_t B) {
+    for (int64_t i = 0; i < B; i++) {
+        const int64_t t = g->token_ids[i], len = g->seq_lens[i];
+        if (t < 0 || t >= g->vocab || len < 1 || len > g->positions || (len - 1) / g->block_size >= g->max_blocks)
+            return -3;
+        for (int64_t b = 0; b <= (len - 1) / g->block_size; b++) {
+            const int32_t blk = g->tables[i * g->max_blocks + b];
+            if (blk < 0 || blk >= g->num_blocks) return -3;
+        }
+    }
+    return 0;
+}
+
+/* Runs the whole step for rows [0, B) and writes float32 logits [B, lm_head.N]. Returns 0, -3 for
+ * a row out of range (nothing written), -1 when scratch memory is short, or pd_decode_stack's code. */
+int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
+    if (graph_rows_valid(g, B)) return -3;
+    const size_t e = m->bf16 ? 2 : 4, hidden = (size_t)m->hidden, D = (size_t)m->D, V = (size_t)g->lm_head.N;
+    const size_t bytes = 2 * e * hidden * B + 2 * 4 * D * B + 8 * B + 4 * (B + 1) + e * V * B + 6 * 64;
+    char *block = aligned_alloc(64, (bytes + 63) / 64 * 64), *p = block;
+    if (!block) return -1;
+    char *x = carve(&p, e * hidden * B), *h = carve(&p, e * hidden * B);
+    float *cos_t = carve(&p, 4 * D * B), *sin_t = carve(&p, 4 * D * B);
+    int64_t *slots = carve(&p, 8 * B);
+    int32_t *qs = carve(&p, 4 * (B + 1));
+    void *logits_e = m->bf16 ? carve(&p, e * V * B) : logits;
+    for (int64_t i = 0; i < B; i++) {
+        const int64_t pos = g->seq_lens[i] - 1;
+        slots[i] = (int64_t)g->tables[i * g->max_blocks + pos / g->block_size] * g->block_size + pos % g->block_size;
+        qs[i] = (int32_t)i;
+        memcpy(x + e * hidden * i, (const char *)g->embed + e * hidden * g->token_ids[i], e * hidden);
+        memcpy(cos_t + D * i, g->cos_table + D * pos, 4 * D);
+        memcpy(sin_t + D * i, g->sin_table + D * pos, 4 * D);
+    }
+    qs[B] = (int32_t)B;
+    const Step s = {cos_t, sin_t, g->cache, g->s_layer_bytes, g->s_block, g->s_tok, g->s_head, g->s_v,
+                    g->block_size, slots, qs, g->seq_lens, g->tables, B, g->max_blocks};
+    int rc = pd_decode_stack(m, &s, x, h, B, m->num_layers);
+    if (!rc && !(rc = linear(m, &g->lm_head, h, logits_e, B)) && m->bf16)
+        for (size_t i = 0; i < V * (size_t)B; i++) logits[i] = bf16_to_f32(((const uint16_t *)logits_e)[i]);
+    free(block);
+    return rc;
+}

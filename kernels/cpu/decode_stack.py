@@ -130,7 +130,15 @@ class DecodeStack:
         self.hidden, self.dtype = final_norm.shape[0], dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self._tensors: list[torch.Tensor] = []
+        self._ptrs: list[int] = []             # their data pointers when described to the C side
         self._layers = (_Layer * len(layers))()
+        self._model = _Model(hidden=self.hidden, H=num_heads, Hkv=num_kv_heads, D=head_dim, inter=intermediate_size,
+                             num_layers=len(layers), bf16=int(dtype == torch.bfloat16), eps=eps, scale=scale,
+                             layers=self._layers, final_norm=self._norm(final_norm, self.hidden), k=_Kernels(
+                                 rms_norm=_symbol("fused", "pd_rms_norm"),
+                                 rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
+                                 silu_mul=_symbol("fused", "pd_silu_mul"),
+                                 attention=_symbol("paged_attention", "pd_paged_attention")))
         qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         shapes = {"qkv": (qkv_width, self.hidden), "o": (self.hidden, num_heads * head_dim),
                   "gate_up": (2 * intermediate_size, self.hidden), "down": (self.hidden, intermediate_size)}
@@ -143,29 +151,24 @@ class DecodeStack:
             c.q_norm = self._norm(spec.q_norm, head_dim) if spec.q_norm is not None else None
             c.k_norm = self._norm(spec.k_norm, head_dim) if spec.k_norm is not None else None
             for name, shape in shapes.items():
-                setattr(c, name, self._linear(getattr(spec, name), shape, f"layer {i} {name}"))
-        kinds = {getattr(s, name).kind for s in layers for name in shapes}
-        if "bf16" in kinds and dtype != torch.bfloat16:
-            raise ValueError("DecodeStack: bf16-packed projections need bf16 activations")
-        kernels = _Kernels(
-            rms_norm=_symbol("fused", "pd_rms_norm"), rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
-            silu_mul=_symbol("fused", "pd_silu_mul"), attention=_symbol("paged_attention", "pd_paged_attention"))
-        if "bf16" in kinds:
-            kernels.gemv_bf16 = _symbol("gemv_bf16", "pd_gemv_bf16")
-            kernels.gemm_bf16 = _symbol(*SYMBOLS[bf16_gemm_kernel()])
-            kernels.gemm_amx = _symbol("gemv_bf16", "pd_gemm_bf16_amx")
-        if "int4" in kinds:
-            kernels.gemm_int4 = _symbol("gemv_int4", "pd_int4_gemv")
-        self._model = _Model(hidden=self.hidden, H=num_heads, Hkv=num_kv_heads, D=head_dim, inter=intermediate_size,
-                             num_layers=len(layers), bf16=int(dtype == torch.bfloat16), eps=eps, scale=scale,
-                             layers=self._layers, final_norm=self._norm(final_norm, self.hidden), k=kernels)
+                setattr(c, name, self.linear_struct(getattr(spec, name), shape, f"layer {i} {name}"))
         self.num_layers = len(layers)
-        self._ptrs = [t.data_ptr() for t in self._tensors]
         self._fn = library("decode_stack").pd_decode_stack
         self._fn.argtypes, self._fn.restype = [_p, _p, _p, _p, _i64, _i64], ctypes.c_int
 
+    def _resolve_kernels(self, kind: str) -> None:
+        """The kernels of a projection ``kind``, resolved the first time one is described."""
+        k = self._model.k
+        if kind == "bf16" and not k.gemm_bf16:
+            k.gemv_bf16 = _symbol("gemv_bf16", "pd_gemv_bf16")
+            k.gemm_bf16 = _symbol(*SYMBOLS[bf16_gemm_kernel()])
+            k.gemm_amx = _symbol("gemv_bf16", "pd_gemm_bf16_amx")
+        elif kind == "int4" and not k.gemm_int4:
+            k.gemm_int4 = _symbol("gemv_int4", "pd_int4_gemv")
+
     def _keep(self, t: torch.Tensor) -> int:
         self._tensors.append(t)
+        self._ptrs.append(t.data_ptr())
         return t.data_ptr()
 
     def _norm(self, w: torch.Tensor, dim: int) -> int:
@@ -174,7 +177,13 @@ class DecodeStack:
                              f"got {tuple(w.shape)} {w.dtype}")
         return self._keep(w)
 
-    def _linear(self, spec: LinearSpec, shape: tuple[int, int], where: str) -> _Linear:
+    def linear_struct(self, spec: LinearSpec, shape: tuple[int, int], where: str) -> _Linear:
+        """The C description of projection ``spec`` of ``shape`` (out, in); the stack keeps its tensors alive
+        (:class:`~kernels.cpu.decode_graph.DecodeGraph` describes the LM head so).
+
+        Raises:
+            ValueError: a weight, scales or bias that is not the kernels' layout of ``shape``.
+        """
         n, k = shape
         if (spec.out_features, spec.in_features) != shape:
             raise ValueError(f"DecodeStack: {where} is {spec.out_features} x {spec.in_features}, expected {n} x {k}")
@@ -184,6 +193,8 @@ class DecodeStack:
             if w.dtype != torch.bfloat16 or w.dim() != 4 or w.shape[2:] != (16, 2) or not w.is_contiguous() \
                     or w.shape[1] * 2 != k or not w.shape[0] * 16 - 16 < n <= w.shape[0] * 16:
                 raise ValueError(f"DecodeStack: {where}: not a packed bf16 weight of {n} x {k} (K must be even)")
+            if self.dtype != torch.bfloat16:
+                raise ValueError(f"DecodeStack: {where}: bf16-packed projections need bf16 activations")
             c.kind, c.Np, c.Kp = 0, w.shape[0] * 16, k
         elif spec.kind == "int4":
             g, kp = spec.group_size, w.shape[1] * 8
@@ -199,6 +210,7 @@ class DecodeStack:
             c.sc, c.zc = self._keep(spec.scales), self._keep(spec.zc)
         else:
             raise ValueError(f"DecodeStack: {where}: unknown kind {spec.kind!r}")
+        self._resolve_kernels(spec.kind)
         c.w = self._keep(w)
         if spec.bias is not None:
             if spec.bias.dtype not in (torch.float32, torch.bfloat16) or spec.bias.shape != (n,) \
@@ -206,6 +218,11 @@ class DecodeStack:
                 raise ValueError(f"DecodeStack: {where}: bias must be contiguous [{n}] float32 or bf16")
             c.bias, c.bias_bf16 = self._keep(spec.bias), int(spec.bias.dtype == torch.bfloat16)
         return c
+
+    @property
+    def c_model(self):
+        """A ctypes reference to the stack's C description (``Model`` in ``decode_stack.c``)."""
+        return ctypes.byref(self._model)
 
     def valid(self) -> bool:
         """Whether every tensor the stack points to still has the storage it was built on (~50 ns a tensor)."""
@@ -254,9 +271,20 @@ class DecodeStack:
                      B=seq_lens.shape[0], max_blocks=block_tables.shape[1])
         out = torch.empty_like(x)
         rc = self._fn(ctypes.byref(self._model), ctypes.byref(step), x.data_ptr(), out.data_ptr(), n, layers)
-        if rc:                                   # -1: the stack's scratch; else 1000 (layer + 1) + the kernel's code
-            layer, code = (rc // 1000, rc % 1000 - 1000) if rc > 0 else (0, rc)
-            if code == -2:
-                raise RuntimeError(f"DecodeStack: AMX tiles refused to this process (layer {layer})")
-            raise MemoryError(f"DecodeStack: a kernel's scratch memory could not be allocated (layer {layer})")
+        if rc:
+            self.raise_for(rc)
         return out
+
+    @staticmethod
+    def raise_for(rc: int) -> None:
+        """Raises the error of a non-zero status of ``pd_decode_stack`` (-1: the stack's scratch; else
+        1000 (layer + 1) + the failing kernel's code, -2 being AMX refused).
+
+        Raises:
+            RuntimeError: AMX tiles were refused to this process.
+            MemoryError: otherwise (scratch memory could not be allocated).
+        """
+        layer, code = (rc // 1000, rc % 1000 - 1000) if rc > 0 else (0, rc)
+        if code == -2:
+            raise RuntimeError(f"DecodeStack: AMX tiles refused to this process (layer {layer})")
+        raise MemoryError(f"DecodeStack: a kernel's scratch memory could not be allocated (layer {layer})")

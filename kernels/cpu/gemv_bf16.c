@@ -25,7 +25,6 @@
 #include <unistd.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define PREFETCH_ELEMS 512                      /* 1 KiB ahead in the weight stream */
 
 int pd_cpu_has_avx512_bf16(void) {
     __builtin_cpu_init();
@@ -53,7 +52,6 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             for (int i = 0; i < 4; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
             int64_t kk = 0;
             for (; kk + 1 < K2; kk += 2) {
-                _mm_prefetch((const char *)(wb + kk * 32 + PREFETCH_ELEMS), _MM_HINT_T0);
                 const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kk * 32);
                 const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kk * 32 + 32);
                 for (int i = 0; i < mm; i++) {

@@ -1,0 +1,126 @@
+"""The whole decode step in one C call (kernels/cpu/decode_graph.py, decode_stack.c: pd_decode_graph)
+against the graph runner's padded per-operation step: bit-identical logits and KV cache for every
+family option, bf16 and INT4 projections; rotary tables grown with the context; rows out of range
+refused before anything is written; the graph rebuilt when weights move; the eager step kept where
+the stack cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.decode_worker.graph_runner import GraphRunner
+from pdserve.kernels.cpu.decode_stack import stack_available
+from pdserve.model.cpu_linear import pack_for_cpu_decode
+from pdserve.model.hugepages import move_to_huge_pages
+from pdserve.model.kv_cache import BlockPool, KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.quant import int4
+from pdserve.model.runner import ModelRunner, StepInput
+from tests.family_checkpoints import write_checkpoint
+
+pytestmark = pytest.mark.skipif(not stack_available(int4=True, bf16_packed=True),
+                                reason="no C compiler or no AVX512-BF16/VNNI")
+VARIANTS = {"llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)), "qwen2": ("qwen2", {}),
+            "qwen3": ("qwen3", {}), "mistral": ("mistral", {})}
+BLOCK, BLOCKS, WIDTH = 4, 400, 72
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {name: write_checkpoint(family, tmp_path_factory.mktemp(name), **over)
+            for name, (family, over) in VARIANTS.items()}
+
+
+def _runner(path: str, weights: str) -> tuple[ModelRunner, BlockPool, GraphRunner]:
+    model, cfg = load_model(path, torch.bfloat16)
+    if weights == "int4":
+        int4.convert_for_runtime(model, group_size=32, method="rtn")
+    pack_for_cpu_decode(model)                     # the bf16 projections and the LM head
+    runner, pool = ModelRunner(model, KVCacheSpec.for_model(cfg, BLOCKS, BLOCK, torch.bfloat16)), BlockPool(BLOCKS)
+    return runner, pool, GraphRunner(runner, pool, max_blocks_per_seq=WIDTH, buckets=(1, 2, 4, 8))
+
+
+def _prefill(runner: ModelRunner, pool: BlockPool, lens: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts of ``lens`` tokens prefilled through the per-operation path; returns (prompts, block tables)."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 900, (n,), generator=gen).tolist() for n in lens]
+    tables = [pool.allocate(WIDTH) for _ in lens]
+    for p, t in zip(prompts, tables):
+        runner.run([StepInput(p, 0, t)])
+    return prompts, tables
+
+
+def _decode(graph: GraphRunner, eager: bool, prompts, tables, steps: int) -> list[torch.Tensor]:
+    """``steps`` greedy decode steps of every sequence (eager: the padded per-operation step)."""
+    seqs, out = [list(p) for p in prompts], []
+    for _ in range(steps):
+        batch = [StepInput([s[-1]], len(s) - 1, t) for s, t in zip(seqs, tables)]
+        if eager:
+            graph._fill(batch, graph.bucket_for(len(batch)))
+            logits = graph._forward(graph.bucket_for(len(batch)))[:len(batch)]
+        else:
+            logits = graph.run(batch)
+        out.append(logits.clone())
+        for s, token in zip(seqs, logits.argmax(-1).tolist()):
+            s.append(token)
+    return out
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int4"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_graph_step_is_bit_identical_to_the_eager_step(variant, weights, checkpoints):
+    runner, pool, graph = _runner(checkpoints[variant], weights)
+    prompts, tables = _prefill(runner, pool, [3, 8, 1, 13, 254])   # mid-block, on a boundary, across 256 tokens
+    before = runner.kv_cache.clone()
+    eager = _decode(graph, True, prompts, tables, 6)
+    eager_cache = runner.kv_cache.clone()
+    assert graph._cpu_graph is None                     # the eager path never built one
+    runner.kv_cache.copy_(before)
+    fast = _decode(graph, False, prompts, tables, 6)
+    assert graph._cpu_graph is not None and graph._cpu_graph._graph.positions >= 254 + 6
+    for f, e in zip(fast, eager):
+        assert f.dtype == torch.float32 and f.shape == (5, graph.runner.model.cfg.vocab_size) and torch.equal(f, e)
+    real = [b for t in tables for b in t]
+    assert torch.equal(runner.kv_cache[real], eager_cache[real])   # the graph step pads nothing
+
+
+def test_rows_out_of_range_are_refused_before_anything_is_written(checkpoints):
+    runner, pool, graph = _runner(checkpoints["qwen3"], "bf16")
+    prompts, tables = _prefill(runner, pool, [5, 9])
+    vocab = runner.model.cfg.vocab_size
+    before = runner.kv_cache.clone()
+    bad = [[StepInput([vocab], 5, tables[0]), StepInput([7], 9, tables[1])],              # token past the vocab
+           [StepInput([7], 5, tables[0]), StepInput([-1], 9, tables[1])],
+           [StepInput([7], 5, [0, BLOCKS]), StepInput([7], 9, tables[1])],                  # block past the cache
+           [StepInput([7], WIDTH * BLOCK, tables[0])]]                                       # context past the table
+    for batch in bad:
+        with pytest.raises(ValueError, match="out of range"):
+            graph.run(batch)
+        assert torch.equal(runner.kv_cache, before)
+    good = graph.run([StepInput([7], 5, tables[0]), StepInput([7], 9, tables[1])])   # the graph is still usable
+    assert torch.isfinite(good).all()
+
+
+def test_moved_weights_rebuild_the_graph(checkpoints):
+    runner, pool, graph = _runner(checkpoints["mistral"], "bf16")
+    prompts, tables = _prefill(runner, pool, [6, 11])
+    before = runner.kv_cache.clone()
+    want = _decode(graph, False, prompts, tables, 3)
+    first = graph._cpu_graph
+    move_to_huge_pages(runner.model)                    # new storages for every weight
+    assert not first.valid()
+    runner.kv_cache.copy_(before)
+    got = _decode(graph, False, prompts, tables, 3)
+    assert graph._cpu_graph is not first and graph._cpu_graph.valid()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_models_the_stack_cannot_run_keep_the_eager_step(checkpoints):
+    runner, pool, graph = _runner(checkpoints["qwen2"], "bf16")
+    prompts, tables = _prefill(runner, pool, [4, 7])
+    runner.model.cpu_stack = False
+    off = _decode(graph, False, prompts, tables, 2)
+    assert graph._cpu_graph is None
+    runner.model.cpu_stack = True
+    assert all(torch.isfinite(t).all() for t in off)
