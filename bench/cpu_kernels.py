@@ -28,8 +28,17 @@ import torch.nn.functional as F
 
 from pdserve.bench.common import ROOT, memory_bandwidth, write_result
 from pdserve.bench.common import median_time as common_median_time
+from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu.attention import paged_attention_cpu
-from pdserve.kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemm_bf16_avx512, gemv_bf16, pack_weight
+from pdserve.kernels.cpu.gemv import (
+    gemm_amx_available,
+    gemm_bf16_amx,
+    gemm_bf16_avx512,
+    gemm_bf16_fma,
+    gemv_available,
+    gemv_bf16,
+    pack_weight,
+)
 from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch
 from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
 
@@ -41,13 +50,24 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
     return common_median_time(fn, repeats, warmup, clock=time.thread_time)
 
 
+def packed_kernels() -> dict[str, Callable]:
+    """The packed bf16 kernels that run here, by result key: the gemv and the AVX512-BF16 gemm where the
+    CPU has AVX512-BF16, AMX tiles where granted, the float32-FMA gemm on any AVX-512 CPU."""
+    kernels = {"gemv_s": gemv_bf16, "gemm_s": gemm_bf16_avx512} if gemv_available() else {}
+    if gemm_amx_available():
+        kernels["amx_s"] = gemm_bf16_amx
+    if available("gemm_bf16_fma"):
+        kernels["fma_s"] = gemm_bf16_fma
+    return kernels
+
+
 def gemm_peak(rows: int = 64) -> float:
-    """FLOP/s: the best of the packed gemm and ``F.linear`` on bench-80m's o_proj shape (768 x 768,
+    """FLOP/s: the best of the packed gemms and ``F.linear`` on bench-80m's o_proj shape (768 x 768,
     1.2 MB: in L2), ``rows`` rows, best of 20 calls (the machine's compute speed of light for these kernels)."""
     w, x = torch.randn(768, 768).bfloat16(), torch.randn(rows, 768).bfloat16()
     packed = pack_weight(w)
-    best = min(median_time(fn, repeats=20) for fn in (lambda: gemm_bf16_avx512(x, packed, 768),
-                                                      lambda: F.linear(x, w)))
+    fns = [lambda fn=fn: fn(x, packed, 768) for key, fn in packed_kernels().items() if key != "gemv_s"]
+    best = min(median_time(fn, repeats=20) for fn in fns + [lambda: F.linear(x, w)])
     return 2 * rows * 768 * 768 / best
 
 
@@ -58,9 +78,8 @@ def bench_linears(rows_list: list[int]) -> list[dict]:
     packed = copies_in_huge_pages(packed_4k)
     weight_bytes = sum(w.numel() * 2 for w in dense)
     peak = gemm_peak()
-    kernels = {"gemv_s": gemv_bf16, "gemm_s": gemm_bf16_avx512}
-    if gemm_amx_available():
-        kernels["amx_s"] = gemm_bf16_amx
+    kernels = packed_kernels()
+    one_row = next(iter(kernels.values()), None)           # the gemv, else the FMA gemm
     out = []
     for m in rows_list:
         xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in BENCH_80M}}
@@ -70,9 +89,9 @@ def bench_linears(rows_list: list[int]) -> list[dict]:
                 continue
             row[key] = median_time(lambda: [fn(xs[p.shape[1] * 2], p, w.shape[0]) for w, p in zip(dense, packed)])
         row["f_linear_s"] = median_time(lambda: [F.linear(xs[w.shape[1]], w) for w in dense])
-        if m == 1:
-            row["gemv_4k_pages_s"] = median_time(lambda: [gemv_bf16(xs[p.shape[1] * 2], p, w.shape[0])
-                                                          for w, p in zip(dense, packed_4k)])
+        if m == 1 and one_row is not None:
+            row["one_row_4k_pages_s"] = median_time(lambda: [one_row(xs[p.shape[1] * 2], p, w.shape[0])
+                                                             for w, p in zip(dense, packed_4k)])
         out.append(row)
         print(f"{m:3d} rows: " + ", ".join(f"{k[:-2]} {v * 1e3:7.1f} ms" for k, v in row.items() if k.endswith("_s")),
               flush=True)
@@ -86,7 +105,8 @@ def bench_linears(rows_list: list[int]) -> list[dict]:
         floor = max(row["rows"] * weight_bytes / peak, weight_bytes / bandwidth)     # 2 FLOPs per weight per row
         row.update(gemm_peak_flops=peak, bandwidth=bandwidth, floor_s=floor)
         print(f"{row['rows']:3d} rows, floor {floor * 1e3:7.1f} ms: " + ", ".join(
-            f"{k[:-2]} {floor / row[k]:4.0%}" for k in ("gemv_s", "gemm_s", "amx_s", "f_linear_s") if k in row))
+            f"{k[:-2]} {floor / row[k]:4.0%}" for k in ("gemv_s", "gemm_s", "amx_s", "fma_s", "f_linear_s")
+            if k in row))
     return out
 
 

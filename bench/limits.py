@@ -84,7 +84,14 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
     Each the fastest of repeated calls (about ``budget_s``); a kernel that raises is recorded with
     its ``error`` and no rate."""
     from pdserve.kernels.cpu import gemv as gemv_module
-    from pdserve.kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_available, gemv_bf16, pack_weight
+    from pdserve.kernels.cpu.gemv import (
+        gemm_amx_available,
+        gemm_bf16_amx,
+        gemv_available,
+        gemv_bf16,
+        pack_weight,
+        packed_bf16_available,
+    )
     from pdserve.model.cpu_linear import PackedBF16Linear
 
     gemm_avx512 = getattr(gemv_module, "gemm_bf16_avx512", None)
@@ -96,7 +103,7 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
         for n, k in dict.fromkeys((int(n), int(k)) for n, k in shapes):
             linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
             w = linear.weight.detach()
-            packed = pack_weight(w) if gemv_available() else None
+            packed = pack_weight(w) if packed_bf16_available() else None
             module, module_error = None, None
             try:
                 module = PackedBF16Linear(linear) if packed is not None else None
@@ -107,9 +114,9 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
                 kernels: dict[str, Callable[[], object]] = {"f_linear": lambda: F.linear(x, w)}
                 if packed is not None:
                     xp = F.pad(x, (0, k % 2))
-                    if m <= 64:
+                    if m <= 64 and gemv_available():
                         kernels["gemv_bf16"] = lambda: gemv_bf16(xp, packed, n)
-                    if gemm_avx512 is not None:
+                    if gemm_avx512 is not None and gemv_available():
                         kernels["gemm_bf16_avx512"] = lambda: gemm_avx512(xp, packed, n)
                     if gemm_fma is not None:
                         kernels["gemm_bf16_fma"] = lambda: gemm_fma(xp, packed, n)

@@ -29,7 +29,8 @@ can differ in the last bit between a step of at most 2 rows and a larger one. On
 ``vdpbf16ps`` issues slowly (an Emerald Rapids core under KVM: a quarter of the FMA rate) the
 float32-FMA gemm replaces the AVX512-BF16 one for every row count
 (:func:`kernels.cpu.gemv.bf16_gemm_kernel`): 143 vs 87 GFLOP/s from 32 rows on, the same weight
-stream at one row.
+stream at one row; so it does on an AVX-512 CPU without AVX512-BF16 (the same Xeon model under a
+VM that hides AVX512-BF16 and AMX), where the alternative is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from pdserve.kernels.cpu.gemv import (
     KERNELS,
     bf16_gemm_kernel,
     gemm_amx_available,
-    gemv_available,
     pack_weight,
+    packed_bf16_available,
     run_unchecked,
     unpack_weight,
 )
@@ -135,10 +136,11 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
     (a tied head gets a packed copy; the embedding keeps the dense weight). ``keep_dense``: see
     :class:`PackedBF16Linear` (a colocated worker keeps it for its prefill chunks).
 
-    A no-op (returns 0) where the kernel cannot run (no compiler, no AVX512-BF16), for
-    non-bf16 or non-CPU weights, and for already converted modules. Returns the number swapped.
+    A no-op (returns 0) where no packed kernel can run (no compiler, no AVX-512; an AVX-512 CPU
+    without AVX512-BF16 runs the float32-FMA gemm), for non-bf16 or non-CPU weights, and for already
+    converted modules. Returns the number swapped.
     """
-    if not gemv_available():
+    if not packed_bf16_available():
         return 0
     swapped = 0
     for name, module in list(model.named_modules()):

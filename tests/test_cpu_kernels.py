@@ -22,6 +22,7 @@ from pdserve.kernels.cpu.gemv import (
     gemv_available,
     gemv_bf16,
     pack_weight,
+    packed_bf16_available,
     run_unchecked,
     unpack_weight,
 )
@@ -36,6 +37,7 @@ from pdserve.model.runner import ModelRunner, StepInput
 
 needs_gemv = pytest.mark.skipif(not gemv_available(), reason="no AVX512-BF16 or no C compiler")
 needs_amx = pytest.mark.skipif(not gemm_amx_available(), reason="no AMX-BF16")
+needs_packed = pytest.mark.skipif(not packed_bf16_available(), reason="no AVX-512 or no C compiler")
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
 
 
@@ -117,7 +119,7 @@ def test_avx512_gemm_refuses_what_it_cannot_take():
         gemm_bf16_avx512(torch.randn(3, 8).bfloat16(), torch.randn(20, 8).bfloat16(), 20)
 
 
-@needs_gemv
+@needs_packed
 def test_kernel_for_names_the_path_each_row_count_takes():
     lin = nn.Linear(64, 40).bfloat16().requires_grad_(False)
     packed_only, with_dense = PackedBF16Linear(lin, keep_dense=False), PackedBF16Linear(lin, keep_dense=True)
@@ -255,7 +257,7 @@ def test_huge_page_tensors_are_aligned_and_weights_stay_tied(model_dir):
         assert torch.equal(v, before[k]), k
 
 
-@needs_gemv
+@needs_packed
 @pytest.mark.parametrize("which", ["embedded", "awkward"])
 def test_packed_bf16_model_matches_the_plain_bf16_model(which, model_dir, awkward_model_dir):
     """The decode worker's bf16 model (packed linears, huge pages, C attention and fused ops) against
@@ -303,7 +305,7 @@ def test_loading_the_kernels_leaves_subnormals_alone():
     assert (torch.tensor([1e-40]) * 1.0).item() != 0.0
 
 
-@needs_gemv
+@needs_packed
 def test_without_a_dense_copy_every_row_count_runs_on_the_packed_weight():
     torch.manual_seed(3)
     lin = nn.Linear(64, 40).bfloat16().requires_grad_(False)

@@ -134,3 +134,37 @@ def test_run_refuses_inputs_that_do_not_fit(checkpoints):
                   meta.block_tables)
     with pytest.raises(ValueError, match="at least one layer"):
         DecodeStack([], model.norm.weight, 4, 2, 36, 120, 1e-5, 0.1, torch.bfloat16)
+
+
+@pytest.fixture
+def without_avx512_bf16(monkeypatch):
+    """This process as on an AVX-512 CPU without AVX512-BF16 (no gemv, no AMX): the FMA gemm serves."""
+    from pdserve.kernels.cpu import decode_stack, gemv
+    monkeypatch.setattr(gemv, "gemv_available", lambda: False)
+    monkeypatch.setattr(decode_stack, "gemv_available", lambda: False)
+    monkeypatch.delenv(gemv.GEMM_ENV, raising=False)
+    gemv.bf16_gemm_kernel.cache_clear()
+    yield
+    gemv.bf16_gemm_kernel.cache_clear()
+
+
+@pytest.mark.skipif(not stack_available(), reason="no C compiler or no AVX-512")
+def test_without_avx512_bf16_the_fma_gemm_serves_every_row_count(without_avx512_bf16, checkpoints):
+    """An AVX-512 CPU without AVX512-BF16 (Ice Lake, or a VM hiding it) packs its bf16 projections for
+    the float32-FMA gemm at every row count, and the stack runs it without the gemv and AMX symbols,
+    bit-identical to the per-operation path; a spec asking for the gemv is refused, not called."""
+    from pdserve.kernels.cpu.decode_stack import LinearSpec
+    from pdserve.model.cpu_linear import PackedBF16Linear
+    model, cfg = _model(checkpoints["qwen3"], "bf16")
+    packed = [m for m in model.modules() if isinstance(m, PackedBF16Linear)]
+    assert len(packed) == 4 * cfg.num_layers + 1
+    assert {m.kernel_for(r) for m in packed for r in (1, 2, 32, 4096)} == {"gemm-fma"}
+    stack = cpu_stack.decode_stack(model)
+    assert stack is not None and not stack._model.k.gemv_bf16 and not stack._model.k.gemm_amx
+    per_op = copy.deepcopy(model)
+    per_op.cpu_stack = False
+    assert all(torch.equal(g, w) for g, w in zip(_steps(model, cfg), _steps(per_op, cfg)))
+    head = model.lm_head
+    spec = LinearSpec("bf16", head.packed, head.out_features, head.in_features, gemv_max_rows=1)
+    with pytest.raises(ValueError, match="gemv or AMX"):
+        stack.linear_struct(spec, (head.out_features, head.in_features), "lm_head")

@@ -12,7 +12,7 @@ import torch
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent
 from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu import fused as cfused
-from pdserve.kernels.cpu.gemv import gemv_available
+from pdserve.kernels.cpu.gemv import packed_bf16_available
 from pdserve.kernels.paged_attention import write_kv
 from pdserve.model.cpu_linear import pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
@@ -104,7 +104,7 @@ def test_fused_rope_write_kv_applies_the_per_head_qk_norm_as_the_torch_code(dtyp
         cfused.rope_write_kv(qkv, cos, sin, cache, 1, slots, heads, kv_heads, dim, q_norm.weight, None, eps)
 
 
-@pytest.mark.skipif(not gemv_available(), reason="no AVX512-BF16 or no C compiler")
+@pytest.mark.skipif(not packed_bf16_available(), reason="no AVX-512 or no C compiler")
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3", "mistral"])
 def test_packed_bf16_model_matches_the_plain_bf16_model(checkpoints, variant):
     """The decode worker's bf16 model (packed linears with biases added after the product, C attention,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.cpu import available, library
-from pdserve.kernels.cpu.gemv import SYMBOLS, bf16_gemm_kernel
+from pdserve.kernels.cpu.gemv import SYMBOLS, bf16_gemm_kernel, gemm_amx_available, gemv_available
 
 _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 KERNEL = "decode-stack"       # the path name benchmarks record
@@ -30,8 +30,7 @@ _LIBRARIES = ("decode_stack", "fused", "paged_attention")
 
 def stack_available(int4: bool = False, bf16_packed: bool = False) -> bool:
     """Whether :class:`DecodeStack` can run here with the kernels it would call (C compiler, ISA)."""
-    libs = _LIBRARIES + (("gemv_int4",) if int4 else ()) + \
-        (("gemv_bf16", SYMBOLS[bf16_gemm_kernel()][0]) if bf16_packed else ())
+    libs = _LIBRARIES + (("gemv_int4",) if int4 else ()) + ((SYMBOLS[bf16_gemm_kernel()][0],) if bf16_packed else ())
     return all(available(name) for name in libs)
 
 
@@ -160,9 +159,11 @@ class DecodeStack:
         """The kernels of a projection ``kind``, resolved the first time one is described."""
         k = self._model.k
         if kind == "bf16" and not k.gemm_bf16:
-            k.gemv_bf16 = _symbol("gemv_bf16", "pd_gemv_bf16")
             k.gemm_bf16 = _symbol(*SYMBOLS[bf16_gemm_kernel()])
-            k.gemm_amx = _symbol("gemv_bf16", "pd_gemm_bf16_amx")
+            if gemv_available():                  # else no spec asks for them: gemv_max_rows 0, no AMX
+                k.gemv_bf16 = _symbol("gemv_bf16", "pd_gemv_bf16")
+            if gemm_amx_available():
+                k.gemm_amx = _symbol("gemv_bf16", "pd_gemm_bf16_amx")
         elif kind == "int4" and not k.gemm_int4:
             k.gemm_int4 = _symbol("gemv_int4", "pd_int4_gemv")
 
@@ -182,7 +183,8 @@ class DecodeStack:
         (:class:`~kernels.cpu.decode_graph.DecodeGraph` describes the LM head so).
 
         Raises:
-            ValueError: a weight, scales or bias that is not the kernels' layout of ``shape``.
+            ValueError: a weight, scales or bias that is not the kernels' layout of ``shape``, or a spec that
+                asks for the gemv or AMX tiles where this CPU has neither.
         """
         n, k = shape
         if (spec.out_features, spec.in_features) != shape:
@@ -195,6 +197,8 @@ class DecodeStack:
                 raise ValueError(f"DecodeStack: {where}: not a packed bf16 weight of {n} x {k} (K must be even)")
             if self.dtype != torch.bfloat16:
                 raise ValueError(f"DecodeStack: {where}: bf16-packed projections need bf16 activations")
+            if (spec.gemv_max_rows > 0 and not gemv_available()) or (spec.amx and not gemm_amx_available()):
+                raise ValueError(f"DecodeStack: {where}: asks for the gemv or AMX tiles, which this CPU lacks")
             c.kind, c.Np, c.Kp = 0, w.shape[0] * 16, k
         elif spec.kind == "int4":
             g, kp = spec.group_size, w.shape[1] * 8

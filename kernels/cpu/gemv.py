@@ -33,6 +33,12 @@ def gemv_available() -> bool:
     return available("gemv_bf16")
 
 
+def packed_bf16_available() -> bool:
+    """Whether some kernel takes the packed bf16 layout here: :func:`bf16_gemm_kernel`'s library
+    (``gemv_bf16`` with AVX512-BF16, else ``gemm_bf16_fma``, which needs only AVX-512F/BW)."""
+    return available(SYMBOLS[bf16_gemm_kernel()][0])
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` weight (any float dtype) -> packed bf16 ``[Np // 16, Kp // 2, 16, 2]`` (zero padding)."""
     n, k = weight.shape
@@ -109,7 +115,8 @@ def dp_fma_ratio() -> float:
 @functools.cache
 def bf16_gemm_kernel() -> str:
     """The packed bf16 GEMM for this CPU when AMX does not serve: ``"gemm-fma"`` where ``vdpbf16ps``
-    issues more than :data:`DP_FMA_SLOW` times slower than an FMA (:func:`dp_fma_ratio`), else
+    issues more than :data:`DP_FMA_SLOW` times slower than an FMA (:func:`dp_fma_ratio`) or does not
+    exist (an AVX-512 CPU without AVX512-BF16, such as Ice Lake, or a VM that hides it), else
     ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16`` overrides the measurement. Every row count
     and the decode stack use the one answer, so a row's result does not depend on its batch.
 
@@ -122,7 +129,7 @@ def bf16_gemm_kernel() -> str:
     if forced:
         return KERNELS[3] if forced == "fma" else KERNELS[1]
     ratio = dp_fma_ratio()
-    kernel = KERNELS[3] if ratio > DP_FMA_SLOW else KERNELS[1]
+    kernel = KERNELS[3] if ratio > DP_FMA_SLOW or not gemv_available() else KERNELS[1]
     log.info("bf16 GEMM: %s (vdpbf16ps / FMA issue time %.2f)", kernel, ratio)
     return kernel
 
