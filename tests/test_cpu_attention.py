@@ -16,11 +16,26 @@ from pdserve.kernels.cpu.attention import (
     paged_attention_cpu,
     prefill_attention_available,
     prefill_attention_cpu,
+    prefill_library,
 )
+from pdserve.kernels.cpu.gemv import GEMM_ENV, bf16_gemm_kernel, gemv_available
 from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention, paged_attention_torch
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
-needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX512-BF16")
+needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX-512")
+
+
+@pytest.fixture(params=["dpbf16", "fma"])
+def prefill_build(request, monkeypatch):
+    """Each build of the prefill kernel this CPU can run: on ``vdpbf16ps`` (AVX512-BF16 only) and on
+    float32 FMAs, chosen as a worker chooses it (through the bf16 GEMM choice)."""
+    if request.param == "dpbf16" and not gemv_available():
+        pytest.skip("no AVX512-BF16")
+    monkeypatch.setenv(GEMM_ENV, request.param)
+    bf16_gemm_kernel.cache_clear()
+    assert prefill_library() == {"dpbf16": "prefill_attention", "fma": "prefill_attention_fma"}[request.param]
+    yield request.param
+    bf16_gemm_kernel.cache_clear()
 
 
 def _case(heads, kv_heads, head_dim, block_size, query_lens, seq_lens, dtype, seed=0):
@@ -106,7 +121,7 @@ def _check_prefill(cache, meta, q, scale=0.2):
 @needs_prefill
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 16])          # 16 heads per KV head: wider than a 12-row tile
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 128, 256])
-def test_prefill_kernel_matches_torch_for_every_group_and_head_size(group, head_dim):
+def test_prefill_kernel_matches_torch_for_every_group_and_head_size(group, head_dim, prefill_build):
     # whole prompts around the 32-key tile edges, a later chunk, and three sequences in one step
     for query_lens, seq_lens in ([1], [1]), ([31], [31]), ([33], [33]), ([40], [130]), ([5, 64, 17], [5, 100, 90]):
         _check_prefill(*_case(2 * group, 2, head_dim, 16, query_lens, seq_lens, torch.bfloat16, seed=group))
@@ -114,12 +129,12 @@ def test_prefill_kernel_matches_torch_for_every_group_and_head_size(group, head_
 
 @needs_prefill
 @pytest.mark.parametrize("block_size", [1, 7, 32, 40])
-def test_prefill_kernel_on_pages_of_any_size(block_size):
+def test_prefill_kernel_on_pages_of_any_size(block_size, prefill_build):
     _check_prefill(*_case(12, 4, 64, block_size, [70, 9], [150, 9], torch.bfloat16))
 
 
 @needs_prefill
-def test_prefill_kernel_rows_do_not_depend_on_the_batch_and_large_scores_stay_finite():
+def test_prefill_kernel_rows_do_not_depend_on_the_batch_and_large_scores_stay_finite(prefill_build):
     cache, meta, q = _case(12, 4, 64, 16, [20, 50, 3], [60, 50, 40], torch.bfloat16, seed=3)
     together = prefill_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
     alone_meta = build_attention_metadata([50], [50], [meta.block_tables[1].tolist()], 16)
@@ -130,7 +145,7 @@ def test_prefill_kernel_rows_do_not_depend_on_the_batch_and_large_scores_stay_fi
 
 
 @needs_prefill
-def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it():
+def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it(prefill_build):
     cache, meta, q = _case(6, 2, 64, 16, [30], [30], torch.bfloat16)
     args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
     with pytest.raises(ValueError, match="bf16"):

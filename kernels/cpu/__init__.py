@@ -8,7 +8,8 @@ CPU operators run far from the machine's limits at decode shapes.
   streaming each weight once per step;
 * :mod:`kernels.cpu.attention` (``paged_attention.c``, ``prefill_attention.c``): paged attention
   for decode and short query blocks, reading K/V through block tables without gathering them
-  first, and causal flash-style attention of bf16 prefill chunks;
+  first, and causal flash-style attention of bf16 prefill chunks (on ``vdpbf16ps``, or on float32
+  FMAs where the CPU lacks it or issues it slowly: ``prefill_attention_fma``);
 * :mod:`kernels.cpu.fused` (``fused.c``): RMSNorm, RoPE with the KV cache write, and SiLU-and-mul,
   one call each instead of a dozen tensor operations;
 * :mod:`kernels.cpu.decode_stack` (``decode_stack.c``): all decoder layers of a decode step in one
@@ -53,7 +54,10 @@ _FLAGS = {
     "membw": ["-O2", "-pthread"],
     "decode_stack": ["-O3", "-march=native", "-ffp-contract=off"],
     "prefill_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
+    "prefill_attention_fma": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
+                              "-DPD_NO_DPBF16"],
 }
+_SOURCES = {"prefill_attention_fma": "prefill_attention"}   # libraries built from another's source
 
 
 DTYPES = (torch.float32, torch.bfloat16)     # element types every CPU kernel takes
@@ -110,8 +114,8 @@ def _trusted(lib: Path) -> bool:
 
 
 def _build(name: str) -> Path:
-    """Compile ``name.c`` into the cache (once per source, headers, flags, compiler and CPU) and return the
-    library path.
+    """Compile ``name.c`` (or the source :data:`_SOURCES` names for it) into the cache (once per source,
+    headers, flags, compiler and CPU) and return the library path.
     The cache directory is owner-only; a cached library that is not this user's own, or that others
     can write, is rebuilt rather than loaded.
 
@@ -119,7 +123,8 @@ def _build(name: str) -> Path:
         KernelUnavailable: no compiler, an unwritable cache, or the build failed.
     """
     cc = _compiler()
-    source = (_HERE / f"{name}.c").read_bytes()
+    src = _HERE / f"{_SOURCES.get(name, name)}.c"
+    source = src.read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))    # what the sources #include
     flags = _FLAGS[name]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
@@ -134,7 +139,7 @@ def _build(name: str) -> Path:
     except OSError as exc:
         raise KernelUnavailable(f"cannot write the kernel cache {out.parent}: {exc}") from exc
     os.close(fd)
-    cmd = [cc, *flags, "-shared", "-fPIC", str(_HERE / f"{name}.c"), "-o", tmp, "-lmvec", "-lm"]
+    cmd = [cc, *flags, "-shared", "-fPIC", str(src), "-o", tmp, "-lmvec", "-lm"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)

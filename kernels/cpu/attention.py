@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from pdserve.kernels.cpu import DTYPES, available, library
+from pdserve.kernels.cpu.gemv import KERNELS, bf16_gemm_kernel
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -94,10 +95,17 @@ def _fn():
 PREFILL_MAX_HEAD_DIM = 256
 
 
+def prefill_library() -> str:
+    """The build of ``prefill_attention.c`` this CPU runs: ``"prefill_attention"`` (``vdpbf16ps``) or
+    ``"prefill_attention_fma"`` (the same products on float32 FMAs), the latter wherever the packed
+    GEMMs run on FMAs (:func:`kernels.cpu.gemv.bf16_gemm_kernel`: no AVX512-BF16, or a slow one)."""
+    return "prefill_attention_fma" if bf16_gemm_kernel() == KERNELS[3] else "prefill_attention"
+
+
 def prefill_attention_available(head_dim: int) -> bool:
-    """Whether :func:`prefill_attention_cpu` takes this head size here (AVX512-BF16, ``head_dim`` a
+    """Whether :func:`prefill_attention_cpu` takes this head size here (AVX-512, ``head_dim`` a
     multiple of 16 up to :data:`PREFILL_MAX_HEAD_DIM`)."""
-    return head_dim % 16 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM and available("prefill_attention")
+    return head_dim % 16 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM and available(prefill_library())
 
 
 def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, query_start_loc: torch.Tensor,
@@ -122,7 +130,7 @@ def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, q
     q = q.contiguous()
     out = torch.empty_like(q)
     base, s_block, s_tok, s_head, s_kv = _layer_layout(kv_cache, layer)
-    fn = library("prefill_attention").pd_prefill_attention
+    fn = library(prefill_library()).pd_prefill_attention
     if fn.argtypes is None:
         fn.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _i64, _i64,
                        ctypes.c_float]

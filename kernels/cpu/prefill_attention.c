@@ -1,4 +1,4 @@
-/* Causal attention of prefill chunks over the paged bf16 KV cache, on AVX512-BF16.
+/* Causal attention of prefill chunks over the paged bf16 KV cache, on AVX512-BF16 or float32 FMAs.
  *
  * torch's CPU flash attention runs at 40-75 GFLOP/s on one core for a 512- or 2,048-token
  * bf16 prompt (bench-80m shapes, Zen 5 and Emerald Rapids), a tenth of the same core's GEMM
@@ -36,11 +36,40 @@ extern float expf(float);                                /* glibc's vector varia
 #define RMAX 12                   /* query rows per tile: 24 score accumulators */
 #define MAX_D 256
 
+/* vdpbf16ps where the build targets a CPU that has it (-march=native there), else the same products
+ * on float32 FMAs: bf16 pairs widened by a shift (even element) and a mask (odd element), exact, and
+ * P narrowed by bf16.h's rounding. -DPD_NO_DPBF16 forces the FMA form (how the tests reach it on a
+ * CPU with AVX512-BF16). */
+#if defined(__AVX512BF16__) && !defined(PD_NO_DPBF16)
+#define PD_DPBF16 1
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+typedef __m512bh bf16x32;                               /* 16 pairs of bf16 */
+#define DP(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
+#define TO_PAIRS(p1, p0) ((__m512i)_mm512_cvtne2ps_pbh(p1, p0))
+#else
+#define PD_DPBF16 0
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+typedef __m512i bf16x32;
+/* acc + a.odd b.odd + a.even b.even per 32-bit lane, as vdpbf16ps sums them (odd pair first). */
+TARGET static inline __attribute__((always_inline)) __m512 DP(__m512 acc, __m512i a, __m512i b) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+/* p0's 16 lanes then p1's, each rounded to bf16: what vcvtne2ps2bf16 p1, p0 gives. */
+TARGET static inline __attribute__((always_inline)) __m512i TO_PAIRS(__m512 p1, __m512 p0) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(f32_to_bf16_x16(p0))),
+                              _mm512_cvtepi32_epi16(f32_to_bf16_x16(p1)), 1);
+}
+#endif
+
 int pd_cpu_supported(void) {                             /* asked by kernels.cpu.available */
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512bf16");
+        && __builtin_cpu_supports("avx512vl") && (!PD_DPBF16 || __builtin_cpu_supports("avx512bf16"));
 }
+
+int pd_prefill_attention_dpbf16(void) { return PD_DPBF16; }   /* the path benchmarks record */
 
 
 typedef struct {
@@ -73,7 +102,6 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
 
 extern __m512 _ZGVeN16v_expf(__m512);                   /* glibc libmvec: expf on 16 lanes */
 
-#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define INLINE static inline __attribute__((always_inline))
 
 /* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
@@ -87,13 +115,13 @@ TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const f
         for (int v = 0; v < NVC; v++) o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O[r] + 16 * v), a);
     }
     for (int j = 0; j < keys; j += 2) {
-        __m512bh vv[16];
-        for (int v = 0; v < NVC; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vt + j * D + 32 * v);
+        bf16x32 vv[16];
+        for (int v = 0; v < NVC; v++) vv[v] = (bf16x32)_mm512_loadu_si512(vt + j * D + 32 * v);
         for (int r = 0; r < RG; r++) {
             int32_t pair;
             memcpy(&pair, P[r] + j, 4);
-            const __m512bh pj = (__m512bh)_mm512_set1_epi32(pair);
-            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_dpbf16_ps(o[r][v], pj, vv[v]);
+            const bf16x32 pj = (bf16x32)_mm512_set1_epi32(pair);
+            for (int v = 0; v < NVC; v++) o[r][v] = DP(o[r][v], pj, vv[v]);
         }
     }
     for (int r = 0; r < RG; r++)
@@ -116,8 +144,7 @@ TARGET static void pv(int R, float *const *O, const float *alpha, const uint16_t
                 for (int j = 0; j < keys; j += 2) {
                     int32_t pair;
                     memcpy(&pair, P[r0] + j, 4);
-                    o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_set1_epi32(pair),
-                                         (__m512bh)_mm512_loadu_si512(vt + j * D + 2 * d));
+                    o = DP(o, (bf16x32)_mm512_set1_epi32(pair), (bf16x32)_mm512_loadu_si512(vt + j * D + 2 * d));
                 }
                 _mm512_storeu_ps(O[r0] + d, o);
             }
@@ -147,14 +174,14 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         __m512 acc[RMAX][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t p = 0; p < NP; p++) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2 + 32);
+            const bf16x32 k0 = (bf16x32)_mm512_loadu_si512(kt + p * NK * 2);
+            const bf16x32 k1 = (bf16x32)_mm512_loadu_si512(kt + p * NK * 2 + 32);
             for (int r = 0; r < R; r++) {
                 int32_t pair;
                 memcpy(&pair, qr[r] + 2 * p, 4);
-                const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
+                const bf16x32 qb = (bf16x32)_mm512_set1_epi32(pair);
+                acc[r][0] = DP(acc[r][0], qb, k0);
+                acc[r][1] = DP(acc[r][1], qb, k1);
             }
         }
         int keys = 0;                                        /* the widest row's visible keys */
@@ -176,7 +203,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             alpha[r] = expf(m[r] - mt);                      /* exp(-inf) = 0 on the row's first tile */
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             m[r] = mt;
-            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
+            _mm512_store_si512(P[r], TO_PAIRS(p1, p0));    /* keys 0..15, 16..31 */
         }
         pv(R, O, alpha, (const uint16_t (*)[NK])P, vp + t * NK * D, D, keys);
     }
