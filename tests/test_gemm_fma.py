@@ -26,10 +26,11 @@ needs_fma = pytest.mark.skipif(not available("gemm_bf16_fma"), reason="no AVX-51
 
 
 @needs_fma
-@pytest.mark.parametrize("n,k,m", [(37, 770, 5), (100, 34, 33), (16, 2, 64), (49, 66, 7), (1280, 768, 1)])
+@pytest.mark.parametrize("n,k,m", [(37, 770, 5), (100, 34, 33), (16, 2, 64), (49, 66, 7), (1280, 768, 1),
+                                   (50, 40, 15), (33, 100, 6)])
 def test_fma_gemm_rounds_the_exact_product_once(n, k, m):
     """Small integers: every float32 partial sum is exact, so each output is the exact product rounded
-    once to bf16, bit for bit, at every tail of its 6-row x 48-output tiles and 256-column chunks."""
+    once to bf16, bit for bit, at every tail of its 8-row x 48-output tiles and 256-column chunks."""
     torch.manual_seed(n * k + m)
     w, x = torch.randint(-8, 9, (n, k)).bfloat16(), torch.randint(-8, 9, (m, k)).bfloat16()
     assert torch.equal(gemm_bf16_fma(x, pack_weight(w), n), (x.double() @ w.double().t()).bfloat16())
