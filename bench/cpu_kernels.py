@@ -2,13 +2,17 @@
 
 1. The projections of one bench-80m decode step (12 layers of qkv, o, gate_up, down; bf16,
    weights in huge pages) at 1..512 activation rows: the packed AVX512-BF16 gemv, the
-   register-blocked AVX512-BF16 gemm and (where present) the AMX gemm on the same packed weights,
-   and ``F.linear`` on the dense weights; at one row also the gemv over weights in ordinary 4 KiB
-   pages. Each is set against its floor, max(FLOPs / the best GEMM rate, weight bytes / read
+   register-blocked AVX512-BF16 gemm, the float32-FMA gemm and (where present) the AMX gemm on the
+   same packed weights (each where this CPU runs it), and ``F.linear`` on the dense weights; at one
+   row also the one-row kernel over weights in ordinary 4 KiB pages. Each is set against its floor, max(FLOPs / the best GEMM rate, weight bytes / read
    bandwidth): the GEMM rate is the best of the packed gemm and ``F.linear`` on a bench-80m
    shape whose weight stays in L2. The crossovers set the row thresholds in ``model/cpu_linear.py``.
 2. Paged attention of one bench-80m layer (12 heads, 4 KV heads, head_dim 64, bf16 cache):
    the C kernel against the torch path, for decode batches and short query blocks.
+3. Prefill attention of one such layer over a whole 512- and 2,048-token prompt: torch's fresh-prefill
+   path against the C prefill kernel (its AVX512-BF16 or FMA build).
+4. A decode step's attention over all 12 layers of a scattered KV cache evicted from the L3 before
+   the step (wall time): how the decode kernel meets DRAM.
 
 Times are medians of the calling thread's CPU time (``time.thread_time``), so that time spent
 descheduled on a shared machine is not counted; pin the run (``taskset -c 1``).
@@ -19,6 +23,7 @@ descheduled on a shared machine is not counted; pin the run (``taskset -c 1``).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +33,14 @@ import torch.nn.functional as F
 
 from pdserve.bench.common import ROOT, memory_bandwidth, write_result
 from pdserve.bench.common import median_time as common_median_time
+from pdserve.bench.cpu_facts import cpu_facts
 from pdserve.kernels.cpu import available
-from pdserve.kernels.cpu.attention import paged_attention_cpu
+from pdserve.kernels.cpu.attention import (
+    paged_attention_cpu,
+    prefill_attention_available,
+    prefill_attention_cpu,
+    prefill_library,
+)
 from pdserve.kernels.cpu.gemv import (
     gemm_amx_available,
     gemm_bf16_amx,
@@ -130,6 +141,68 @@ def bench_attention(cases: list[tuple[int, int]], context: int = 150) -> list[di
     return out
 
 
+def bench_prefill_attention(lengths: list[int]) -> list[dict]:
+    """One bench-80m layer's causal attention over a whole prompt of each length: torch's path for a
+    fresh prefill (SDPA on the step's own K/V, what a worker runs without the C kernel) against the C
+    prefill kernel build this CPU runs (:func:`kernels.cpu.attention.prefill_library`)."""
+    heads, kv_heads, dim, bs = 12, 4, 64, 16
+    out = []
+    for n in lengths:
+        blocks = -(-n // bs)
+        cache = torch.randn(blocks, 1, 2, bs, kv_heads, dim).bfloat16()
+        meta = build_attention_metadata([n], [n], [list(range(blocks))], bs)
+        q = torch.randn(n, heads, dim).bfloat16()
+        k, v = (cache[:, 0, i].reshape(-1, kv_heads, dim)[:n] for i in (0, 1))
+        row = {"tokens": n, "kernel": prefill_library() if prefill_attention_available(dim) else None,
+               "flops": 4 * n * (n + 1) / 2 * dim * heads,
+               "torch_s": median_time(lambda: paged_attention_torch(q, k, v, cache, 0, meta, 0.125), repeats=3)}
+        if row["kernel"]:
+            row["c_s"] = median_time(lambda: prefill_attention_cpu(q, cache, 0, meta.query_start_loc, meta.seq_lens,
+                                                                   meta.block_tables, 0.125), repeats=3)
+        out.append(row)
+        print(f"prefill attention, {n} tokens: torch {row['torch_s'] * 1e3:7.1f} ms "
+              f"({row['flops'] / row['torch_s'] / 1e9:.0f} GFLOP/s)" + (
+                  f", C ({row['kernel']}) {row['c_s'] * 1e3:7.1f} ms ({row['flops'] / row['c_s'] / 1e9:.0f} GFLOP/s)"
+                  if "c_s" in row else ""), flush=True)
+    return out
+
+
+def bench_cold_attention(cases: list[tuple[int, int]], layers: int = 12) -> list[dict]:
+    """A decode step's attention over all ``layers`` of a KV cache in huge pages, each sequence's blocks
+    scattered (a shuffled block table) and the L3 evicted before the step by writing 1.5x its size:
+    seconds per step (median of 7), and the same step run again at once (warm)."""
+    heads, kv_heads, dim, bs = 12, 4, 64, 16
+    evict = torch.empty(int(cpu_facts()["l3_bytes"] * 1.5) // 4 or 2 ** 26)
+    out = []
+    for batch, context in cases:
+        nb = -(-(context + 1) // bs)
+        cache = empty_huge(batch * nb * layers * 2 * bs * kv_heads * dim, torch.bfloat16)
+        cache = cache.normal_().view(batch * nb, layers, 2, bs, kv_heads, dim)
+        perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(0)).tolist()
+        meta = build_attention_metadata([1] * batch, [context + 1] * batch,
+                                        [perm[i * nb:(i + 1) * nb] for i in range(batch)], bs)
+        q = torch.randn(batch, heads, dim).bfloat16()
+
+        def step() -> None:
+            for layer in range(layers):
+                paged_attention_cpu(q, cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
+        cold, warm = [], []
+        for _ in range(7):
+            evict.add_(1.0)
+            t = time.perf_counter()
+            step()
+            cold.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            step()
+            warm.append(time.perf_counter() - t)
+        row = {"batch": batch, "context": context, "layers": layers, "kv_bytes": cache.numel() * 2,
+               "cold_s": statistics.median(cold), "warm_s": statistics.median(warm)}
+        out.append(row)
+        print(f"decode attention, {layers} layers, batch {batch} x {context} tokens, L3 evicted: "
+              f"{row['cold_s'] * 1e3:.2f} ms (again at once: {row['warm_s'] * 1e3:.2f} ms)", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,3,4,8,16,32,64,128,256,512")
@@ -137,7 +210,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     result = {"linears": bench_linears([int(r) for r in args.rows.split(",")]),
-              "attention": bench_attention([(1, 1), (8, 1), (32, 1), (1, 5), (4, 8), (4, 16)])}
+              "attention": bench_attention([(1, 1), (8, 1), (32, 1), (1, 5), (4, 8), (4, 16)]),
+              "prefill_attention": bench_prefill_attention([512, 2048]),
+              "cold_attention": bench_cold_attention([(32, 140), (32, 1024), (4, 512), (4, 140)])}
     write_result(result, Path(args.out))
 
 

@@ -43,25 +43,19 @@ extern float expf(float);                                /* glibc's vector varia
 #if defined(__AVX512BF16__) && !defined(PD_NO_DPBF16)
 #define PD_DPBF16 1
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-typedef __m512bh bf16x32;                               /* 16 pairs of bf16 */
-#define DP(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
-#define TO_PAIRS(p1, p0) ((__m512i)_mm512_cvtne2ps_pbh(p1, p0))
+typedef uint16_t pval;                                  /* P as the value sums take it: bf16 pairs */
 #else
 #define PD_DPBF16 0
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
-typedef __m512i bf16x32;
-/* acc + a.odd b.odd + a.even b.even per 32-bit lane, as vdpbf16ps sums them (odd pair first). */
-TARGET static inline __attribute__((always_inline)) __m512 DP(__m512 acc, __m512i a, __m512i b) {
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)), acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
-}
-/* p0's 16 lanes then p1's, each rounded to bf16: what vcvtne2ps2bf16 p1, p0 gives. */
-TARGET static inline __attribute__((always_inline)) __m512i TO_PAIRS(__m512 p1, __m512 p0) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(f32_to_bf16_x16(p0))),
-                              _mm512_cvtepi32_epi16(f32_to_bf16_x16(p1)), 1);
-}
+typedef float pval;                                     /* float32 holding bf16-rounded values */
 #endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* A 64-byte load of 16 bf16 pairs widened to float32: the even elements (low halves) and the odd. */
+TARGET INLINE __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+TARGET INLINE __m512 odd_f32(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+}
 
 int pd_cpu_supported(void) {                             /* asked by kernels.cpu.available */
     __builtin_cpu_init();
@@ -102,12 +96,11 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
 
 extern __m512 _ZGVeN16v_expf(__m512);                   /* glibc libmvec: expf on 16 lanes */
 
-#define INLINE static inline __attribute__((always_inline))
-
 /* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
- * each pair of V rows is loaded once (NVC zmm per pair; compile-time in each instance). P is bf16,
- * taken two keys at a time (vdpbf16ps); keys past a row's last one have P = 0. */
-TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const float *alpha, const uint16_t (*P)[NK],
+ * each pair of V rows is loaded once (NVC zmm per pair; compile-time in each instance); keys past a
+ * row's last one have P = 0. AVX512-BF16: P taken two keys at a time by vdpbf16ps. FMA build: each
+ * V pair widened once into its two keys' rows, P broadcast as float32 (two FMAs per pair and row). */
+TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const float *alpha, const pval (*P)[NK],
                            const uint16_t *vt, int64_t D, int keys) {
     __m512 o[6][16];
     for (int r = 0; r < RG; r++) {
@@ -115,21 +108,31 @@ TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const f
         for (int v = 0; v < NVC; v++) o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O[r] + 16 * v), a);
     }
     for (int j = 0; j < keys; j += 2) {
-        bf16x32 vv[16];
-        for (int v = 0; v < NVC; v++) vv[v] = (bf16x32)_mm512_loadu_si512(vt + j * D + 32 * v);
+#if PD_DPBF16
+        __m512bh vv[16];
+        for (int v = 0; v < NVC; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vt + j * D + 32 * v);
         for (int r = 0; r < RG; r++) {
             int32_t pair;
             memcpy(&pair, P[r] + j, 4);
-            const bf16x32 pj = (bf16x32)_mm512_set1_epi32(pair);
-            for (int v = 0; v < NVC; v++) o[r][v] = DP(o[r][v], pj, vv[v]);
+            const __m512bh pj = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_dpbf16_ps(o[r][v], pj, vv[v]);
         }
+#else
+        for (int v = 0; v < NVC; v++) {
+            const __m512i w = _mm512_loadu_si512(vt + j * D + 32 * v);
+            const __m512 ve = even_f32(w), vo = odd_f32(w);
+            for (int r = 0; r < RG; r++)
+                o[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(P[r][j]), ve, _mm512_fmadd_ps(_mm512_set1_ps(P[r][j + 1]), vo, o[r][v]));
+        }
+#endif
     }
     for (int r = 0; r < RG; r++)
         for (int v = 0; v < NVC; v++) _mm512_storeu_ps(O[r] + 16 * v, o[r][v]);
 }
 
-/* PV of R rows in register groups: 6 rows for D = 64 (24 accumulators), 3 for D = 128, else 1. */
-TARGET static void pv(int R, float *const *O, const float *alpha, const uint16_t (*P)[NK], const uint16_t *vt,
+/* PV of R rows in register groups: 6 rows for D = 64 (24 accumulators), 3 for D = 128, else one
+ * row at a time through pv_rows' one-row instances of 16 lanes (any D a multiple of 16). */
+TARGET static void pv(int R, float *const *O, const float *alpha, const pval (*P)[NK], const uint16_t *vt,
                       int64_t D, int keys) {
     for (int r0 = 0; r0 < R;) {
         const int left = R - r0;
@@ -137,16 +140,10 @@ TARGET static void pv(int R, float *const *O, const float *alpha, const uint16_t
         else if (D == 64) { pv_rows(4, 1, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 1; }
         else if (D == 128 && left >= 3) { pv_rows(8, 3, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 3; }
         else if (D == 128) { pv_rows(8, 1, O + r0, alpha + r0, P + r0, vt, D, keys); r0 += 1; }
-        else {                                                 /* other head sizes: one row, any D */
-            const __m512 a = _mm512_set1_ps(alpha[r0]);
+        else {                                                 /* other head sizes: 16 dims at a time */
             for (int64_t d = 0; d < D; d += 16) {
-                __m512 o = _mm512_mul_ps(_mm512_loadu_ps(O[r0] + d), a);
-                for (int j = 0; j < keys; j += 2) {
-                    int32_t pair;
-                    memcpy(&pair, P[r0] + j, 4);
-                    o = DP(o, (bf16x32)_mm512_set1_epi32(pair), (bf16x32)_mm512_loadu_si512(vt + j * D + 2 * d));
-                }
-                _mm512_storeu_ps(O[r0] + d, o);
+                float *Od = O[r0] + d;
+                pv_rows(1, 1, &Od, alpha + r0, P + r0, vt + 2 * d, D, keys);
             }
             r0 += 1;
         }
@@ -158,7 +155,12 @@ TARGET static void pv(int R, float *const *O, const float *alpha, const uint16_t
 TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                         const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     float Obuf[RMAX][MAX_D] __attribute__((aligned(64))), m[RMAX], l[RMAX], alpha[RMAX];
-    uint16_t P[RMAX][NK] __attribute__((aligned(64)));
+    pval P[RMAX][NK] __attribute__((aligned(64)));
+#if !PD_DPBF16
+    float qf[RMAX][MAX_D] __attribute__((aligned(64)));  /* the queries widened once: broadcast operands */
+    for (int r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) qf[r][d] = bf16_to_f32(qr[r][d]);
+#endif
     float *O[RMAX];
     int64_t last = 0;
     for (int r = 0; r < R; r++) {
@@ -174,15 +176,25 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         __m512 acc[RMAX][2];
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
         for (int64_t p = 0; p < NP; p++) {
-            const bf16x32 k0 = (bf16x32)_mm512_loadu_si512(kt + p * NK * 2);
-            const bf16x32 k1 = (bf16x32)_mm512_loadu_si512(kt + p * NK * 2 + 32);
+#if PD_DPBF16
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2 + 32);
             for (int r = 0; r < R; r++) {
                 int32_t pair;
                 memcpy(&pair, qr[r] + 2 * p, 4);
-                const bf16x32 qb = (bf16x32)_mm512_set1_epi32(pair);
-                acc[r][0] = DP(acc[r][0], qb, k0);
-                acc[r][1] = DP(acc[r][1], qb, k1);
+                const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
             }
+#else
+            const __m512i k0 = _mm512_loadu_si512(kt + p * NK * 2), k1 = _mm512_loadu_si512(kt + p * NK * 2 + 32);
+            const __m512 k0e = even_f32(k0), k0o = odd_f32(k0), k1e = even_f32(k1), k1o = odd_f32(k1);
+            for (int r = 0; r < R; r++) {
+                const __m512 qe = _mm512_set1_ps(qf[r][2 * p]), qo = _mm512_set1_ps(qf[r][2 * p + 1]);
+                acc[r][0] = _mm512_fmadd_ps(qe, k0e, _mm512_fmadd_ps(qo, k0o, acc[r][0]));
+                acc[r][1] = _mm512_fmadd_ps(qe, k1e, _mm512_fmadd_ps(qo, k1o, acc[r][1]));
+            }
+#endif
         }
         int keys = 0;                                        /* the widest row's visible keys */
         for (int r = 0; r < R; r++) {
@@ -203,9 +215,14 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             alpha[r] = expf(m[r] - mt);                      /* exp(-inf) = 0 on the row's first tile */
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             m[r] = mt;
-            _mm512_store_si512(P[r], TO_PAIRS(p1, p0));    /* keys 0..15, 16..31 */
+#if PD_DPBF16
+            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
+#else                                                    /* rounded to bf16 as the instruction rounds */
+            _mm512_store_ps(P[r], _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_x16(p0), 16)));
+            _mm512_store_ps(P[r] + 16, _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_x16(p1), 16)));
+#endif    /* keys 0..15, 16..31 */
         }
-        pv(R, O, alpha, (const uint16_t (*)[NK])P, vp + t * NK * D, D, keys);
+        pv(R, O, alpha, (const pval (*)[NK])P, vp + t * NK * D, D, keys);
     }
     for (int r = 0; r < R; r++) {
         const float inv = 1.f / l[r];
