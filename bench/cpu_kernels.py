@@ -4,9 +4,10 @@
    weights in huge pages) at 1..512 activation rows: the packed AVX512-BF16 gemv, the
    register-blocked AVX512-BF16 gemm, the float32-FMA gemm and (where present) the AMX gemm on the
    same packed weights (each where this CPU runs it), and ``F.linear`` on the dense weights; at one
-   row also the one-row kernel over weights in ordinary 4 KiB pages. Each is set against its floor, max(FLOPs / the best GEMM rate, weight bytes / read
-   bandwidth): the GEMM rate is the best of the packed gemm and ``F.linear`` on a bench-80m
-   shape whose weight stays in L2. The crossovers set the row thresholds in ``model/cpu_linear.py``.
+   row also the one-row kernel over weights in ordinary 4 KiB pages. Each is set against its floor,
+   max(FLOPs / the best GEMM rate, weight bytes / read bandwidth): the GEMM rate is the best of the
+   packed gemms and ``F.linear`` on a bench-80m shape whose weight stays in L2. The crossovers set
+   the row thresholds in ``model/cpu_linear.py``.
 2. Paged attention of one bench-80m layer (12 heads, 4 KV heads, head_dim 64, bf16 cache):
    the C kernel against the torch path, for decode batches and short query blocks.
 3. Prefill attention of one such layer over a whole 512- and 2,048-token prompt: torch's fresh-prefill
