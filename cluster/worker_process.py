@@ -23,6 +23,7 @@ from pdserve.cluster.registry import WorkerInfo, WorkerLease
 from pdserve.cluster.secret import InsecureReminder, check_exposure, cluster_secret, worker_rpc_token
 from pdserve.cluster.service import start_grpc_server
 from pdserve.cluster.warmup import WarmupReport
+from pdserve.kernels.cpu.gemv import packed_bf16_available
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +31,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 AUTO_DTYPE = "auto"  # resolved by resolve_dtype() in the worker process, from the checkpoint and this CPU
 
 
-def cpu_has_avx512_bf16() -> bool:
-    """Whether this machine's CPU lists ``avx512_bf16`` in ``/proc/cpuinfo`` (False where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return "avx512_bf16" in line.split()
-    return False
+def cpu_serves_bf16() -> bool:
+    """Whether bf16 weights run on this CPU's packed bf16 kernels
+    (:func:`kernels.cpu.gemv.packed_bf16_available`: AVX512-BF16, or the float32-FMA GEMM on any AVX-512
+    CPU with a C compiler). Elsewhere bf16 runs through torch's ``F.linear``, which on a CPU without
+    AVX512-BF16 ran 4-9x slower than those kernels (`bench/cpu_kernels.py` on a Xeon model 207 that hides it)."""
+    return packed_bf16_available()
 
 
 def checkpoint_dtype(model_dir: str | Path) -> str:
@@ -68,9 +65,9 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
 
     ``auto`` follows vLLM's ``--dtype auto``: the checkpoint's ``torch_dtype``, except that an fp32
     checkpoint is served in 16 bits (vLLM does so on GPUs). Our workers compute on the CPU, where bf16 pays
-    only with AVX512-BF16 instructions (the bf16 GEMV kernel needs them), so an fp32 checkpoint becomes
-    ``bfloat16`` on such a CPU and stays ``float32`` elsewhere. Resolve it in the worker process: the flag
-    read is the CPU the worker runs on. An explicit dtype is returned unchanged.
+    only where the packed bf16 kernels run (:func:`cpu_serves_bf16`: any AVX-512 CPU with a C compiler),
+    so an fp32 checkpoint becomes ``bfloat16`` there and stays ``float32`` elsewhere. Resolve it in the
+    worker process: the CPU asked is the one the worker runs on. An explicit dtype is returned unchanged.
 
     Raises:
         ValueError: ``dtype`` is neither ``auto`` nor a known dtype, or (``auto``) as :func:`checkpoint_dtype`.
@@ -81,7 +78,7 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
         return dtype
     stored = checkpoint_dtype(model_dir)
     if stored == "float32":
-        return "bfloat16" if cpu_has_avx512_bf16() else "float32"
+        return "bfloat16" if cpu_serves_bf16() else "float32"
     return stored
 
 

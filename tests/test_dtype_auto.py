@@ -11,6 +11,7 @@ import torch
 from pdserve.cluster import worker_process
 from pdserve.cluster.worker_process import WorkerConfig, checkpoint_dtype, resolve_dtype
 from pdserve.deploy import cli
+from pdserve.kernels.cpu import available
 
 
 def _checkpoint(tmp_path: Path, torch_dtype: str | None, key: str = "torch_dtype") -> Path:
@@ -21,13 +22,13 @@ def _checkpoint(tmp_path: Path, torch_dtype: str | None, key: str = "torch_dtype
     return tmp_path
 
 
-@pytest.fixture(params=[True, False], ids=["avx512_bf16", "no_bf16"])
+@pytest.fixture(params=[True, False], ids=["bf16_kernels", "no_bf16_kernels"])
 def bf16_cpu(request, monkeypatch) -> bool:
-    monkeypatch.setattr(worker_process, "cpu_has_avx512_bf16", lambda: request.param)
+    monkeypatch.setattr(worker_process, "cpu_serves_bf16", lambda: request.param)
     return request.param
 
 
-def test_auto_on_fp32_checkpoint_is_bf16_iff_the_cpu_has_avx512_bf16(tmp_path, bf16_cpu):
+def test_auto_on_fp32_checkpoint_is_bf16_iff_the_cpu_runs_the_packed_bf16_kernels(tmp_path, bf16_cpu):
     model = _checkpoint(tmp_path, "float32")
     assert resolve_dtype("auto", model) == ("bfloat16" if bf16_cpu else "float32")
     cfg = WorkerConfig(model_dir=str(model), worker_id="w", dtype="auto")
@@ -81,9 +82,13 @@ def test_worker_config_default_stays_float32_and_pdserve_up_defaults_to_auto(tmp
     assert parser.parse_args(["--dtype", "float32"]).dtype == "float32"
 
 
-def test_cpu_flag_reader_matches_proc_cpuinfo():
+def test_every_avx512_cpu_with_a_compiler_serves_bf16():
+    """The FMA GEMM needs only AVX-512F/BW: a CPU that has them serves an fp32 checkpoint in bf16 whether
+    or not it has AVX512-BF16; one without (AVX2 only) keeps float32."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         pytest.skip("no /proc/cpuinfo flags here")
-    assert worker_process.cpu_has_avx512_bf16() == ("avx512_bf16" in flags.split())
+    if not available("gemm_bf16_fma") and {"avx512f", "avx512bw"} <= set(flags.split()):
+        pytest.skip("no C compiler, or the C kernels turned off (PDSERVE_CPU_KERNELS=torch)")
+    assert worker_process.cpu_serves_bf16() == ({"avx512f", "avx512bw"} <= set(flags.split()))

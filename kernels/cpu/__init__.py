@@ -3,9 +3,9 @@
 The CPU counterpart of the Triton kernels: the decode worker's hot loops that torch's
 CPU operators run far from the machine's limits at decode shapes.
 
-* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``): bf16 weight x activation products over weights
-  pre-packed for AVX512-BF16 ``vdpbf16ps`` (a gemv, a register-blocked gemm, AMX tiles),
-  streaming each weight once per step;
+* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``, ``gemm_bf16_fma.c``): bf16 weight x activation products
+  over pre-packed weights (on AVX512-BF16 ``vdpbf16ps``: a gemv and a register-blocked gemm; AMX
+  tiles; float32 FMAs on any AVX-512 CPU), streaming each weight once per step;
 * :mod:`kernels.cpu.attention` (``paged_attention.c``, ``prefill_attention.c``): paged attention
   for decode and short query blocks, reading K/V through block tables without gathering them
   first, and causal flash-style attention of bf16 prefill chunks (on ``vdpbf16ps``, or on float32
@@ -19,7 +19,7 @@ Each source is compiled with the system C compiler (``cc``, else ``gcc``) into a
 library cached under ``~/.cache/pdserve/kernels`` (``$XDG_CACHE_HOME`` respected), keyed
 by source, flags, compiler and the CPU's feature flags, so a later process loads it at
 once; the write is atomic, so worker processes starting together do not race. Where no
-compiler or no AVX512-BF16 is present the library reports itself unavailable and callers
+compiler or not the ISA a library needs is present, it reports itself unavailable and callers
 keep the torch path: behaviour never depends on it, only speed.
 """
 
