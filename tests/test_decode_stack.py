@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 
+from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu.decode_stack import DecodeStack, stack_available
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model import cpu_stack
@@ -168,3 +169,11 @@ def test_without_avx512_bf16_the_fma_gemm_serves_every_row_count(without_avx512_
     spec = LinearSpec("bf16", head.packed, head.out_features, head.in_features, gemv_max_rows=1)
     with pytest.raises(ValueError, match="gemv or AMX"):
         stack.linear_struct(spec, (head.out_features, head.in_features), "lm_head")
+
+
+def test_without_avx512_bf16_forcing_the_dot_product_gemm_keeps_the_fma_gemm(without_avx512_bf16, monkeypatch):
+    from pdserve.kernels.cpu import gemv
+    monkeypatch.setenv(gemv.GEMM_ENV, "dpbf16")
+    gemv.bf16_gemm_kernel.cache_clear()
+    assert gemv.bf16_gemm_kernel() == "gemm-fma"
+    assert gemv.packed_bf16_available() == available("gemm_bf16_fma")

@@ -117,8 +117,9 @@ def bf16_gemm_kernel() -> str:
     """The packed bf16 GEMM for this CPU when AMX does not serve: ``"gemm-fma"`` where ``vdpbf16ps``
     issues more than :data:`DP_FMA_SLOW` times slower than an FMA (:func:`dp_fma_ratio`) or does not
     exist (an AVX-512 CPU without AVX512-BF16, such as Ice Lake, or a VM that hides it), else
-    ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16`` overrides the measurement. Every row count
-    and the decode stack use the one answer, so a row's result does not depend on its batch.
+    ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16`` overrides the measurement (``dpbf16`` only
+    where the CPU has the instruction: elsewhere it is logged and ignored). Every row count and the
+    decode stack use the one answer, so a row's result does not depend on its batch.
 
     Raises:
         ValueError: ``PDSERVE_BF16_GEMM`` is set to something else.
@@ -126,6 +127,9 @@ def bf16_gemm_kernel() -> str:
     forced = os.environ.get(GEMM_ENV, "").lower()
     if forced not in ("", "fma", "dpbf16"):
         raise ValueError(f"{GEMM_ENV} must be 'fma' or 'dpbf16', got {forced!r}")
+    if forced == "dpbf16" and not gemv_available():
+        log.warning("%s=dpbf16 ignored: no AVX512-BF16 here, the bf16 GEMM runs on float32 FMAs", GEMM_ENV)
+        return KERNELS[3]
     if forced:
         return KERNELS[3] if forced == "fma" else KERNELS[1]
     ratio = dp_fma_ratio()
