@@ -19,6 +19,16 @@ static inline uint16_t f32_to_bf16(float f) {
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+/* 16 pairs of bf16 (one 64-byte load) widened to float32, exactly: the even elements (each lane's low
+ * half shifted up) and the odd ones (its high half, masked): the packed GEMMs' and the attention
+ * kernels' way to feed bf16 pairs to float32 FMAs. */
+__attribute__((target("avx512f"))) static inline __m512 bf16_even_f32(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+__attribute__((target("avx512f"))) static inline __m512 bf16_odd_f32(__m512i w) {
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
 /* f32_to_bf16 on 16 lanes: each lane's bf16 bits in its low half (narrow with _mm512_cvtepi32_epi16). */
 __attribute__((target("avx512f,avx512bw"))) static inline __m512i f32_to_bf16_x16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);

@@ -45,7 +45,6 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
         const uint16_t *wb, float *cb, int first, int last, uint16_t *y, int64_t ldy, int64_t nb,
         int64_t n_valid) {
     __m512 acc[FMR][FNR];
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++)
             acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(cb + (i * FNR + j) * 16);
@@ -56,8 +55,8 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
         for (int j = 0; j < nr; j++) {
             if (pf) _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + FPF), _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(ws + j * 16 * K + kk * 32);
-            we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            wo[j] = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+            we[j] = bf16_even_f32(w);
+            wo[j] = bf16_odd_f32(w);
         }
         for (int i = 0; i < mr; i++) {
             const __m512 xe = _mm512_set1_ps(xs[i * K + 2 * kk]), xo = _mm512_set1_ps(xs[i * K + 2 * kk + 1]);

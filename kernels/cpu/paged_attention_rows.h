@@ -27,8 +27,8 @@ AVX512 static inline __attribute__((always_inline)) void load_row_vecs(const Ctx
         const uint16_t *p = (const uint16_t *)c->cache + off;
         for (int j = 0; j < NV / 2; j++) {
             const __m512i w = _mm512_loadu_si512(p + 32 * j);
-            v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+            v[2 * j] = bf16_even_f32(w);
+            v[2 * j + 1] = bf16_odd_f32(w);
         }
         return;
     }

@@ -51,19 +51,11 @@ typedef float pval;                                     /* float32 holding bf16-
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
-/* A 64-byte load of 16 bf16 pairs widened to float32: the even elements (low halves) and the odd. */
-TARGET INLINE __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
-TARGET INLINE __m512 odd_f32(__m512i w) {
-    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
 int pd_cpu_supported(void) {                             /* asked by kernels.cpu.available */
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl") && (!PD_DPBF16 || __builtin_cpu_supports("avx512bf16"));
 }
-
-int pd_prefill_attention_dpbf16(void) { return PD_DPBF16; }   /* the path benchmarks record */
 
 
 typedef struct {
@@ -120,7 +112,7 @@ TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const f
 #else
         for (int v = 0; v < NVC; v++) {
             const __m512i w = _mm512_loadu_si512(vt + j * D + 32 * v);
-            const __m512 ve = even_f32(w), vo = odd_f32(w);
+            const __m512 ve = bf16_even_f32(w), vo = bf16_odd_f32(w);
             for (int r = 0; r < RG; r++)
                 o[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(P[r][j]), ve, _mm512_fmadd_ps(_mm512_set1_ps(P[r][j + 1]), vo, o[r][v]));
         }
@@ -188,7 +180,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             }
 #else
             const __m512i k0 = _mm512_loadu_si512(kt + p * NK * 2), k1 = _mm512_loadu_si512(kt + p * NK * 2 + 32);
-            const __m512 k0e = even_f32(k0), k0o = odd_f32(k0), k1e = even_f32(k1), k1o = odd_f32(k1);
+            const __m512 k0e = bf16_even_f32(k0), k0o = bf16_odd_f32(k0), k1e = bf16_even_f32(k1), k1o = bf16_odd_f32(k1);
             for (int r = 0; r < R; r++) {
                 const __m512 qe = _mm512_set1_ps(qf[r][2 * p]), qo = _mm512_set1_ps(qf[r][2 * p + 1]);
                 acc[r][0] = _mm512_fmadd_ps(qe, k0e, _mm512_fmadd_ps(qo, k0o, acc[r][0]));
