@@ -127,13 +127,17 @@ def bf16_gemm_kernel() -> str:
     forced = os.environ.get(GEMM_ENV, "").lower()
     if forced not in ("", "fma", "dpbf16"):
         raise ValueError(f"{GEMM_ENV} must be 'fma' or 'dpbf16', got {forced!r}")
-    if forced == "dpbf16" and not gemv_available():
-        log.warning("%s=dpbf16 ignored: no AVX512-BF16 here, the bf16 GEMM runs on float32 FMAs", GEMM_ENV)
+    if forced == "fma":
+        return KERNELS[3]
+    if not gemv_available():
+        if forced:
+            log.warning("%s=dpbf16 ignored: no AVX512-BF16 here, the bf16 GEMM runs on float32 FMAs", GEMM_ENV)
+        log.info("bf16 GEMM: %s (no AVX512-BF16)", KERNELS[3])
         return KERNELS[3]
     if forced:
-        return KERNELS[3] if forced == "fma" else KERNELS[1]
+        return KERNELS[1]
     ratio = dp_fma_ratio()
-    kernel = KERNELS[3] if ratio > DP_FMA_SLOW or not gemv_available() else KERNELS[1]
+    kernel = KERNELS[3] if ratio > DP_FMA_SLOW else KERNELS[1]
     log.info("bf16 GEMM: %s (vdpbf16ps / FMA issue time %.2f)", kernel, ratio)
     return kernel
 

@@ -94,8 +94,8 @@ static inline void prefetch_token(const Ctx *c, const char *ahead, int tt) {
  *   Zen 5 (EPYC, KVM):                 32 x 140  7.07 -> 4.24   32 x 1024 55.2 -> 29.8   4 x 512 2.29 -> 1.48
  *   Xeon model 207 (KVM, no AVX512-BF16): 32 x 140  9.97 -> 7.79   32 x 1024 63.1 -> 51.1   4 x 512 4.92 -> 3.63 */
 AVX512 static inline void load_page(const Ctx *c, int64_t base, int64_t ntok, int64_t Hkv) {
-    const char *p = (const char *)c->cache + base * (c->bf16 ? 2 : 4);
     const int64_t esz = c->bf16 ? 2 : 4, rowb = c->D * esz;
+    const char *p = (const char *)c->cache + base * esz;
     __m512i t = _mm512_setzero_si512();
     for (int64_t o = 0; o < ntok; o++)
         for (int64_t h = 0; h < Hkv; h++) {
