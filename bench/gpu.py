@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.gpu_kernels import best_gemm_tflops, ceilings, run_kernels
-from pdserve.bench.gpu_model import LLAMA_1B, model_flops, run_model
+from pdserve.bench.gpu_model import LLAMA_1B, model_flops, profile_steps, run_model
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models" / "tinystories-656k")
 """The embedded TinyStories checkpoint (as ``deploy.config``, which needs the cluster's packages)."""
@@ -47,7 +47,7 @@ def summary(r: dict) -> list[str]:
                      f"{lim['bf16_gemm_8192_tflops']:.0f} TFLOP/s, best at the model's 2048-row shapes "
                      f"{r.get('gemm_2048', float('nan')):.0f}")
     for a in r.get("kernels", {}).get("attention", []):
-        lines.append(f"attention b{a['batch']} ctx{a['ctx']} {a['dtype']} "
+        lines.append(f"attention b{a['batch']} ctx{a['ctx']} {a['dtype']} t{a['block_t']} s{a['num_splits']} "
                      f"h{a['heads']}/{a['kv_heads']}x{a['head_dim']}: "
                      f"err {a['rel_err']:.1e}, {a['ms']:.3f} ms, {a['kv_gbs']:.0f} GB/s")
     for w in r.get("kernels", {}).get("w4a16", []):
@@ -67,6 +67,9 @@ def summary(r: dict) -> list[str]:
         parts += [f"prefill {n} {ms:.1f} ms ({int(n) / ms * 1e3:.0f} tok/s)" for n, ms in s["prefill_ms"].items()]
         parts += [f"decode b{b} {ms:.2f} ms ({int(b) / ms * 1e3:.0f} tok/s)" for b, ms in s["decode_ms"].items()]
         lines.append(" ".join(parts))
+    for name, tables in r.get("profile", {}).items():
+        if isinstance(tables, dict) and "by_host" in tables:
+            lines += [f"--- {name} by host time", tables["by_host"], f"--- {name} by device time", tables["by_device"]]
     for key, val in r.get("derived", {}).items():
         lines.append(f"{key}: {val}")
     return lines
@@ -89,7 +92,7 @@ def derive(r: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--parts", default="ceilings,gemm,kernels,model")
+    ap.add_argument("--parts", default="ceilings,gemm,kernels,model,profile")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +104,8 @@ def main() -> None:
     results: dict = {"command": "python bench/gpu.py --out " + args.out}
     torch.manual_seed(0)
     parts = {"ceilings": lambda: ceilings(dev), "gemm": lambda: best_gemm_tflops(dev, shapes, 2048),
-             "kernels": lambda: run_kernels(dev, shapes), "model": lambda: run_model(dev, EMBEDDED_MODEL)}
+             "kernels": lambda: run_kernels(dev, shapes), "model": lambda: run_model(dev, EMBEDDED_MODEL),
+             "profile": lambda: profile_steps(dev)}
     for name in args.parts.split(","):
         _part(results, "gemm_2048" if name == "gemm" else name, parts[name], out)
     results["derived"] = derive(results)

@@ -45,7 +45,7 @@ def _copy_gbs(dev: torch.device, numel: int) -> float:
 
 
 def attention_case(dev: torch.device, batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int,
-                   dtype: torch.dtype, block_size: int = 16) -> dict:
+                   dtype: torch.dtype, block_size: int = 16, block_t: int = 32, num_splits: int | None = None) -> dict:
     """The Triton paged decode attention over a scattered cache of ``batch`` sequences of up to
     ``ctx`` tokens (the first exactly ``ctx``) against :func:`paged_attention_decode_reference`."""
     from pdserve.kernels.paged_attention_triton import paged_attention_decode_reference, paged_attention_decode_triton
@@ -63,12 +63,14 @@ def attention_case(dev: torch.device, batch: int, ctx: int, heads: int, kv_heads
     q = torch.randn(batch, heads, head_dim, device=dev, dtype=dtype)
     tables, lens = tables.to(dev), lens.to(torch.int32).to(dev)
     scale = head_dim ** -0.5
-    out = paged_attention_decode_triton(q, cache, 0, tables, lens, scale)
+    kw = dict(block_t=block_t, num_splits=num_splits)
+    out = paged_attention_decode_triton(q, cache, 0, tables, lens, scale, **kw)
     ref = paged_attention_decode_reference(q.float(), cache.float(), 0, tables, lens, scale)
-    t = median_ms(lambda: paged_attention_decode_triton(q, cache, 0, tables, lens, scale))
+    t = median_ms(lambda: paged_attention_decode_triton(q, cache, 0, tables, lens, scale, **kw))
     kv_bytes = int(lens.sum()) * 2 * kv_heads * head_dim * cache.element_size()
     return {"batch": batch, "ctx": ctx, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "dtype": str(dtype).removeprefix("torch."), "rel_err": rel_err(out, ref),
+            "dtype": str(dtype).removeprefix("torch."), "block_t": block_t, "num_splits": num_splits,
+            "rel_err": rel_err(out, ref),
             "finite": bool(out.isfinite().all()), "ms": t, "kv_gbs": kv_bytes / t / 1e6}
 
 
@@ -135,6 +137,10 @@ def run_kernels(dev: torch.device, shapes: dict) -> dict:
                               (8, 512, torch.float32)):
         out["attention"].append(attention_case(dev, batch, ctx, nh, nkv, hd, dtype))
     out["attention"].append(attention_case(dev, 16, 777, 28, 4, 128, torch.bfloat16))   # group 7, head 128
+    for batch, ctx in ((1, 4096), (64, 2048)):                                          # tile and split sweep
+        for block_t, splits in ((16, None), (64, None), (32, 1)):
+            out["attention"].append(attention_case(dev, batch, ctx, nh, nkv, hd, torch.bfloat16, block_t=block_t,
+                                                   num_splits=splits))
     for rows in (1, 32, 512):
         for k, n in projections:
             out["w4a16"].append(w4a16_case(dev, rows, k, n))

@@ -161,6 +161,29 @@ def model_flops(cfg: ModelConfig, tokens: int) -> float:
     return per_token * tokens + attention + 2 * cfg.hidden_size * cfg.vocab_size
 
 
+def profile_steps(dev: torch.device, prompt_len: int = 512) -> dict:
+    """``torch.profiler`` tables (top operators by host and by device time) of one bf16 1B prefill of
+    ``prompt_len`` tokens and one batch-1 graph decode step."""
+    from torch.profiler import ProfilerActivity, profile
+    cfg = LLAMA_1B
+    s = Session(random_model(cfg, torch.bfloat16, dev), cfg, torch.bfloat16, dev, prompt_len + 64, 1, buckets=(1,))
+    table = s.pool.allocate(s.max_blocks)
+    prompt = torch.randint(3, cfg.vocab_size, (prompt_len,)).tolist()
+    steps = {"prefill": lambda: s.runner.run([StepInput(prompt, 0, table)]),
+             "decode": lambda: s.graphs.run([StepInput([7], prompt_len, table)])}
+    out = {}
+    for name, fn in steps.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        avg = prof.key_averages()
+        out[name] = {"by_host": avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
+                     "by_device": avg.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)}
+    return out
+
+
 def run_model(dev: torch.device, model_dir: str) -> dict:
     """Exactness on ``model_dir``, then the 1B figures: bf16 (graphs, and eager for comparison), INT4
     (RTN, group 128, Triton W4A16), FP8 (per-channel activations through ``_scaled_mm``)."""

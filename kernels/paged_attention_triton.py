@@ -35,6 +35,14 @@ is loaded once and shared by the ``G`` query heads::
       K/V[block, layer, :, off, j, :]  ──┘              last tile masked at seq_lens[b]
       out[b, j*G : (j+1)*G, :]
 
+A decode batch of a few sequences gives too few programs to fill a GPU (batch 1 of an 8-KV-head
+model: 8 programs for 132 multiprocessors), so the context is also split (flash-decoding): grid
+``(B, H_kv, S)``, program ``s`` runs the loop above over its ``ceil(seq_len / S)`` tokens (whole
+tiles) and writes its ``(m, l, acc)``; a second kernel, one program per (sequence, query head),
+merges the S partial softmaxes: ``M = max m_s``, ``out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s``.
+S depends only on shapes (batch, heads, the block tables' width), never on ``seq_lens``, so a
+captured CUDA graph replays for any lengths.
+
 Tiles are ``BLOCK_T`` tokens, independent of ``block_size``: each token's slot is looked up in the
 block table, so any block size works (5, 16, ...). ``head_dim`` and the query group are padded to
 powers of two (``HEAD_P``, ``GROUP_P``) and masked, so any head_dim (24, 64, ...) works.
@@ -122,17 +130,20 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_decode_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+        out_ptr, part_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
         stride_ob, stride_oh, stride_od,
         stride_qb, stride_qh, stride_qd,
         stride_cblk, stride_ctok, stride_chead, stride_cd,      # of kv_cache[:, layer, 0] (same for V)
         stride_btb, stride_btn,
-        block_size, group_size, head_dim,
-        GROUP_P: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_T: tl.constexpr,
+        block_size, group_size, head_dim, num_heads,
+        GROUP_P: tl.constexpr, HEAD_P: tl.constexpr, BLOCK_T: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
-        """Program (b, j): query heads ``j*G .. j*G+G-1`` of sequence b against KV head j."""
+        """Program (b, j, s): query heads ``j*G .. j*G+G-1`` of sequence b against KV head j over
+        split s of the context. One split: the normalised output; several: the split's running max,
+        denominator and numerator to ``part_ptr`` (``[B, H, NUM_SPLITS, HEAD_P + 2]`` float32)."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         seq_len = tl.load(seq_lens_ptr + seq)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, HEAD_P)
@@ -150,10 +161,13 @@ if triton is not None:
         acc = tl.zeros([GROUP_P, HEAD_P], tl.float32)                             # running numerator
         table = block_tables_ptr + seq * stride_btb
         head_off = kv_head * stride_chead + d * stride_cd                         # [HEAD_P]
+        chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_T) * BLOCK_T          # tokens per split, whole tiles
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, seq_len)
 
-        for start in range(0, seq_len, BLOCK_T):
+        for start in range(lo, hi, BLOCK_T):
             pos = start + t                                                       # [BLOCK_T] context positions
-            t_mask = pos < seq_len
+            t_mask = pos < hi
             block = tl.load(table + (pos // block_size) * stride_btn, mask=t_mask, other=0).to(tl.int64)
             slot = block * stride_cblk + (pos % block_size) * stride_ctok         # [BLOCK_T], int64
             kv_off = slot[:, None] + head_off[None, :]                            # [BLOCK_T, HEAD_P]
@@ -170,9 +184,41 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
 
-        out = acc / tl.where(l > 0.0, l, 1.0)[:, None]                            # seq_len 0 -> zeros, not NaN
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l > 0.0, l, 1.0)[:, None]                        # seq_len 0 -> zeros, not NaN
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                     out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:                                                                     # an empty split: m = -1e30, l = 0
+            row = part_ptr + ((seq * num_heads + heads) * NUM_SPLITS + split) * (HEAD_P + 2)   # [GROUP_P]
+            tl.store(row[:, None] + d[None, :], acc, mask=g_mask[:, None])
+            tl.store(row + HEAD_P, tl.where(l > 0.0, m, -1e30), mask=g_mask)
+            tl.store(row + HEAD_P + 1, l, mask=g_mask)
+
+    @triton.jit
+    def _paged_attention_reduce_kernel(
+        out_ptr, part_ptr, stride_ob, stride_oh, stride_od, head_dim,
+        HEAD_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):
+        """Program (b, h): merge the ``NUM_SPLITS`` partial softmaxes of query head h of sequence b."""
+        seq, head = tl.program_id(0), tl.program_id(1)
+        num_heads = tl.num_programs(1)
+        d = tl.arange(0, HEAD_P)
+        row = part_ptr + (seq * num_heads + head) * NUM_SPLITS * (HEAD_P + 2)
+        m = tl.full([1], -1e30, tl.float32)
+        l = tl.zeros([1], tl.float32)
+        acc = tl.zeros([HEAD_P], tl.float32)
+        for split in range(NUM_SPLITS):
+            part = row + split * (HEAD_P + 2)
+            m_s = tl.load(part + HEAD_P + tl.arange(0, 1))
+            l_s = tl.load(part + HEAD_P + 1 + tl.arange(0, 1))
+            m_new = tl.maximum(m, m_s)
+            alpha, beta = tl.exp(m - m_new), tl.exp(m_s - m_new)
+            l = l * alpha + l_s * beta
+            acc = acc * alpha + tl.load(part + d) * beta
+            m = m_new
+        out = acc / tl.where(l > 0.0, l, 1.0)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + d * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
 
 
 def _kernel_is_interpreted() -> bool:
@@ -180,19 +226,47 @@ def _kernel_is_interpreted() -> bool:
     return triton is not None and not isinstance(_paged_attention_decode_kernel, triton.runtime.JITFunction)
 
 
+def num_splits_for(batch: int, num_kv_heads: int, max_ctx: int, block_t: int, device: torch.device) -> int:
+    """Context splits per (sequence, KV head) so that a launch has enough programs to fill the GPU:
+    about four per multiprocessor (a fixed 8 programs under the interpreter, so that tests on the CPU
+    take the split path), at most one per ``block_t`` tokens of ``max_ctx`` (the block tables' width),
+    at most :data:`MAX_SPLITS`. Depends on shapes only, so a captured CUDA graph stays valid."""
+    target = 4 * _multiprocessors(device) if device.type == "cuda" else 8
+    return max(1, min(-(-target // (batch * num_kv_heads)), -(-max_ctx // block_t), MAX_SPLITS))
+
+
+MAX_SPLITS = 64
+"""The most context splits of one (sequence, KV head): the reduce reads ``splits x (head_dim + 2)``
+float32 partials per query head."""
+
+
+def _multiprocessors(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+_SMS: dict[int, int] = {}
+
+
 def paged_attention_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                  block_t: int = 16) -> torch.Tensor:
+                                  block_t: int = 32, num_splits: int | None = None) -> torch.Tensor:
     """Decode attention with the Triton kernel; same contract as :func:`paged_attention_decode_reference`.
 
-    Launch grid ``(B, num_kv_heads)``. Preconditions not checked here (they would need a device
-    sync): ``1 <= seq_lens[b] <= max_blocks * block_size`` and valid block ids. ``seq_lens[b] == 0``
-    yields zeros.
+    Launch grid ``(B, num_kv_heads, num_splits)``, then ``(B, num_heads)`` merging the splits when
+    there are several (scratch: ``B x num_heads x num_splits x (head_dim + 2)`` float32).
+    Preconditions not checked here (they would need a device sync): ``1 <= seq_lens[b] <=
+    max_blocks * block_size`` and valid block ids. ``seq_lens[b] == 0`` yields zeros.
 
     Args:
         q, kv_cache, layer, block_tables, seq_lens, scale: as in :func:`paged_attention_decode_reference`.
         block_t: context tokens per tile (power of two; a multiple of a power-of-two block_size keeps
             each block's loads contiguous).
+        num_splits: context splits per (sequence, KV head), each its own program, merged by a second
+            kernel (flash-decoding: Dao et al., "Flash-Decoding for long-context inference", 2023;
+            vLLM's ``paged_attention_v2``); None: :func:`num_splits_for`.
     Returns:
         ``[B, num_heads, head_dim]`` in ``q.dtype``.
     Raises:
@@ -209,13 +283,23 @@ def paged_attention_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, layer
                 "importing triton)") if os.environ.get("TRITON_INTERPRET") == "1" else ""
         raise RuntimeError(f"the Triton paged-attention kernel needs CUDA tensors or TRITON_INTERPRET=1; got "
                            f"tensors on {q.device}{hint}")
-    batch, _, head_dim = q.shape
+    batch, num_heads, head_dim = q.shape
+    if num_splits is None:
+        num_splits = num_splits_for(batch, num_kv_heads, block_tables.shape[1] * kv_cache.shape[3], block_t, q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     out = torch.empty_like(q)
+    head_p = triton.next_power_of_2(head_dim)
+    part = out if num_splits == 1 else torch.empty(batch, num_heads, num_splits, head_p + 2, dtype=torch.float32,
+                                                   device=q.device)
     k_cache, v_cache = kv_cache[:, layer, 0], kv_cache[:, layer, 1]               # [num_blocks, bs, H_kv, D] views
-    _paged_attention_decode_kernel[(batch, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
+    _paged_attention_decode_kernel[(batch, num_kv_heads, num_splits)](
+        out, part, q, k_cache, v_cache, block_tables, seq_lens, float(scale),
         *out.stride(), *q.stride(), *k_cache.stride(), *block_tables.stride(),
-        kv_cache.shape[3], group, head_dim,
-        GROUP_P=triton.next_power_of_2(group), HEAD_P=triton.next_power_of_2(head_dim), BLOCK_T=block_t,
+        kv_cache.shape[3], group, head_dim, num_heads,
+        GROUP_P=triton.next_power_of_2(group), HEAD_P=head_p, BLOCK_T=block_t, NUM_SPLITS=num_splits,
     )
+    if num_splits > 1:
+        _paged_attention_reduce_kernel[(batch, num_heads)](
+            out, part, *out.stride(), head_dim, HEAD_P=head_p, NUM_SPLITS=num_splits)
     return out

@@ -149,7 +149,7 @@ def without_avx512_bf16(monkeypatch):
     gemv.bf16_gemm_kernel.cache_clear()
 
 
-@pytest.mark.skipif(not stack_available(), reason="no C compiler or no AVX-512")
+@pytest.mark.skipif(not (stack_available() and available("gemm_bf16_fma")), reason="no C compiler or no AVX-512")
 def test_without_avx512_bf16_the_fma_gemm_serves_every_row_count(without_avx512_bf16, checkpoints):
     """An AVX-512 CPU without AVX512-BF16 (Ice Lake, or a VM hiding it) packs its bf16 projections for
     the float32-FMA gemm at every row count, and the stack runs it without the gemv and AMX symbols,

@@ -157,14 +157,17 @@ from pdserve.kernels.w4a16_triton import w4a16_matmul, w4a16_matmul_reference
 from pdserve.model.quant.int4 import Int4Linear
 from pdserve.model.quant.int4_format import dequantize_weight
 torch.manual_seed(0)
-for k, n, g, bias, m_rows in [(72, 100, 32, True, 1), (384, 128, 128, False, 5), (130, 40, 64, True, 20)]:
+# split-K (None: the kernel's choice; 2 splits of 3 groups: the last one short), and 130 rows: dequantized
+cases = [(72, 100, 32, True, 1, None), (384, 128, 128, False, 5, None), (130, 40, 64, True, 20, None),
+         (130, 40, 64, True, 3, 2), (384, 128, 128, False, 4, 1), (130, 40, 64, True, 130, None)]
+for k, n, g, bias, m_rows, splits in cases:
     lin = nn.Linear(k, n, bias=bias)
     mod = Int4Linear.from_linear(lin, g)
     qt, sz = mod.triton_operands()
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(m_rows, k).to(dtype)
         b = lin.bias.detach().to(dtype) if bias else None
-        y = w4a16_matmul(x, qt, sz, g, b)
+        y = w4a16_matmul(x, qt, sz, g, b, num_splits=splits)
         ref = w4a16_matmul_reference(x, qt, sz, g, b)
         assert y.dtype == dtype and y.shape == (m_rows, n)
         tol = 1e-5 if dtype == torch.float32 else ref.abs().max().item() * 2 ** -7

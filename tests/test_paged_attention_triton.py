@@ -41,6 +41,7 @@ class Case:
     q_view: bool = False          # q is a non-contiguous view
     nan_fill: bool = False        # every cache slot outside the contexts (and layer 0) is NaN
     q_mult: float = 1.0           # > 1: peaked softmax, logits far beyond exp's float32 range
+    num_splits: int | None = None  # context splits (None: the kernel's choice, 1-2 programs' worth here)
 
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -54,6 +55,14 @@ CASES = [
     Case("d64-kv1-h6-bs16-f32-large-logits", 64, 6, 1, 16, (1, 7, 16, 33), F32, q_mult=40.0),
     Case("d24-kv2-h6-bs5-f32-nan-padding", 24, 6, 2, 5, (1, 7, 10, 33), F32, nan_fill=True),
     Case("d64-kv1-h4-bs16-bf16-nan-padding", 64, 4, 1, 16, (33, 1, 16, 7), BF16, nan_fill=True),
+    # flash-decoding splits: one pass; splits left empty by short contexts; the most splits allowed
+    Case("d64-kv2-h6-bs16-f32-one-split", 64, 6, 2, 16, (1, 7, 16, 33), F32, num_splits=1),
+    Case("d24-kv1-h4-bs5-f32-3-splits", 24, 4, 1, 5, (1, 7, 10, 33), F32, num_splits=3),
+    Case("d64-kv2-h4-bs16-bf16-64-splits", 64, 4, 2, 16, (16, 33, 1, 70), BF16, num_splits=64),
+    Case("d64-kv1-h6-bs16-f32-large-logits-5-splits", 64, 6, 1, 16, (1, 7, 16, 33), F32, q_mult=40.0,
+         num_splits=5),
+    Case("d24-kv2-h6-bs5-f32-nan-padding-4-splits", 24, 6, 2, 5, (1, 7, 10, 33), F32, nan_fill=True,
+         num_splits=4),
 ]
 TOL = {F32: dict(rtol=2e-5, atol=2e-5), BF16: dict(rtol=1.6e-2, atol=1e-2), F16: dict(rtol=2e-3, atol=2e-3)}
 
@@ -120,7 +129,7 @@ def _kernel_case_error(case: Case) -> str:
     """Run the kernel on ``case``; '' when it matches the reference, else the failure message."""
     inp = make_inputs(case)
     try:
-        out = paged_attention_decode_triton(*kernel_args(inp))
+        out = paged_attention_decode_triton(*kernel_args(inp), num_splits=case.num_splits)
         ref = paged_attention_decode_reference(*kernel_args(inp))
         assert out.dtype == case.dtype and out.shape == inp["q"].shape, (out.dtype, out.shape)
         assert torch.isfinite(out).all(), "non-finite output: a padding/unused slot was read"
@@ -171,6 +180,26 @@ def test_shape_mismatch_raises_value_error(index: int, bad, match: str):
 def test_block_t_must_be_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         paged_attention_decode_triton(*_good_args(), block_t=12)
+
+
+@pytest.mark.parametrize("num_splits", [0, 65])
+def test_num_splits_out_of_range_raises_value_error(num_splits: int):
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention_decode_triton(*_good_args(), num_splits=num_splits)
+
+
+def test_num_splits_fill_the_gpu_and_stay_in_range(monkeypatch):
+    """Enough programs for a 132-multiprocessor GPU at batch 1, none added once the batch fills it,
+    never more splits than tiles of context, never more than MAX_SPLITS."""
+    from pdserve.kernels import paged_attention_triton as pat
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(pat._SMS, 0, 132)
+    assert pat.num_splits_for(1, 8, 8192, 32, cuda) == 64          # 4 x 132 / 8 = 66, capped
+    assert pat.num_splits_for(4, 8, 8192, 32, cuda) == 17          # 528 / 32 programs
+    assert pat.num_splits_for(64, 8, 8192, 32, cuda) == 2
+    assert pat.num_splits_for(128, 8, 8192, 32, cuda) == 1
+    assert pat.num_splits_for(1, 8, 64, 32, cuda) == 2             # 64 tokens: two tiles
+    assert pat.num_splits_for(1, 1, 16, 32, torch.device("cpu")) == 1
 
 
 def test_cpu_without_interpreter_raises_runtime_error():
