@@ -43,9 +43,11 @@ class AttentionMetadata:
         query_index: ``[B, max_q]`` int64, row of the flat batch for each (sequence, query) pair;
             padding points at row 0 and is masked out of the result by ``query_valid``.
         query_valid: ``[B, max_q]`` bool.
-        ctx_block: ``[B, max_ctx]`` int64, block id of each context position (0 where padded).
-        ctx_offset: ``[B, max_ctx]`` int64, offset inside the block.
-        attn_mask: ``[B, 1, max_q, max_ctx]`` bool, True where the query may attend to the key.
+        ctx_block: ``[B, max_ctx]`` int64, block id of each context position (0 where padded);
+            empty (``[1, 0]``) for a fresh prefill, which never gathers.
+        ctx_offset: ``[B, max_ctx]`` int64, offset inside the block (empty for a fresh prefill).
+        attn_mask: ``[B, 1, max_q, max_ctx]`` bool, True where the query may attend to the key
+            (empty for a fresh prefill, which runs causally).
         fresh_prefill: True when the step is one sequence with no earlier context,
             so attention can run causally on the fresh K/V without reading the cache.
         block_tables: ``[B, max_blocks]`` int32 block tables (padded with block 0).
@@ -99,9 +101,11 @@ def build_attention_metadata(
     if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
         raise ValueError("query_lens, seq_lens and block_tables must be non-empty and of equal length")
     num_seqs, max_q, max_ctx = len(query_lens), max(query_lens), max(seq_lens)
+    fresh = num_seqs == 1 and query_lens[0] == seq_lens[0]
+    gather = not fresh                  # a fresh prompt attends causally to its own K/V: no gather, no mask
     positions, slots = [], []
     query_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
-    ctx_block = torch.zeros(num_seqs, max_ctx, dtype=torch.long)
+    ctx_block = torch.zeros(num_seqs, max_ctx if gather else 0, dtype=torch.long)
     row = 0
     for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
         if not 1 <= q_len <= s_len:
@@ -113,16 +117,21 @@ def build_attention_metadata(
         slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
         query_index[i, :q_len] = torch.arange(row, row + q_len)
         row += q_len
-        blocks = torch.tensor(table[: -(-s_len // block_size)], dtype=torch.long)
-        ctx_block[i, :s_len] = blocks.repeat_interleave(block_size)[:s_len]
+        if gather:
+            blocks = torch.tensor(table[: -(-s_len // block_size)], dtype=torch.long)
+            ctx_block[i, :s_len] = blocks.repeat_interleave(block_size)[:s_len]
     q_lens = torch.tensor(query_lens)
     s_lens = torch.tensor(seq_lens)
-    q_pos = (s_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]        # [B, max_q] absolute positions
     query_valid = torch.arange(max_q)[None, :] < q_lens[:, None]
-    k_pos = torch.arange(max_ctx)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s_lens[:, None, None])
-    mask[:, :, 0] |= ~query_valid                                            # padded rows see key 0: no NaN
-    ctx_offset = (k_pos % block_size).expand(num_seqs, max_ctx).contiguous()
+    if gather:
+        q_pos = (s_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]    # [B, max_q] absolute positions
+        k_pos = torch.arange(max_ctx)
+        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s_lens[:, None, None])
+        mask[:, :, 0] |= ~query_valid                                        # padded rows see key 0: no NaN
+        ctx_offset = (k_pos % block_size).expand(num_seqs, max_ctx).contiguous()
+    else:
+        mask = torch.zeros(1, 0, 0, dtype=torch.bool)
+        ctx_offset = torch.zeros(1, 0, dtype=torch.long)
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
     return AttentionMetadata(
@@ -133,7 +142,7 @@ def build_attention_metadata(
         ctx_block=ctx_block.to(device),
         ctx_offset=ctx_offset.to(device),
         attn_mask=mask[:, None].to(device),
-        fresh_prefill=num_seqs == 1 and query_lens[0] == seq_lens[0],
+        fresh_prefill=fresh,
         block_tables=tables.to(device),
         seq_lens=s_lens.to(torch.int32).to(device),
         decode_only=max_q == 1,

@@ -31,6 +31,17 @@ from pdserve.model.cpu_stack import decode_stack
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
 
 
+def triton_elementwise(x: torch.Tensor) -> bool:
+    """Whether RMSNorm, SiLU-and-mul and RoPE with the KV write run as Triton kernels
+    (:mod:`kernels.fused_triton`): on CUDA. Tests patch it to run them under the interpreter."""
+    return x.is_cuda
+
+
+def _fused_triton():
+    from pdserve.kernels import fused_triton  # Triton only where it runs
+    return fused_triton
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich, 2019), computed in float32."""
 
@@ -43,6 +54,8 @@ class RMSNorm(nn.Module):
         if cpu_kernel or (x.dtype == torch.bfloat16 == self.weight.dtype and x.dim() == 2 and x.is_cpu
                           and x.stride(1) == 1 and fused.rms_norm_vectorized()):   # prefill-sized bf16 rows too
             return fused.rms_norm(x, self.weight, self.eps)
+        if triton_elementwise(x) and x.dtype == self.weight.dtype:
+            return _fused_triton().rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -79,9 +92,12 @@ class Attention(nn.Module):
         q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        write_kv(kv_cache, self.layer, k, v, meta.slot_mapping)
+        if triton_elementwise(qkv):
+            q, k = _fused_triton().rope_write_kv(q, k, v, cos, sin, kv_cache, self.layer, meta.slot_mapping)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            write_kv(kv_cache, self.layer, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -99,6 +115,9 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if cpu_kernels:
             return self.down_proj(fused.silu_and_mul(gate_up))
+        if triton_elementwise(gate_up):
+            return self.down_proj(_fused_triton().silu_and_mul(gate_up.view(-1, 2 * self.intermediate))
+                                  .view(*gate_up.shape[:-1], self.intermediate))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,5 +1,6 @@
 """The GPU kernels with every family's shapes, under the Triton interpreter on CPU: whole-model
-decode steps whose attention runs the paged-attention kernel (head_dim 20, 36, 40: not powers of
+prefill and decode steps whose RMSNorm, RoPE with the KV write and SiLU-and-mul run the Triton
+elementwise kernels and whose decode attention runs the paged-attention kernel (head_dim 20, 36, 40: not powers of
 two; Qwen3's q/k norm before it), INT4 layers on the W4A16 kernel and FP8 layers on the FP8 GEMM
 kernel (Qwen2's q/k/v biases added in their epilogues), against the torch paths they replace.
 
@@ -70,7 +71,7 @@ _SCRIPT = textwrap.dedent("""
 
     prompts = [[5, 9, 200, 31, 7, 8, 400], [11, 12, 13], list(range(40, 63))]
     int4.Int4Linear.exact_cpu = True          # the CPU kernel in float32, as the Triton one computes
-    cpu_int4, cpu_fp8 = int4.Int4Linear._forward_cpu, fp8.Fp8Linear.forward
+    cpu_int4, cpu_fp8, elementwise = int4.Int4Linear._forward_cpu, fp8.Fp8Linear.forward, llama.triton_elementwise
     res = {}
     for family, path in json.loads(sys.argv[1]).items():
         model, cfg = load_model(path)
@@ -79,10 +80,11 @@ _SCRIPT = textwrap.dedent("""
         fp8.convert_for_runtime(f8)
         ref = [run(m, cfg, prompts) for m in (model, q4, f8)]
         llama.paged_attention = triton_attention
+        llama.triton_elementwise = lambda x: True                       # RMSNorm, RoPE + KV write, SiLU
         int4.Int4Linear._forward_cpu = int4_triton
         fp8.Fp8Linear.forward = fp8_triton
         got = [run(m, cfg, prompts) for m in (model, q4, f8)]
-        llama.paged_attention = pa.paged_attention
+        llama.paged_attention, llama.triton_elementwise = pa.paged_attention, elementwise
         int4.Int4Linear._forward_cpu, fp8.Fp8Linear.forward = cpu_int4, cpu_fp8
         res[family] = {name: {"max_abs": (g - r).abs().max().item(), "scale": r.abs().max().item(),
                               "same_argmax": bool(torch.equal(g.argmax(-1), r.argmax(-1)))}
