@@ -51,7 +51,8 @@ def summary(r: dict) -> list[str]:
                      f"h{a['heads']}/{a['kv_heads']}x{a['head_dim']}: "
                      f"err {a['rel_err']:.1e}, {a['ms']:.3f} ms, {a['kv_gbs']:.0f} GB/s")
     for w in r.get("kernels", {}).get("w4a16", []):
-        lines.append(f"w4a16 {w['rows']}x{w['k']}x{w['n']}: err {w['rel_err']:.1e}, {w['ms']:.3f} ms "
+        opts = {k: w[k] for k in ("block_n", "num_warps", "num_splits") if k in w}
+        lines.append(f"w4a16 {w['rows']}x{w['k']}x{w['n']} {opts or ''}: err {w['rel_err']:.1e}, {w['ms']:.3f} ms "
                      f"(bf16 {w['bf16_linear_ms']:.3f}), {w['weight_gbs']:.0f} GB/s")
     for f in r.get("kernels", {}).get("fp8", []):
         lines.append(f"fp8 {f['rows']}x{f['k']}x{f['n']}: bf16 {f['bf16_tflops']:.0f}, scaled_mm "
@@ -61,7 +62,7 @@ def summary(r: dict) -> list[str]:
     m = r.get("model", {})
     for e in m.get("exact", []):
         lines.append(f"vs transformers {e['dtype']}: matching prefix {e['matching_prefix']} of {e['tokens']}, "
-                     f"graph == eager {e['graph_equals_eager']}")
+                     f"graph == eager {e['graph_equals_eager']}, divergences {e.get('divergences')}")
     for s in m.get("speed", []):
         parts = [f"{s['label']}:"]
         parts += [f"prefill {n} {ms:.1f} ms ({int(n) / ms * 1e3:.0f} tok/s)" for n, ms in s["prefill_ms"].items()]

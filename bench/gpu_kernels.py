@@ -74,7 +74,7 @@ def attention_case(dev: torch.device, batch: int, ctx: int, heads: int, kv_heads
             "finite": bool(out.isfinite().all()), "ms": t, "kv_gbs": kv_bytes / t / 1e6}
 
 
-def w4a16_case(dev: torch.device, rows: int, k: int, n: int, group: int = 128) -> dict:
+def w4a16_case(dev: torch.device, rows: int, k: int, n: int, group: int = 128, **kw) -> dict:
     """The Triton W4A16 GEMM (``x [rows, k]`` bf16 by an INT4 ``[k, n]`` weight) against its
     float32 reference, and bf16 ``F.linear`` on the same shape for speed."""
     from pdserve.kernels.w4a16_triton import w4a16_matmul, w4a16_matmul_reference
@@ -82,13 +82,13 @@ def w4a16_case(dev: torch.device, rows: int, k: int, n: int, group: int = 128) -
     qw = torch.randint(0, 256, (k // 2, n), device=dev, dtype=torch.uint8)
     sz = torch.stack([torch.rand(k // group, n, device=dev) * 0.02 + 0.001,
                       torch.randn(k // group, n, device=dev) * 0.01], dim=-1).contiguous()
-    out = w4a16_matmul(x, qw, sz, group)
+    out = w4a16_matmul(x, qw, sz, group, **kw)
     ref = w4a16_matmul_reference(x.float(), qw, sz, group)
-    t = median_ms(lambda: w4a16_matmul(x, qw, sz, group))
+    t = median_ms(lambda: w4a16_matmul(x, qw, sz, group, **kw))
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     t_bf16 = median_ms(lambda: F.linear(x, w))
     weight_bytes = k * n // 2 + sz.numel() * 4
-    return {"rows": rows, "k": k, "n": n, "group": group, "rel_err": rel_err(out, ref), "ms": t,
+    return {"rows": rows, "k": k, "n": n, "group": group, **kw, "rel_err": rel_err(out, ref), "ms": t,
             "bf16_linear_ms": t_bf16, "weight_gbs": weight_bytes / t / 1e6,
             "tflops": 2 * rows * k * n / t / 1e9}
 
@@ -144,6 +144,10 @@ def run_kernels(dev: torch.device, shapes: dict) -> dict:
     for rows in (1, 32, 512):
         for k, n in projections:
             out["w4a16"].append(w4a16_case(dev, rows, k, n))
+    for k, n in ((i, h), (h, 2 * i)):                                                 # one-row sweep
+        for kw in (dict(block_n=32), dict(block_n=128), dict(num_warps=2), dict(num_warps=8),
+                   dict(block_n=32, num_splits=64), dict(block_n=128, num_warps=8)):
+            out["w4a16"].append(w4a16_case(dev, 1, k, n, **kw))
     for rows in (16, 2048):
         for k, n in projections:
             out["fp8"].append(fp8_case(dev, rows, k, n))

@@ -94,8 +94,15 @@ def exactness(model_dir: str, dev: torch.device, new_tokens: int = 48) -> list[d
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()
         want = [hf_greedy(hf, p, new_tokens, dev) for p in prompts]
         match = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+        margins = []        # at a divergence: transformers' logit of its token minus its logit of ours
+        for p, g, w, i in zip(prompts, got, want, match):
+            if i < len(w):
+                with torch.inference_mode():
+                    row = hf(torch.tensor([p + w[:i]], device=dev)).logits[0, -1].float()
+                margins.append({"position": i, "margin": float(row[w[i]] - row[g[i]]),
+                                "logit_scale": float(row.abs().max())})
         results.append({"dtype": str(dtype).removeprefix("torch."), "tokens": new_tokens,
-                        "matching_prefix": match, "graph_equals_eager": got == eager})
+                        "matching_prefix": match, "divergences": margins, "graph_equals_eager": got == eager})
         del ours, hf
     return results
 
