@@ -45,6 +45,7 @@ from pdserve.kernels.cpu.attention import (
 from pdserve.kernels.cpu.gemv import (
     gemm_amx_available,
     gemm_bf16_amx,
+    gemm_bf16_avx2,
     gemm_bf16_avx512,
     gemm_bf16_fma,
     gemv_available,
@@ -64,12 +65,15 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> 
 
 def packed_kernels() -> dict[str, Callable]:
     """The packed bf16 kernels that run here, by result key: the gemv and the AVX512-BF16 gemm where the
-    CPU has AVX512-BF16, AMX tiles where granted, the float32-FMA gemm on any AVX-512 CPU."""
+    CPU has AVX512-BF16, AMX tiles where granted, the float32-FMA gemm on any AVX-512 CPU, its AVX2 form on
+    any AVX2 CPU."""
     kernels = {"gemv_s": gemv_bf16, "gemm_s": gemm_bf16_avx512} if gemv_available() else {}
     if gemm_amx_available():
         kernels["amx_s"] = gemm_bf16_amx
     if available("gemm_bf16_fma"):
         kernels["fma_s"] = gemm_bf16_fma
+    if available("gemm_bf16_avx2"):
+        kernels["avx2_s"] = gemm_bf16_avx2
     return kernels
 
 
@@ -117,7 +121,7 @@ def bench_linears(rows_list: list[int]) -> list[dict]:
         floor = max(row["rows"] * weight_bytes / peak, weight_bytes / bandwidth)     # 2 FLOPs per weight per row
         row.update(gemm_peak_flops=peak, bandwidth=bandwidth, floor_s=floor)
         print(f"{row['rows']:3d} rows, floor {floor * 1e3:7.1f} ms: " + ", ".join(
-            f"{k[:-2]} {floor / row[k]:4.0%}" for k in ("gemv_s", "gemm_s", "amx_s", "fma_s", "f_linear_s")
+            f"{k[:-2]} {floor / row[k]:4.0%}" for k in ("gemv_s", "gemm_s", "amx_s", "fma_s", "avx2_s", "f_linear_s")
             if k in row))
     return out
 

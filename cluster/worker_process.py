@@ -34,8 +34,9 @@ AUTO_DTYPE = "auto"  # resolved by resolve_dtype() in the worker process, from t
 def cpu_serves_bf16() -> bool:
     """Whether bf16 weights run on this CPU's packed bf16 kernels
     (:func:`kernels.cpu.gemv.packed_bf16_available`: AVX512-BF16, or the float32-FMA GEMM on any AVX-512
-    CPU with a C compiler). Elsewhere bf16 runs through torch's ``F.linear``, which on a CPU without
-    AVX512-BF16 ran 4-9x slower than those kernels (`bench/cpu_kernels.py` on a Xeon model 207 that hides it)."""
+    CPU, or its AVX2 form elsewhere, given a C compiler). Elsewhere bf16 runs through torch's ``F.linear``,
+    which on a CPU without AVX512-BF16 ran 4-9x slower than those kernels (`bench/cpu_kernels.py` on a
+    Xeon model 207 that hides it)."""
     return packed_bf16_available()
 
 
@@ -65,7 +66,7 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
 
     ``auto`` follows vLLM's ``--dtype auto``: the checkpoint's ``torch_dtype``, except that an fp32
     checkpoint is served in 16 bits (vLLM does so on GPUs). Our workers compute on the CPU, where bf16 pays
-    only where the packed bf16 kernels run (:func:`cpu_serves_bf16`: any AVX-512 CPU with a C compiler),
+    only where the packed bf16 kernels run (:func:`cpu_serves_bf16`: any AVX-512 or AVX2 CPU with a C compiler),
     so an fp32 checkpoint becomes ``bfloat16`` there and stays ``float32`` elsewhere. Resolve it in the
     worker process: the CPU asked is the one the worker runs on. An explicit dtype is returned unchanged.
 

@@ -87,7 +87,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/KV dtype; auto (the default here, while WorkerConfig keeps float32 for the exactness "
-                        "tests): the checkpoint's torch_dtype, an fp32 checkpoint in bfloat16 on an AVX-512 "
+                        "tests): the checkpoint's torch_dtype, an fp32 checkpoint in bfloat16 on an AVX-512 or AVX2 "
                         "CPU, where the packed bf16 kernels run (cluster.worker_process.resolve_dtype)")
     p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,

@@ -1,4 +1,4 @@
-"""bf16 linear layers for CPU decode over weights packed once for AVX512-BF16 and AMX.
+"""bf16 linear layers for CPU decode over weights packed once for AVX512-BF16, AMX, and float32 FMAs.
 
 A decode step multiplies a handful of rows by every weight, so its speed is the speed at
 which weights stream from memory; from a few dozen rows on, the speed of the dot products.
@@ -30,7 +30,8 @@ can differ in the last bit between a step of at most 2 rows and a larger one. On
 float32-FMA gemm replaces the AVX512-BF16 one for every row count
 (:func:`kernels.cpu.gemv.bf16_gemm_kernel`): 143 vs 87 GFLOP/s from 32 rows on, the same weight
 stream at one row; so it does on an AVX-512 CPU without AVX512-BF16 (the same Xeon model under a
-VM that hides AVX512-BF16 and AMX), where the alternative is ``F.linear``.
+VM that hides AVX512-BF16 and AMX), where the alternative is ``F.linear``, and its 8-lane AVX2 form
+(bit-identical) on a CPU without AVX-512 (AMD Zen 3 and older, client cores).
 """
 
 from __future__ import annotations

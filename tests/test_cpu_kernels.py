@@ -37,7 +37,7 @@ from pdserve.model.runner import ModelRunner, StepInput
 
 needs_gemv = pytest.mark.skipif(not gemv_available(), reason="no AVX512-BF16 or no C compiler")
 needs_amx = pytest.mark.skipif(not gemm_amx_available(), reason="no AMX-BF16")
-needs_packed = pytest.mark.skipif(not packed_bf16_available(), reason="no AVX-512 or no C compiler")
+needs_packed = pytest.mark.skipif(not packed_bf16_available(), reason="no AVX2 or no C compiler")
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
 
 

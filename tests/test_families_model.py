@@ -104,7 +104,7 @@ def test_fused_rope_write_kv_applies_the_per_head_qk_norm_as_the_torch_code(dtyp
         cfused.rope_write_kv(qkv, cos, sin, cache, 1, slots, heads, kv_heads, dim, q_norm.weight, None, eps)
 
 
-@pytest.mark.skipif(not packed_bf16_available(), reason="no AVX-512 or no C compiler")
+@pytest.mark.skipif(not packed_bf16_available(), reason="no AVX2 or no C compiler")
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3", "mistral"])
 def test_packed_bf16_model_matches_the_plain_bf16_model(checkpoints, variant):
     """The decode worker's bf16 model (packed linears with biases added after the product, C attention,

@@ -1,7 +1,7 @@
 """The GPU kernels with every family's shapes, under the Triton interpreter on CPU: whole-model
-prefill and decode steps whose RMSNorm, RoPE with the KV write and SiLU-and-mul run the Triton
-elementwise kernels and whose decode attention runs the paged-attention kernel (head_dim 20, 36, 40: not powers of
-two; Qwen3's q/k norm before it), INT4 layers on the W4A16 kernel and FP8 layers on the FP8 GEMM
+prefill and decode steps whose decode attention runs the paged-attention kernel (head_dim 20, 36,
+40: not powers of two; Qwen3's q/k norm before it) and, in the float model, RMSNorm, RoPE with the
+KV write and SiLU-and-mul the Triton elementwise kernels, INT4 layers on the W4A16 kernel and FP8 layers on the FP8 GEMM
 kernel (Qwen2's q/k/v biases added in their epilogues), against the torch paths they replace.
 
 In a subprocess, so TRITON_INTERPRET=1 is set before Triton is imported there (see
@@ -81,10 +81,12 @@ _SCRIPT = textwrap.dedent("""
         ref = [run(m, cfg, prompts) for m in (model, q4, f8)]
         llama.paged_attention = triton_attention
         llama.triton_elementwise = lambda x: True                       # RMSNorm, RoPE + KV write, SiLU
+        got = [run(model, cfg, prompts)]                                # (interpreted: once per family)
+        llama.triton_elementwise = elementwise
         int4.Int4Linear._forward_cpu = int4_triton
         fp8.Fp8Linear.forward = fp8_triton
-        got = [run(m, cfg, prompts) for m in (model, q4, f8)]
-        llama.paged_attention, llama.triton_elementwise = pa.paged_attention, elementwise
+        got += [run(m, cfg, prompts) for m in (q4, f8)]
+        llama.paged_attention = pa.paged_attention
         int4.Int4Linear._forward_cpu, fp8.Fp8Linear.forward = cpu_int4, cpu_fp8
         res[family] = {name: {"max_abs": (g - r).abs().max().item(), "scale": r.abs().max().item(),
                               "same_argmax": bool(torch.equal(g.argmax(-1), r.argmax(-1)))}
@@ -107,7 +109,7 @@ def results(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("path", ["float", "int4", "fp8"])
 def test_triton_kernels_match_the_cpu_paths_for_every_family(results, family, path):
-    """float: the attention kernel alone; int4: W4A16 against torch's CPU INT4 kernel, both in float32;
-    fp8: the same e4m3 products; all differ only in summation order."""
+    """float: the attention kernel and the elementwise kernels; int4: W4A16 against torch's CPU INT4
+    kernel, both in float32; fp8: the same e4m3 products; all differ only in summation order."""
     r = results[family][path]
     assert r["max_abs"] <= 1e-4 * max(r["scale"], 1.0) and r["same_argmax"], r

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu.int4 import gemv_int4, int4_available, pack_int4_weight, quantize_activations
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.quant.int4 import Int4Linear, convert_for_runtime
 from pdserve.model.quant.int4_format import dequantize_weight, padded_in_features, quantize_weight
 
 REPO = Path(__file__).resolve().parents[1]
-needs_vnni = pytest.mark.skipif(not int4_available(), reason="no C compiler or no AVX512-VNNI here")
+needs_vnni = pytest.mark.skipif(not int4_available(), reason="no C compiler or no AVX512-VNNI or AVX2 here")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -263,3 +264,20 @@ def test_tinystories_through_the_kernel_tracks_exact_activations(model_dir):
     top1 = (out["vnni"].argmax(-1) == out["exact"].argmax(-1)).float().mean().item()
     print(f"vnni vs exact activations: mean KL {kl:.5f}, top-1 agreement {top1:.4f}")
     assert kl < 0.01 and top1 > 0.9, (kl, top1)
+
+
+@pytest.mark.skipif(not (available("gemv_int4") and available("gemv_int4_avx2")), reason="needs AVX512-VNNI")
+@pytest.mark.parametrize("m,n,k,g", [(1, 100, 200, 32), (5, 48, 768, 128), (4, 2048, 768, 64), (9, 17, 90, 32)])
+def test_avx2_and_vnni_int4_kernels_are_bit_identical(monkeypatch, m, n, k, g):
+    """The same integer dot products and the same float steps per lane: an AVX2 CPU serves the VNNI
+    kernel's bits, bf16 and fp32, at every row tail."""
+    from pdserve.kernels.cpu import int4 as kint4
+    qw, s, z = _weight(n, k, g, seed=m)
+    packed = pack_int4_weight(qw, s, z, g)
+    x = torch.randn(m, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        vnni = gemv_int4(x.to(dtype), *packed, n, g, dtype)
+        monkeypatch.setattr(kint4, "int4_library", lambda: "gemv_int4_avx2")
+        avx2 = gemv_int4(x.to(dtype), *packed, n, g, dtype)
+        monkeypatch.undo()
+        assert torch.equal(vnni, avx2)

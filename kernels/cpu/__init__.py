@@ -3,9 +3,10 @@
 The CPU counterpart of the Triton kernels: the decode worker's hot loops that torch's
 CPU operators run far from the machine's limits at decode shapes.
 
-* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``, ``gemm_bf16_fma.c``): bf16 weight x activation products
-  over pre-packed weights (on AVX512-BF16 ``vdpbf16ps``: a gemv and a register-blocked gemm; AMX
-  tiles; float32 FMAs on any AVX-512 CPU), streaming each weight once per step;
+* :mod:`kernels.cpu.gemv` (``gemv_bf16.c``, ``gemm_bf16_fma.c``, ``gemm_bf16_avx2.c``): bf16 weight x
+  activation products over pre-packed weights (on AVX512-BF16 ``vdpbf16ps``: a gemv and a
+  register-blocked gemm; AMX tiles; float32 FMAs on any AVX-512 CPU, and on 8-lane AVX2 FMAs
+  elsewhere), streaming each weight once per step;
 * :mod:`kernels.cpu.attention` (``paged_attention.c``, ``prefill_attention.c``): paged attention
   for decode and short query blocks, reading K/V through block tables without gathering them
   first, and causal flash-style attention of bf16 prefill chunks (on ``vdpbf16ps``, or on float32
@@ -50,7 +51,9 @@ _FLAGS = {
     "paged_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "fused": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "gemv_int4": ["-O3"],
+    "gemv_int4_avx2": ["-O3"],
     "gemm_bf16_fma": ["-O3"],
+    "gemm_bf16_avx2": ["-O3"],
     "membw": ["-O2", "-pthread"],
     "decode_stack": ["-O3", "-march=native", "-ffp-contract=off"],
     "prefill_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],

@@ -22,6 +22,7 @@ import torch
 
 from pdserve.kernels.cpu import available, library
 from pdserve.kernels.cpu.gemv import SYMBOLS, bf16_gemm_kernel, gemm_amx_available, gemv_available
+from pdserve.kernels.cpu.int4 import int4_library
 
 _i64, _i32, _f, _p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 KERNEL = "decode-stack"       # the path name benchmarks record
@@ -30,8 +31,8 @@ _LIBRARIES = ("decode_stack", "fused", "paged_attention")
 
 def stack_available(int4: bool = False, bf16_packed: bool = False) -> bool:
     """Whether :class:`DecodeStack` can run here with the kernels it would call (C compiler, ISA)."""
-    libs = _LIBRARIES + (("gemv_int4",) if int4 else ()) + ((SYMBOLS[bf16_gemm_kernel()][0],) if bf16_packed else ())
-    return all(available(name) for name in libs)
+    libs = _LIBRARIES + ((int4_library(),) if int4 else ()) + ((SYMBOLS[bf16_gemm_kernel()][0],) if bf16_packed else ())
+    return None not in libs and all(available(name) for name in libs)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class DecodeStack:
             if gemm_amx_available():
                 k.gemm_amx = _symbol("gemv_bf16", "pd_gemm_bf16_amx")
         elif kind == "int4" and not k.gemm_int4:
-            k.gemm_int4 = _symbol("gemv_int4", "pd_int4_gemv")
+            k.gemm_int4 = _symbol(int4_library(), "pd_int4_gemv")
 
     def _keep(self, t: torch.Tensor) -> int:
         self._tensors.append(t)

@@ -9,7 +9,8 @@ sequential stream. Products accumulate in float32 and round once to bf16. Four k
 take it: :func:`gemv_bf16` (a few rows), :func:`gemm_bf16_avx512` (register-blocked, any row
 count, bit-identical to the gemv), :func:`gemm_bf16_amx` (AMX tiles, its own summation order) and
 :func:`gemm_bf16_fma` (``gemm_bf16_fma.c``: float32 FMAs on the widened weights, for CPUs whose
-``vdpbf16ps`` issues slowly; :func:`bf16_gemm_kernel` picks it from a measurement).
+``vdpbf16ps`` issues slowly; :func:`bf16_gemm_kernel` picks it from a measurement), and
+:func:`gemm_bf16_avx2` (``gemm_bf16_avx2.c``: the same on 8-lane AVX2 FMAs, for CPUs without AVX-512).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def gemv_available() -> bool:
 
 def packed_bf16_available() -> bool:
     """Whether some kernel takes the packed bf16 layout here: :func:`bf16_gemm_kernel`'s library
-    (``gemv_bf16`` with AVX512-BF16, else ``gemm_bf16_fma``, which needs only AVX-512F/BW)."""
+    (``gemv_bf16`` with AVX512-BF16, else ``gemm_bf16_fma``, which needs only AVX-512F/BW, else
+    ``gemm_bf16_avx2``, which needs AVX2 and FMA)."""
     return available(SYMBOLS[bf16_gemm_kernel()][0])
 
 
@@ -93,10 +95,11 @@ def gemm_bf16_fma(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return run_unchecked(x, packed, out_features, KERNELS[3])
 
 
-KERNELS = ("gemv-avx512bf16", "gemm-avx512bf16", "gemm-amx", "gemm-fma")     # the names run_unchecked takes
-# (library, C function) of each kernel; all four take the same arguments
+KERNELS = ("gemv-avx512bf16", "gemm-avx512bf16", "gemm-amx", "gemm-fma", "gemm-avx2")  # run_unchecked's names
+# (library, C function) of each kernel; all five take the same arguments
 SYMBOLS = dict(zip(KERNELS, (("gemv_bf16", "pd_gemv_bf16"), ("gemv_bf16", "pd_gemm_bf16_avx512"),
-                              ("gemv_bf16", "pd_gemm_bf16_amx"), ("gemm_bf16_fma", "pd_gemm_bf16_fma"))))
+                              ("gemv_bf16", "pd_gemm_bf16_amx"), ("gemm_bf16_fma", "pd_gemm_bf16_fma"),
+                              ("gemm_bf16_avx2", "pd_gemm_bf16_avx2"))))
 GEMM_ENV = "PDSERVE_BF16_GEMM"     # "fma" or "dpbf16": overrides bf16_gemm_kernel's measurement
 DP_FMA_SLOW = 2.0                  # vdpbf16ps does 2x an FMA's FLOPs: slower than this, FMAs win
 
@@ -114,7 +117,8 @@ def dp_fma_ratio() -> float:
 
 @functools.cache
 def bf16_gemm_kernel() -> str:
-    """The packed bf16 GEMM for this CPU when AMX does not serve: ``"gemm-fma"`` where ``vdpbf16ps``
+    """The packed bf16 GEMM for this CPU when AMX does not serve: ``"gemm-avx2"`` on a CPU without
+    AVX-512 (its library may still be unavailable: no AVX2 or no compiler); ``"gemm-fma"`` where ``vdpbf16ps``
     issues more than :data:`DP_FMA_SLOW` times slower than an FMA (:func:`dp_fma_ratio`) or does not
     exist (an AVX-512 CPU without AVX512-BF16, such as Ice Lake, or a VM that hides it), else
     ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16`` overrides the measurement (``dpbf16`` only
@@ -127,6 +131,9 @@ def bf16_gemm_kernel() -> str:
     forced = os.environ.get(GEMM_ENV, "").lower()
     if forced not in ("", "fma", "dpbf16"):
         raise ValueError(f"{GEMM_ENV} must be 'fma' or 'dpbf16', got {forced!r}")
+    if not available(SYMBOLS[KERNELS[3]][0]):
+        log.info("bf16 GEMM: %s (no AVX-512)", KERNELS[4])
+        return KERNELS[4]
     if forced == "fma":
         return KERNELS[3]
     if not gemv_available():
@@ -142,10 +149,22 @@ def bf16_gemm_kernel() -> str:
     return kernel
 
 
+def gemm_bf16_avx2(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """As :func:`gemm_bf16_fma` on 8-lane AVX2 FMAs, for x86 CPUs without AVX-512 (AMD Zen 2/3, older
+    and client Intel cores): the same chain per output in the same order, so bit-identical to it.
+
+    Raises:
+        ValueError: as :func:`gemv_bf16`.
+        MemoryError: its float32 copy of ``x`` (up to 1 MiB) could not be allocated.
+    """
+    _check(x, packed, out_features)
+    return run_unchecked(x, packed, out_features, KERNELS[4])
+
+
 def run_unchecked(x: torch.Tensor, packed: torch.Tensor, out_features: int, kernel: str) -> torch.Tensor:
-    """:func:`gemv_bf16`, :func:`gemm_bf16_avx512`, :func:`gemm_bf16_amx` or :func:`gemm_bf16_fma`
-    (``kernel``, one of :data:`KERNELS`) without the argument checks, for a caller that validated ``packed`` once and
-    passes row-major bf16 ``x`` of its width (a multiple of 32 for AMX).
+    """:func:`gemv_bf16`, :func:`gemm_bf16_avx512`, :func:`gemm_bf16_amx`, :func:`gemm_bf16_fma` or
+    :func:`gemm_bf16_avx2` (``kernel``, one of :data:`KERNELS`) without the argument checks, for a caller
+    that validated ``packed`` once and passes row-major bf16 ``x`` of its width (a multiple of 32 for AMX).
 
     Raises:
         KernelUnavailable: ``gemm-amx`` on a CPU or process without AMX-BF16.

@@ -1,4 +1,5 @@
-"""INT4-weight x int8-activation products for CPU decode (``gemv_int4.c``, AVX512-VNNI).
+"""INT4-weight x int8-activation products for CPU decode (``gemv_int4.c`` on AVX512-VNNI, else
+``gemv_int4_avx2.c`` on AVX2: the same symbols and bit-identical results).
 
 Weights in the portable format of :mod:`model.quant.int4_format` (``W = (q - 8) s + z`` per
 group of ``G`` columns) are repacked once by :func:`pack_int4_weight`::
@@ -29,9 +30,15 @@ _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 KERNEL = "int4-vnni"      # the path name benchmarks record
 
 
+def int4_library() -> str | None:
+    """The INT4 kernel library this CPU runs: ``"gemv_int4"`` (AVX512-F/BW/VL/VNNI), else
+    ``"gemv_int4_avx2"`` (AVX2 and FMA), else None (no compiler, or neither ISA)."""
+    return next((name for name in ("gemv_int4", "gemv_int4_avx2") if available(name)), None)
+
+
 def int4_available() -> bool:
-    """Whether :func:`gemv_int4` can run here (a C compiler and AVX512-F/BW/VL/VNNI)."""
-    return available("gemv_int4")
+    """Whether :func:`gemv_int4` can run here (a C compiler and AVX512-VNNI or AVX2)."""
+    return int4_library() is not None
 
 
 def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -135,7 +142,7 @@ _SIGS = {
 
 
 def _fn(name: str):
-    fn = getattr(library("gemv_int4"), name)
+    fn = getattr(library(int4_library()), name)
     if fn.argtypes is None:
         fn.argtypes, fn.restype = _SIGS[name], ctypes.c_int if name == "pd_int4_gemv" else None
     return fn

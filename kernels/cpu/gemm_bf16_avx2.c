@@ -1,0 +1,170 @@
+/* bf16 GEMM on AVX2 float32 FMAs, for x86 CPUs without AVX-512 (AMD Zen 2 / Zen 3, Intel before Ice
+ * Lake, client cores): the packed layout of gemv_bf16.c read as in gemm_bf16_fma.c, on 8-lane vectors.
+ *
+ *   Wp[nb][kk][j][e] = W[16 nb + j, 2 kk + e]          one 64-byte pair row = two 32-byte halves
+ *   half h (outputs 8h .. 8h + 7):  w_even = Wp << 16, w_odd = Wp & 0xffff0000   (8 lanes each, exact)
+ *   acc[m][h] = fma(x[m, 2kk + 1], w_odd, fma(x[m, 2kk], w_even, acc[m][h]))
+ *
+ * Sixteen ymm registers: AMR x 2 accumulators (4 rows: 8), the four widened halves and the two
+ * broadcast activations (14 in all), so each widened weight feeds 4 rows. x is widened to float32
+ * once per call; the weight panel is walked in chunks of AKC pairs (16 KiB, kept in L1 across the
+ * row tiles), float32 partial sums between chunks. One chain per output in k order, rounded once to
+ * bf16 (nearest even): the same arithmetic in the same order as gemm_bf16_fma.c, so a result is
+ * bit-identical to the AVX-512 FMA kernel's, and a row's result does not depend on the batch. A pass of
+ * one row takes two panels at a time (four chains rather than two: the chains' FMA latency, not the
+ * memory, bounded one row).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define TARGET __attribute__((target("avx2,fma")))
+#define AMR 4                                      /* rows per tile */
+#define AKC 256                                    /* kk pairs per k chunk (16 KiB of panel in L1) */
+#define APF 512                                    /* elements of prefetch lead on the weight stream */
+#define X_BUDGET (1 << 18)                         /* float32 activations widened per pass (1 MiB) */
+
+int pd_cpu_supported(void) {                       /* asked by kernels.cpu.available */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+TARGET static inline __m256 even8(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+TARGET static inline __m256 odd8(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* f32_to_bf16 on 8 lanes, packed to 8 uint16 (nearest even; NaN stays a quiet NaN). */
+TARGET static inline __m128i bf16x8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
+/* After a tile: rows x 16 float32 sums in out (row stride 16) go to the partial-sum buffer cb, or, at the
+ * last chunk, rounded to bf16 into y (outputs nb .. nb + 15 below n_valid). The tiles copy their
+ * accumulators to out with constant indices, so that gcc keeps them in registers inside the k loop. */
+TARGET static void tile_out(const float *out, int mr, float *cb, int last, uint16_t *y, int64_t ldy, int64_t nb,
+                            int64_t n_valid) {
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) {
+            const __m256 v = _mm256_loadu_ps(out + i * 16 + 8 * h);
+            if (!last) { _mm256_storeu_ps(cb + i * 16 + 8 * h, v); continue; }
+            const int64_t n = nb + 8 * h, cnt = n_valid - n < 8 ? n_valid - n : 8;
+            if (cnt <= 0) continue;
+            const __m128i b = bf16x8(v);
+            if (cnt == 8) { _mm_storeu_si128((__m128i *)(y + i * ldy + n), b); continue; }
+            uint16_t tmp[8];
+            _mm_storeu_si128((__m128i *)tmp, b);
+            for (int64_t c = 0; c < cnt; c++) y[i * ldy + n + c] = tmp[c];
+        }
+}
+
+TARGET static inline __attribute__((always_inline)) void tile(
+        const int mr, const int pf, const float *xs, int64_t K, int64_t kn, const uint16_t *ws, float *cb,
+        int first, int last, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+    __m256 acc[AMR][2];
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) acc[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(cb + i * 16 + 8 * h);
+    for (int64_t kk = 0; kk < kn; kk++) {
+        if (pf) _mm_prefetch((const char *)(ws + kk * 32 + APF), _MM_HINT_T0);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(ws + kk * 32));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(ws + kk * 32 + 16));
+        const __m256 e0 = even8(w0), o0 = odd8(w0), e1 = even8(w1), o1 = odd8(w1);
+        for (int i = 0; i < mr; i++) {
+            const __m256 xe = _mm256_broadcast_ss(xs + i * K + 2 * kk), xo = _mm256_broadcast_ss(xs + i * K + 2 * kk + 1);
+            acc[i][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[i][0]));
+            acc[i][1] = _mm256_fmadd_ps(xo, o1, _mm256_fmadd_ps(xe, e1, acc[i][1]));
+        }
+    }
+    float out[AMR * 16] __attribute__((aligned(32)));
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) _mm256_store_ps(out + i * 16 + 8 * h, acc[i][h]);
+    tile_out(out, mr, cb, last, y, ldy, nb, n_valid);
+}
+
+/* One row against two 16-output panels (ws and ws2): four independent chains instead of two, so that a
+ * single row (decode at batch 1) is not bound by the FMA latency of its chains (each output's chain and
+ * its order are those of tile(), so the bits are the same). */
+TARGET static void row_two_panels(const float *xs, int64_t kn, const uint16_t *ws, const uint16_t *ws2, float *cb,
+                                  int first, int last, uint16_t *y, int64_t nb, int64_t n_valid) {
+    __m256 acc[4];
+    for (int h = 0; h < 4; h++) acc[h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(cb + 8 * h);
+    for (int64_t kk = 0; kk < kn; kk++) {
+        _mm_prefetch((const char *)(ws + kk * 32 + APF), _MM_HINT_T0);
+        _mm_prefetch((const char *)(ws2 + kk * 32 + APF), _MM_HINT_T0);
+        const __m256 xe = _mm256_broadcast_ss(xs + 2 * kk), xo = _mm256_broadcast_ss(xs + 2 * kk + 1);
+        for (int h = 0; h < 4; h++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)((h < 2 ? ws : ws2) + kk * 32 + 16 * (h & 1)));
+            acc[h] = _mm256_fmadd_ps(xo, odd8(w), _mm256_fmadd_ps(xe, even8(w), acc[h]));
+        }
+    }
+    float out[32] __attribute__((aligned(32)));
+    for (int h = 0; h < 4; h++) _mm256_store_ps(out + 8 * h, acc[h]);
+    tile_out(out, 1, cb, last, y, 0, nb, n_valid);                  /* outputs nb .. nb + 15 */
+    tile_out(out + 16, 1, cb + 16, last, y, 0, nb + 16, n_valid);    /* nb + 16 .. nb + 31 */
+}
+
+#define TILE(MR, PF) tile(MR, PF, xs + m0 * K, K, kn, ws, cb + m0 * 16, first, last, y + m0 * ldy, ldy, nb, n_valid)
+
+/* One k chunk of one 16-output panel over the mc widened rows; mr and pf compile-time per instance. */
+TARGET static void chunk(const float *xs, int64_t mc, int64_t K, int64_t kn, const uint16_t *ws, float *cb,
+                         int first, int last, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+    for (int64_t m0 = 0; m0 < mc; m0 += AMR) {
+        switch (mc - m0 < AMR ? (int)(mc - m0) : AMR) {
+            case 1: TILE(1, 1); break;
+            case 2: TILE(2, 1); break;
+            case 3: TILE(3, 1); break;
+            default: if (m0 == 0) TILE(AMR, 1); else TILE(AMR, 0);
+        }
+    }
+}
+
+/* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid; arguments as
+ * pd_gemv_bf16 (x bf16 [M, K] with row stride ldx, K even; wp packed [Np/16][K/2][16][2]).
+ * Returns 0, or -1 if the widened rows and partial sums could not be allocated. */
+TARGET int pd_gemm_bf16_avx2(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                             const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
+    const int64_t K2 = K / 2;
+    if (M <= 0) return 0;
+    int64_t rows = X_BUDGET / (K > 0 ? K : 1);
+    rows = rows < AMR ? AMR : rows > 256 ? 256 : rows;
+    rows = rows < M ? rows : M;
+    float *xf = aligned_alloc(64, ((size_t)(rows * K) * sizeof(float) + 63) / 64 * 64);
+    float *cbuf = aligned_alloc(64, (size_t)((rows + AMR) * 16) * sizeof(float));
+    if (!xf || !cbuf) { free(xf); free(cbuf); return -1; }
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t mc = M - m0 < rows ? M - m0 : rows;
+        for (int64_t i = 0; i < mc; i++) {            /* widen: bf16 -> float32 is a 16-bit shift */
+            const uint16_t *xr = x + (m0 + i) * ldx;
+            int64_t k = 0;
+            for (; k + 8 <= K; k += 8)
+                _mm256_storeu_ps(xf + i * K + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xr + k))), 16)));
+            for (; k < K; k++) xf[i * K + k] = bf16_to_f32(xr[k]);
+        }
+        int64_t nb = 0;
+        if (mc == 1)                                 /* one row: panels in pairs (row_two_panels) */
+            for (; nb + 32 <= Np && nb < n_valid; nb += 32)
+                for (int64_t k0 = 0; k0 < K2; k0 += AKC) {
+                    const int64_t kn = K2 - k0 < AKC ? K2 - k0 : AKC;
+                    row_two_panels(xf + 2 * k0, kn, wp + nb * K + k0 * 32, wp + (nb + 16) * K + k0 * 32, cbuf,
+                                   k0 == 0, k0 + kn == K2, y + m0 * ldy, nb, n_valid);
+                }
+        for (; nb < Np && nb < n_valid; nb += 16)
+            for (int64_t k0 = 0; k0 < K2; k0 += AKC) {
+                const int64_t kn = K2 - k0 < AKC ? K2 - k0 : AKC;
+                chunk(xf + 2 * k0, mc, K, kn, wp + nb * K + k0 * 32, cbuf, k0 == 0, k0 + kn == K2,
+                      y + m0 * ldy, ldy, nb, n_valid);
+            }
+    }
+    free(xf);
+    free(cbuf);
+    return 0;
+}
