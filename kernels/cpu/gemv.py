@@ -132,6 +132,8 @@ def bf16_gemm_kernel() -> str:
     if forced not in ("", "fma", "dpbf16"):
         raise ValueError(f"{GEMM_ENV} must be 'fma' or 'dpbf16', got {forced!r}")
     if not available(SYMBOLS[KERNELS[3]][0]):
+        if forced == "dpbf16":
+            log.warning("%s=dpbf16 ignored: no AVX-512 here, the bf16 GEMM runs on AVX2 FMAs", GEMM_ENV)
         log.info("bf16 GEMM: %s (no AVX-512)", KERNELS[4])
         return KERNELS[4]
     if forced == "fma":
