@@ -1,8 +1,9 @@
 """The GPU kernels with every family's shapes, under the Triton interpreter on CPU: whole-model
 prefill and decode steps whose decode attention runs the paged-attention kernel (head_dim 20, 36,
-40: not powers of two; Qwen3's q/k norm before it) and, in the float model, RMSNorm, RoPE with the
-KV write and SiLU-and-mul the Triton elementwise kernels, INT4 layers on the W4A16 kernel and FP8 layers on the FP8 GEMM
-kernel (Qwen2's q/k/v biases added in their epilogues), against the torch paths they replace.
+40: not powers of two; Qwen3's q/k norm before it) and, in the float model's decode steps, RMSNorm,
+RoPE with the KV write and SiLU-and-mul the Triton elementwise kernels, INT4 layers on the W4A16
+kernel and FP8 layers on the FP8 GEMM kernel (Qwen2's q/k/v biases added in their epilogues),
+against the torch paths they replace.
 
 In a subprocess, so TRITON_INTERPRET=1 is set before Triton is imported there (see
 tests/test_paged_attention_triton.py), with the checkpoints written here.
@@ -50,8 +51,9 @@ _SCRIPT = textwrap.dedent("""
         y = fp8_gemm_triton(xq, sx, self.weight.t(), self.weight_scale, out_dtype=x.dtype, bias=self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def run(model, cfg, prompts):
-        # prefill every prompt, then two decode steps over the batch (torch metadata: no C kernels)
+    def run(model, cfg, prompts, fused=False):
+        # prefill every prompt, then two decode steps over the batch (torch metadata: no C kernels);
+        # fused: the decode steps' RMSNorm, RoPE + KV write and SiLU on the Triton elementwise kernels
         bs = 5
         spec = KVCacheSpec(48, cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim)
         cache = spec.allocate("cpu")
@@ -61,12 +63,15 @@ _SCRIPT = textwrap.dedent("""
             meta = pa.build_attention_metadata([len(s)], [len(s)], [t], bs, "cpu", None)
             s.append(int(model.compute_logits(model(torch.tensor(s), meta, cache))[-1].argmax()))
         out = []
+        if fused:
+            llama.triton_elementwise = lambda x: True
         for _ in range(2):
             meta = pa.build_attention_metadata([1] * len(seqs), [len(s) for s in seqs], tables, bs, "cpu", None)
             logits = model.compute_logits(model(torch.tensor([s[-1] for s in seqs]), meta, cache))
             out.append(logits)
             for s, row in zip(seqs, logits):
                 s.append(int(row.argmax()))
+        llama.triton_elementwise = elementwise
         return torch.cat(out)
 
     prompts = [[5, 9, 200, 31, 7, 8, 400], [11, 12, 13], list(range(40, 63))]
@@ -80,9 +85,7 @@ _SCRIPT = textwrap.dedent("""
         fp8.convert_for_runtime(f8)
         ref = [run(m, cfg, prompts) for m in (model, q4, f8)]
         llama.paged_attention = triton_attention
-        llama.triton_elementwise = lambda x: True                       # RMSNorm, RoPE + KV write, SiLU
-        got = [run(model, cfg, prompts)]                                # (interpreted: once per family)
-        llama.triton_elementwise = elementwise
+        got = [run(model, cfg, prompts, fused=True)]                    # (interpreted: once per family)
         int4.Int4Linear._forward_cpu = int4_triton
         fp8.Fp8Linear.forward = fp8_triton
         got += [run(m, cfg, prompts) for m in (q4, f8)]
