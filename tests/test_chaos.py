@@ -216,8 +216,12 @@ def test_faults_under_load_lose_nothing(chaos_cluster):
     by_phase = {p: [o for o in outcomes if o.ended_phase == p] for p in ("kill decode", "kill prefill")}
     # requests decoding on d0 migrate, those still waiting for their KV pages are retried (tests/test_migration.py
     # checks a migration deterministically)
-    assert sum(o.num_migrations + o.num_retries for o in by_phase["kill decode"]) >= 1, "the d0 kill landed on nothing"
-    assert sum(o.num_retries for o in by_phase["kill prefill"]) >= 1, "the prefill kill landed on no transfer"
+    # a stream migrated off d0 may end after the next phase began: count migrations by when the request started
+    landed = sum(o.num_migrations for o in outcomes if o.started_phase in ("warmup", "kill decode"))
+    landed += sum(o.num_retries for o in by_phase["kill decode"])
+    assert landed >= 1, "the d0 kill landed on nothing"
+    retried = sum(o.num_retries for o in outcomes if "kill prefill" in (o.started_phase, o.ended_phase))
+    assert retried >= 1, "the prefill kill landed on no transfer"
     assert any(o.code != grpc.StatusCode.OK for o in outcomes if o.ended_phase == "restart router"), \
         "the router kill landed on no request"
     assert leaked == 0
