@@ -20,6 +20,7 @@ and the weight is streamed once per call at any row count (rows inside the weigh
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,11 @@ _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 KERNEL = "int4-vnni"      # the path name benchmarks record
 
 
+@functools.cache
 def int4_library() -> str | None:
     """The INT4 kernel library this CPU runs: ``"gemv_int4"`` (AVX512-F/BW/VL/VNNI), else
-    ``"gemv_int4_avx2"`` (AVX2 and FMA), else None (no compiler, or neither ISA)."""
+    ``"gemv_int4_avx2"`` (AVX2 and FMA), else None (no compiler, or neither ISA). Cached, as
+    :func:`kernels.cpu.available` is: every INT4 projection call of a decode step asks it."""
     return next((name for name in ("gemv_int4", "gemv_int4_avx2") if available(name)), None)
 
 
