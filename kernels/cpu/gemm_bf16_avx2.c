@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "chunk_ahead.h"
 
 #define TARGET __attribute__((target("avx2,fma")))
 #define AMR 4                                      /* rows per tile */
@@ -68,12 +69,13 @@ TARGET static void tile_out(const float *out, int mr, float *cb, int last, uint1
 
 TARGET static inline __attribute__((always_inline)) void tile(
         const int mr, const int pf, const float *xs, int64_t K, int64_t kn, const uint16_t *ws, float *cb,
-        int first, int last, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+        int first, int last, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid, Ahead ahead) {
     __m256 acc[AMR][2];
     for (int i = 0; i < mr; i++)
         for (int h = 0; h < 2; h++) acc[i][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(cb + i * 16 + 8 * h);
     for (int64_t kk = 0; kk < kn; kk++) {
         if (pf) _mm_prefetch((const char *)(ws + kk * 32 + APF), _MM_HINT_T0);
+        ahead_step(&ahead);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(ws + kk * 32));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(ws + kk * 32 + 16));
         const __m256 e0 = even8(w0), o0 = odd8(w0), e1 = even8(w1), o1 = odd8(w1);
@@ -111,17 +113,20 @@ TARGET static void row_two_panels(const float *xs, int64_t kn, const uint16_t *w
     tile_out(out + 16, 1, cb + 16, last, y, 0, nb + 16, n_valid);    /* nb + 16 .. nb + 31 */
 }
 
-#define TILE(MR, PF) tile(MR, PF, xs + m0 * K, K, kn, ws, cb + m0 * 16, first, last, y + m0 * ldy, ldy, nb, n_valid)
+#define TILE(MR, PF) tile(MR, PF, xs + m0 * K, K, kn, ws, cb + m0 * 16, first, last, y + m0 * ldy, ldy, nb, n_valid, \
+                          ahead_share(next, m0 / AMR, tiles, kn))
 
 /* One k chunk of one 16-output panel over the mc widened rows; mr and pf compile-time per instance. */
 TARGET static void chunk(const float *xs, int64_t mc, int64_t K, int64_t kn, const uint16_t *ws, float *cb,
-                         int first, int last, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+                         int first, int last, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid,
+                         const Chunk *next) {
+    const int64_t tiles = (mc + AMR - 1) / AMR;
     for (int64_t m0 = 0; m0 < mc; m0 += AMR) {
         switch (mc - m0 < AMR ? (int)(mc - m0) : AMR) {
             case 1: TILE(1, 1); break;
             case 2: TILE(2, 1); break;
             case 3: TILE(3, 1); break;
-            default: if (m0 == 0) TILE(AMR, 1); else TILE(AMR, 0);
+            default: if (tiles == 1) TILE(AMR, 1); else TILE(AMR, 0);
         }
     }
 }
@@ -160,8 +165,9 @@ TARGET int pd_gemm_bf16_avx2(const uint16_t *x, int64_t M, int64_t K, int64_t ld
         for (; nb < Np && nb < n_valid; nb += 16)
             for (int64_t k0 = 0; k0 < K2; k0 += AKC) {
                 const int64_t kn = K2 - k0 < AKC ? K2 - k0 : AKC;
+                const Chunk next = chunk_after(wp, Np, n_valid, K, nb, 1, k0, kn, 1, AKC);
                 chunk(xf + 2 * k0, mc, K, kn, wp + nb * K + k0 * 32, cbuf, k0 == 0, k0 + kn == K2,
-                      y + m0 * ldy, ldy, nb, n_valid);
+                      y + m0 * ldy, ldy, nb, n_valid, &next);
             }
     }
     free(xf);

@@ -27,6 +27,7 @@
 #include <time.h>
 
 #include "bf16.h"
+#include "chunk_ahead.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define FMR 8                                      /* rows per tile */
@@ -43,7 +44,7 @@ int pd_cpu_supported(void) {                       /* asked by kernels.cpu.avail
 TARGET static inline __attribute__((always_inline)) void fma_tile(
         const int mr, const int nr, const int pf, const float *xf, int64_t K, int64_t k0, int64_t kn,
         const uint16_t *wb, float *cb, int first, int last, uint16_t *y, int64_t ldy, int64_t nb,
-        int64_t n_valid) {
+        int64_t n_valid, Ahead ahead) {
     __m512 acc[FMR][FNR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++)
@@ -52,6 +53,7 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
     const float *xs = xf + 2 * k0;
     for (int64_t kk = 0; kk < kn; kk++) {
         __m512 we[FNR], wo[FNR];
+        ahead_step(&ahead);
         for (int j = 0; j < nr; j++) {
             if (pf) _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + FPF), _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(ws + j * 16 * K + kk * 32);
@@ -74,7 +76,7 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
 }
 
 #define TILE(MR, NR, PF) fma_tile(MR, NR, PF, xf + m0 * K, K, k0, kn, wb, cb, first, last, y + m0 * ldy, ldy, \
-                                  nb, n_valid)
+                                  nb, n_valid, ahead)
 #define ROWS(NR) switch (mr) { case 1: TILE(1, NR, 1); break; case 2: TILE(2, NR, 1); break;              \
                                case 3: TILE(3, NR, 1); break; case 4: TILE(4, NR, 1); break;              \
                                case 5: TILE(5, NR, 1); break; case 6: TILE(6, NR, 1); break;              \
@@ -83,12 +85,14 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
 /* One k chunk of one weight panel over the mc widened rows xf; nr, mr and pf compile-time per instance. */
 TARGET static void fma_chunk(const int nr, const float *xf, int64_t mc, int64_t K, int64_t k0, int64_t kn,
                              const uint16_t *wb, float *cbuf, int first, int last, uint16_t *y, int64_t ldy,
-                             int64_t nb, int64_t n_valid) {
+                             int64_t nb, int64_t n_valid, const Chunk *next) {
+    const int64_t tiles = (mc + FMR - 1) / FMR;
     for (int64_t m0 = 0; m0 < mc; m0 += FMR) {
         const int mr = mc - m0 < FMR ? (int)(mc - m0) : FMR;
+        const Ahead ahead = ahead_share(next, m0 / FMR, tiles, kn);
         float *cb = cbuf + m0 * FNR * 16;
         if (nr == FNR && mr == FMR) {
-            if (m0 == 0) TILE(FMR, FNR, 1); else TILE(FMR, FNR, 0);
+            if (tiles == 1) TILE(FMR, FNR, 1); else TILE(FMR, FNR, 0);
         } else if (nr == FNR) { ROWS(FNR) }
         else if (nr == 2) { ROWS(2) }
         else { ROWS(1) }
@@ -120,8 +124,9 @@ TARGET int pd_gemm_bf16_fma(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
             const int64_t left = (Np - nb) / 16, nr = left < FNR ? left : FNR;
             for (int64_t k0 = 0; k0 < K2; k0 += FKC) {
                 const int64_t kn = K2 - k0 < FKC ? K2 - k0 : FKC;
+                const Chunk next = chunk_after(wp, Np, n_valid, K, nb, nr, k0, kn, FNR, FKC);
                 fma_chunk((int)nr, xf, mc, K, k0, kn, wp + nb * K, cbuf, k0 == 0, k0 + kn == K2, y + m0 * ldy, ldy,
-                          nb, n_valid);
+                          nb, n_valid, &next);
             }
         }
     }

@@ -24,6 +24,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "chunk_ahead.h"
+
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 int pd_cpu_has_avx512_bf16(void) {
@@ -85,8 +87,9 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
  *         acc = k0 ? cbuf : 0;  acc += x[m0.., kk] (bf16 pair, broadcast) * Wp[n0.., kk]
  *         k0 last ? y = bf16(acc_even + acc_odd) : cbuf = acc      (float32 store/load: exact)
  *
- * 2*GMR*GNR accumulators + GNR weight vectors + 1 broadcast = 28 of the 32 zmm registers. The first
- * row tile of each k chunk prefetches the weight streams ahead; later tiles find them in L1.
+ * 2*GMR*GNR accumulators + GNR weight vectors + 1 broadcast = 28 of the 32 zmm registers. A lone row
+ * tile prefetches its weight streams a fixed distance ahead; with several, each prefetches a share of
+ * the next chunk (chunk_ahead.h) while the chunk it computes stays in L1.
  */
 #define GMR 4
 #define GNR 3
@@ -96,7 +99,7 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
 TARGET static inline __attribute__((always_inline)) void gemm_tile(
         const int mr, const int nr, const int pf, const uint16_t *x, int64_t ldx, int64_t k0, int64_t kn,
         const uint16_t *wb, int64_t K, float *cb, int first, int last, uint16_t *y, int64_t ldy,
-        int64_t nb, int64_t n_valid) {
+        int64_t nb, int64_t n_valid, Ahead ahead) {
     __m512 a0[GMR][GNR], a1[GMR][GNR], w[GNR];
     const int32_t *xr[GMR];
     for (int i = 0; i < mr; i++) xr[i] = (const int32_t *)(x + i * ldx) + k0;
@@ -113,6 +116,7 @@ TARGET static inline __attribute__((always_inline)) void gemm_tile(
                 _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + GPF), _MM_HINT_T0);
                 _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + GPF + 32), _MM_HINT_T0);
             }
+        ahead_step(&ahead);
         for (int j = 0; j < nr; j++) w[j] = _mm512_loadu_ps(ws + j * 16 * K + kk * 32);
         for (int i = 0; i < mr; i++) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i][kk]);
@@ -147,15 +151,17 @@ TARGET static inline __attribute__((always_inline)) void gemm_tile(
 
 /* One k chunk of one weight panel over all M rows; mr, nr, pf compile-time in each instance. */
 #define GEMM_TILE(MR, NR, PF) gemm_tile(MR, NR, PF, x + m0 * ldx, ldx, k0, kn, wb, K, cb, first, last, \
-                                        y + m0 * ldy, ldy, nb, n_valid)
+                                        y + m0 * ldy, ldy, nb, n_valid, ahead)
 TARGET static void gemm_chunk(const int nr, const uint16_t *x, int64_t M, int64_t ldx, int64_t k0, int64_t kn,
                               const uint16_t *wb, int64_t K, float *cbuf, int first, int last,
-                              uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+                              uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid, const Chunk *next) {
+    const int64_t tiles = (M + GMR - 1) / GMR;
     for (int64_t m0 = 0; m0 < M; m0 += GMR) {
         const int mr = M - m0 < GMR ? (int)(M - m0) : GMR;
+        const Ahead ahead = ahead_share(next, m0 / GMR, tiles, kn / 2);
         float *cb = cbuf + m0 * GNR * 32;
         if (nr == GNR && mr == GMR) {
-            if (m0 == 0) GEMM_TILE(GMR, GNR, 1); else GEMM_TILE(GMR, GNR, 0);
+            if (tiles == 1) GEMM_TILE(GMR, GNR, 1); else GEMM_TILE(GMR, GNR, 0);
         } else if (nr == GNR) {
             switch (mr) { case 1: GEMM_TILE(1, GNR, 1); break; case 2: GEMM_TILE(2, GNR, 1); break;
                           default: GEMM_TILE(3, GNR, 1); }
@@ -186,8 +192,9 @@ TARGET int pd_gemm_bf16_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t 
             const uint16_t *wb = wp + nb * K;
             for (int64_t k0 = 0; k0 < K2; k0 += GKC) {
                 const int64_t kn = K2 - k0 < GKC ? K2 - k0 : GKC;
+                const Chunk next = chunk_after(wp, Np, n_valid, K, nb, nr, k0, kn, GNR, GKC);
                 gemm_chunk((int)nr, x + m0 * ldx, mc, ldx, k0, kn, wb, K, cbuf, k0 == 0, k0 + kn == K2,
-                           y + m0 * ldy, ldy, nb, n_valid);
+                           y + m0 * ldy, ldy, nb, n_valid, &next);
             }
         }
     }
