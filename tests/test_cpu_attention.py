@@ -6,8 +6,6 @@ every edge, groups wider than its query tile, every head size it takes."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -109,9 +107,18 @@ def test_each_row_is_independent_of_the_rest_of_the_batch(dtype):
         assert torch.equal(one, full[i:i + 1])
 
 
+def _context_kv(cache, meta, layer=1):
+    """A fresh prefill's K and V ``[L, Hkv, D]`` float32, read back from layer ``layer`` of the cache through
+    the block table: what the torch path's causal branch takes (it builds no gather indices)."""
+    L, size = int(meta.seq_lens[0]), cache.shape[3]
+    blocks = meta.block_tables[0].long()[torch.arange(L) // size]
+    kv = cache[blocks, layer, :, torch.arange(L) % size].nan_to_num(0.0).float()          # [L, 2, Hkv, D]
+    return kv[:, 0], kv[:, 1]
+
+
 def _check_prefill(cache, meta, q, scale=0.2):
-    whole = dataclasses.replace(meta, fresh_prefill=False)       # the reference reads the cache too
-    ref = paged_attention_torch(q.float(), None, None, cache.nan_to_num(0.0).float(), 1, whole, scale)
+    k, v = _context_kv(cache, meta) if meta.fresh_prefill else (None, None)
+    ref = paged_attention_torch(q.float(), k, v, cache.nan_to_num(0.0).float(), 1, meta, scale)
     out = prefill_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
