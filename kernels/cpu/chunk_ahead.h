@@ -2,14 +2,15 @@
  *
  * The packed GEMMs (gemv_bf16.c, gemm_bf16_fma.c, gemm_bf16_avx2.c) walk the weights
  * Wp [Np/16][K/2][16][2] in panels of NR 16-output blocks, each panel in chunks of KC kk pairs, and run
- * every row tile of the activations over a chunk while it sits in L1. One kk pair of one block is one
+ * every row tile of the activations over a chunk while it sits in cache. One kk pair of one block is one
  * 64-byte line. A prefetch running a fixed distance ahead inside the first tile's stream covered only
  * that tile's time; with several tiles per chunk the weights then stood still in memory for the rest
  * of the chunk and the next chunk's first tile waited on them. Here every tile of a chunk takes an
  * equal share of the next chunk's lines and issues them a few per k step, so the next chunk streams in
- * over the whole of the current one (the bf16 GEMM on 32 rows, bench-80m's 48 projections from DRAM on
- * an AMD EPYC Zen 4 core: 28.8 -> 25.8 ms; on 8 rows 15.0 -> 9.2 ms). A lone tile (at most a tile's
- * rows) keeps its own in-stream prefetch: its chunk is computed once, so nothing stands still.
+ * over the whole of the current one (with gemv_bf16.c's larger chunks, bench-80m's 48 projections from
+ * DRAM on an AMD EPYC Zen 4 core, bench/cpu_kernels.py: 8 rows 14.9 -> 7.4 ms, 32 rows 30.0 -> 22.3 ms).
+ * A lone tile (at most a tile's rows) keeps its own in-stream prefetch: its chunk is computed once, so
+ * nothing stands still.
  * Included by the GEMM sources only.
  */
 #ifndef PD_CHUNK_AHEAD_H

@@ -89,13 +89,14 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
  *
  * 2*GMR*GNR accumulators + GNR weight vectors + 1 broadcast = 28 of the 32 zmm registers. A lone row
  * tile prefetches its weight streams a fixed distance ahead; with several, each prefetches a share of
- * the next chunk (chunk_ahead.h) while the chunk it computes stays in L1.
+ * the next chunk (chunk_ahead.h) while the chunk it computes stays in L2.
  */
 #define GMR 4
 #define GNR 3
-#define GKC 512      /* kk pairs per k chunk (even: chains keep parity). 128 (24 KiB, in L1) -> 512: fewer float32
-                      * partial-sum round trips; bench-80m's projections on Zen 4, 512 rows 355 -> 346 ms (223
-                      * GFLOP/s, 95% of the paper peak), 32 rows 24.3 -> 23.1 ms, 8 rows 8.6 -> 7.4 ms */
+#define GKC 512      /* kk pairs per k chunk (even: chains keep parity). 512 rather than 128 (24 KiB, in L1): a
+                      * quarter of the float32 partial-sum round trips; with chunk_ahead.h, bench-80m's
+                      * projections on Zen 4 (bench/cpu_kernels.py) reach 97% of their floor at 32 rows and
+                      * 92% at 512 (74% and 89% before both) */
 #define GPF 1024                                   /* elements of prefetch lead per weight stream */
 
 TARGET static inline __attribute__((always_inline)) void gemm_tile(
