@@ -17,8 +17,9 @@ the share of the step's floor, max(FLOPs / 83.4 GFLOP/s, bytes / 12.9 GB/s), eac
 
 (``taskset -c 1 python bench/cpu_kernels.py``; docs/benchmarks.md). Chosen per row count
 (:meth:`PackedBF16Linear.kernel_for`): the AVX512-BF16 gemm for every row count on a CPU without
-AMX, but the gemv for one row (bit-identical; on Zen 5 it streams 13% faster than the gemm at one row,
-3.66 vs 4.20 ms, where on the Xeon above the gemm won: that Xeon now runs the FMA gemm throughout), AMX
+AMX, but the gemv for up to four rows, which it takes in one pass over the weights (bit-identical; on
+Zen 5 it streams 13% faster than the gemm at one row, 3.66 vs 4.20 ms, on Zen 4 10-20% faster at 1-4 rows,
+where on the Xeon above the gemm won: that Xeon now runs the FMA gemm throughout), AMX
 tiles for 3..256 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
 :data:`AMX_MAX_ROWS` rows where the dense weight is kept. A decode worker drops the dense weights
 once packed (the packed kernels take any row count); a colocated one keeps them for its prefill
@@ -50,8 +51,10 @@ from pdserve.kernels.cpu.gemv import (
     unpack_weight,
 )
 
-GEMV_MAX_ROWS = 1      # Zen 5: gemv 3.66 vs AVX512-BF16 gemm 4.20 ms per bench-80m step at 1 row, even at 2
-                       # (bench/cpu_kernels.py); where the FMA gemm serves, never (gemv_max_rows)
+GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 gemm per bench-80m step, Zen 4,
+                       # 1-4 rows: 5.1 / 5.4 / 6.5 / 7.4 vs 6.3 / 6.9 / 7.3 / 8.2 ms, 5 rows 13.2 vs 7.5 (two
+                       # passes); Zen 5: 3.66 vs 4.20 at 1 row (bench/cpu_kernels.py); where the FMA gemm
+                       # serves, never (gemv_max_rows)
 AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
 AMX_MAX_ROWS = 256     # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
