@@ -30,8 +30,6 @@
 
 #include "bf16.h"
 
-#pragma omp declare simd notinbranch
-extern float expf(float);                                /* glibc's vector variants (libmvec) */
 
 #define NK 32                     /* keys per tile: two zmm of scores per row */
 #define RMAX 12                   /* query rows per tile: 24 score accumulators */
@@ -88,7 +86,24 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
     }
 }
 
-extern __m512 _ZGVeN16v_expf(__m512);                   /* glibc libmvec: expf on 16 lanes */
+/* exp on 16 lanes for x <= 0, inline (a libmvec call spilled the tile's score accumulators around it):
+ * x clamped at -104 (exp(-104) rounds to 0, so -inf, the masked keys, gives 0), x = n ln2 + r with
+ * |r| <= ln2 / 2 (ln2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~1 ulp, as
+ * glibc's), times 2^n by vscalefps (exact scaling, denormal results as expf's). */
+TARGET INLINE __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), 0x08);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
 
 /* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
  * each pair of V rows is loaded once (NVC zmm per pair; compile-time in each instance); keys past a
@@ -205,8 +220,8 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             const float tmax = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
             const float mt = tmax > m[r] ? tmax : m[r];
             const __m512 mv = _mm512_set1_ps(mt);
-            const __m512 p0 = _ZGVeN16v_expf(_mm512_sub_ps(s0, mv)), p1 = _ZGVeN16v_expf(_mm512_sub_ps(s1, mv));
-            alpha[r] = expf(m[r] - mt);                      /* exp(-inf) = 0 on the row's first tile */
+            const __m512 p0 = exp16(_mm512_sub_ps(s0, mv)), p1 = exp16(_mm512_sub_ps(s1, mv));
+            alpha[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mt)));      /* 0 on the row's first tile */
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
             m[r] = mt;
 #if PD_DPBF16
