@@ -33,7 +33,6 @@
 
 #include "bf16.h"
 
-
 #define NK 32                     /* keys per tile: two zmm of scores per row */
 #define SLACK 8.f                 /* a row's reference max moves only when a score passes it by this: P <= e^8 */
 #define RMAX 12                   /* query rows per tile: 24 score accumulators */
@@ -90,7 +89,7 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
     }
 }
 
-/* exp on 16 lanes for x <= 0, inline (a libmvec call spilled the tile's score accumulators around it):
+/* exp on 16 lanes for x <= SLACK, inline (a libmvec call spilled the tile's score accumulators around it):
  * x clamped at -104 (exp(-104) rounds to 0, so -inf, the masked keys, gives 0), x = n ln2 + r with
  * |r| <= ln2 / 2 (ln2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~1 ulp, as
  * glibc's), times 2^n by vscalefps (exact scaling, denormal results as expf's). */
