@@ -152,6 +152,23 @@ def test_prefill_kernel_rows_do_not_depend_on_the_batch_and_large_scores_stay_fi
 
 
 @needs_prefill
+@pytest.mark.parametrize("rise", [0.01, 0.04, 0.2])
+def test_prefill_kernel_scores_rising_across_key_tiles_match_torch(rise, prefill_build):
+    """Scores that climb along the keys (5 x rise per key: 1.6, 6.4 or 32 per 32-key tile): a row's
+    reference max then stays for several tiles while P grows towards e^8, or moves at every tile;
+    either way O / l is torch's."""
+    cache, meta, q = _case(6, 2, 64, 16, [200, 37], [200, 37], torch.bfloat16, seed=7)
+    direction = torch.randn(64)
+    direction /= direction.norm()
+    for i, length in enumerate((200, 37)):
+        for t in range(length):
+            block, off = int(meta.block_tables[i, t // 16]), t % 16
+            cache[block, 1, 0, off] = (direction * rise * t * 5).to(torch.bfloat16)      # K rows along one direction
+    q[:] = (direction * 5).to(torch.bfloat16)                                          # every query along it too
+    _check_prefill(cache, meta, q, scale=0.2)
+
+
+@needs_prefill
 def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it(prefill_build):
     cache, meta, q = _case(6, 2, 64, 16, [30], [30], torch.bfloat16)
     args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
