@@ -96,6 +96,24 @@ def test_large_scores_do_not_overflow():
 
 @needs_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rise", [0.005, 0.02, 0.1])
+def test_decode_scores_rising_along_the_context_match_torch(rise, dtype):
+    """Scores that climb along the context (rise per token: 0.8, 3.2 or 16 per 16-token chunk): a pair's
+    reference max then stays for several chunks while its weights grow towards e^8, or moves at every
+    chunk; either way acc / l is torch's (fails if what was summed under an old max is not rescaled)."""
+    cache, meta, q = _case(6, 2, 64, 16, [1, 1, 3], [150, 37, 90], dtype, seed=11)
+    direction = torch.randn(64)
+    direction /= direction.norm()
+    for i, length in enumerate((150, 37, 90)):
+        for t in range(length):
+            block, off = int(meta.block_tables[i, t // 16]), t % 16
+            cache[block, 1, 0, off, 1] = (direction * rise * t * 5).to(dtype)        # kv head 1's K along one direction
+    q[:] = (direction * 5).to(dtype)
+    _check(cache, meta, q, scale=0.2)
+
+
+@needs_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_row_is_independent_of_the_rest_of_the_batch(dtype):
     """A sequence's output is bit-identical alone and inside a batch (batch invariance)."""
     cache, meta, q = _case(12, 4, 64, 16, [1, 1, 1, 1], [300, 17, 64, 1], dtype)

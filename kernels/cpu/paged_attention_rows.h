@@ -75,6 +75,16 @@ static inline void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+/* Every K and V row of all Hkv heads of the page at `page` (its token 0, kv head 0; NULL: none). */
+static inline void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
+    const int64_t esz = c->bf16 ? 2 : 4, rowb = c->D * esz;
+    for (int64_t o = 0; page && o < c->block_size; o++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            prefetch_row(page + (o * c->s_tok + h * c->s_head) * esz, rowb);
+            prefetch_row(page + (o * c->s_tok + h * c->s_head + c->s_v) * esz, rowb);
+        }
+}
+
 /* The K and V rows of token tt past `ahead` (this group's rows PF_PAGES pages on; NULL: none), one
  * token per token computed, so the reads of the page ahead overlap this page's arithmetic (a burst of
  * a whole page's prefetches per page stalled on the line-fill buffers: ~45% of a warm call). */
@@ -89,8 +99,9 @@ static inline void prefetch_token(const Ctx *c, const char *ahead, int tt) {
  * before the page is computed. Loads with nothing depending on them run as far ahead as the core
  * allows, so the page's cache misses overlap; interleaved with the arithmetic that uses them they
  * stalled it. A 12-layer decode step over a scattered KV cache evicted from the L3 (batch x context,
- * ms without -> with; the software prefetches above changed nothing on Zen 5 and are kept for the
- * Xeon, where they were measured to help):
+ * ms without -> with; the per-token software prefetches above changed nothing on Zen 5 and are kept
+ * for the Xeon, where they were measured to help; on AMD CPUs the next page is prefetched whole
+ * right after this load instead, see sequence_avx512):
  *   Zen 5 (EPYC, KVM):                 32 x 140  7.07 -> 4.24   32 x 1024 55.2 -> 29.8   4 x 512 2.29 -> 1.48
  *   Xeon model 207 (KVM, no AVX512-BF16): 32 x 140  9.97 -> 7.79   32 x 1024 63.1 -> 51.1   4 x 512 4.92 -> 3.63 */
 AVX512 static inline void load_page(const Ctx *c, int64_t base, int64_t ntok, int64_t Hkv) {

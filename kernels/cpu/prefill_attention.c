@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp16.h"
 
 #define NK 32                     /* keys per tile: two zmm of scores per row */
 #define SLACK 8.f                 /* a row's reference max moves only when a score passes it by this: P <= e^8 */
@@ -87,25 +88,6 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
         }
         for (int64_t d = 0; d < D; d++) vd[2 * d] = v[d];
     }
-}
-
-/* exp on 16 lanes for x <= SLACK, inline (a libmvec call spilled the tile's score accumulators around it):
- * x clamped at -104 (exp(-104) rounds to 0, so -inf, the masked keys, gives 0), x = n ln2 + r with
- * |r| <= ln2 / 2 (ln2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~1 ulp, as
- * glibc's), times 2^n by vscalefps (exact scaling, denormal results as expf's). */
-TARGET INLINE __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), 0x08);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
