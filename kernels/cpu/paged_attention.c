@@ -20,16 +20,18 @@
  * rescaled, only when a score passes m by e^SLACK, as FlashAttention-4 rescales, so the
  * update is a compare in the common case; exponentials inline, exp16.h) and the chunk's V
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
- * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention, with the next-but-one page's rows prefetched through
- * the block table while the current one is read, and each page's rows loaded once before the
- * page is computed (load_page: the misses then overlap instead of stalling the arithmetic that
- * waits on them; 1.2-1.9x on a cold batch at both CPUs measured). Portable path (other shapes and CPUs):
- * exact two-pass softmax per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
+ * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention,
+ * with each page's rows loaded once before the page is computed (load_page: the misses then
+ * overlap instead of stalling the arithmetic that waits on them; 1.2-1.9x on a cold batch at both
+ * CPUs measured) and, on AMD CPUs, the next page (through the block table, into the next sequence)
+ * prefetched whole after each load. Portable path (other shapes and CPUs): exact two-pass softmax
+ * per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
  *
  * Float32 arithmetic throughout whatever the cache dtype (bf16 rows are widened exactly; a
- * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core: the kernel is
- * not bound by its multiplies). Every pair's result depends only on its own query, sequence and causal limit, computed by the
- * same instruction sequence whichever other pairs share its group: batch-invariant.
+ * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core, and QK on
+ * vdpbf16ps no faster on Zen 5: the kernel is not bound by its multiplies). Every pair's result
+ * depends only on its own query, sequence and causal limit, computed by the same instruction
+ * sequence whichever other pairs share its group: batch-invariant.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -53,16 +55,15 @@
 /* Group state: R pairs of NV vectors each; queries, accumulators and running sums in registers. */
 typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; float m[MAX_R]; } State;
 
-/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off; prefetches its rows of
- * the page ahead (or none: ahead NULL). Inlined with constant R, NV, full. */
+/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off. Inlined with constant R,
+ * NV, full. */
 AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
-        const Ctx *c, State *st, int64_t off, const char *ahead, int n, int64_t t0, const int64_t *lim,
+        const Ctx *c, State *st, int64_t off, int n, int64_t t0, const int64_t *lim,
         __m512 vscale, const int R, const int NV, const int full) {
     if (full) n = 16;
     __m512 part[MAX_R][16], kv[MAX_VECS];
     float pb[MAX_R][16] __attribute__((aligned(64)));
     for (int tt = 0; tt < n; tt++) {                    /* scores: R x n unreduced products */
-        prefetch_token(c, ahead, tt);
         load_row_vecs(c, off + tt * c->s_tok, kv, NV);
         for (int r = 0; r < R; r++) {
             __m512 s = _mm512_mul_ps(st->qv[r * NV], kv[0]);
@@ -108,7 +109,7 @@ typedef struct {
 
 /* Page p of group g (tokens up to g->lmax). Inlined with constant R and NV. */
 AVX512 static inline __attribute__((always_inline)) void page_avx512(
-        const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale, const int R, const int NV) {
+        const Ctx *c, Group *g, int64_t p, __m512 vscale, const int R, const int NV) {
     State st;
     for (int r = 0; r < R; r++) {
         st.m[r] = g->m[r];
@@ -123,12 +124,10 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
             for (int j = 0; j < NV; j += 2) pair_order(&st.qv[r * NV + j], &st.qv[r * NV + j + 1]);
     const int64_t bs = c->block_size, t0 = p * bs;
     const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
-    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs, esz = c->bf16 ? 2 : 4;
-    const char *pf = ahead ? ahead + g->kvh * c->s_head * esz : NULL;
+    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
     for (int64_t o = 0; o < np; o += 16) {
-        const char *pfo = pf ? pf + o * c->s_tok * esz : NULL;
-        if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, pfo, 16, t0 + o, g->lim, vscale, R, NV, 1);
-        else chunk_avx512(c, &st, base + o * c->s_tok, pfo, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);
+        if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, R, NV, 1);
+        else chunk_avx512(c, &st, base + o * c->s_tok, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);
     }
     for (int r = 0; r < R; r++) {
         g->m[r] = st.m[r];
@@ -137,7 +136,7 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
     }
 }
 
-#define G_(F, R_, NV_) case R_: F(c, g, p, ahead, vscale, R_, NV_); return;
+#define G_(F, R_, NV_) case R_: F(c, g, p, vscale, R_, NV_); return;
 #define UPTO2(F, NV_) G_(F, 1, NV_) G_(F, 2, NV_)
 #define UPTO4(F, NV_) UPTO2(F, NV_) G_(F, 3, NV_) G_(F, 4, NV_)
 #define UPTO8(F, NV_) UPTO4(F, NV_) G_(F, 5, NV_) G_(F, 6, NV_) G_(F, 7, NV_) G_(F, 8, NV_)
@@ -146,7 +145,7 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
 static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
 
 /* page_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
-AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, const char *ahead, __m512 vscale) {
+AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, __m512 vscale) {
     switch (c->D / 16) {
     case 1: switch (g->R) { UPTO8(page_avx512, 1) } break;
     case 2: switch (g->R) { UPTO8(page_avx512, 2) } break;
@@ -155,7 +154,7 @@ AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, const char *
     case 8: switch (g->R) { UPTO2(page_avx512, 8) } break;
     case 16: switch (g->R) { G_(page_avx512, 1, 16) } break;
     }
-    page_avx512(c, g, p, ahead, vscale, g->R, (int)(c->D / 16));
+    page_avx512(c, g, p, vscale, g->R, (int)(c->D / 16));
 }
 
 /* Address of the K row of token 0, kv head 0 in page `ahead` pages past page p of sequence b, running
@@ -173,10 +172,11 @@ static const char *page_ahead(const Ctx *c, const int32_t *seq_lens, const int32
 
 /* All query rows of sequence b: groups of its (row, head) pairs walked page-major, so the heads of one
  * page are read together; groups: room for Hkv * ceil(nq * G / R_max). On AMD CPUs (c->burst) the
- * next page is prefetched whole right after each page's load_page, where the per-token prefetches
- * changed nothing: bench-80m's 12 layers at batch 32 x 140 tokens over a cold cache, Zen 5,
- * 3.5-3.8 -> 3.0-3.1 ms (page prefetched before the load instead: 3.5-3.7). The Xeon keeps its
- * per-token prefetches alone (a burst per page had stalled its warm calls on the line-fill buffers). */
+ * next page is prefetched whole right after each page's load_page, so it arrives while this page is
+ * computed: bench-80m's 12 layers at batch 32 x 140 tokens over a cold cache, Zen 5, 3.57-3.66 ->
+ * 2.99-3.18 ms, a warm layer 0.173 -> 0.175 ms (prefetched before the load instead: no gain). Intel
+ * CPUs prefetch nothing past the first pages: on the Xeon model 207 a prefetch burst per page had
+ * stalled warm calls on the line-fill buffers (2026-11-24, not remeasured). */
 AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, float *out, int64_t H,
                                    int64_t Hkv, int64_t q0, int64_t nq, int64_t L, float scale,
                                    const int32_t *seq_lens, const int32_t *tables, int64_t max_blocks,
@@ -204,14 +204,13 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
     const __m512 vscale = _mm512_set1_ps(scale);
     const int64_t npages = (L + c->block_size - 1) / c->block_size;
     for (int64_t p = 0; p < npages; p++) {
-        const char *ahead = page_ahead(c, seq_lens, tables, max_blocks, B, b, p, PF_PAGES);
         load_page(c, (int64_t)c->table[p] * c->s_block, L - p * c->block_size < c->block_size ?
                   L - p * c->block_size : c->block_size, Hkv);
         if (c->burst) prefetch_page(c, page_ahead(c, seq_lens, tables, max_blocks, B, b, p, 1), Hkv);
         for (int64_t k = 0; k < n; k++) {
             Group *g = groups + k;
             if (p * c->block_size > g->lmax) continue;
-            page_dispatch(c, g, p, ahead, vscale);
+            page_dispatch(c, g, p, vscale);
         }
     }
     for (int64_t k = 0; k < n; k++)

@@ -1,6 +1,6 @@
 /* How paged_attention.c reads the cache: a row as float32 vectors (bf16 widened, in the pair order
- * for head sizes that are multiples of 32), 16 partial dot products reduced at once, and the rows of
- * the page ahead prefetched a token at a time. Included by paged_attention.c only, after
+ * for head sizes that are multiples of 32), 16 partial dot products reduced at once, each page loaded
+ * whole before it is computed, pages prefetched whole. Included by paged_attention.c only, after
  * paged_attention_portable.h (Ctx) and its AVX512 target macro. */
 #ifndef PD_PAGED_ATTENTION_ROWS_H
 #define PD_PAGED_ATTENTION_ROWS_H
@@ -8,7 +8,7 @@
 
 #include "paged_attention_portable.h"
 
-#define PF_PAGES 2                                      /* prefetch distance in pages */
+#define PF_PAGES 2                           /* pages prefetched before the batch's first sequence */
 
 AVX512 static inline __m512 load16(const Ctx *c, int64_t off) {
     if (c->bf16) {
@@ -71,12 +71,21 @@ AVX512 static inline __m512 hsum16(const __m512 *a) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-static inline void prefetch_row(const char *p, int64_t bytes) {
+/* The prefetch helpers are inlined into their AVX-512 callers: as separate functions of the default
+ * target GCC 12 neither inlined them nor kept their calls (it took them for side-effect free), so
+ * until 2026-11-27 this kernel's per-token software prefetches were absent from the build (objdump:
+ * 0 or 2 prefetch instructions), and the prefetch distances and hints measured before then measured
+ * nothing. Present, the per-token prefetch of the next-but-one page cost 18% of a warm call (Zen 5,
+ * batch 32 x 140, one layer: 0.173 -> 0.205 ms) for what a whole-page prefetch after load_page gives
+ * at no cost, so it was removed. */
+#define PREFETCH AVX512 static inline __attribute__((always_inline))
+
+PREFETCH void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
 /* Every K and V row of all Hkv heads of the page at `page` (its token 0, kv head 0; NULL: none). */
-static inline void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
+PREFETCH void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
     const int64_t esz = c->bf16 ? 2 : 4, rowb = c->D * esz;
     for (int64_t o = 0; page && o < c->block_size; o++)
         for (int64_t h = 0; h < Hkv; h++) {
@@ -85,23 +94,11 @@ static inline void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
         }
 }
 
-/* The K and V rows of token tt past `ahead` (this group's rows PF_PAGES pages on; NULL: none), one
- * token per token computed, so the reads of the page ahead overlap this page's arithmetic (a burst of
- * a whole page's prefetches per page stalled on the line-fill buffers: ~45% of a warm call). */
-static inline void prefetch_token(const Ctx *c, const char *ahead, int tt) {
-    if (!ahead) return;
-    const int64_t esz = c->bf16 ? 2 : 4;
-    prefetch_row(ahead + tt * c->s_tok * esz, c->D * esz);
-    prefetch_row(ahead + (tt * c->s_tok + c->s_v) * esz, c->D * esz);
-}
-
 /* Loads every K and V row of the first ntok tokens of the page at element offset base, all Hkv heads,
  * before the page is computed. Loads with nothing depending on them run as far ahead as the core
  * allows, so the page's cache misses overlap; interleaved with the arithmetic that uses them they
  * stalled it. A 12-layer decode step over a scattered KV cache evicted from the L3 (batch x context,
- * ms without -> with; the per-token software prefetches above changed nothing on Zen 5 and are kept
- * for the Xeon, where they were measured to help; on AMD CPUs the next page is prefetched whole
- * right after this load instead, see sequence_avx512):
+ * ms without -> with, both without any software prefetch in the build, see above):
  *   Zen 5 (EPYC, KVM):                 32 x 140  7.07 -> 4.24   32 x 1024 55.2 -> 29.8   4 x 512 2.29 -> 1.48
  *   Xeon model 207 (KVM, no AVX512-BF16): 32 x 140  9.97 -> 7.79   32 x 1024 63.1 -> 51.1   4 x 512 4.92 -> 3.63 */
 AVX512 static inline void load_page(const Ctx *c, int64_t base, int64_t ntok, int64_t Hkv) {
