@@ -68,7 +68,8 @@ class ClusterView:
     (retries then see workers that appeared or lapsed meanwhile); ``eos_token_ids`` are the
     checkpoint's, for the stop check of a request whose worker failed after its last token.
     ``heard`` maps a decode worker's id to the ``time.monotonic()`` of its last event on any of the
-    router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule)."""
+    router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule of
+    :mod:`router.stall`)."""
 
     workers: Callable[[], list[WorkerInfo]]
     inflight: Counter

@@ -52,7 +52,7 @@ class RouterConfig:
         stream_idle_timeout_s: a decode worker that has the request's KV (P answered, or the colocated
             worker streamed its first token) and has sent nothing on this stream nor on any other of this
             router's streams for this many seconds is taken as stalled (SIGSTOPped, partitioned, wedged):
-            the stream fails like a crash and the request migrates (rule: :mod:`router.generate`). Also
+            the stream fails like a crash and the request migrates (rule: :mod:`router.stall`). Also
             the longest wait for a decode worker's allocation. Keep it a few seconds above the slowest
             engine step (kernel compilation on a worker's first steps included).
         default_max_tokens: ``max_tokens`` when the request leaves it unset.

@@ -5,7 +5,7 @@ Cluster: 1 prefill + 2 decode workers and a router whose ``stream_idle_timeout_s
 decode worker d0 (serving some of them) is SIGSTOPped. Contract:
 
 1. every request completes token-exact against an undisturbed run of the same prompt, those on d0
-   through a migration, within ``IDLE_S`` plus a margin of the stop (the stall rule of router/generate.py);
+   through a migration, within ``IDLE_S`` plus a margin of the stop (the stall rule of router/stall.py);
 2. a call held open on d0 with no router in between, on a channel of ``deploy.client.open_channel``,
    fails UNAVAILABLE within gRPC keepalive's bound (``cluster.service.KEEPALIVE_CHANNEL_OPTIONS``: a
    ping after 10 s, its ack due 5 s later), where it used to wait forever;

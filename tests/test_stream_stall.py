@@ -1,4 +1,4 @@
-"""The router's stall rule on a decode stream (router/generate.py) and gRPC keepalive wiring, in process.
+"""The router's stall rule on a decode stream (router/stall.py) and gRPC keepalive wiring, in process.
 
 Rule: after a request's first token, a decode stream fails (WorkerFailure, so the request migrates)
 once ``stream_idle_timeout_s`` passed with no event from its worker on this stream nor on any other
@@ -26,8 +26,8 @@ from pdserve.proto import worker_pb2
 from pdserve.router import generate
 from pdserve.router.choose import ClusterView
 from pdserve.router.config import RouterConfig
-from pdserve.router.generate import StallWatch
 from pdserve.router.recovery import WorkerFailure
+from pdserve.router.stall import StallWatch, decode_events
 
 T = 0.3  # stream_idle_timeout_s of these tests
 
@@ -53,7 +53,7 @@ def _worker(worker_id: str = "d0") -> WorkerInfo:
 
 
 async def _drain(stream: FakeStream, watch: StallWatch, got: list) -> None:
-    async for event in generate._decode_events(stream, _worker(watch.worker_id), watch):
+    async for event in decode_events(stream, _worker(watch.worker_id), watch):
         got.append(event)
 
 
