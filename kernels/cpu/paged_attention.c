@@ -79,7 +79,8 @@ AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
         count = count < n ? count : n;
         if (count <= 0) { _mm512_store_ps(pb[r], _mm512_setzero_ps()); continue; }
         const __mmask16 mask = (__mmask16)(count >= 16 ? 0xFFFF : (1u << count) - 1);
-        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask, _mm512_mul_ps(vscale, hsum16(part[r])));
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask,
+                                            _mm512_mul_ps(vscale, hsum16(part[r])));
         if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(st->m[r] + SLACK), _CMP_GT_OQ)) {   /* always on the first chunk */
             const float cm = _mm512_reduce_max_ps(s);   /* rescale what was summed under the old max */
             const __m512 alpha = exp16(_mm512_set1_ps(st->m[r] - cm));               /* 0 on the first chunk */
@@ -200,7 +201,8 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
             }
         }
     if (b == 0)                                         /* later sequences' first pages: prefetched ahead */
-        for (int64_t a = 0; a < PF_PAGES; a++) prefetch_page(c, page_ahead(c, seq_lens, tables, max_blocks, B, b, 0, a), Hkv);
+        for (int64_t a = 0; a < PF_PAGES; a++)
+            prefetch_page(c, page_ahead(c, seq_lens, tables, max_blocks, B, b, 0, a), Hkv);
     const __m512 vscale = _mm512_set1_ps(scale);
     const int64_t npages = (L + c->block_size - 1) / c->block_size;
     for (int64_t p = 0; p < npages; p++) {
