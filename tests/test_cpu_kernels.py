@@ -1,10 +1,14 @@
 """The C kernels of CPU decode (kernels/cpu): packed bf16 gemv and AMX gemm, paged attention,
 fused RMSNorm / RoPE + KV write / SiLU-and-mul, each against the torch code it replaces, on
-awkward shapes; huge-page weights; and the decode model with them against the model without."""
+awkward shapes; huge-page weights; the decode model with them against the model without; and the
+packed GEMMs' next-chunk prefetches present in their builds."""
 
 from __future__ import annotations
 
 import copy
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -358,3 +362,18 @@ def test_fused_ops_refuse_what_they_cannot_take():
         cfused.silu_and_mul(torch.randn(8, 2).t())
     with pytest.raises(ValueError, match="weight must be"):
         cfused.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump, x86-64")
+@pytest.mark.parametrize("name", ["gemv_bf16", "gemm_bf16_fma", "gemm_bf16_avx2"])
+def test_the_packed_gemms_keep_their_next_chunk_prefetches(name):
+    """Every row tile's share of the next weight chunk (chunk_ahead.h, prefetched with T1) is in each
+    packed GEMM's build: helpers called from a function of another target can vanish from the build
+    without a word (GCC 12 did so to the decode attention's prefetches)."""
+    try:
+        path = _build(name)
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert asm.count("prefetcht1") >= 1
