@@ -80,7 +80,8 @@ def test_gemv_refuses_what_it_cannot_take():
 
 @needs_gemv
 @pytest.mark.parametrize("n,k,m", [(37, 2, 3), (50, 34, 5), (16, 770, 17), (1000, 72, 33), (33, 770, 64),
-                                   (1280, 768, 3), (40, 600, 300), (100, 2050, 9), (49, 3074, 300)])
+                                   (1280, 768, 3), (40, 600, 300), (100, 2050, 9), (49, 3074, 300),
+                                   (37, 2050, 8), (100, 1030, 6), (17, 3074, 7)])     # 5-8 rows: one lone tile
 def test_avx512_gemm_is_the_gemv_row_for_row(n, k, m):
     """Bit-identical to the gemv (same summation order), for any M (row tails, more than one 256-row
     pass), N (column tails, n_valid < Np) and K (one pair, odd pair counts, several 1,024-column chunks

@@ -89,7 +89,8 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
  *
  * 2*GMR*GNR accumulators + GNR weight vectors + 1 broadcast = 28 of the 32 zmm registers. A lone row
  * tile prefetches its weight streams a fixed distance ahead; with several, each prefetches a share of
- * the next chunk (chunk_ahead.h) while the chunk it computes stays in L2.
+ * the next chunk (chunk_ahead.h) while the chunk it computes stays in L2. GMR < M <= LMR rows run as
+ * one lone tile over one block at a time instead (gemm_lone).
  */
 #define GMR 4
 #define GNR 3
@@ -98,13 +99,17 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       * projections on Zen 4 (bench/cpu_kernels.py) reach 97% of their floor at 32 rows and
                       * 92% at 512 (74% and 89% before both) */
 #define GPF 1024                                   /* elements of prefetch lead per weight stream */
+#define LMR 8        /* up to this many rows (more than GMR) take one lone tile over one block at a time */
+#define LPF 4096     /* its prefetch lead (elements, 8 KiB): 2 KiB covered too little of the memory latency at
+                      * the rate 8 rows compute (bench-80m's 48 projections at 8 rows, Zen 5: 5.1-5.5 ms with
+                      * 2 KiB, 4.0-4.5 with 8 KiB, 4.2-4.3 with 16 KiB, 6.5-6.6 with none) */
 
 TARGET static inline __attribute__((always_inline)) void gemm_tile(
         const int mr, const int nr, const int pf, const uint16_t *x, int64_t ldx, int64_t k0, int64_t kn,
         const uint16_t *wb, int64_t K, float *cb, int first, int last, uint16_t *y, int64_t ldy,
-        int64_t nb, int64_t n_valid, Ahead ahead) {
-    __m512 a0[GMR][GNR], a1[GMR][GNR], w[GNR];
-    const int32_t *xr[GMR];
+        int64_t nb, int64_t n_valid, Ahead ahead) {          /* pf: in-stream prefetch lead (elements), 0: none */
+    __m512 a0[LMR][GNR], a1[LMR][GNR], w[GNR];
+    const int32_t *xr[LMR];
     for (int i = 0; i < mr; i++) xr[i] = (const int32_t *)(x + i * ldx) + k0;
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) {
@@ -116,8 +121,8 @@ TARGET static inline __attribute__((always_inline)) void gemm_tile(
     for (; kk + 1 < kn; kk += 2) {
         if (pf)
             for (int j = 0; j < nr; j++) {
-                _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + GPF), _MM_HINT_T0);
-                _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + GPF + 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + pf), _MM_HINT_T0);
+                _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + pf + 32), _MM_HINT_T0);
             }
         ahead_step(&ahead);
         for (int j = 0; j < nr; j++) w[j] = _mm512_loadu_ps(ws + j * 16 * K + kk * 32);
@@ -164,16 +169,38 @@ TARGET static void gemm_chunk(const int nr, const uint16_t *x, int64_t M, int64_
         const Ahead ahead = ahead_share(next, m0 / GMR, tiles, kn / 2);
         float *cb = cbuf + m0 * GNR * 32;
         if (nr == GNR && mr == GMR) {
-            if (tiles == 1) GEMM_TILE(GMR, GNR, 1); else GEMM_TILE(GMR, GNR, 0);
+            if (tiles == 1) GEMM_TILE(GMR, GNR, GPF); else GEMM_TILE(GMR, GNR, 0);
         } else if (nr == GNR) {
-            switch (mr) { case 1: GEMM_TILE(1, GNR, 1); break; case 2: GEMM_TILE(2, GNR, 1); break;
-                          default: GEMM_TILE(3, GNR, 1); }
+            switch (mr) { case 1: GEMM_TILE(1, GNR, GPF); break; case 2: GEMM_TILE(2, GNR, GPF); break;
+                          default: GEMM_TILE(3, GNR, GPF); }
         } else if (nr == 2) {
-            switch (mr) { case 1: GEMM_TILE(1, 2, 1); break; case 2: GEMM_TILE(2, 2, 1); break;
-                          case 3: GEMM_TILE(3, 2, 1); break; default: GEMM_TILE(GMR, 2, 1); }
+            switch (mr) { case 1: GEMM_TILE(1, 2, GPF); break; case 2: GEMM_TILE(2, 2, GPF); break;
+                          case 3: GEMM_TILE(3, 2, GPF); break; default: GEMM_TILE(GMR, 2, GPF); }
         } else {
-            switch (mr) { case 1: GEMM_TILE(1, 1, 1); break; case 2: GEMM_TILE(2, 1, 1); break;
-                          case 3: GEMM_TILE(3, 1, 1); break; default: GEMM_TILE(GMR, 1, 1); }
+            switch (mr) { case 1: GEMM_TILE(1, 1, GPF); break; case 2: GEMM_TILE(2, 1, GPF); break;
+                          case 3: GEMM_TILE(3, 1, GPF); break; default: GEMM_TILE(GMR, 1, GPF); }
+        }
+    }
+}
+
+/* GMR < M <= LMR rows as one tile over one 16-output block at a time (2 M accumulators, the same two
+ * chains per output as every tile: bit-identical to the gemv), the weights streamed once, LPF ahead.
+ * As two GMR-row tiles over 3-block panels, 5-8 rows had streamed their weights at ~30 GB/s of a
+ * core's 42 on Zen 5, and at ~34 GB/s even from L3. bench-80m's 48 projections from DRAM, Zen 5,
+ * interleaved runs of bench/cpu_kernels.py's linears: 8 rows 4.9-5.2 -> 4.0-4.5 ms, 5 rows 4.9-5.4 ->
+ * 3.9-4.1 ms (bandwidth floor 3.6); warm, N=4096 K=768 at 8 rows 186 -> 123 us. */
+TARGET static void gemm_lone(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t Np,
+                             int64_t n_valid, uint16_t *y, int64_t ldy, float *cb) {
+    const int64_t K2 = K / 2;
+    const Ahead ahead = {NULL, 0, 0, 0};
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16) {
+        const uint16_t *wb = wp + nb * K;
+        for (int64_t k0 = 0; k0 < K2; k0 += GKC) {
+            const int64_t kn = K2 - k0 < GKC ? K2 - k0 : GKC;
+            const int first = k0 == 0, last = k0 + kn == K2;
+            const int64_t m0 = 0;
+            switch (M) { case 5: GEMM_TILE(5, 1, LPF); break; case 6: GEMM_TILE(6, 1, LPF); break;
+                         case 7: GEMM_TILE(7, 1, LPF); break; default: GEMM_TILE(LMR, 1, LPF); }
         }
     }
 }
@@ -188,6 +215,11 @@ TARGET int pd_gemm_bf16_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t 
     const int64_t K2 = K / 2;
     float *cbuf = NULL;
     if (K2 > GKC && !(cbuf = aligned_alloc(64, (size_t)(GMC * GNR * 32) * sizeof(float)))) return -1;
+    if (M > GMR && M <= LMR) {
+        gemm_lone(x, M, K, ldx, wp, Np, n_valid, y, ldy, cbuf);
+        free(cbuf);
+        return 0;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += GMC) {
         const int64_t mc = M - m0 < GMC ? M - m0 : GMC;
         for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16 * GNR) {
