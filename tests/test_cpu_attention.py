@@ -7,10 +7,6 @@ every edge, groups wider than its query tile, every head size it takes."""
 
 from __future__ import annotations
 
-import platform
-import shutil
-import subprocess
-
 import pytest
 import torch
 
@@ -24,6 +20,7 @@ from pdserve.kernels.cpu.attention import (
 )
 from pdserve.kernels.cpu.gemv import GEMM_ENV, bf16_gemm_kernel, gemv_available
 from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention, paged_attention_torch
+from tests.disassembly import count_instruction, needs_objdump
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
 needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX-512")
@@ -119,15 +116,13 @@ def test_decode_scores_rising_along_the_context_match_torch(rise, dtype):
 
 
 @needs_attention
-@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump, x86-64")
+@needs_objdump
 def test_the_built_decode_kernel_keeps_its_page_prefetches():
     """The page prefetches of the AVX-512 path (the first pages of the batch, the next page after each
     load) are in the built library: GCC 12 once dropped the calls to default-target prefetch helpers
     from AVX-512 code without a word, leaving 0-2 prefetch instructions, and every prefetch measured
     on this kernel then measured nothing. Two call sites, a K and a V row each: at least four."""
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library("paged_attention")._name],
-                         capture_output=True, text=True, check=True).stdout
-    assert asm.count("prefetcht0") >= 4
+    assert count_instruction(library("paged_attention")._name, "prefetcht0") >= 4
 
 
 @needs_attention

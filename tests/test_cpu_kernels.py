@@ -6,9 +6,6 @@ packed GEMMs' next-chunk prefetches present in their builds."""
 from __future__ import annotations
 
 import copy
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -38,6 +35,7 @@ from pdserve.model.llama import RMSNorm
 from pdserve.model.loader import load_model
 from pdserve.model.rope import apply_rotary
 from pdserve.model.runner import ModelRunner, StepInput
+from tests.disassembly import count_instruction, needs_objdump
 
 needs_gemv = pytest.mark.skipif(not gemv_available(), reason="no AVX512-BF16 or no C compiler")
 needs_amx = pytest.mark.skipif(not gemm_amx_available(), reason="no AMX-BF16")
@@ -365,7 +363,7 @@ def test_fused_ops_refuse_what_they_cannot_take():
         cfused.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="needs objdump, x86-64")
+@needs_objdump
 @pytest.mark.parametrize("name", ["gemv_bf16", "gemm_bf16_fma", "gemm_bf16_avx2"])
 def test_the_packed_gemms_keep_their_next_chunk_prefetches(name):
     """Every row tile's share of the next weight chunk (chunk_ahead.h, prefetched with T1) is in each
@@ -375,6 +373,4 @@ def test_the_packed_gemms_keep_their_next_chunk_prefetches(name):
         path = _build(name)
     except KernelUnavailable as exc:
         pytest.skip(str(exc))
-    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
-                         check=True).stdout
-    assert asm.count("prefetcht1") >= 1
+    assert count_instruction(path, "prefetcht1") >= 1
