@@ -99,7 +99,8 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       * projections on Zen 4 (bench/cpu_kernels.py) reach 97% of their floor at 32 rows and
                       * 92% at 512 (74% and 89% before both) */
 #define GPF 1024                                   /* elements of prefetch lead per weight stream */
-#define LMR 8        /* up to this many rows (more than GMR) take one lone tile over one block at a time */
+#define LMR 8        /* up to this many rows (more than GMR) take one lone tile over one block at a time, */
+#define LMR_ZEN4 5   /* on Zen 4 up to this many (lone_rows) */
 #define LPF 4096     /* its prefetch lead (elements, 8 KiB): 2 KiB covered too little of the memory latency at
                       * the rate 8 rows compute (bench-80m's 48 projections at 8 rows, Zen 5: 5.1-5.5 ms with
                       * 2 KiB, 4.0-4.5 with 8 KiB, 4.2-4.3 with 16 KiB, 6.5-6.6 with none) */
@@ -188,7 +189,12 @@ TARGET static void gemm_chunk(const int nr, const uint16_t *x, int64_t M, int64_
  * As two GMR-row tiles over 3-block panels, 5-8 rows had streamed their weights at ~30 GB/s of a
  * core's 42 on Zen 5, and at ~34 GB/s even from L3. bench-80m's 48 projections from DRAM, Zen 5,
  * interleaved runs of bench/cpu_kernels.py's linears: 8 rows 4.9-5.2 -> 4.0-4.5 ms, 5 rows 4.9-5.4 ->
- * 3.9-4.1 ms (bandwidth floor 3.6); warm, N=4096 K=768 at 8 rows 186 -> 123 us. */
+ * 3.9-4.1 ms (bandwidth floor 3.6); warm, N=4096 K=768 at 8 rows 186 -> 123 us.
+ * Zen 4 (the AVX-512 CPUs of AMD family 19h) runs each 512-bit operation as two 256-bit halves, and
+ * the lone tile's one broadcast per vdpbf16ps then costs it compute: the same 48 projections, an
+ * interleaved A/B in one process (9 rounds, medians), lone tile against two 4-row tiles: 5 rows
+ * 5.83 vs 6.26 ms, 6 rows 6.24 vs 6.14, 7 rows 6.81 vs 6.54, 8 rows 7.82 vs 6.32. So there it takes
+ * 5 rows only (lone_rows). */
 TARGET static void gemm_lone(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t Np,
                              int64_t n_valid, uint16_t *y, int64_t ldy, float *cb) {
     const int64_t K2 = K / 2;
@@ -205,6 +211,13 @@ TARGET static void gemm_lone(const uint16_t *x, int64_t M, int64_t K, int64_t ld
     }
 }
 
+/* The most rows gemm_lone takes on this CPU: LMR_ZEN4 on AMD family 19h (Zen 4; Zen 3, the other
+ * 19h CPUs, has no AVX-512 and never runs this file's kernels), LMR elsewhere. */
+static int lone_rows(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amdfam19h") ? LMR_ZEN4 : LMR;
+}
+
 /* As pd_gemv_bf16 (same arguments, same packed layout, bit-identical results), for any M. Rows are
  * taken GMC at a time (the weights are re-read per GMC rows: negligible traffic at that intensity), so
  * the x chunk and the partial sums of one pass stay in L2 whatever M is.
@@ -215,7 +228,7 @@ TARGET int pd_gemm_bf16_avx512(const uint16_t *x, int64_t M, int64_t K, int64_t 
     const int64_t K2 = K / 2;
     float *cbuf = NULL;
     if (K2 > GKC && !(cbuf = aligned_alloc(64, (size_t)(GMC * GNR * 32) * sizeof(float)))) return -1;
-    if (M > GMR && M <= LMR) {
+    if (M > GMR && M <= lone_rows()) {
         gemm_lone(x, M, K, ldx, wp, Np, n_valid, y, ldy, cbuf);
         free(cbuf);
         return 0;
