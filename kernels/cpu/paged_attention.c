@@ -20,12 +20,12 @@
  * rescaled, only when a score passes m by e^SLACK, as FlashAttention-4 rescales, so the
  * update is a compare in the common case; exponentials inline, exp16.h) and the chunk's V
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
- * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention,
- * with each page's rows loaded once before the page is computed (load_page: the misses then
- * overlap instead of stalling the arithmetic that waits on them; 1.2-1.9x on a cold batch at both
- * CPUs measured) and, on AMD CPUs, the next page (through the block table, into the next sequence)
- * prefetched whole after each load. Portable path (other shapes and CPUs): exact two-pass softmax
- * per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
+ * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
+ * The cache is read ahead of the arithmetic: on AMD CPUs the next page (through the block table,
+ * into the next sequence) is prefetched into L2 a row at a time while this page is computed; on
+ * Intel CPUs each page's rows are loaded once before the page is computed (load_page). See
+ * sequence_avx512. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
+ * PagedAttention v1 (Kwon et al., SOSP 2023).
  *
  * Float32 arithmetic throughout whatever the cache dtype (bf16 rows are widened exactly; a
  * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core, and QK on
@@ -55,15 +55,18 @@
 /* Group state: R pairs of NV vectors each; queries, accumulators and running sums in registers. */
 typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; float m[MAX_R]; } State;
 
-/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off. Inlined with constant R,
- * NV, full. */
+/* Chunk of n <= 16 tokens t0.. of one page, K rows from element offset off; pf (or NULL): the K row of
+ * the same token and kv head in the page computed next, prefetched into L2 with its V row as each of
+ * this chunk's rows is read. Inlined with constant R, NV, full. */
 AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
         const Ctx *c, State *st, int64_t off, int n, int64_t t0, const int64_t *lim,
-        __m512 vscale, const int R, const int NV, const int full) {
+        __m512 vscale, const char *pf, const int R, const int NV, const int full) {
     if (full) n = 16;
+    const int64_t esz = c->bf16 ? 2 : 4, rowb = NV * 16 * esz;
     __m512 part[MAX_R][16], kv[MAX_VECS];
     float pb[MAX_R][16] __attribute__((aligned(64)));
     for (int tt = 0; tt < n; tt++) {                    /* scores: R x n unreduced products */
+        if (pf) prefetch_row_l2(pf + tt * c->s_tok * esz, rowb);
         load_row_vecs(c, off + tt * c->s_tok, kv, NV);
         for (int r = 0; r < R; r++) {
             __m512 s = _mm512_mul_ps(st->qv[r * NV], kv[0]);
@@ -93,6 +96,7 @@ AVX512 static inline __attribute__((always_inline)) void chunk_avx512(
         _mm512_store_ps(pb[r], e);
     }
     for (int tt = 0; tt < n; tt++) {                    /* acc += p V over the chunk */
+        if (pf) prefetch_row_l2(pf + (tt * c->s_tok + c->s_v) * esz, rowb);
         load_row_vecs(c, off + c->s_v + tt * c->s_tok, kv, NV);
         for (int r = 0; r < R; r++) {
             const __m512 p = _mm512_set1_ps(pb[r][tt]);
@@ -108,9 +112,10 @@ typedef struct {
     const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R], lmax, kvh; int R;
 } Group;
 
-/* Page p of group g (tokens up to g->lmax). Inlined with constant R and NV. */
+/* Page p of group g (tokens up to g->lmax); next (or NULL): the page computed after this one (its
+ * token 0, kv head 0), whose rows of g's kv head are prefetched meanwhile. Inlined with constant R, NV. */
 AVX512 static inline __attribute__((always_inline)) void page_avx512(
-        const Ctx *c, Group *g, int64_t p, __m512 vscale, const int R, const int NV) {
+        const Ctx *c, Group *g, int64_t p, __m512 vscale, const char *next, const int R, const int NV) {
     State st;
     for (int r = 0; r < R; r++) {
         st.m[r] = g->m[r];
@@ -126,9 +131,11 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
     const int64_t bs = c->block_size, t0 = p * bs;
     const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
     const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
+    const int64_t esz = c->bf16 ? 2 : 4;
     for (int64_t o = 0; o < np; o += 16) {
-        if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, R, NV, 1);
-        else chunk_avx512(c, &st, base + o * c->s_tok, (int)(np - o), t0 + o, g->lim, vscale, R, NV, 0);
+        const char *pf = next ? next + (o * c->s_tok + g->kvh * c->s_head) * esz : NULL;
+        if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, pf, R, NV, 1);
+        else chunk_avx512(c, &st, base + o * c->s_tok, (int)(np - o), t0 + o, g->lim, vscale, pf, R, NV, 0);
     }
     for (int r = 0; r < R; r++) {
         g->m[r] = st.m[r];
@@ -137,7 +144,7 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
     }
 }
 
-#define G_(F, R_, NV_) case R_: F(c, g, p, vscale, R_, NV_); return;
+#define G_(F, R_, NV_) case R_: F(c, g, p, vscale, next, R_, NV_); return;
 #define UPTO2(F, NV_) G_(F, 1, NV_) G_(F, 2, NV_)
 #define UPTO4(F, NV_) UPTO2(F, NV_) G_(F, 3, NV_) G_(F, 4, NV_)
 #define UPTO8(F, NV_) UPTO4(F, NV_) G_(F, 5, NV_) G_(F, 6, NV_) G_(F, 7, NV_) G_(F, 8, NV_)
@@ -146,7 +153,7 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
 static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
 
 /* page_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
-AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, __m512 vscale) {
+AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, __m512 vscale, const char *next) {
     switch (c->D / 16) {
     case 1: switch (g->R) { UPTO8(page_avx512, 1) } break;
     case 2: switch (g->R) { UPTO8(page_avx512, 2) } break;
@@ -155,7 +162,7 @@ AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, __m512 vscal
     case 8: switch (g->R) { UPTO2(page_avx512, 8) } break;
     case 16: switch (g->R) { G_(page_avx512, 1, 16) } break;
     }
-    page_avx512(c, g, p, vscale, g->R, (int)(c->D / 16));
+    page_avx512(c, g, p, vscale, next, g->R, (int)(c->D / 16));
 }
 
 /* Address of the K row of token 0, kv head 0 in page `ahead` pages past page p of sequence b, running
@@ -172,12 +179,23 @@ static const char *page_ahead(const Ctx *c, const int32_t *seq_lens, const int32
 }
 
 /* All query rows of sequence b: groups of its (row, head) pairs walked page-major, so the heads of one
- * page are read together; groups: room for Hkv * ceil(nq * G / R_max). On AMD CPUs (c->burst) the
- * next page is prefetched whole right after each page's load_page, so it arrives while this page is
- * computed: bench-80m's 12 layers at batch 32 x 140 tokens over a cold cache, Zen 5, 3.57-3.66 ->
- * 2.99-3.18 ms, a warm layer 0.173 -> 0.175 ms (prefetched before the load instead: no gain). Intel
- * CPUs prefetch nothing past the first pages: on the Xeon model 207 a prefetch burst per page had
- * stalled warm calls on the line-fill buffers (2026-11-24, not remeasured). */
+ * page are read together; groups: room for Hkv * ceil(nq * G / R_max).
+ *
+ * How the cache gets ahead of the arithmetic. A page's misses, taken as the arithmetic meets them,
+ * stall it; loaded all at once first (load_page) they overlap one another but not the arithmetic, and
+ * run at what the core's L1 miss buffers allow (about 13 GB/s for scattered 16 KiB pages on Zen 4,
+ * under half its streaming read). Software prefetches into L1 (T0) take the same buffers: a burst of
+ * the next page's 256 lines after each load_page stalls as long as the loads (Zen 5 gained from it,
+ * Zen 4 did not), and spread over the page they gain nothing on Zen 4. Prefetches into L2 (T1) do not
+ * hold them: on AMD CPUs (c->spread) the first group of each kv head prefetches that head's rows of
+ * the next page into L2, a K and a V row per token it computes, and load_page is skipped. bench-80m's
+ * 12 layers over a cold, scattered cache, Zen 4 (EPYC 9004, KVM), an interleaved A/B in one process
+ * (medians, ms, load_page + burst -> L2 rows spread): batch 32 x 140 6.6-7.0 -> 3.9 (the same layer
+ * again, in L3: 4.3 -> 3.3), 32 x 1024 50.6 -> 27.2, 4 x 512 2.96 -> 1.67; with load_page kept beside
+ * the spread prefetch 4.3 at 32 x 140. Zen 5 measured only before (burst: 3.57-3.66 -> 2.99-3.18 ms at
+ * 32 x 140). Intel CPUs keep load_page and prefetch nothing past the first pages: on the Xeon model
+ * 207 a prefetch burst per page had stalled warm calls on the line-fill buffers (2026-11-24, L1
+ * prefetches; L2 prefetches there not measured). */
 AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, float *out, int64_t H,
                                    int64_t Hkv, int64_t q0, int64_t nq, int64_t L, float scale,
                                    const int32_t *seq_lens, const int32_t *tables, int64_t max_blocks,
@@ -206,13 +224,14 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
     const __m512 vscale = _mm512_set1_ps(scale);
     const int64_t npages = (L + c->block_size - 1) / c->block_size;
     for (int64_t p = 0; p < npages; p++) {
-        load_page(c, (int64_t)c->table[p] * c->s_block, L - p * c->block_size < c->block_size ?
-                  L - p * c->block_size : c->block_size, Hkv);
-        if (c->burst) prefetch_page(c, page_ahead(c, seq_lens, tables, max_blocks, B, b, p, 1), Hkv);
-        for (int64_t k = 0; k < n; k++) {
+        const char *next = c->spread ? page_ahead(c, seq_lens, tables, max_blocks, B, b, p, 1) : NULL;
+        if (!c->spread)
+            load_page(c, (int64_t)c->table[p] * c->s_block, L - p * c->block_size < c->block_size ?
+                      L - p * c->block_size : c->block_size, Hkv);
+        for (int64_t k = 0; k < n; k++) {               /* the first group of each kv head prefetches */
             Group *g = groups + k;
             if (p * c->block_size > g->lmax) continue;
-            page_dispatch(c, g, p, vscale);
+            page_dispatch(c, g, p, vscale, k == 0 || g->kvh != groups[k - 1].kvh ? next : NULL);
         }
     }
     for (int64_t k = 0; k < n; k++)
@@ -244,7 +263,7 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
                                 : sizeof(float) * (size_t)(R_max * max_len + D);   /* groups / score rows */
     void *buf = aligned_alloc(64, (scratch + 63) / 64 * 64);
     if (!buf) return -1;
-    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, __builtin_cpu_is("amd") };
+    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, __builtin_cpu_is("amd") };   /* spread */
     const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R];
     for (int64_t b = 0; b < B; b++) {
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;

@@ -75,13 +75,18 @@ AVX512 static inline __m512 hsum16(const __m512 *a) {
  * target GCC 12 neither inlined them nor kept their calls (it took them for side-effect free), so
  * until 2026-11-27 this kernel's per-token software prefetches were absent from the build (objdump:
  * 0 or 2 prefetch instructions), and the prefetch distances and hints measured before then measured
- * nothing. Present, the per-token prefetch of the next-but-one page cost 18% of a warm call (Zen 5,
- * batch 32 x 140, one layer: 0.173 -> 0.205 ms) for what a whole-page prefetch after load_page gives
- * at no cost, so it was removed. */
+ * nothing. Present, a per-token T0 prefetch of the next-but-one page cost 18% of a warm call (Zen 5,
+ * batch 32 x 140, one layer: 0.173 -> 0.205 ms); the per-token prefetch kept is into L2 and of the
+ * next page (sequence_avx512). */
 #define PREFETCH AVX512 static inline __attribute__((always_inline))
 
 PREFETCH void prefetch_row(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+/* Into L2 only (T1): no L1 miss buffer held while the line comes (sequence_avx512). */
+PREFETCH void prefetch_row_l2(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
 /* Every K and V row of all Hkv heads of the page at `page` (its token 0, kv head 0; NULL: none). */
@@ -98,7 +103,8 @@ PREFETCH void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
  * before the page is computed. Loads with nothing depending on them run as far ahead as the core
  * allows, so the page's cache misses overlap; interleaved with the arithmetic that uses them they
  * stalled it. A 12-layer decode step over a scattered KV cache evicted from the L3 (batch x context,
- * ms without -> with, both without any software prefetch in the build, see above):
+ * ms without -> with, both without any software prefetch in the build, see above; AMD CPUs now
+ * prefetch into L2 instead, sequence_avx512):
  *   Zen 5 (EPYC, KVM):                 32 x 140  7.07 -> 4.24   32 x 1024 55.2 -> 29.8   4 x 512 2.29 -> 1.48
  *   Xeon model 207 (KVM, no AVX512-BF16): 32 x 140  9.97 -> 7.79   32 x 1024 63.1 -> 51.1   4 x 512 4.92 -> 3.63 */
 AVX512 static inline void load_page(const Ctx *c, int64_t base, int64_t ntok, int64_t Hkv) {
