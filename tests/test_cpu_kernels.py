@@ -198,9 +198,11 @@ def test_paged_attention_refuses_mismatched_shapes():
 
 @pytest.mark.skipif(not available("fused"), reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_ops_round_as_the_torch_code(dtype):
+@pytest.mark.parametrize("dim", [24, 64, 128])
+def test_fused_ops_round_as_the_torch_code(dtype, dim):
     """bf16: bit-identical to the model's torch code; float32: RoPE and the cache bit-identical,
-    RMSNorm and SiLU within the summation order / expf implementation (1e-6)."""
+    RMSNorm and SiLU within the summation order / expf implementation (1e-6). RoPE at head sizes the
+    AVX-512 path takes (multiples of 32) and one it does not (24)."""
     torch.manual_seed(1)
     exact = dtype == torch.bfloat16
     x = torch.randn(5, 72).to(dtype)
@@ -214,7 +216,7 @@ def test_fused_ops_round_as_the_torch_code(dtype):
     gate, up = gate_up.split(100, -1)
     _same(cfused.silu_and_mul(gate_up), F.silu(gate) * up, exact)
 
-    heads, kv_heads, dim, bs, n = 3, 1, 24, 5, 4
+    heads, kv_heads, bs, n = 3, 1, 5, 4
     qkv = torch.randn(n, (heads + 2 * kv_heads) * dim).to(dtype)
     pos = torch.tensor([3, 9, 10, 0])
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))

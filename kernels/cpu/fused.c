@@ -102,6 +102,50 @@ static inline void head_rms_norm(float *x, const void *w, int64_t D, float eps, 
     for (int64_t d = 0; d < D; d++) x[d] = rnd(get(w, d, bf16) * rnd(x[d] * inv, bf16), bf16);
 }
 
+#ifdef PD_VECTOR_NORM
+/* pd_rope_write_kv without q/k norms for D % 32 == 0, 16 lanes at a time, each row's cos and sin
+ * rounded once for all its heads: the same operations and roundings as the scalar loop below
+ * (bit-identical). bench-80m's layer at batch 32, Zen 4, a C harness: 29-30 -> 14 us. */
+static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
+                                 const float *cos_t, const float *sin_t, float *q_out, void *cache,
+                                 int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,
+                                 const int64_t *slots, int64_t block_size, int bf16) {
+    const int64_t half = D / 2, esz = bf16 ? 2 : 4;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    float c[512], s[512];                                  /* the row's cos and sin as the element type holds them */
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t d = 0; d < D; d += 16) {
+            _mm512_storeu_ps(c + d, rnd16(_mm512_loadu_ps(cos_t + i * D + d), bf16));
+            _mm512_storeu_ps(s + d, rnd16(_mm512_loadu_ps(sin_t + i * D + d), bf16));
+        }
+        const int64_t row = i * ld;
+        const int64_t base = (slots[i] / block_size) * s_block + (slots[i] % block_size) * s_tok;
+        for (int64_t h = 0; h < H + Hkv; h++) {                /* query heads, then key heads */
+            const int64_t src = row + h * D;
+            for (int64_t d = 0; d < half; d += 16) {           /* rotate_half: (-x2, x1) */
+                const __m512 x1 = load16(qkv, src + d, bf16, 0xffff), x2 = load16(qkv, src + half + d, bf16, 0xffff);
+                const __m512 c1 = _mm512_loadu_ps(c + d), s1 = _mm512_loadu_ps(s + d);
+                const __m512 c2 = _mm512_loadu_ps(c + half + d), s2 = _mm512_loadu_ps(s + half + d);
+                const __m512 lo = rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1), bf16),
+                                                      rnd16(_mm512_mul_ps(_mm512_xor_ps(x2, sign), s1), bf16)), bf16);
+                const __m512 hi = rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2), bf16),
+                                                      rnd16(_mm512_mul_ps(x1, s2), bf16)), bf16);
+                if (h < H) {
+                    _mm512_storeu_ps(q_out + (i * H + h) * D + d, lo);
+                    _mm512_storeu_ps(q_out + (i * H + h) * D + half + d, hi);
+                } else {
+                    store16(cache, base + (h - H) * s_head + d, lo, bf16, 0xffff);
+                    store16(cache, base + (h - H) * s_head + half + d, hi, bf16, 0xffff);
+                }
+            }
+        }
+        for (int64_t h = 0; h < Hkv; h++)                      /* V as it is */
+            memcpy((char *)cache + (base + h * s_head + s_v) * esz, (const char *)qkv + (row + (H + Hkv + h) * D) * esz,
+                   (size_t)(D * esz));
+    }
+}
+#endif
+
 /* qkv: [n, (H + 2 Hkv) D] rows of stride ld; cos, sin: float32 [n, D]; q_out: float32 [n, H, D].
  * cache: base of one layer; K of (block, off, head) at block*s_block + off*s_tok + head*s_head, V at + s_v.
  * slots: int64 [n] = block * block_size + offset.
@@ -111,6 +155,13 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
                       int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots, int64_t block_size,
                       int bf16, const void *q_norm_w, const void *k_norm_w, float eps) {
     const int64_t half = D / 2;
+#ifdef PD_VECTOR_NORM
+    if (half % 16 == 0 && !q_norm_w && !k_norm_w) {
+        rope_write_kv_avx512(qkv, n, ld, H, Hkv, D, cos_t, sin_t, q_out, cache, s_block, s_tok, s_head, s_v,
+                             slots, block_size, bf16);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < n; i++) {
         const float *c = cos_t + i * D, *s = sin_t + i * D;
         const int64_t row = i * ld;
