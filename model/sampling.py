@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.cpu.fused import argmax_rows, rms_norm_vectorized
+
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
 
@@ -97,6 +99,20 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
+GREEDY_C_MIN = 8192   # logits from which the C argmax wins over its call overhead (Zen 4: 1 x 2,048: C 4.1 us,
+                      # torch 3.4; 32 x 2,048: 8.6 vs 59; 32 x 128,256: 0.33 vs 3.4 ms)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[B, vocab]`` -> int64 ``[B]``, the same indices), by the AVX-512 kernel
+    (:func:`kernels.cpu.fused.argmax_rows`) for float32 CPU logits of at least ``GREEDY_C_MIN`` entries
+    where it runs."""
+    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu" \
+            and logits.stride(1) == 1 and logits.numel() >= GREEDY_C_MIN and rms_norm_vectorized():
+        return argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int]) -> list[int]:
     """Pick one token per row.
 
@@ -107,7 +123,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
     Returns:
         ``B`` token ids.
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = greedy(logits).tolist()
     for row, (p, index) in enumerate(zip(params, output_indexes)):
         if p.temperature != 0:
             tokens[row] = draw(filtered_probs(logits[row], p), request_generator(p.seed, index))

@@ -116,6 +116,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for float32 ``[rows, vocab]`` row-major CPU logits -> int64 ``[rows]``:
+    the same index as torch's (the first NaN of a row, else its first maximum), in two vector passes
+    over each row where torch's reduction runs ~3 cycles an element (batch 32 x 2,048 entries, Zen 4:
+    58 us in torch).
+
+    Raises:
+        ValueError: a tensor of another dtype, rank, device or layout, or an empty vocabulary.
+    """
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" \
+            or logits.stride(1) != 1 or logits.shape[1] == 0:
+        raise ValueError(f"argmax_rows: needs row-major float32 [rows, vocab > 0] CPU logits, got {logits.dtype} "
+                         f"{tuple(logits.shape)}")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    _fn("pd_argmax_rows", [_p, _i64, _i64, _i64, _p])(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), out.data_ptr())
+    return out
+
+
 def _fn(name: str, argtypes: list):
     fn = getattr(library("fused"), name)
     if fn.argtypes is None:
