@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.cpu import KernelUnavailable, _build, available
