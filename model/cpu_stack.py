@@ -100,8 +100,8 @@ def decode_graph(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, block_t
     if not model.cpu_stack or kv_cache.dtype != model.embed_tokens.weight.dtype \
             or model.cfg.head_dim > fused.MAX_HEAD_DIM:
         return None
-    stack = decode_stack(model)
-    if stack is None or (current is not None and current.stack is stack and current.valid()):
+    stack = decode_stack(model)                      # checked the stack's tensors: the graph checks its own only
+    if stack is None or (current is not None and current.stack is stack and current.buffers_valid()):
         return current if stack is not None else None
     head = _linear_spec(model.lm_head)
     if head is None:

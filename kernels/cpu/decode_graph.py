@@ -85,7 +85,12 @@ class DecodeGraph:
 
     def valid(self) -> bool:
         """Whether every tensor the graph points to (the stack's included) still has the storage it was built on."""
-        return self.stack.valid() and [t.data_ptr() for t in self._keep] == self._ptrs
+        return self.stack.valid() and self.buffers_valid()
+
+    def buffers_valid(self) -> bool:
+        """:meth:`valid` for the graph's own tensors (buffers, cache, embedding, tables, head) only, for a
+        caller that has just checked the stack."""
+        return list(map(torch.Tensor.data_ptr, self._keep)) == self._ptrs
 
     def _ensure_positions(self, needed: int) -> None:
         """Rotary tables covering positions ``0 .. needed - 1``: doubled as contexts grow, capped at

@@ -230,8 +230,8 @@ class DecodeStack:
         return ctypes.byref(self._model)
 
     def valid(self) -> bool:
-        """Whether every tensor the stack points to still has the storage it was built on (~50 ns a tensor)."""
-        return [t.data_ptr() for t in self._tensors] == self._ptrs
+        """Whether every tensor the stack points to still has the storage it was built on (~60 ns a tensor)."""
+        return list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
             slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
