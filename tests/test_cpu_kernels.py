@@ -10,8 +10,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 from pdserve.kernels.cpu import KernelUnavailable, _build, available
@@ -196,28 +194,6 @@ def test_paged_attention_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="int32"):
         paged_attention_cpu(torch.randn(1, 4, 16), cache, 0, meta.query_start_loc.long(), meta.seq_lens,
                             meta.block_tables, 1.0)
-
-
-@pytest.mark.skipif(not available("fused"), reason="no C compiler")
-@settings(max_examples=300, deadline=None)
-@given(rows=st.integers(1, 5), vocab=st.integers(1, 70), seed=st.integers(0, 2**31), ties=st.booleans(),
-       specials=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 69),
-                                   st.sampled_from([float("nan"), float("inf"), float("-inf")])), max_size=4))
-def test_argmax_rows_picks_the_index_torch_picks(rows, vocab, seed, ties, specials):
-    """First maximum on ties, the first NaN over any maximum, 0 on a row of -inf: torch.argmax's choice,
-    over widths on both sides of the 16-lane vectors, on a strided view."""
-    g = torch.Generator().manual_seed(seed)
-    full = torch.randn(rows, vocab + 3, generator=g)
-    if ties:
-        full = full.round()                               # many equal maxima
-    for r, c, v in specials:
-        if r < rows and c < vocab:
-            full[r, c] = v
-    x = full[:, :vocab]
-    assert torch.equal(cfused.argmax_rows(x), x.argmax(dim=-1))
-    assert torch.equal(cfused.argmax_rows(torch.full((2, vocab), float("-inf"))), torch.zeros(2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="float32"):
-        cfused.argmax_rows(x.bfloat16())
 
 
 @pytest.mark.skipif(not available("fused"), reason="no C compiler")
