@@ -43,7 +43,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _engine(model_dir: str, dtype: str, weights: str, graph: bool, max_batch: int, blocks: int, **spec):
-    """A decode engine with the model loaded as the decode worker loads it."""
+    """A decode engine with the model loaded as the decode worker loads it; ``spec``: more
+    :class:`DecodeWorkerConfig` fields (speculation, ``multi_step``)."""
     dtype_name = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     wcfg = DecodeWorkerConfig(model_dir=model_dir, worker_id="bench", dtype=dtype_name, num_blocks=blocks,
                               block_size=16, max_batch_size=max_batch, graph=graph, weights=weights, **spec)
@@ -80,16 +81,28 @@ def step_flops(model: torch.nn.Module, batch: int, context: int) -> float:
     return 2.0 * batch * linear + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * batch
 
 
+def tokens_budget(cfg: DecodeWorkerConfig, steps: int, warmup: int = 3) -> int:
+    """``max_tokens`` for a request of :func:`run_decode`: ``warmup`` engine steps and ``steps`` tokens
+    with room to spare, whatever an engine step yields (a speculative step ``spec_k + 1`` tokens at most,
+    a multi-step run ``multi_step``)."""
+    per_step = max(cfg.spec_k + 1, cfg.multi_step)
+    return (warmup + 1) * per_step + steps + 2
+
+
 def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmup: int = 3,
                temperature: float = 0.0) -> dict:
-    """Admit every prompt (local prefill), then time ``steps`` engine steps; tokens/s counts what was streamed."""
+    """Admit every prompt (local prefill), run ``warmup`` engine steps, then time engine steps until
+    every request has streamed ``steps`` more tokens (``steps`` decode steps of the batch; more tokens
+    an engine step when it speculates or runs several steps). tokens/s counts what was streamed;
+    ``step_s`` is seconds per token of a row (a decode step's time however steps are grouped),
+    ``engine_step_s`` seconds per :meth:`DecodeEngine.step`."""
     counted = {"n": 0}
 
     def emit(ev) -> None:
         if isinstance(ev, TokensEvent):
             counted["n"] += len(ev.token_ids)
 
-    budget = warmup + steps * (engine.cfg.spec_k + 1) + 2
+    budget = tokens_budget(engine.cfg, steps, warmup)
     for i, p in enumerate(prompts):
         engine.add_local(f"r{i}", p, SamplingParams(temperature=temperature, max_tokens=budget, ignore_eos=True,
                                                     seed=i), emit)
@@ -98,10 +111,11 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmu
         engine.step()
     for _ in range(warmup):
         engine.step()
-    counted["n"] = 0
+    counted["n"], engine_steps = 0, 0
     start = time.perf_counter()
-    for _ in range(steps):
+    while counted["n"] < steps * len(prompts):
         engine.step()
+        engine_steps += 1
     seconds = time.perf_counter() - start
     reqs = list(engine._requests.values())
     drafted = sum(r.num_draft_tokens for r in reqs)
@@ -109,26 +123,28 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmu
     for r in reqs:
         engine.abort(r.attempt_id)
     engine.step()
-    return {"tokens_per_s": counted["n"] / seconds, "step_s": seconds / steps,
-            "acceptance": accepted / drafted if drafted else None}
+    return {"tokens_per_s": counted["n"] / seconds, "step_s": seconds * len(prompts) / counted["n"],
+            "engine_step_s": seconds / engine_steps, "acceptance": accepted / drafted if drafted else None}
 
 
 def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: float, prompt_len: int,
-                     limits: dict | None = None) -> list[dict]:
+                     limits: dict | None = None, multi_step: int = DecodeWorkerConfig.multi_step) -> list[dict]:
     """Decode rows for fp32, bf16 and int4 weights, graph off/on, at each batch. ``bandwidth`` (bytes/s):
     the DRAM figure; with ``limits`` (:func:`bench.limits.measure_limits`) the speed of light uses the
     bandwidth measured at each step's working-set size, and MFU / roofline the GEMM rate at its batch."""
     rows = []
     for dtype, weights in (("fp32", "native"), ("bf16", "native"), ("bf16", "int4")):
         for graph in (False, True):
-            engine, model = _engine(model_dir, dtype, weights, graph, max(batches), 64 * max(batches) + 8)
+            engine, model = _engine(model_dir, dtype, weights, graph, max(batches), 64 * max(batches) + 8,
+                                    multi_step=multi_step)
             wbytes = weight_bytes(model)
             for b in batches:
                 prompts = [[1] + torch.randint(3, 2000, (prompt_len - 1,),
                                                generator=torch.Generator().manual_seed(i)).tolist() for i in range(b)]
                 res = run_decode(engine, prompts, steps)
                 kv_bytes = b * (prompt_len + steps) * engine.spec.block_nbytes // engine.spec.block_size
-                row = {"dtype": dtype, "weights": weights, "graph": graph, "batch": b, **res, "weight_bytes": wbytes,
+                row = {"dtype": dtype, "weights": weights, "graph": graph, "batch": b, "multi_step": multi_step, **res,
+                       "weight_bytes": wbytes,
                        "kv_bytes": kv_bytes, "kernels": kernel_paths(model, b, 1, DTYPES[dtype])}
                 row.update(_floors(row, model, limits, bandwidth, prompt_len + steps // 2))
                 rows.append(row)
@@ -245,6 +261,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--multi-step", type=int, default=DecodeWorkerConfig.multi_step,
+                    help="greedy steps per engine step at most (the decode worker's multi_step; 1: off)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-speculative", action="store_true", help="leave out the speculative decoding part")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "decode"))
@@ -259,7 +277,8 @@ def main() -> None:
     result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "limits": limits,
               "bandwidths": {"c_read": bandwidth, "torch_sum": limits["torch_sum_bytes_per_s"]},
               "threads": args.threads, "prompt_tokens": args.prompt_tokens}
-    result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens, limits)
+    result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens, limits,
+                                        args.multi_step)
     if not args.skip_transformers:
         result["transformers"] = bench_transformers(args.model, [b for b in batches if b <= 8], 24,
                                                     args.prompt_tokens)

@@ -86,13 +86,13 @@ def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: in
 def bench_engine(model: str, prompt: list[int], decode_tokens: int, repeats: int, dtype: str) -> dict:
     """The decode engine alone at batch 1, in this process: median step seconds over ``repeats`` runs of
     ``decode_tokens`` steps, loaded as the decode worker loads it (``dtype`` resolved as the worker does)."""
-    from pdserve.bench.decode import _engine, run_decode
+    from pdserve.bench.decode import _engine, run_decode, tokens_budget
     from pdserve.cluster.worker_process import resolve_dtype
     from pdserve.decode_worker.config import DecodeWorkerConfig
 
     short = {"float32": "fp32", "bfloat16": "bf16"}[resolve_dtype(dtype, model)]
-    engine, model_obj = _engine(model, short, "native", DecodeWorkerConfig.graph, 1,
-                                (len(prompt) + (DecodeWorkerConfig.spec_k + 1) * decode_tokens) // 16 + 16)
+    budget = tokens_budget(DecodeWorkerConfig(model_dir=model, worker_id="bench"), decode_tokens)
+    engine, model_obj = _engine(model, short, "native", DecodeWorkerConfig.graph, 1, (len(prompt) + budget) // 16 + 16)
     try:
         steps = [run_decode(engine, [prompt], decode_tokens)["step_s"] for _ in range(repeats)]
     finally:

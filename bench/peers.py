@@ -6,8 +6,9 @@ its own converter to bf16 GGUF and ``llama-quantize`` to Q4_0 and Q4_K_M. Rep by
 everything pinned to one core (``taskset`` for llama.cpp; ``sched_setaffinity`` and one torch
 thread in a pdserve worker subprocess that keeps its engines loaded across reps):
 
-  * pdserve batch-1 decode, bf16 and INT4 weights (``bench/decode.py``'s engine, GraphRunner on),
-    from an 8-token prompt for 128 steps; llama.cpp ``tg128`` (128 tokens from an empty context);
+  * pdserve batch-1 decode, bf16 and INT4 weights (``bench/decode.py``'s engine, GraphRunner on, multi-step
+    decoding as the decode worker's default and off), from an 8-token prompt for 128 tokens; llama.cpp
+    ``tg128`` (128 tokens from an empty context);
   * pdserve bf16 prefill of 512 and 2,048 tokens in 512-token chunks (``bench/prefill.py``'s
     ``bench_mfu``); llama.cpp ``pp512`` / ``pp2048`` (its default micro-batch is 512 tokens too).
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from pdserve.bench.common import ROOT, machine
 from pdserve.bench.peers_llamacpp import REPORTED_FLAGS, build, convert, cpu_flags, cpu_model, quantize
+from pdserve.decode_worker.config import DecodeWorkerConfig
 
 GGUF_DIR = Path.home() / ".cache" / "pdserve" / "peers" / "gguf"
 PROMPT_TOKENS, DECODE_STEPS, PREFILL = 8, 128, (512, 2048)
@@ -71,9 +73,10 @@ def _answer(cmd: list[str], model_dir: str, engines: dict, prompt: list[int]) ->
 
     if cmd[0] == "decode":
         weights = {"bf16": "native", "int4": "int4"}[cmd[1]]
-        if cmd[1] not in engines:
-            engines[cmd[1]] = _engine(model_dir, "bf16", weights, True, 1, 64)[0]
-        res = run_decode(engines[cmd[1]], [prompt], DECODE_STEPS)
+        multi = {"multi_step": int(cmd[2])} if len(cmd) > 2 else {}     # else the decode worker's default
+        if tuple(cmd[1:]) not in engines:
+            engines[tuple(cmd[1:])] = _engine(model_dir, "bf16", weights, True, 1, 96, **multi)[0]
+        res = run_decode(engines[tuple(cmd[1:])], [prompt], DECODE_STEPS)
         return {"tokens_per_s": res["tokens_per_s"], "step_s": res["step_s"]}
     if cmd[0] == "prefill":
         mfu = bench_mfu(model_dir, list(PREFILL), 512, 1)
@@ -143,7 +146,7 @@ def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dic
     try:
         for rep in range(reps):
             t0 = time.perf_counter()
-            for w in ("bf16", "int4"):
+            for w in ("bf16", "int4", "bf16 1", "int4 1"):
                 reply = worker.ask(f"decode {w}")
                 if "error" in reply:
                     errors.setdefault(f"pdserve decode {w}", reply["error"])
@@ -165,7 +168,10 @@ def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dic
     stats = {k: _stats(v) for k, v in samples.items()}
     rows = [_row("bf16 decode b1 (tok/s)", stats, "pdserve decode bf16", "llama.cpp bf16 tg128"),
             _row("INT4 decode b1 vs Q4_0 (tok/s)", stats, "pdserve decode int4", "llama.cpp Q4_0 tg128"),
-            _row("INT4 decode b1 vs Q4_K_M (tok/s)", stats, "pdserve decode int4", "llama.cpp Q4_K_M tg128")]
+            _row("INT4 decode b1 vs Q4_K_M (tok/s)", stats, "pdserve decode int4", "llama.cpp Q4_K_M tg128"),
+            _row("bf16 decode b1, multi-step off (tok/s)", stats, "pdserve decode bf16 1", "llama.cpp bf16 tg128"),
+            _row("INT4 decode b1 vs Q4_0, multi-step off (tok/s)", stats, "pdserve decode int4 1",
+                 "llama.cpp Q4_0 tg128")]
     rows += [_row(f"bf16 prefill {n} (tok/s)", stats, f"pdserve prefill {n}", f"llama.cpp bf16 pp{n}")
              for n in PREFILL]
     flags = cpu_flags()
@@ -177,7 +183,9 @@ def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dic
                 "cpu_info": record and record.get("cpu_info"), "backends": record and record.get("backends"),
                 "commands": commands},
             "pdserve_settings": {"decode_prompt_tokens": PROMPT_TOKENS, "decode_steps": DECODE_STEPS,
-                                 "graph_runner": True, "prefill_chunk": 512, "torch_threads": 1},
+                                 "graph_runner": True, "prefill_chunk": 512, "torch_threads": 1,
+                                 "multi_step": DecodeWorkerConfig.multi_step,
+                                 "multi_step_window_s": DecodeWorkerConfig.multi_step_window_s},
             "rows": rows, "samples": stats, "errors": errors}
 
 

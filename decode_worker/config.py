@@ -37,6 +37,10 @@ class DecodeWorkerConfig(WorkerConfig):
         int4_group_size: input columns per INT4 scale group.
         int4_method: how load-time INT4 quantization rounds: ``mse`` (clip search, data-free),
             ``rtn`` or ``gptq`` (calibrated on text the model samples itself; slower to load).
+        multi_step: greedy decode steps run in one C call at most (multi-step decoding,
+            :meth:`~decode_worker.engine.DecodeEngine._multi_steps`); 1 turns it off.
+        multi_step_window_s: a multi-step run lasts about this long at most (seconds, at the last
+            step's time): tokens reach clients in bursts no longer than this.
         graph: run plain decode steps through the :class:`~decode_worker.graph_runner.GraphRunner`
             (padded buckets and static buffers; CUDA graphs on GPUs).
     """
@@ -55,6 +59,8 @@ class DecodeWorkerConfig(WorkerConfig):
     spec_probe_interval: int = 4
     spec_max_probe_interval: int = 32
     graph: bool = True
+    multi_step: int = 8
+    multi_step_window_s: float = 0.025
     colocated: bool = False
     max_num_batched_tokens: int = 512
     weights: str = "native"
@@ -77,6 +83,9 @@ class DecodeWorkerConfig(WorkerConfig):
                 and 1 <= self.spec_probe_interval <= self.spec_max_probe_interval):
             raise ValueError("need 0 <= spec_min_acceptance <= 1, 0 < spec_ewma_weight <= 1 and "
                              "1 <= spec_probe_interval <= spec_max_probe_interval")
+        if self.multi_step < 1 or not 0 <= self.multi_step_window_s <= 1:
+            raise ValueError(f"multi_step must be >= 1 and multi_step_window_s in [0, 1] seconds, got "
+                             f"{self.multi_step} and {self.multi_step_window_s}")
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
         if self.kv_io_timeout_s <= 0:

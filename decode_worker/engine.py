@@ -6,7 +6,8 @@ an inbox; the engine thread alone owns request state. Each :meth:`step`:
 
     1. drain the inbox   (KV arrived: TRANSFERRING -> DECODING; failures and aborts -> FINISHED)
     2. schedule          (up to max_batch_size DECODING requests, oldest first)
-    3. run               (one batched forward, one new token per request)
+    3. run               (one batched forward, one new token per request; or several greedy steps in one
+                          C call, ended early by new work: :meth:`DecodeEngine._multi_steps`)
     4. postprocess       (sample, stream, retire finished requests, free their blocks)
 
 Requests join and leave at every token boundary (continuous batching, Yu et al.,
@@ -16,8 +17,8 @@ Requests join and leave at every token boundary (continuous batching, Yu et al.,
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import math
 import queue
 import threading
 import time
@@ -35,15 +36,9 @@ from pdserve.decode_worker.request import (
     ErrorEvent,
     FinishedEvent,
     TokensEvent,
+    check_kv_timeout,
 )
-from pdserve.decode_worker.speculative import (
-    AdaptiveSpeculation,
-    DraftModelProposer,
-    NgramProposer,
-    Proposer,
-    SelfDraftProposer,
-    verify,
-)
+from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer, verify
 from pdserve.kvtransfer.select import local_backends, make_receiver
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec
@@ -52,24 +47,6 @@ from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
 
 log = logging.getLogger(__name__)
-
-MAX_KV_TIMEOUT_S = 3600.0
-"""The longest ``kv_timeout_s`` a request may ask for (seconds): its blocks wait at most this long
-for KV pages, so a caller cannot hold them without a deadline."""
-
-
-def check_kv_timeout(kv_timeout_s: float) -> float:
-    """Return ``kv_timeout_s`` (seconds) if it is a usable KV deadline: finite, in (0, :data:`MAX_KV_TIMEOUT_S`].
-
-    Raises:
-        ValueError: anything else (NaN, infinite, zero, negative, above the maximum); the message names
-            the range.
-    """
-    if not (math.isfinite(kv_timeout_s) and 0 < kv_timeout_s <= MAX_KV_TIMEOUT_S):
-        raise ValueError(f"kv_timeout_s must be a finite number of seconds in (0, {MAX_KV_TIMEOUT_S:g}], "
-                         f"got {kv_timeout_s!r}")
-    return float(kv_timeout_s)
-
 
 @dataclass(frozen=True)
 class _KVArrived:
@@ -86,19 +63,6 @@ class _KVFailed:
 @dataclass(frozen=True)
 class _Abort:
     attempt_id: str
-
-
-def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | None:
-    """The configured speculative proposer, or ``None`` when speculation is off."""
-    if cfg.speculative == "ngram":
-        return NgramProposer()
-    if cfg.speculative == "self":
-        return SelfDraftProposer(runner, cfg.spec_draft_layers)
-    if cfg.speculative == "draft":
-        from pdserve.model.loader import load_model
-        draft, _ = load_model(cfg.spec_draft_model, cfg.torch_dtype)
-        return DraftModelProposer(draft, runner.spec)
-    return None
 
 
 def _rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list[int],
@@ -135,6 +99,7 @@ class DecodeEngine:
                                       io_timeout_s=cfg.kv_io_timeout_s, secret=secret)
         self.kv_backends = local_backends(self.runner.kv_cache)  # advertised in the registry entry
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._interrupt = ctypes.c_int32(0)   # set with every inbox message: ends a multi-step run early
         self._requests: dict[str, DecodeRequest] = {}   # every unfinished request (engine thread)
         self._ids_lock = threading.Lock()
         self._live_ids: set[str] = set()                 # ids taken, for duplicate checks from any thread
@@ -173,13 +138,13 @@ class DecodeEngine:
         check_kv_timeout(kv_timeout_s)
         req = self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids, RequestState.TRANSFERRING)
         prompt_blocks = req.block_table[: self.spec.num_blocks_for(req.num_tokens)]
-        self._inbox.put(req)  # the engine learns of it before any receiver callback can fire
+        self._post(req)  # the engine learns of it before any receiver callback can fire
         try:
             self.receiver.expect(attempt_id, prompt_blocks, kv_timeout_s,
-                                 on_complete=lambda rid, tok: self._inbox.put(_KVArrived(rid, tok)),
-                                 on_failed=lambda rid, why: self._inbox.put(_KVFailed(rid, why)))
+                                 on_complete=lambda rid, tok: self._post(_KVArrived(rid, tok)),
+                                 on_failed=lambda rid, why: self._post(_KVFailed(rid, why)))
         except BaseException:
-            self._inbox.put(_Abort(attempt_id))  # after the request in the inbox: retired, its blocks freed
+            self._post(_Abort(attempt_id))  # after the request in the inbox: retired, its blocks freed
             raise
         return prompt_blocks
 
@@ -192,8 +157,8 @@ class DecodeEngine:
         Raises:
             ValueError, NoFreeBlocks: as :meth:`add_request`.
         """
-        self._inbox.put(self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids,
-                                       RequestState.PREFILLING))  # chunks run in the next steps, mixed with decodes
+        self._post(self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids,
+                                  RequestState.PREFILLING))  # chunks run in the next steps, mixed with decodes
 
     def _allocate(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
                   emit: DecodeEventSink, prior_output_ids: list[int], state: RequestState) -> DecodeRequest:
@@ -221,7 +186,12 @@ class DecodeEngine:
 
     def abort(self, attempt_id: str) -> None:
         """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
-        self._inbox.put(_Abort(attempt_id))
+        self._post(_Abort(attempt_id))
+
+    def _post(self, msg) -> None:
+        """Hand ``msg`` to the engine thread, ending a multi-step run after its current step."""
+        self._inbox.put(msg)
+        self._interrupt.value = 1
 
     # ---- engine thread ---------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
@@ -245,6 +215,7 @@ class DecodeEngine:
 
     def step(self) -> None:
         """One engine iteration: inbox, schedule, run, postprocess."""
+        self._interrupt.value = 0      # before draining: a message posted after the drain ends a multi-step run
         self._drain_inbox()
         batch = [r for r in self._requests.values() if r.state is RequestState.DECODING][: self.cfg.max_batch_size]
         chunks = self._prefill_chunks(self.cfg.max_num_batched_tokens - len(batch))
@@ -254,19 +225,45 @@ class DecodeEngine:
         if not batch:
             return
         speculate = self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size
-        new_tokens, new_logprobs = self._speculative_run(batch) if speculate else self._plain_run(batch)
+        new_tokens, new_logprobs = self._speculative_run(batch) if speculate else self._plain_run(batch, multi=True)
         for req, tokens, logprobs in zip(batch, new_tokens, new_logprobs):
             self._append(req, tokens, logprobs)
 
-    def _plain_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
-        """One token per request, through the GraphRunner when there is one; the step is timed
-        for the routers' step-time models. Log-probabilities only for the rows that ask for them."""
+    def _plain_run(self, batch: list[DecodeRequest], multi: bool = False,
+                   ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """One token per request, through the GraphRunner when there is one, or with ``multi`` as many
+        as :meth:`_multi_steps` allows; the step is timed for the routers' step-time models (seconds a
+        step). Log-probabilities only for the rows that ask for them."""
         steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
         started = time.monotonic()
+        if multi and (k := self._multi_steps(batch)) > 1:
+            stops = frozenset().union(*(r.stop_ids for r in batch))
+            rows = self.graph.run_greedy(steps, k, sorted(stops), self._interrupt)
+            if rows is not None:
+                self.last_step = (len(batch), sum(r.num_tokens for r in batch),
+                                  (time.monotonic() - started) / len(rows[0]))
+                return rows, [None] * len(batch)
         logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
         tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
         return [[t] for t in tokens], _rows_logprobs(logits, batch, tokens)
+
+    def _multi_steps(self, batch: list[DecodeRequest]) -> int:
+        """Greedy steps to run in one C call (multi-step decoding, as vLLM's ``--num-scheduler-steps``):
+        ``multi_step`` at most, as many as fit in ``multi_step_window_s`` at the last step's time, never
+        past a row's ``max_tokens``; 1 unless there is a graph runner and every row is greedy without
+        log-probabilities. The run ends early after a step where a row samples a stop token or once
+        another thread posts work (:meth:`_post`), so requests still join and leave at token
+        boundaries; what it saves is the Python between steps, which after a memory-bound step runs on
+        cold caches (about 8% of a batch-1 bf16 step on bench-80m, see ``docs/benchmarks.md``). Tokens
+        reach the client in bursts of up to the window's length."""
+        cfg, per_step = self.cfg, self.last_step[2]
+        if self.graph is None or cfg.multi_step < 2 or per_step <= 0 \
+                or any(r.sampling.temperature != 0 or r.sampling.logprobs is not None for r in batch):
+            return 1
+        k = min(cfg.multi_step, int(cfg.multi_step_window_s / per_step),
+                min(r.sampling.max_tokens - len(r.output_ids) for r in batch))
+        return max(k, 1)
 
     def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
         """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""

@@ -25,6 +25,7 @@ and mini-sglang's ``engine/graph.py``.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -132,6 +133,27 @@ class GraphRunner:
         if (graph := self._step_graph(size)) is not None:
             return graph.run(size, max(s.num_computed for s in batch) + 1)
         return self._forward(bucket)[:size]
+
+    def run_greedy(self, batch: list[StepInput], steps: int, stop_ids: Sequence[int] = (),
+                   interrupt: ctypes.c_int32 | None = None) -> list[list[int]] | None:
+        """Up to ``steps`` greedy decode steps of ``batch`` in one C call (:meth:`DecodeGraph.run_greedy`:
+        multi-step decoding; each row's blocks must hold ``steps - 1`` more tokens), or ``None`` where the
+        step does not run as one C call (GPUs, no decode stack): the caller then runs single steps.
+
+        Returns:
+            Per row, the tokens sampled, one per step run (the same count for every row, at least 1):
+            the loop ends early after a step that sampled one of ``stop_ids`` or once ``interrupt`` is set.
+        Raises:
+            ValueError: as :meth:`run`, or a row's blocks too short for ``steps`` more tokens.
+        """
+        if any(len(s.token_ids) != 1 for s in batch):
+            raise ValueError("GraphRunner runs decode steps: exactly one new token per sequence")
+        size, bucket = len(batch), self.bucket_for(len(batch))
+        if self.capture or (graph := self._step_graph(size)) is None:
+            return None
+        self._fill(batch, bucket)
+        tokens = graph.run_greedy(size, max(s.num_computed for s in batch) + 1, steps, stop_ids, interrupt)
+        return tokens.t().tolist()
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:
         """Rows ``[0, bucket)`` of the static buffers: the batch, then padded rows that write into the scratch block."""

@@ -18,6 +18,7 @@ the ``request_id`` of the router's Generate call, which names one attempt of a c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,3 +91,21 @@ class DecodeRequest:
         if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_context:
             return "length"
         return None
+
+
+MAX_KV_TIMEOUT_S = 3600.0
+"""The longest ``kv_timeout_s`` a request may ask for (seconds): its blocks wait at most this long
+for KV pages, so a caller cannot hold them without a deadline."""
+
+
+def check_kv_timeout(kv_timeout_s: float) -> float:
+    """Return ``kv_timeout_s`` (seconds) if it is a usable KV deadline: finite, in (0, :data:`MAX_KV_TIMEOUT_S`].
+
+    Raises:
+        ValueError: anything else (NaN, infinite, zero, negative, above the maximum); the message names
+            the range.
+    """
+    if not (math.isfinite(kv_timeout_s) and 0 < kv_timeout_s <= MAX_KV_TIMEOUT_S):
+        raise ValueError(f"kv_timeout_s must be a finite number of seconds in (0, {MAX_KV_TIMEOUT_S:g}], "
+                         f"got {kv_timeout_s!r}")
+    return float(kv_timeout_s)

@@ -28,8 +28,8 @@ from pdserve.cluster.rpc_fields import (
 from pdserve.cluster.warmup import WarmupReport
 from pdserve.cluster.worker_process import WorkerProcess, worker_secret
 from pdserve.decode_worker.config import DecodeWorkerConfig
-from pdserve.decode_worker.engine import DecodeEngine, check_kv_timeout
-from pdserve.decode_worker.request import FinishedEvent, TokensEvent
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.request import FinishedEvent, TokensEvent, check_kv_timeout
 from pdserve.decode_worker.warmup import warm_up_decode
 from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
@@ -69,7 +69,7 @@ def check_decode_request(request: worker_pb2.DecodeRequest | Undecodable, vocab_
             sampling fields not finite or out of range (:func:`cluster.rpc_fields.check_sampling`); prompt +
             max_tokens beyond ``max_context``;
             ``prior_output_token_ids`` outside the vocabulary, reaching ``max_tokens`` or ending in a stop token;
-            ``kv_timeout_s`` not finite in (0, :data:`~decode_worker.engine.MAX_KV_TIMEOUT_S`] seconds (with
+            ``kv_timeout_s`` not finite in (0, :data:`~decode_worker.request.MAX_KV_TIMEOUT_S`] seconds (with
             ``local_prefill`` it is unused and may also be 0, unset).
     """
     request = check_decoded(request)

@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.request import DecodeRequest
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.llama import LlamaForCausalLM
@@ -307,3 +308,16 @@ class AdaptiveSpeculation:
 
     def forget(self, req: DecodeRequest) -> None:
         self._states.pop(req.attempt_id, None)
+
+
+def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | None:
+    """The configured speculative proposer, or ``None`` when speculation is off."""
+    if cfg.speculative == "ngram":
+        return NgramProposer()
+    if cfg.speculative == "self":
+        return SelfDraftProposer(runner, cfg.spec_draft_layers)
+    if cfg.speculative == "draft":
+        from pdserve.model.loader import load_model
+        draft, _ = load_model(cfg.spec_draft_model, cfg.torch_dtype)
+        return DraftModelProposer(draft, runner.spec)
+    return None

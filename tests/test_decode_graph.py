@@ -6,6 +6,8 @@ the stack cannot run."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -124,3 +126,54 @@ def test_models_the_stack_cannot_run_keep_the_eager_step(checkpoints):
     assert graph._cpu_graph is None
     runner.model.cpu_stack = True
     assert all(torch.isfinite(t).all() for t in off)
+
+
+def _argmax_steps(graph: GraphRunner, prompts, tables, steps: int) -> list[list[int]]:
+    """Per sequence, the tokens of ``steps`` single graph steps, each fed the last one's argmax."""
+    return [[int(t) for t in col] for col in zip(*[lg.argmax(-1).tolist()
+                                                   for lg in _decode(graph, False, prompts, tables, steps)])]
+
+
+@pytest.mark.parametrize("weights", ["bf16", pytest.param("int4", marks=needs_int4)])
+@pytest.mark.parametrize("variant", ["llama-biases", "qwen3"])
+def test_multi_step_greedy_gives_the_tokens_and_cache_of_single_steps(variant, weights, checkpoints):
+    runner, pool, graph = _runner(checkpoints[variant], weights)
+    prompts, tables = _prefill(runner, pool, [3, 8, 13, 254])
+    before = runner.kv_cache.clone()
+    want = _argmax_steps(graph, prompts, tables, 7)
+    want_cache = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    batch = [StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)]
+    got = graph.run_greedy(batch, 7)
+    assert got == want
+    assert torch.equal(runner.kv_cache, want_cache)
+    assert graph.input_ids[:4].tolist() == [p[-1] for p in prompts]      # the static buffers are the caller's
+    assert graph.seq_lens[:4].tolist() == [len(p) for p in prompts]
+
+
+def test_multi_step_ends_after_a_stop_token_or_an_interrupt(checkpoints):
+    runner, pool, graph = _runner(checkpoints["mistral"], "bf16")
+    prompts, tables = _prefill(runner, pool, [6, 11])
+    before = runner.kv_cache.clone()
+    want = _argmax_steps(graph, prompts, tables, 6)
+    batch = [StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)]
+    stop = want[1][3]
+    first = min(i for i in range(6) if stop in (want[0][i], want[1][i]))
+    runner.kv_cache.copy_(before)
+    assert graph.run_greedy(batch, 6, stop_ids=[stop]) == [w[:first + 1] for w in want]
+    runner.kv_cache.copy_(before)
+    flag = ctypes.c_int32(1)                       # work already posted: one step, then back to the scheduler
+    assert graph.run_greedy(batch, 6, interrupt=flag) == [w[:1] for w in want]
+
+
+def test_multi_step_refuses_rows_whose_blocks_cannot_hold_every_step(checkpoints):
+    runner, pool, graph = _runner(checkpoints["qwen2"], "bf16")
+    prompts, tables = _prefill(runner, pool, [5, 9])
+    before = runner.kv_cache.clone()
+    short = [StepInput([7], 5, tables[0]), StepInput([7], WIDTH * BLOCK - 3, tables[1])]   # 3 positions left
+    with pytest.raises(ValueError, match="out of range"):
+        graph.run_greedy(short, 4)
+    assert torch.equal(runner.kv_cache, before)                     # checked before the first step wrote
+    assert len(graph.run_greedy(short, 3)[1]) == 3
+    with pytest.raises(ValueError, match="steps"):
+        graph.run_greedy(short, 0)

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.cluster.rpc_fields import MAX_ATTEMPT_ID_CHARS
-from pdserve.decode_worker.engine import MAX_KV_TIMEOUT_S
+from pdserve.decode_worker.request import MAX_KV_TIMEOUT_S
 from pdserve.decode_worker.server import CheckedDecodeRequest, check_decode_request
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.kvtransfer.wire.pending import PendingTransfers

@@ -14,7 +14,7 @@ step and a quarter of an INT4 one. Its logits are bit-identical to the per-opera
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -82,6 +82,8 @@ class DecodeGraph:
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fn = library("decode_stack").pd_decode_graph
         self._fn.argtypes, self._fn.restype = [_p, _p, _i64, _p], ctypes.c_int
+        self._greedy = library("decode_stack").pd_decode_graph_greedy
+        self._greedy.argtypes, self._greedy.restype = [_p, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p], ctypes.c_int
 
     def valid(self) -> bool:
         """Whether every tensor the graph points to (the stack's included) still has the storage it was built on."""
@@ -119,8 +121,45 @@ class DecodeGraph:
         self._ensure_positions(min(max_seq_len, self.max_positions))
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         rc = self._fn(self.stack.c_model, ctypes.byref(self._graph), n, logits.data_ptr())
+        self._check(rc, "run")
+        return logits
+
+    def run_greedy(self, n: int, max_seq_len: int, steps: int, stop_ids: Sequence[int] = (),
+                   interrupt: ctypes.c_int32 | None = None) -> torch.Tensor:
+        """Up to ``steps`` greedy decode steps of rows ``[0, n)`` in one C call (multi-step decoding,
+        ``decode_stack.c: pd_decode_graph_greedy``): each step's tokens are the argmax of its logits
+        (torch's index on ties and NaN) and feed the next step. The static buffers are not changed.
+
+        Args:
+            n, max_seq_len: as :meth:`run`, for the first step; every row needs ``steps - 1`` more
+                positions in its block table.
+            steps: steps to run at most (>= 1).
+            stop_ids: token ids after which the loop ends (the step that sampled one is kept).
+            interrupt: a flag another thread sets to a non-zero value to end the loop after the step
+                in progress (the scheduler has work); ``None``: never.
+        Returns:
+            ``[done, n]`` int64 tokens, row ``s`` sampled at step ``s``, ``1 <= done <= steps``: the same
+            tokens :meth:`run` then ``argmax`` would give step by step.
+        Raises:
+            ValueError: ``steps`` < 1, or as :meth:`run` (any row's last position counts; nothing written).
+            MemoryError, RuntimeError: as :meth:`run` (the steps before the failing one did run).
+        """
+        if not 0 < n <= self._keep[1].shape[0] or steps < 1:
+            raise ValueError(f"DecodeGraph.run_greedy: {n} rows x {steps} steps, the buffers hold "
+                             f"{self._keep[1].shape[0]} rows")
+        self._ensure_positions(min(max_seq_len + steps - 1, self.max_positions))
+        logits = torch.empty(n, self.vocab, dtype=torch.float32)
+        tokens = torch.empty(steps, n, dtype=torch.int64)
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)
+        flag = interrupt if interrupt is not None else ctypes.c_int32(0)
+        done = _i64(0)
+        rc = self._greedy(self.stack.c_model, ctypes.byref(self._graph), n, steps, stops.data_ptr(), stops.numel(),
+                          ctypes.byref(flag), logits.data_ptr(), tokens.data_ptr(), ctypes.byref(done))
+        self._check(rc, "run_greedy")
+        return tokens[:done.value]
+
+    def _check(self, rc: int, name: str) -> None:
         if rc == -3:
-            raise ValueError("DecodeGraph.run: a token id, context length or block id is out of range")
+            raise ValueError(f"DecodeGraph.{name}: a token id, context length or block id is out of range")
         if rc:
             self.stack.raise_for(rc)
-        return logits

@@ -86,7 +86,7 @@ class _Layer(ctypes.Structure):
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("gemv_bf16", "gemm_bf16", "gemm_amx", "gemm_int4", "rms_norm",
-                                        "rope_write_kv", "attention", "silu_mul")]
+                                        "rope_write_kv", "attention", "silu_mul", "argmax_rows")]
 
 
 class _Model(ctypes.Structure):
@@ -138,6 +138,7 @@ class DecodeStack:
                                  rms_norm=_symbol("fused", "pd_rms_norm"),
                                  rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
                                  silu_mul=_symbol("fused", "pd_silu_mul"),
+                                 argmax_rows=_symbol("fused", "pd_argmax_rows"),
                                  attention=_symbol("paged_attention", "pd_paged_attention")))
         qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         shapes = {"qkv": (qkv_width, self.hidden), "o": (self.hidden, num_heads * head_dim),
