@@ -90,6 +90,11 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         "tests): the checkpoint's torch_dtype, an fp32 checkpoint in bfloat16 on an AVX-512 or AVX2 "
                         "CPU, where the packed bf16 kernels run (cluster.worker_process.resolve_dtype)")
     p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
+    p.add_argument("--multi-step", type=int, default=8,
+                   help="decode: greedy steps run in one C call at most (ended early by new work or a stop "
+                        "token); 1 turns multi-step decoding off")
+    p.add_argument("--multi-step-window", type=float, default=0.025,
+                   help="decode: seconds a multi-step run lasts at most (tokens reach clients in bursts this long)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prefill: token budget per step (longer prompts are chunked)")
     p.add_argument("--activations", default="native", choices=["native", "fp8"],
@@ -157,7 +162,8 @@ def _start_cluster(args: argparse.Namespace):
         decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
                         "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
                         "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
-                        "graph": not args.no_graph},
+                        "graph": not args.no_graph, "multi_step": args.multi_step,
+                        "multi_step_window_s": args.multi_step_window},
         worker_options={**({"insecure": True} if args.insecure else {}),
                         **({"warmup": False} if args.no_warmup else {})},
         router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
