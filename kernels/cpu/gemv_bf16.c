@@ -36,12 +36,22 @@ int pd_cpu_has_avx512_bf16(void) {
 
 int pd_cpu_supported(void) { return pd_cpu_has_avx512_bf16(); }   /* asked by kernels.cpu.available */
 
+/* From GEMV_PF_ROWS rows the weight stream is prefetched GEMV_PF elements (4 KiB) ahead into L1. With one
+ * row the hardware prefetcher keeps up and a software prefetch only slows the stream; with three or four
+ * the loop's arithmetic (a broadcast and a vdpbf16ps per row per 64 bytes) fills the out-of-order window
+ * and the stream stalls without one. bench-80m's 48 projections from DRAM, huge pages, Zen 4, interleaved
+ * A/B in one process (15 rounds, medians): 4 rows 6.68-6.85 -> 5.30-5.52 ms, 3 rows 5.53 -> 5.11,
+ * 2 rows 4.79 -> 4.70, 1 row 4.62 -> 4.99 (so not there); 2 KiB or 8 KiB ahead: less gain. */
+#define GEMV_PF_ROWS 3
+#define GEMV_PF 2048
+
 /* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid.
  * x: bf16 [M, K], row stride ldx (elements), K even. wp: packed [Np/16][K/2][16][2], Np % 16 == 0.
  * Returns 0 (the signature of pd_gemm_bf16_amx). */
 TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     const int64_t K2 = K / 2;
+    const int pf = M >= GEMV_PF_ROWS;
     for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16) {   /* blocks holding wanted outputs */
         const uint16_t *wb = wp + nb * K;
         const int64_t cnt = n_valid - nb < 16 ? n_valid - nb : 16;
@@ -54,6 +64,10 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
             for (int i = 0; i < 4; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
             int64_t kk = 0;
             for (; kk + 1 < K2; kk += 2) {
+                if (pf) {
+                    _mm_prefetch((const char *)(wb + kk * 32 + GEMV_PF), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(wb + kk * 32 + 32 + GEMV_PF), _MM_HINT_T0);
+                }
                 const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kk * 32);
                 const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kk * 32 + 32);
                 for (int i = 0; i < mm; i++) {
