@@ -41,9 +41,21 @@ int pd_cpu_supported(void) { return pd_cpu_has_avx512_bf16(); }   /* asked by ke
  * the loop's arithmetic (a broadcast and a vdpbf16ps per row per 64 bytes) fills the out-of-order window
  * and the stream stalls without one. bench-80m's 48 projections from DRAM, huge pages, Zen 4, interleaved
  * A/B in one process (15 rounds, medians): 4 rows 6.68-6.85 -> 5.30-5.52 ms, 3 rows 5.53 -> 5.11,
- * 2 rows 4.79 -> 4.70, 1 row 4.62 -> 4.99 (so not there); 2 KiB or 8 KiB ahead: less gain. */
+ * 2 rows 4.79 -> 4.70, 1 row 4.62 -> 4.99 (so not there); 2 KiB or 8 KiB ahead: less gain. Other CPUs
+ * keep the stream without a software prefetch until measured (on the Xeon model 207 prefetch bursts had
+ * stalled on its line-fill buffers; Zen 5's lone tile wanted a longer lead). */
 #define GEMV_PF_ROWS 3
 #define GEMV_PF 2048
+
+/* GEMV_PF_ROWS on AMD family 19h (Zen 4, where it was measured); elsewhere no prefetch, as before. */
+static int gemv_pf_rows(void) {
+    static int rows;
+    if (!rows) {
+        __builtin_cpu_init();
+        rows = __builtin_cpu_is("amdfam19h") ? GEMV_PF_ROWS : 1 << 30;
+    }
+    return rows;
+}
 
 /* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid.
  * x: bf16 [M, K], row stride ldx (elements), K even. wp: packed [Np/16][K/2][16][2], Np % 16 == 0.
@@ -51,7 +63,7 @@ int pd_cpu_supported(void) { return pd_cpu_has_avx512_bf16(); }   /* asked by ke
 TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     const int64_t K2 = K / 2;
-    const int pf = M >= GEMV_PF_ROWS;
+    const int pf = M >= gemv_pf_rows();
     for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16) {   /* blocks holding wanted outputs */
         const uint16_t *wb = wp + nb * K;
         const int64_t cnt = n_valid - nb < 16 ? n_valid - nb : 16;
