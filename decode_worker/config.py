@@ -37,8 +37,9 @@ class DecodeWorkerConfig(WorkerConfig):
         int4_group_size: input columns per INT4 scale group.
         int4_method: how load-time INT4 quantization rounds: ``mse`` (clip search, data-free),
             ``rtn`` or ``gptq`` (calibrated on text the model samples itself; slower to load).
-        multi_step: greedy decode steps run in one C call at most (multi-step decoding,
-            :meth:`~decode_worker.engine.DecodeEngine._multi_steps`); 1 turns it off.
+        multi_step: decode steps run in one C call at most (multi-step decoding, for batches of greedy
+            and temperature-only sampled requests,
+            :mod:`decode_worker.multi_step`); 1 turns it off.
         multi_step_window_s: a multi-step run lasts about this long at most (seconds, at the last
             step's time): tokens reach clients in bursts no longer than this.
         graph: run plain decode steps through the :class:`~decode_worker.graph_runner.GraphRunner`

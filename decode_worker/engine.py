@@ -6,8 +6,8 @@ an inbox; the engine thread alone owns request state. Each :meth:`step`:
 
     1. drain the inbox   (KV arrived: TRANSFERRING -> DECODING; failures and aborts -> FINISHED)
     2. schedule          (up to max_batch_size DECODING requests, oldest first)
-    3. run               (one batched forward, one new token per request; or several greedy steps in one
-                          C call, ended early by new work: :meth:`DecodeEngine._multi_steps`)
+    3. run               (one batched forward, one new token per request; or several steps in one C call,
+                          ended early by new work: :mod:`decode_worker.multi_step`)
     4. postprocess       (sample, stream, retire finished requests, free their blocks)
 
 Requests join and leave at every token boundary (continuous batching, Yu et al.,
@@ -30,6 +30,7 @@ import torch
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
+from pdserve.decode_worker.multi_step import plan_steps, sampling_inputs, stop_union
 from pdserve.decode_worker.request import (
     DecodeEventSink,
     DecodeRequest,
@@ -232,13 +233,15 @@ class DecodeEngine:
     def _plain_run(self, batch: list[DecodeRequest], multi: bool = False,
                    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """One token per request, through the GraphRunner when there is one, or with ``multi`` as many
-        as :meth:`_multi_steps` allows; the step is timed for the routers' step-time models (seconds a
-        step). Log-probabilities only for the rows that ask for them."""
+        as :func:`~decode_worker.multi_step.plan_steps` allows in one C call (multi-step decoding); the
+        step is timed for the routers' step-time models (seconds a step). Log-probabilities only for
+        the rows that ask for them."""
         steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
         started = time.monotonic()
-        if multi and (k := self._multi_steps(batch)) > 1:
-            stops = frozenset().union(*(r.stop_ids for r in batch))
-            rows = self.graph.run_greedy(steps, k, sorted(stops), self._interrupt)
+        vocab = self.model_cfg.vocab_size
+        if multi and self.graph is not None and (k := plan_steps(self.cfg, batch, self.last_step[2], vocab)) > 1:
+            temps, noise = sampling_inputs(batch, k, vocab)
+            rows = self.graph.run_steps(steps, k, temps, noise, stop_union(batch), self._interrupt)
             if rows is not None:
                 self.last_step = (len(batch), sum(r.num_tokens for r in batch),
                                   (time.monotonic() - started) / len(rows[0]))
@@ -247,23 +250,6 @@ class DecodeEngine:
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
         tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
         return [[t] for t in tokens], _rows_logprobs(logits, batch, tokens)
-
-    def _multi_steps(self, batch: list[DecodeRequest]) -> int:
-        """Greedy steps to run in one C call (multi-step decoding, as vLLM's ``--num-scheduler-steps``):
-        ``multi_step`` at most, as many as fit in ``multi_step_window_s`` at the last step's time, never
-        past a row's ``max_tokens``; 1 unless there is a graph runner and every row is greedy without
-        log-probabilities. The run ends early after a step where a row samples a stop token or once
-        another thread posts work (:meth:`_post`), so requests still join and leave at token
-        boundaries; what it saves is the Python between steps, which after a memory-bound step runs on
-        cold caches (about 8% of a batch-1 bf16 step on bench-80m, see ``docs/benchmarks.md``). Tokens
-        reach the client in bursts of up to the window's length."""
-        cfg, per_step = self.cfg, self.last_step[2]
-        if self.graph is None or cfg.multi_step < 2 or per_step <= 0 \
-                or any(r.sampling.temperature != 0 or r.sampling.logprobs is not None for r in batch):
-            return 1
-        k = min(cfg.multi_step, int(cfg.multi_step_window_s / per_step),
-                min(r.sampling.max_tokens - len(r.output_ids) for r in batch))
-        return max(k, 1)
 
     def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
         """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""

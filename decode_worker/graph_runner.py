@@ -134,17 +134,21 @@ class GraphRunner:
             return graph.run(size, max(s.num_computed for s in batch) + 1)
         return self._forward(bucket)[:size]
 
-    def run_greedy(self, batch: list[StepInput], steps: int, stop_ids: Sequence[int] = (),
-                   interrupt: ctypes.c_int32 | None = None) -> list[list[int]] | None:
-        """Up to ``steps`` greedy decode steps of ``batch`` in one C call (:meth:`DecodeGraph.run_greedy`:
-        multi-step decoding; each row's blocks must hold ``steps - 1`` more tokens), or ``None`` where the
-        step does not run as one C call (GPUs, no decode stack): the caller then runs single steps.
+    def run_steps(self, batch: list[StepInput], steps: int, temperatures: torch.Tensor | None = None,
+                  log_noise: torch.Tensor | None = None, stop_ids: Sequence[int] = (),
+                  interrupt: ctypes.c_int32 | None = None) -> list[list[int]] | None:
+        """Up to ``steps`` decode steps of ``batch`` in one C call (multi-step decoding: greedy rows, and
+        rows sampled from ``softmax(logits / temperature)`` with noise drawn ahead; see
+        :meth:`DecodeGraph.run_steps` for ``temperatures`` and ``log_noise``; each row's blocks must hold
+        ``steps - 1`` more tokens), or ``None`` where the step does not run as one C call (GPUs, no decode
+        stack): the caller then runs single steps.
 
         Returns:
             Per row, the tokens sampled, one per step run (the same count for every row, at least 1):
             the loop ends early after a step that sampled one of ``stop_ids`` or once ``interrupt`` is set.
         Raises:
-            ValueError: as :meth:`run`, or a row's blocks too short for ``steps`` more tokens.
+            ValueError: as :meth:`run` or :meth:`DecodeGraph.run_steps`, or a row's blocks too short for
+                ``steps`` more tokens.
         """
         if any(len(s.token_ids) != 1 for s in batch):
             raise ValueError("GraphRunner runs decode steps: exactly one new token per sequence")
@@ -152,7 +156,8 @@ class GraphRunner:
         if self.capture or (graph := self._step_graph(size)) is None:
             return None
         self._fill(batch, bucket)
-        tokens = graph.run_greedy(size, max(s.num_computed for s in batch) + 1, steps, stop_ids, interrupt)
+        tokens = graph.run_steps(size, max(s.num_computed for s in batch) + 1, steps, temperatures, log_noise,
+                                 stop_ids, interrupt)
         return tokens.t().tolist()
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:

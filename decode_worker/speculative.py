@@ -40,7 +40,7 @@ from pdserve.decode_worker.request import DecodeRequest
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
-from pdserve.model.sampling import SamplingParams, draw, filtered_probs, request_generator
+from pdserve.model.sampling import SamplingParams, draw, filtered_probs, request_generator, sample_one
 
 ACCEPT_STREAM, DRAFT_STREAM = 1, 2  # generator streams, apart from the token draws (stream 0)
 
@@ -95,7 +95,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, out
     if params.temperature == 0:
         out.append(int(logits[last].argmax()))
     else:
-        out.append(draw(filtered_probs(logits[last], params), request_generator(params.seed, output_index + last)))
+        out.append(sample_one(logits[last], params, output_index + last))   # as plain decoding samples it
     return out
 
 

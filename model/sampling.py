@@ -99,6 +99,35 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
+def temperature_only(p: SamplingParams) -> bool:
+    """Whether ``p`` samples from ``softmax(logits / temperature)`` with no top-k or top-p cut (temperature > 0)."""
+    return p.temperature != 0 and p.top_k == 0 and p.top_p == 1
+
+
+def log_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
+    """``log E`` for the exponential race of output token ``index`` of a request seeded with ``seed``:
+    ``[vocab]`` float32, ``E`` the same draws :func:`draw` makes (so ``-log E`` is Gumbel noise)."""
+    return torch.empty(vocab).exponential_(generator=request_generator(seed, index)).log_()
+
+
+def temperature_draw(logits: torch.Tensor, temperature: float, noise: torch.Tensor) -> int:
+    """The exponential race of :func:`draw` over ``softmax(logits / temperature)`` in log space:
+    ``argmax(logits / temperature - log E)`` (``[vocab]`` float32 logits, ``noise`` from :func:`log_noise`).
+    The argmax of ``p / E`` and of ``log p - log E`` is the same token, and ``log p`` differs from
+    ``logits / temperature`` by a constant, so no softmax is needed (the Gumbel-max trick, Gumbel 1954;
+    Maddison et al. 2014). ``decode_stack.c: pd_decode_graph_steps`` computes the same float32 operations."""
+    return int((logits.float() / temperature - noise).argmax())
+
+
+def sample_one(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
+    """The token of ``[vocab]`` logits for output token ``index`` of a request sampling with ``p``
+    (temperature > 0): :func:`temperature_draw` when only a temperature applies, else the exponential
+    race over :func:`filtered_probs`. Both draw exactly from the filtered distribution."""
+    if temperature_only(p):
+        return temperature_draw(logits, p.temperature, log_noise(p.seed, index, logits.shape[-1]))
+    return draw(filtered_probs(logits, p), request_generator(p.seed, index))
+
+
 GREEDY_C_MIN = 8192   # logits from which the C argmax wins over its call overhead (Zen 4: 1 x 2,048: C 4.1 us,
                       # torch 3.4; 32 x 2,048: 8.6 vs 59; 32 x 128,256: 0.33 vs 3.4 ms)
 
@@ -126,7 +155,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
     tokens = greedy(logits).tolist()
     for row, (p, index) in enumerate(zip(params, output_indexes)):
         if p.temperature != 0:
-            tokens[row] = draw(filtered_probs(logits[row], p), request_generator(p.seed, index))
+            tokens[row] = sample_one(logits[row], p, index)
     return tokens
 
 

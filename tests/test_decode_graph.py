@@ -19,6 +19,7 @@ from pdserve.model.kv_cache import BlockPool, KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.quant import int4
 from pdserve.model.runner import ModelRunner, StepInput
+from pdserve.model.sampling import log_noise, temperature_draw
 from tests.family_checkpoints import write_checkpoint
 
 pytestmark = pytest.mark.skipif(not stack_available(bf16_packed=True), reason="no C compiler or no AVX2")
@@ -144,7 +145,7 @@ def test_multi_step_greedy_gives_the_tokens_and_cache_of_single_steps(variant, w
     want_cache = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
     batch = [StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)]
-    got = graph.run_greedy(batch, 7)
+    got = graph.run_steps(batch, 7)
     assert got == want
     assert torch.equal(runner.kv_cache, want_cache)
     assert graph.input_ids[:4].tolist() == [p[-1] for p in prompts]      # the static buffers are the caller's
@@ -160,10 +161,10 @@ def test_multi_step_ends_after_a_stop_token_or_an_interrupt(checkpoints):
     stop = want[1][3]
     first = min(i for i in range(6) if stop in (want[0][i], want[1][i]))
     runner.kv_cache.copy_(before)
-    assert graph.run_greedy(batch, 6, stop_ids=[stop]) == [w[:first + 1] for w in want]
+    assert graph.run_steps(batch, 6, stop_ids=[stop]) == [w[:first + 1] for w in want]
     runner.kv_cache.copy_(before)
     flag = ctypes.c_int32(1)                       # work already posted: one step, then back to the scheduler
-    assert graph.run_greedy(batch, 6, interrupt=flag) == [w[:1] for w in want]
+    assert graph.run_steps(batch, 6, interrupt=flag) == [w[:1] for w in want]
 
 
 def test_multi_step_refuses_rows_whose_blocks_cannot_hold_every_step(checkpoints):
@@ -172,8 +173,32 @@ def test_multi_step_refuses_rows_whose_blocks_cannot_hold_every_step(checkpoints
     before = runner.kv_cache.clone()
     short = [StepInput([7], 5, tables[0]), StepInput([7], WIDTH * BLOCK - 3, tables[1])]   # 3 positions left
     with pytest.raises(ValueError, match="out of range"):
-        graph.run_greedy(short, 4)
+        graph.run_steps(short, 4)
     assert torch.equal(runner.kv_cache, before)                     # checked before the first step wrote
-    assert len(graph.run_greedy(short, 3)[1]) == 3
+    assert len(graph.run_steps(short, 3)[1]) == 3
     with pytest.raises(ValueError, match="steps"):
-        graph.run_greedy(short, 0)
+        graph.run_steps(short, 0)
+
+
+def test_multi_step_sampling_gives_the_tokens_of_single_steps(checkpoints):
+    """Rows sampled from softmax(logits / T) with noise drawn ahead pick what model.sampling.temperature_draw
+    picks from each single step's logits; a greedy row beside them stays greedy."""
+    runner, pool, graph = _runner(checkpoints["qwen3"], "bf16")
+    prompts, tables = _prefill(runner, pool, [4, 9, 17])
+    vocab, steps, temps = runner.model.cfg.vocab_size, 6, [0.7, 0.0, 1.3]
+    noise = torch.stack([torch.stack([log_noise(11 + i, s, vocab) for i in range(3)]) for s in range(steps)])
+    before = runner.kv_cache.clone()
+    seqs, want = [list(p) for p in prompts], [[] for _ in prompts]
+    for s in range(steps):
+        logits = graph.run([StepInput([q[-1]], len(q) - 1, t) for q, t in zip(seqs, tables)])
+        for i, q in enumerate(seqs):
+            token = int(logits[i].argmax()) if temps[i] == 0 else temperature_draw(logits[i], temps[i], noise[s, i])
+            q.append(token)
+            want[i].append(token)
+    runner.kv_cache.copy_(before)
+    batch = [StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)]
+    got = graph.run_steps(batch, steps, torch.tensor(temps), noise.contiguous())
+    assert got == want
+    assert len(set(want[0])) > 1 and want[0] != want[1]                 # the sampled rows did sample
+    with pytest.raises(ValueError, match="log_noise"):
+        graph.run_steps(batch, steps, torch.tensor(temps), noise[:, :2].contiguous())

@@ -1,7 +1,7 @@
-"""Multi-step decoding in the engine (:meth:`DecodeEngine._multi_steps`, ``pd_decode_graph_greedy``): greedy
-rows run several steps per C call with the tokens, stop handling and block accounting of single steps;
-sampled rows, log-probabilities and a zero window keep single steps; work posted by another thread
-ends a run after the step in progress."""
+"""Multi-step decoding in the engine (:mod:`decode_worker.multi_step`, ``pd_decode_graph_steps``): greedy and
+temperature-only sampled rows run several steps per C call with the tokens, stop handling and block
+accounting of single steps; top-k / top-p rows, log-probabilities and a zero window keep single steps;
+work posted by another thread ends a run after the step in progress."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ class _Calls:
 
     def __init__(self, engine: DecodeEngine, before=None) -> None:
         self.steps: list[int] = []
-        self._run, self._before = engine.graph.run_greedy, before
-        engine.graph.run_greedy = self
+        self._run, self._before = engine.graph.run_steps, before
+        engine.graph.run_steps = self
 
     def __call__(self, *args, **kwargs):
         if self._before is not None:
@@ -101,9 +101,26 @@ def test_a_run_never_passes_max_tokens_and_stops_at_a_stop_token(engine, referen
     assert engine.pool.num_free == engine.num_usable_blocks
 
 
-def test_sampled_rows_and_logprobs_keep_single_steps(engine, reference):
+def test_temperature_only_sampling_runs_several_steps_a_call_with_the_tokens_of_single_steps(engine, model_dir):
+    params = {"a": SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+              "b": SamplingParams(temperature=1.7, seed=4, max_tokens=30, ignore_eos=True),
+              "c": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)}
+    single = _engine(model_dir, multi_step=1)
+    try:
+        want = {rid: _tokens(evs) for rid, evs in _generate(single, params).items()}
+    finally:
+        single.receiver.close()
     calls = _Calls(engine)
-    events = _generate(engine, {"a": SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+    got = {rid: _tokens(evs) for rid, evs in _generate(engine, params).items()}
+    assert got == want
+    assert max(calls.steps) == 8 and sum(calls.steps) >= 20
+    assert engine.pool.num_free == engine.num_usable_blocks
+
+
+def test_top_k_top_p_and_logprobs_keep_single_steps(engine, reference):
+    calls = _Calls(engine)
+    events = _generate(engine, {"a": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=12, ignore_eos=True),
+                                "b": SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
                                 "c": SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)})
     assert calls.steps == []
     assert _tokens(events["c"]) == reference["c"][:12]

@@ -62,3 +62,16 @@ def test_incremental_detokenizer_adds_up_to_the_full_text(model_dir):
     for t in out:
         text += detok.push([t])
     assert text == tok.decode(prompt + out)[len(tok.decode(prompt)):]
+
+
+def test_temperature_draw_is_the_exponential_race_in_log_space():
+    """Temperature-only rows (model.sampling.temperature_draw, also the multi-step C loop's rule) pick the
+    token the exponential race over the softmax picks from the same noise: argmax(p / E) = argmax(log p - log E)."""
+    from pdserve.model.sampling import draw, filtered_probs, log_noise, request_generator, temperature_draw
+
+    logits = torch.randn(512, generator=torch.Generator().manual_seed(5)) * 3
+    for temperature in (0.5, 1.0, 2.0):
+        p = SamplingParams(temperature=temperature)
+        picks = [temperature_draw(logits, temperature, log_noise(seed, 7, 512)) for seed in range(200)]
+        assert picks == [draw(filtered_probs(logits, p), request_generator(seed, 7)) for seed in range(200)]
+        assert len(set(picks)) > 5                  # it samples: not one argmax

@@ -82,8 +82,9 @@ class DecodeGraph:
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fn = library("decode_stack").pd_decode_graph
         self._fn.argtypes, self._fn.restype = [_p, _p, _i64, _p], ctypes.c_int
-        self._greedy = library("decode_stack").pd_decode_graph_greedy
-        self._greedy.argtypes, self._greedy.restype = [_p, _p, _i64, _i64, _p, _i64, _p, _p, _p, _p], ctypes.c_int
+        self._steps = library("decode_stack").pd_decode_graph_steps
+        self._steps.argtypes = [_p, _p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _p]
+        self._steps.restype = ctypes.c_int
 
     def valid(self) -> bool:
         """Whether every tensor the graph points to (the stack's included) still has the storage it was built on."""
@@ -124,38 +125,53 @@ class DecodeGraph:
         self._check(rc, "run")
         return logits
 
-    def run_greedy(self, n: int, max_seq_len: int, steps: int, stop_ids: Sequence[int] = (),
-                   interrupt: ctypes.c_int32 | None = None) -> torch.Tensor:
-        """Up to ``steps`` greedy decode steps of rows ``[0, n)`` in one C call (multi-step decoding,
-        ``decode_stack.c: pd_decode_graph_greedy``): each step's tokens are the argmax of its logits
-        (torch's index on ties and NaN) and feed the next step. The static buffers are not changed.
+    def run_steps(self, n: int, max_seq_len: int, steps: int, temperatures: torch.Tensor | None = None,
+                  log_noise: torch.Tensor | None = None, stop_ids: Sequence[int] = (),
+                  interrupt: ctypes.c_int32 | None = None) -> torch.Tensor:
+        """Up to ``steps`` decode steps of rows ``[0, n)`` in one C call (multi-step decoding,
+        ``decode_stack.c: pd_decode_graph_steps``), each step's tokens feeding the next. A row is greedy
+        (torch's argmax index on ties and NaN) unless ``temperatures[row] > 0``, which samples
+        ``argmax(logits / temperature - log_noise[step, row])`` (:func:`model.sampling.temperature_draw`).
+        The static buffers are not changed.
 
         Args:
             n, max_seq_len: as :meth:`run`, for the first step; every row needs ``steps - 1`` more
                 positions in its block table.
             steps: steps to run at most (>= 1).
+            temperatures: ``[n]`` float32 (0: greedy), or ``None``: every row greedy.
+            log_noise: ``[steps, n, vocab]`` float32 contiguous (:func:`model.sampling.log_noise` of each row's
+                next output indexes), needed with ``temperatures``; greedy rows' entries are not read.
             stop_ids: token ids after which the loop ends (the step that sampled one is kept).
             interrupt: a flag another thread sets to a non-zero value to end the loop after the step
                 in progress (the scheduler has work); ``None``: never.
         Returns:
-            ``[done, n]`` int64 tokens, row ``s`` sampled at step ``s``, ``1 <= done <= steps``: the same
-            tokens :meth:`run` then ``argmax`` would give step by step.
+            ``[done, n]`` int64 tokens, row ``s`` sampled at step ``s``, ``1 <= done <= steps``: the tokens
+            :meth:`run` then the same sampling would give step by step.
         Raises:
-            ValueError: ``steps`` < 1, or as :meth:`run` (any row's last position counts; nothing written).
+            ValueError: ``steps`` < 1, ``temperatures`` / ``log_noise`` of the wrong shape or dtype, or as
+                :meth:`run` (any row's last position counts; nothing written).
             MemoryError, RuntimeError: as :meth:`run` (the steps before the failing one did run).
         """
         if not 0 < n <= self._keep[1].shape[0] or steps < 1:
-            raise ValueError(f"DecodeGraph.run_greedy: {n} rows x {steps} steps, the buffers hold "
+            raise ValueError(f"DecodeGraph.run_steps: {n} rows x {steps} steps, the buffers hold "
                              f"{self._keep[1].shape[0]} rows")
+        if temperatures is not None and (temperatures.dtype != torch.float32 or temperatures.shape != (n,)
+                                         or log_noise is None or log_noise.dtype != torch.float32
+                                         or log_noise.shape != (steps, n, self.vocab) or not log_noise.is_contiguous()):
+            raise ValueError(f"DecodeGraph.run_steps: temperatures [{n}] float32 need log_noise [{steps}, {n}, "
+                             f"{self.vocab}] float32 contiguous")
         self._ensure_positions(min(max_seq_len + steps - 1, self.max_positions))
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         tokens = torch.empty(steps, n, dtype=torch.int64)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.int64)
         flag = interrupt if interrupt is not None else ctypes.c_int32(0)
         done = _i64(0)
-        rc = self._greedy(self.stack.c_model, ctypes.byref(self._graph), n, steps, stops.data_ptr(), stops.numel(),
-                          ctypes.byref(flag), logits.data_ptr(), tokens.data_ptr(), ctypes.byref(done))
-        self._check(rc, "run_greedy")
+        temps = temperatures.contiguous() if temperatures is not None else None
+        rc = self._steps(self.stack.c_model, ctypes.byref(self._graph), n, steps,
+                         temps.data_ptr() if temps is not None else None,
+                         log_noise.data_ptr() if temps is not None else None, stops.data_ptr(), stops.numel(),
+                         ctypes.byref(flag), logits.data_ptr(), tokens.data_ptr(), ctypes.byref(done))
+        self._check(rc, "run_steps")
         return tokens[:done.value]
 
     def _check(self, rc: int, name: str) -> None:

@@ -23,6 +23,7 @@
  * type promotion does), the float32 attention output is rounded to the element type before
  * o_proj. So the hidden states are bit-identical to the per-operation C-kernel path.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -75,7 +76,7 @@ typedef struct {
     rope_write_kv_fn rope_write_kv;
     attention_fn attention;
     silu_mul_fn silu_mul;
-    argmax_fn argmax_rows;                   /* used by pd_decode_graph_greedy only */
+    argmax_fn argmax_rows;                   /* used by pd_decode_graph_steps only */
 } Kernels;
 
 /* The model: shapes, the element type (bf16 = 1, else float32), the layers, the final norm. */
@@ -266,15 +267,19 @@ int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
     return rc;
 }
 
-/* ---- several greedy steps in one call: multi-step decoding ----
+/* ---- several steps in one call: multi-step decoding ----
  *
  * A batch-1 step streams every weight once, which evicts the caches, so whatever runs between two
  * steps in Python (sampling, bookkeeping, the next call's arguments) runs from DRAM: about 0.4 ms
  * around a 5 ms bench-80m bf16 step on Zen 4, where the same code warm takes 0.1 ms. When every row
- * samples greedily, a step's inputs follow from the last step's logits alone, so up to `steps`
- * steps run here back to back (vLLM's multi-step scheduling, 2024):
+ * samples greedily or from softmax(logits / temperature) alone, a step's inputs follow from the last
+ * step's logits and noise drawn in advance, so up to `steps` steps run here back to back (vLLM's
+ * multi-step scheduling, 2024):
  *
- *   logits = step(token_ids, seq_lens);  token_ids[i] = argmax(logits[i]);  seq_lens[i] += 1
+ *   logits = step(token_ids, seq_lens);  token_ids[i] = pick(logits[i]);  seq_lens[i] += 1
+ *   pick: temps == NULL or temps[i] == 0: argmax (torch's index);
+ *         else argmax_j (logits[i, j] / temps[i] - log_noise[s, i, j]), the exponential race in log
+ *         space with the caller's noise (model/sampling.py: temperature_draw, the same float32 operations)
  *
  * on private copies of token_ids and seq_lens (the static buffers are not changed). After a step
  * the loop ends early when a row sampled one of `stops` (the union of the rows' stop tokens: the
@@ -284,12 +289,27 @@ int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
  * range is checked before anything is written.
  *
  * tokens: int64 [steps, B], row s = step s's tokens; logits: float32 scratch [B, lm_head.N] (the
- * last step's logits on return). *done = the steps run. Returns 0, -3 for a row whose token,
+ * last step's logits on return); temps: float32 [B] or NULL; log_noise: float32 [steps, B, lm_head.N]
+ * (read for rows with temps[i] > 0 only). *done = the steps run. Returns 0, -3 for a row whose token,
  * final context length or blocks are out of range or an LM head wider than the embedding (nothing
  * written), -1 when scratch memory is short, or pd_decode_stack's code (*done steps are complete). */
-int pd_decode_graph_greedy(const Model *m, const Graph *g, int64_t B, int64_t steps, const int64_t *stops,
-                           int64_t num_stops, const volatile int32_t *interrupt, float *logits, int64_t *tokens,
-                           int64_t *done) {
+
+/* argmax_j (x[j] / t - g[j]) over n entries with torch.argmax's index: the first NaN, else the first
+ * maximum (0 for a row of -inf). */
+static int64_t temperature_argmax(const float *x, const float *g, int64_t n, float t) {
+    int64_t best = 0;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; j++) {
+        const float v = x[j] / t - g[j];
+        if (v != v) return j;
+        if (v > m) m = v, best = j;
+    }
+    return best;
+}
+
+int pd_decode_graph_steps(const Model *m, const Graph *g, int64_t B, int64_t steps, const float *temps,
+                          const float *log_noise, const int64_t *stops, int64_t num_stops,
+                          const volatile int32_t *interrupt, float *logits, int64_t *tokens, int64_t *done) {
     *done = 0;
     if (B < 1 || steps < 1 || g->lm_head.N > g->vocab || !m->k.argmax_rows) return -3;
     int64_t *ids = malloc(8 * (size_t)B);
@@ -308,6 +328,8 @@ int pd_decode_graph_greedy(const Model *m, const Graph *g, int64_t B, int64_t st
         if ((rc = pd_decode_graph(m, &run, B, logits))) break;
         int64_t *out = tokens + s * B;
         m->k.argmax_rows(logits, B, N, N, out);
+        for (int64_t i = 0; temps && i < B; i++)
+            if (temps[i] > 0) out[i] = temperature_argmax(logits + i * N, log_noise + (s * B + i) * N, N, temps[i]);
         int stop = *interrupt != 0;
         for (int64_t i = 0; i < B; i++) {
             ids[i] = out[i], lens[i] += 1;
