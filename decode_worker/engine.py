@@ -239,7 +239,7 @@ class DecodeEngine:
         steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
         started = time.monotonic()
         vocab = self.model_cfg.vocab_size
-        if multi and self.graph is not None and (k := plan_steps(self.cfg, batch, self.last_step[2], vocab)) > 1:
+        if multi and self.graph is not None and (k := plan_steps(self.cfg, batch, self.last_step, vocab)) > 1:
             temps, noise = sampling_inputs(batch, k, vocab)
             rows = self.graph.run_steps(steps, k, temps, noise, stop_union(batch), self._interrupt)
             if rows is not None:

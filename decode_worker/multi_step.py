@@ -37,12 +37,15 @@ def eligible(req: DecodeRequest) -> bool:
     return p.logprobs is None and (p.temperature == 0 or temperature_only(p))
 
 
-def plan_steps(cfg: DecodeWorkerConfig, batch: list[DecodeRequest], step_s: float, vocab: int) -> int:
+def plan_steps(cfg: DecodeWorkerConfig, batch: list[DecodeRequest], last_step: tuple[int, int, float],
+               vocab: int) -> int:
     """Steps to run in one call for ``batch``: ``multi_step`` at most, as many as fit in
-    ``multi_step_window_s`` at the last step's time ``step_s`` (seconds; 0: unknown, one step), never past
-    a row's ``max_tokens``, with the noise of the sampled rows within :data:`MAX_NOISE_BYTES`; 1 unless
-    every row is :func:`eligible`."""
-    if cfg.multi_step < 2 or step_s <= 0 or not all(eligible(r) for r in batch):
+    ``multi_step_window_s`` at the last step's time, never past a row's ``max_tokens``, with the noise of
+    the sampled rows within :data:`MAX_NOISE_BYTES`; 1 unless every row is :func:`eligible`.
+    ``last_step``: the engine's ``(batch, context tokens, seconds a step)`` of its last plain step; a
+    batch larger than that one runs one step first (its step time is not known yet, and longer)."""
+    size, _, step_s = last_step
+    if cfg.multi_step < 2 or step_s <= 0 or len(batch) > size or not all(eligible(r) for r in batch):
         return 1
     k = min(cfg.multi_step, int(cfg.multi_step_window_s / step_s),
             min(r.sampling.max_tokens - len(r.output_ids) for r in batch))

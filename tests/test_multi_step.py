@@ -171,3 +171,30 @@ def test_config_refuses_bad_multi_step_settings():
     for over in ({"multi_step": 0}, {"multi_step_window_s": -0.1}, {"multi_step_window_s": float("nan")}):
         with pytest.raises(ValueError, match="multi_step"):
             DecodeWorkerConfig(model_dir="m", worker_id="w", **over)
+
+
+def test_plan_steps_follows_the_window_the_rows_and_the_noise_budget():
+    from pdserve.cluster.lifecycle import RequestState
+    from pdserve.decode_worker.multi_step import MAX_NOISE_BYTES, plan_steps
+    from pdserve.decode_worker.request import DecodeRequest
+
+    def req(**sampling) -> DecodeRequest:
+        return DecodeRequest("r", [1, 2], SamplingParams(**{"max_tokens": 100, **sampling}), frozenset(), 512, [0],
+                             lambda ev: None, RequestState.DECODING, output_ids=[5])
+
+    cfg = DecodeWorkerConfig(model_dir="m", worker_id="w", multi_step=8, multi_step_window_s=0.025)
+    greedy = [req(temperature=0), req(temperature=0)]
+    assert plan_steps(cfg, greedy, (2, 10, 0.005), 2048) == 5                  # 25 ms / 5 ms
+    assert plan_steps(cfg, greedy, (2, 10, 0.001), 2048) == 8                  # the cap
+    assert plan_steps(cfg, greedy, (2, 10, 0.030), 2048) == 1                  # one step is past the window
+    assert plan_steps(cfg, greedy, (1, 10, 0.001), 2048) == 1                  # a larger batch: measure first
+    assert plan_steps(cfg, greedy, (2, 10, 0.0), 2048) == 1                    # no step measured yet
+    assert plan_steps(cfg, greedy[:1], (2, 10, 0.001), 2048) == 8              # a smaller batch: an overestimate
+    assert plan_steps(cfg, [req(temperature=0, max_tokens=4)], (1, 10, 0.001), 2048) == 3   # 3 tokens left
+    assert plan_steps(cfg, [req(temperature=0.7)], (1, 10, 0.001), 2048) == 8
+    wide = MAX_NOISE_BYTES // (4 * 3 * 2)                                     # a vocabulary where 3 steps fit
+    assert plan_steps(cfg, [req(temperature=0.7), req(temperature=0)], (2, 10, 0.001), wide) == 3
+    for other in ({"temperature": 0.7, "top_k": 5}, {"temperature": 0.7, "top_p": 0.9},
+                  {"temperature": 0, "logprobs": 1}):
+        assert plan_steps(cfg, [req(temperature=0), req(**other)], (2, 10, 0.001), 2048) == 1
+    assert plan_steps(DecodeWorkerConfig(model_dir="m", worker_id="w", multi_step=1), greedy, (2, 10, 0.001), 2048) == 1
