@@ -233,7 +233,14 @@ class DecodeMetrics:
     generation_tokens: Counter
     spec_draft: Counter
     spec_accepted: Counter
+    multi_step_runs: Counter
+    multi_step_steps: Counter
     labels: dict[str, str]
+
+    def on_multi_step(self, steps: int) -> None:
+        """A multi-step run of ``steps`` decode steps in one call ended (any thread)."""
+        self.multi_step_runs.inc()
+        self.multi_step_steps.inc(steps)
 
     def on_tokens(self, n: int) -> None:
         """``n`` output tokens sampled here were streamed."""
@@ -265,6 +272,9 @@ def decode_metrics(registry: CollectorRegistry, worker_id: str, role: str, load:
         generation_tokens=counter("generation_tokens_total", "Output tokens sampled here"),
         spec_draft=counter("spec_decode_num_draft_tokens_total", "Speculative proposals verified"),
         spec_accepted=counter("spec_decode_num_accepted_tokens_total", "Speculative proposals accepted"),
+        multi_step_runs=counter("decode_multi_step_runs_total", "Runs of several decode steps in one call "
+                                "(multi-step decoding)"),
+        multi_step_steps=counter("decode_multi_step_steps_total", "Decode steps run inside multi-step runs"),
         labels=labels)
     for reason in FINISH_REASON_NAMES.values():
         m.success.labels(**labels, finished_reason=reason)

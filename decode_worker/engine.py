@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -107,6 +108,7 @@ class DecodeEngine:
         self.num_transferring = 0
         self.num_prefilling = 0
         self.last_step: tuple[int, int, float] = (0, 0, 0.0)  # batch, context tokens, seconds
+        self.multi_step_observer: Callable[[int], None] | None = None   # told the steps of each multi-step run
         self.num_decoding = 0
 
     @property
@@ -245,6 +247,8 @@ class DecodeEngine:
             if rows is not None:
                 self.last_step = (len(batch), sum(r.num_tokens for r in batch),
                                   (time.monotonic() - started) / len(rows[0]))
+                if self.multi_step_observer is not None:
+                    self.multi_step_observer(len(rows[0]))
                 return rows, [None] * len(batch)
         logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)

@@ -208,6 +208,7 @@ class DecodeWorker(WorkerProcess):
         model, model_cfg = load_decode_model(cfg)
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)
         self.stats = decode_metrics(self.metrics, cfg.worker_id, "both" if cfg.colocated else "decode", self.info)
+        self.engine.multi_step_observer = self.stats.on_multi_step
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         """Serve ``DecodeWorker`` on ``server``; undecodable request bytes reach the servicer (INVALID_ARGUMENT)."""
