@@ -38,7 +38,7 @@ class DecodeWorkerConfig(WorkerConfig):
         int4_method: how load-time INT4 quantization rounds: ``mse`` (clip search, data-free),
             ``rtn`` or ``gptq`` (calibrated on text the model samples itself; slower to load).
         multi_step: decode steps run in one C call at most (multi-step decoding, for batches of greedy
-            and temperature-only sampled requests,
+            requests and requests sampled without a top-p cut,
             :mod:`decode_worker.multi_step`); 1 turns it off.
         multi_step_window_s: a multi-step run lasts about this long at most (seconds, at the last
             step's time): tokens reach clients in bursts no longer than this.

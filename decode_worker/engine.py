@@ -242,8 +242,8 @@ class DecodeEngine:
         started = time.monotonic()
         vocab = self.model_cfg.vocab_size
         if multi and self.graph is not None and (k := plan_steps(self.cfg, batch, self.last_step, vocab)) > 1:
-            temps, noise = sampling_inputs(batch, k, vocab)
-            rows = self.graph.run_steps(steps, k, temps, noise, stop_union(batch), self._interrupt)
+            temps, noise, top_ks = sampling_inputs(batch, k, vocab)
+            rows = self.graph.run_steps(steps, k, temps, noise, stop_union(batch), self._interrupt, top_ks)
             if rows is not None:
                 self.last_step = (len(batch), sum(r.num_tokens for r in batch),
                                   (time.monotonic() - started) / len(rows[0]))

@@ -136,10 +136,11 @@ class GraphRunner:
 
     def run_steps(self, batch: list[StepInput], steps: int, temperatures: torch.Tensor | None = None,
                   log_noise: torch.Tensor | None = None, stop_ids: Sequence[int] = (),
-                  interrupt: ctypes.c_int32 | None = None) -> list[list[int]] | None:
+                  interrupt: ctypes.c_int32 | None = None, top_ks: torch.Tensor | None = None,
+                  ) -> list[list[int]] | None:
         """Up to ``steps`` decode steps of ``batch`` in one C call (multi-step decoding: greedy rows, and
-        rows sampled from ``softmax(logits / temperature)`` with noise drawn ahead; see
-        :meth:`DecodeGraph.run_steps` for ``temperatures`` and ``log_noise``; each row's blocks must hold
+        rows sampled from ``softmax(logits / temperature)``, top-k cut or not, with noise drawn ahead; see
+        :meth:`DecodeGraph.run_steps` for ``temperatures``, ``log_noise`` and ``top_ks``; each row's blocks must hold
         ``steps - 1`` more tokens), or ``None`` where the step does not run as one C call (GPUs, no decode
         stack): the caller then runs single steps.
 
@@ -157,7 +158,7 @@ class GraphRunner:
             return None
         self._fill(batch, bucket)
         tokens = graph.run_steps(size, max(s.num_computed for s in batch) + 1, steps, temperatures, log_noise,
-                                 stop_ids, interrupt)
+                                 stop_ids, interrupt, top_ks)
         return tokens.t().tolist()
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:

@@ -8,10 +8,11 @@ engine runs several steps in one call of ``decode_stack.c: pd_decode_graph_steps
 (``--num-scheduler-steps``). That holds for a row that is
 
   * greedy (temperature 0), or
-  * sampled from ``softmax(logits / temperature)`` with no top-k or top-p cut: its exponential-race noise
-    for the next output indexes is drawn here in advance (:func:`model.sampling.log_noise`, the same
-    draws as single steps) and the C loop picks ``argmax(logits / temperature - log E)``, the float32
-    operations of :func:`model.sampling.temperature_draw`: the same tokens as single steps;
+  * sampled from ``softmax(logits / temperature)``, top-k cut or not, without a top-p cut: its
+    exponential-race noise for the next output indexes is drawn here in advance
+    (:func:`model.sampling.log_noise`, the same draws as single steps) and the C loop picks
+    ``argmax(logits / temperature - log E)`` over the top-k, the float32 operations of
+    :func:`model.sampling.temperature_draw`: the same tokens as single steps;
 
 and asks for no log-probabilities. A run ends after the step where any row samples a stop token, and
 after the step in progress once another thread posts work to the engine (a request arrives, KV pages
@@ -25,16 +26,17 @@ import torch
 
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.request import DecodeRequest
-from pdserve.model.sampling import log_noise, temperature_only
+from pdserve.model.sampling import log_noise, log_space
 
 MAX_NOISE_BYTES = 64 << 20
 """Noise drawn ahead for one run at most (bytes: steps x sampled rows x vocabulary x 4); fewer steps beyond."""
 
 
 def eligible(req: DecodeRequest) -> bool:
-    """Whether ``req``'s next tokens can be picked inside the C loop (greedy or temperature-only, no logprobs)."""
+    """Whether ``req``'s next tokens can be picked inside the C loop (greedy, or sampled without a top-p cut;
+    no logprobs)."""
     p = req.sampling
-    return p.logprobs is None and (p.temperature == 0 or temperature_only(p))
+    return p.logprobs is None and (p.temperature == 0 or log_space(p))
 
 
 def plan_steps(cfg: DecodeWorkerConfig, batch: list[DecodeRequest], last_step: tuple[int, int, float],
@@ -56,19 +58,21 @@ def plan_steps(cfg: DecodeWorkerConfig, batch: list[DecodeRequest], last_step: t
 
 
 def sampling_inputs(batch: list[DecodeRequest], steps: int, vocab: int,
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(temperatures [B] float32, log_noise [steps, B, vocab] float32)`` for a run of ``steps`` steps, or
-    ``(None, None)`` when every row is greedy. Row ``i``'s noise at step ``s`` is that of its output token
-    ``len(output_ids) + s``; greedy rows' noise is left unset (never read)."""
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(temperatures [B] float32, log_noise [steps, B, vocab] float32, top_ks [B] int32 or None)`` for a
+    run of ``steps`` steps, or ``(None, None, None)`` when every row is greedy. Row ``i``'s noise at step
+    ``s`` is that of its output token ``len(output_ids) + s``; greedy rows' noise is left unset (never read)."""
     if all(r.sampling.temperature == 0 for r in batch):
-        return None, None
+        return None, None, None
     temps = torch.tensor([r.sampling.temperature for r in batch], dtype=torch.float32)
+    top_ks = torch.tensor([min(r.sampling.top_k, vocab) for r in batch], dtype=torch.int32) \
+        if any(r.sampling.top_k for r in batch) else None
     noise = torch.empty(steps, len(batch), vocab, dtype=torch.float32)
     for i, r in enumerate(batch):
         if r.sampling.temperature != 0:
             for s in range(steps):
                 noise[s, i] = log_noise(r.sampling.seed, len(r.output_ids) + s, vocab)
-    return temps, noise
+    return temps, noise, top_ks
 
 
 def stop_union(batch: list[DecodeRequest]) -> list[int]:

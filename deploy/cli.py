@@ -91,8 +91,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         "CPU, where the packed bf16 kernels run (cluster.worker_process.resolve_dtype)")
     p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
     p.add_argument("--multi-step", type=int, default=8,
-                   help="decode: steps run in one C call at most for greedy and temperature-only batches (ended "
-                        "early by new work or a stop token); 1 turns multi-step decoding off")
+                   help="decode: steps run in one C call at most for batches without top-p or logprobs requests "
+                        "(ended early by new work or a stop token); 1 turns multi-step decoding off")
     p.add_argument("--multi-step-window", type=float, default=0.025,
                    help="decode: seconds a multi-step run lasts at most (tokens reach clients in bursts this long)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,

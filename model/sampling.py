@@ -99,9 +99,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int((probs / noise).argmax())
 
 
-def temperature_only(p: SamplingParams) -> bool:
-    """Whether ``p`` samples from ``softmax(logits / temperature)`` with no top-k or top-p cut (temperature > 0)."""
-    return p.temperature != 0 and p.top_k == 0 and p.top_p == 1
+def log_space(p: SamplingParams) -> bool:
+    """Whether ``p`` samples (temperature > 0) with no top-p cut: such rows draw by :func:`temperature_draw`
+    (top-k, if any, applied there), the rule the multi-step C loop also runs."""
+    return p.temperature != 0 and p.top_p == 1
 
 
 def log_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
@@ -110,21 +111,27 @@ def log_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
     return torch.empty(vocab).exponential_(generator=request_generator(seed, index)).log_()
 
 
-def temperature_draw(logits: torch.Tensor, temperature: float, noise: torch.Tensor) -> int:
-    """The exponential race of :func:`draw` over ``softmax(logits / temperature)`` in log space:
-    ``argmax(logits / temperature - log E)`` (``[vocab]`` float32 logits, ``noise`` from :func:`log_noise`).
-    The argmax of ``p / E`` and of ``log p - log E`` is the same token, and ``log p`` differs from
-    ``logits / temperature`` by a constant, so no softmax is needed (the Gumbel-max trick, Gumbel 1954;
-    Maddison et al. 2014). ``decode_stack.c: pd_decode_graph_steps`` computes the same float32 operations."""
-    return int((logits.float() / temperature - noise).argmax())
+def temperature_draw(logits: torch.Tensor, temperature: float, noise: torch.Tensor, top_k: int = 0) -> int:
+    """The exponential race of :func:`draw` over :func:`filtered_probs` (temperature, top-k; no top-p) in
+    log space: ``argmax(scaled - log E)`` with ``scaled = logits / temperature`` and, for ``0 < top_k <
+    vocab``, every entry below the k-th largest ``scaled`` set to -inf (``[vocab]`` float32 logits,
+    ``noise`` from :func:`log_noise`). The argmax of ``p / E`` and of ``log p - log E`` is the same token,
+    and ``log p`` differs from the kept ``scaled`` by a constant, so no softmax is needed (the Gumbel-max
+    trick, Gumbel 1954; Maddison et al. 2014). ``decode_stack.c: pd_decode_graph_steps`` computes the
+    same float32 operations."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)
+    return int((scaled - noise).argmax())
 
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
     """The token of ``[vocab]`` logits for output token ``index`` of a request sampling with ``p``
-    (temperature > 0): :func:`temperature_draw` when only a temperature applies, else the exponential
-    race over :func:`filtered_probs`. Both draw exactly from the filtered distribution."""
-    if temperature_only(p):
-        return temperature_draw(logits, p.temperature, log_noise(p.seed, index, logits.shape[-1]))
+    (temperature > 0): :func:`temperature_draw` without a top-p cut, else the exponential race over
+    :func:`filtered_probs`. Both draw exactly from the filtered distribution."""
+    if log_space(p):
+        return temperature_draw(logits, p.temperature, log_noise(p.seed, index, logits.shape[-1]), p.top_k)
     return draw(filtered_probs(logits, p), request_generator(p.seed, index))
 
 

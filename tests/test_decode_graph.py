@@ -181,23 +181,25 @@ def test_multi_step_refuses_rows_whose_blocks_cannot_hold_every_step(checkpoints
 
 
 def test_multi_step_sampling_gives_the_tokens_of_single_steps(checkpoints):
-    """Rows sampled from softmax(logits / T) with noise drawn ahead pick what model.sampling.temperature_draw
-    picks from each single step's logits; a greedy row beside them stays greedy."""
+    """Rows sampled from softmax(logits / T), one with a top-k cut, with noise drawn ahead pick what
+    model.sampling.temperature_draw picks from each single step's logits; a greedy row beside them stays greedy."""
     runner, pool, graph = _runner(checkpoints["qwen3"], "bf16")
-    prompts, tables = _prefill(runner, pool, [4, 9, 17])
-    vocab, steps, temps = runner.model.cfg.vocab_size, 6, [0.7, 0.0, 1.3]
-    noise = torch.stack([torch.stack([log_noise(11 + i, s, vocab) for i in range(3)]) for s in range(steps)])
+    prompts, tables = _prefill(runner, pool, [4, 9, 17, 6])
+    vocab, steps, temps, top_ks = runner.model.cfg.vocab_size, 6, [0.7, 0.0, 1.3, 1.1], [0, 0, 0, 5]
+    noise = torch.stack([torch.stack([log_noise(11 + i, s, vocab) for i in range(4)]) for s in range(steps)])
     before = runner.kv_cache.clone()
     seqs, want = [list(p) for p in prompts], [[] for _ in prompts]
     for s in range(steps):
         logits = graph.run([StepInput([q[-1]], len(q) - 1, t) for q, t in zip(seqs, tables)])
         for i, q in enumerate(seqs):
-            token = int(logits[i].argmax()) if temps[i] == 0 else temperature_draw(logits[i], temps[i], noise[s, i])
+            token = int(logits[i].argmax()) if temps[i] == 0 else temperature_draw(logits[i], temps[i], noise[s, i],
+                                                                                    top_ks[i])
             q.append(token)
             want[i].append(token)
     runner.kv_cache.copy_(before)
     batch = [StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)]
-    got = graph.run_steps(batch, steps, torch.tensor(temps), noise.contiguous())
+    got = graph.run_steps(batch, steps, torch.tensor(temps), noise.contiguous(),
+                          top_ks=torch.tensor(top_ks, dtype=torch.int32))
     assert got == want
     assert len(set(want[0])) > 1 and want[0] != want[1]                 # the sampled rows did sample
     with pytest.raises(ValueError, match="log_noise"):

@@ -1,7 +1,7 @@
 """Multi-step decoding in the engine (:mod:`decode_worker.multi_step`, ``pd_decode_graph_steps``): greedy and
-temperature-only sampled rows run several steps per C call with the tokens, stop handling and block
-accounting of single steps; top-k / top-p rows, log-probabilities and a zero window keep single steps;
-work posted by another thread ends a run after the step in progress."""
+sampled rows (temperature, top-k) run several steps per C call with the tokens, stop handling and block
+accounting of single steps; top-p rows, log-probabilities and a zero window keep single steps; work
+posted by another thread ends a run after the step in progress."""
 
 from __future__ import annotations
 
@@ -101,9 +101,9 @@ def test_a_run_never_passes_max_tokens_and_stops_at_a_stop_token(engine, referen
     assert engine.pool.num_free == engine.num_usable_blocks
 
 
-def test_temperature_only_sampling_runs_several_steps_a_call_with_the_tokens_of_single_steps(engine, model_dir):
+def test_sampled_rows_run_several_steps_a_call_with_the_tokens_of_single_steps(engine, model_dir):
     params = {"a": SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
-              "b": SamplingParams(temperature=1.7, seed=4, max_tokens=30, ignore_eos=True),
+              "b": SamplingParams(temperature=1.7, seed=4, top_k=8, max_tokens=30, ignore_eos=True),
               "c": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)}
     single = _engine(model_dir, multi_step=1)
     try:
@@ -117,10 +117,10 @@ def test_temperature_only_sampling_runs_several_steps_a_call_with_the_tokens_of_
     assert engine.pool.num_free == engine.num_usable_blocks
 
 
-def test_top_k_top_p_and_logprobs_keep_single_steps(engine, reference):
+def test_top_p_and_logprobs_keep_single_steps(engine, reference):
     calls = _Calls(engine)
-    events = _generate(engine, {"a": SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=12, ignore_eos=True),
-                                "b": SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True),
+    events = _generate(engine, {"b": SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12,
+                                                    ignore_eos=True),
                                 "c": SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)})
     assert calls.steps == []
     assert _tokens(events["c"]) == reference["c"][:12]
@@ -194,7 +194,7 @@ def test_plan_steps_follows_the_window_the_rows_and_the_noise_budget():
     assert plan_steps(cfg, [req(temperature=0.7)], (1, 10, 0.001), 2048) == 8
     wide = MAX_NOISE_BYTES // (4 * 3 * 2)                                     # a vocabulary where 3 steps fit
     assert plan_steps(cfg, [req(temperature=0.7), req(temperature=0)], (2, 10, 0.001), wide) == 3
-    for other in ({"temperature": 0.7, "top_k": 5}, {"temperature": 0.7, "top_p": 0.9},
-                  {"temperature": 0, "logprobs": 1}):
+    assert plan_steps(cfg, [req(temperature=0.7, top_k=5)], (1, 10, 0.001), 2048) == 8
+    for other in ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0, "logprobs": 1}):
         assert plan_steps(cfg, [req(temperature=0), req(**other)], (2, 10, 0.001), 2048) == 1
     assert plan_steps(DecodeWorkerConfig(model_dir="m", worker_id="w", multi_step=1), greedy, (2, 10, 0.001), 2048) == 1

@@ -70,8 +70,10 @@ def test_temperature_draw_is_the_exponential_race_in_log_space():
     from pdserve.model.sampling import draw, filtered_probs, log_noise, request_generator, temperature_draw
 
     logits = torch.randn(512, generator=torch.Generator().manual_seed(5)) * 3
-    for temperature in (0.5, 1.0, 2.0):
-        p = SamplingParams(temperature=temperature)
-        picks = [temperature_draw(logits, temperature, log_noise(seed, 7, 512)) for seed in range(200)]
+    for temperature, top_k in ((0.5, 0), (1.0, 0), (2.0, 0), (1.0, 40), (2.0, 7), (1.5, 512)):
+        p = SamplingParams(temperature=temperature, top_k=top_k)
+        picks = [temperature_draw(logits, temperature, log_noise(seed, 7, 512), top_k) for seed in range(200)]
         assert picks == [draw(filtered_probs(logits, p), request_generator(seed, 7)) for seed in range(200)]
         assert len(set(picks)) > 5                  # it samples: not one argmax
+        if top_k:
+            assert set(picks) <= set(logits.topk(top_k).indices.tolist())

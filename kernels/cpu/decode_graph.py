@@ -83,7 +83,7 @@ class DecodeGraph:
         self._fn = library("decode_stack").pd_decode_graph
         self._fn.argtypes, self._fn.restype = [_p, _p, _i64, _p], ctypes.c_int
         self._steps = library("decode_stack").pd_decode_graph_steps
-        self._steps.argtypes = [_p, _p, _i64, _i64, _p, _p, _p, _i64, _p, _p, _p, _p]
+        self._steps.argtypes = [_p, _p, _i64, _i64, _p, _p, _p, _p, _i64, _p, _p, _p, _p]
         self._steps.restype = ctypes.c_int
 
     def valid(self) -> bool:
@@ -127,11 +127,12 @@ class DecodeGraph:
 
     def run_steps(self, n: int, max_seq_len: int, steps: int, temperatures: torch.Tensor | None = None,
                   log_noise: torch.Tensor | None = None, stop_ids: Sequence[int] = (),
-                  interrupt: ctypes.c_int32 | None = None) -> torch.Tensor:
+                  interrupt: ctypes.c_int32 | None = None, top_ks: torch.Tensor | None = None) -> torch.Tensor:
         """Up to ``steps`` decode steps of rows ``[0, n)`` in one C call (multi-step decoding,
         ``decode_stack.c: pd_decode_graph_steps``), each step's tokens feeding the next. A row is greedy
         (torch's argmax index on ties and NaN) unless ``temperatures[row] > 0``, which samples
-        ``argmax(logits / temperature - log_noise[step, row])`` (:func:`model.sampling.temperature_draw`).
+        ``argmax(logits / temperature - log_noise[step, row])`` over its ``top_ks[row]`` largest entries
+        (:func:`model.sampling.temperature_draw`).
         The static buffers are not changed.
 
         Args:
@@ -144,6 +145,7 @@ class DecodeGraph:
             stop_ids: token ids after which the loop ends (the step that sampled one is kept).
             interrupt: a flag another thread sets to a non-zero value to end the loop after the step
                 in progress (the scheduler has work); ``None``: never.
+            top_ks: ``[n]`` int32 top-k of the sampled rows (0: no cut), or ``None``: none.
         Returns:
             ``[done, n]`` int64 tokens, row ``s`` sampled at step ``s``, ``1 <= done <= steps``: the tokens
             :meth:`run` then the same sampling would give step by step.
@@ -160,6 +162,8 @@ class DecodeGraph:
                                          or log_noise.shape != (steps, n, self.vocab) or not log_noise.is_contiguous()):
             raise ValueError(f"DecodeGraph.run_steps: temperatures [{n}] float32 need log_noise [{steps}, {n}, "
                              f"{self.vocab}] float32 contiguous")
+        if top_ks is not None and (temperatures is None or top_ks.dtype != torch.int32 or top_ks.shape != (n,)):
+            raise ValueError(f"DecodeGraph.run_steps: top_ks must be [{n}] int32, with temperatures")
         self._ensure_positions(min(max_seq_len + steps - 1, self.max_positions))
         logits = torch.empty(n, self.vocab, dtype=torch.float32)
         tokens = torch.empty(steps, n, dtype=torch.int64)
@@ -167,8 +171,9 @@ class DecodeGraph:
         flag = interrupt if interrupt is not None else ctypes.c_int32(0)
         done = _i64(0)
         temps = temperatures.contiguous() if temperatures is not None else None
+        ks = top_ks.contiguous() if top_ks is not None else None
         rc = self._steps(self.stack.c_model, ctypes.byref(self._graph), n, steps,
-                         temps.data_ptr() if temps is not None else None,
+                         temps.data_ptr() if temps is not None else None, ks.data_ptr() if ks is not None else None,
                          log_noise.data_ptr() if temps is not None else None, stops.data_ptr(), stops.numel(),
                          ctypes.byref(flag), logits.data_ptr(), tokens.data_ptr(), ctypes.byref(done))
         self._check(rc, "run_steps")

@@ -272,14 +272,15 @@ int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
  * A batch-1 step streams every weight once, which evicts the caches, so whatever runs between two
  * steps in Python (sampling, bookkeeping, the next call's arguments) runs from DRAM: about 0.4 ms
  * around a 5 ms bench-80m bf16 step on Zen 4, where the same code warm takes 0.1 ms. When every row
- * samples greedily or from softmax(logits / temperature) alone, a step's inputs follow from the last
+ * samples greedily or from softmax(logits / temperature), top-k cut or not, a step's inputs follow from the last
  * step's logits and noise drawn in advance, so up to `steps` steps run here back to back (vLLM's
  * multi-step scheduling, 2024):
  *
  *   logits = step(token_ids, seq_lens);  token_ids[i] = pick(logits[i]);  seq_lens[i] += 1
  *   pick: temps == NULL or temps[i] == 0: argmax (torch's index);
- *         else argmax_j (logits[i, j] / temps[i] - log_noise[s, i, j]), the exponential race in log
- *         space with the caller's noise (model/sampling.py: temperature_draw, the same float32 operations)
+ *         else argmax_j (logits[i, j] / temps[i] - log_noise[s, i, j]) over the top_ks[i] largest (all
+ *         when 0 or NULL), the exponential race in log space with the caller's noise
+ *         (model/sampling.py: temperature_draw, the same float32 operations)
  *
  * on private copies of token_ids and seq_lens (the static buffers are not changed). After a step
  * the loop ends early when a row sampled one of `stops` (the union of the rows' stop tokens: the
@@ -289,18 +290,61 @@ int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
  * range is checked before anything is written.
  *
  * tokens: int64 [steps, B], row s = step s's tokens; logits: float32 scratch [B, lm_head.N] (the
- * last step's logits on return); temps: float32 [B] or NULL; log_noise: float32 [steps, B, lm_head.N]
+ * last step's logits on return); temps: float32 [B] or NULL; top_ks: int32 [B] or NULL;
+ * log_noise: float32 [steps, B, lm_head.N]
  * (read for rows with temps[i] > 0 only). *done = the steps run. Returns 0, -3 for a row whose token,
  * final context length or blocks are out of range or an LM head wider than the embedding (nothing
  * written), -1 when scratch memory is short, or pd_decode_stack's code (*done steps are complete). */
 
-/* argmax_j (x[j] / t - g[j]) over n entries with torch.argmax's index: the first NaN, else the first
- * maximum (0 for a row of -inf). */
-static int64_t temperature_argmax(const float *x, const float *g, int64_t n, float t) {
+/* float -> int32 key ordered as the floats are, every NaN above +inf (torch.topk's order). */
+static inline int32_t order_key(float f) {
+    if (f != f) return INT32_MAX;
+    int32_t b;
+    memcpy(&b, &f, 4);
+    return b >= 0 ? b : b ^ INT32_MAX;
+}
+
+/* The k-th largest of keys[0, n) (1 <= k <= n; keys reordered): quickselect, median-of-three pivots. */
+static int32_t kth_largest(int32_t *keys, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;            /* index `want` in descending order */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        int32_t a = keys[lo], b = keys[mid], c = keys[hi];
+        const int32_t pivot = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+        int64_t i = lo, j = hi;
+        while (i <= j) {                                  /* descending: larger keys to the left */
+            while (keys[i] > pivot) i++;
+            while (keys[j] < pivot) j--;
+            if (i <= j) { const int32_t t = keys[i]; keys[i] = keys[j]; keys[j] = t; i++; j--; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return keys[want];
+    }
+    return keys[want];
+}
+
+/* model/sampling.py: temperature_draw for one row: scaled = x / t; for 0 < top_k < n, entries below the
+ * k-th largest scaled are -inf; argmax_j (scaled_j - g[j]) with torch.argmax's index: the first NaN,
+ * else the first maximum (0 for a row of -inf). scratch: room for n floats and n int32. */
+static int64_t temperature_argmax(const float *x, const float *g, int64_t n, float t, int64_t top_k, void *scratch) {
+    float *scaled = scratch;
+    for (int64_t j = 0; j < n; j++) scaled[j] = x[j] / t;
+    float kth = -INFINITY;
+    if (top_k > 0 && top_k < n) {
+        int32_t *keys = (int32_t *)(scaled + n), key;
+        for (int64_t j = 0; j < n; j++) keys[j] = order_key(scaled[j]);
+        key = kth_largest(keys, n, top_k);
+        if (key == INT32_MAX) kth = NAN;                  /* a NaN among the top k: nothing is below it */
+        else {
+            const int32_t b = key >= 0 ? key : key ^ INT32_MAX;
+            memcpy(&kth, &b, 4);
+        }
+    }
     int64_t best = 0;
     float m = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
-        const float v = x[j] / t - g[j];
+        const float v = (scaled[j] < kth ? -INFINITY : scaled[j]) - g[j];
         if (v != v) return j;
         if (v > m) m = v, best = j;
     }
@@ -308,13 +352,14 @@ static int64_t temperature_argmax(const float *x, const float *g, int64_t n, flo
 }
 
 int pd_decode_graph_steps(const Model *m, const Graph *g, int64_t B, int64_t steps, const float *temps,
-                          const float *log_noise, const int64_t *stops, int64_t num_stops,
+                          const int32_t *top_ks, const float *log_noise, const int64_t *stops, int64_t num_stops,
                           const volatile int32_t *interrupt, float *logits, int64_t *tokens, int64_t *done) {
     *done = 0;
     if (B < 1 || steps < 1 || g->lm_head.N > g->vocab || !m->k.argmax_rows) return -3;
     int64_t *ids = malloc(8 * (size_t)B);
     int32_t *lens = malloc(4 * (size_t)B);
-    int rc = ids && lens ? 0 : -1;
+    void *scratch = temps ? malloc(8 * (size_t)g->lm_head.N) : NULL;
+    int rc = ids && lens && (scratch || !temps) ? 0 : -1;
     Graph run = *g;
     run.token_ids = ids, run.seq_lens = lens;
     for (int64_t i = 0; !rc && i < B; i++) {
@@ -329,7 +374,9 @@ int pd_decode_graph_steps(const Model *m, const Graph *g, int64_t B, int64_t ste
         int64_t *out = tokens + s * B;
         m->k.argmax_rows(logits, B, N, N, out);
         for (int64_t i = 0; temps && i < B; i++)
-            if (temps[i] > 0) out[i] = temperature_argmax(logits + i * N, log_noise + (s * B + i) * N, N, temps[i]);
+            if (temps[i] > 0)
+                out[i] = temperature_argmax(logits + i * N, log_noise + (s * B + i) * N, N, temps[i],
+                                            top_ks ? top_ks[i] : 0, scratch);
         int stop = *interrupt != 0;
         for (int64_t i = 0; i < B; i++) {
             ids[i] = out[i], lens[i] += 1;
@@ -340,5 +387,16 @@ int pd_decode_graph_steps(const Model *m, const Graph *g, int64_t B, int64_t ste
     }
     free(ids);
     free(lens);
+    free(scratch);
     return rc;
+}
+
+/* One row of temperature_argmax, for tests against model/sampling.py: temperature_draw (x, g: [n]
+ * float32; t > 0; top_k 0 for no cut). Returns the token, or -1 when scratch memory is short. */
+int64_t pd_temperature_argmax(const float *x, const float *g, int64_t n, float t, int64_t top_k) {
+    void *scratch = malloc(8 * (size_t)n);
+    if (!scratch) return -1;
+    const int64_t token = temperature_argmax(x, g, n, t, top_k, scratch);
+    free(scratch);
+    return token;
 }
