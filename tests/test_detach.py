@@ -97,7 +97,9 @@ def test_a_local_ray_whose_daemons_miss_their_startup_wait_is_started_again(monk
     failures = ["The current node timed out during startup. This could happen because some of the raylet "
                 "failed to startup or the GCS has become overloaded.",
                 "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0123"]
-    assert len(failures) == ray_local.LOCAL_START_ATTEMPTS - 1
+    # the real start after the injected failures keeps the attempts a real start has: it can time out
+    # for real too (the failure this retry exists for; it failed this test once when it had one attempt)
+    monkeypatch.setattr(ray_local, "LOCAL_START_ATTEMPTS", len(failures) + ray_local.LOCAL_START_ATTEMPTS)
 
     def first_starts_time_out(**kwargs):
         calls.append(kwargs)
@@ -108,7 +110,7 @@ def test_a_local_ray_whose_daemons_miss_their_startup_wait_is_started_again(monk
     monkeypatch.setattr(ray, "init", first_starts_time_out)
     ray_local.init_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        assert len(calls) == ray_local.LOCAL_START_ATTEMPTS and ray.is_initialized()
+        assert len(failures) < len(calls) <= ray_local.LOCAL_START_ATTEMPTS and ray.is_initialized()
         assert ray.cluster_resources().get("CPU") == 1
     finally:
         ray.shutdown()
