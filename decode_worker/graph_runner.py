@@ -123,9 +123,7 @@ class GraphRunner:
         Raises:
             ValueError: a sequence brings other than one new token, or the batch exceeds the largest bucket.
         """
-        if any(len(s.token_ids) != 1 for s in batch):
-            raise ValueError("GraphRunner runs decode steps: exactly one new token per sequence")
-        size, bucket = len(batch), self.bucket_for(len(batch))
+        size, bucket = len(batch), self._decode_bucket(batch)
         self._fill(batch, bucket)
         if self.capture:
             self._graphs[bucket].replay()
@@ -151,15 +149,23 @@ class GraphRunner:
             ValueError: as :meth:`run` or :meth:`DecodeGraph.run_steps`, or a row's blocks too short for
                 ``steps`` more tokens.
         """
-        if any(len(s.token_ids) != 1 for s in batch):
-            raise ValueError("GraphRunner runs decode steps: exactly one new token per sequence")
-        size, bucket = len(batch), self.bucket_for(len(batch))
+        size, bucket = len(batch), self._decode_bucket(batch)
         if self.capture or (graph := self._step_graph(size)) is None:
             return None
         self._fill(batch, bucket)
         tokens = graph.run_steps(size, max(s.num_computed for s in batch) + 1, steps, temperatures, log_noise,
                                  stop_ids, interrupt, top_ks)
         return tokens.t().tolist()
+
+    def _decode_bucket(self, batch: list[StepInput]) -> int:
+        """The bucket of a decode step's ``batch``.
+
+        Raises:
+            ValueError: a sequence brings other than one new token, or the batch exceeds the largest bucket.
+        """
+        if any(len(s.token_ids) != 1 for s in batch):
+            raise ValueError("GraphRunner runs decode steps: exactly one new token per sequence")
+        return self.bucket_for(len(batch))
 
     def _fill(self, batch: list[StepInput], bucket: int) -> None:
         """Rows ``[0, bucket)`` of the static buffers: the batch, then padded rows that write into the scratch block."""

@@ -238,8 +238,8 @@ static int graph_rows_valid(const Graph *g, int64_t B) {
 
 /* Runs the whole step for rows [0, B) and writes float32 logits [B, lm_head.N]. Returns 0, -3 for
  * a row out of range (nothing written), -1 when scratch memory is short, or pd_decode_stack's code. */
-int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
-    if (graph_rows_valid(g, B)) return -3;
+/* pd_decode_graph without the range check (for callers that have checked every row already). */
+static int graph_step(const Model *m, const Graph *g, int64_t B, float *logits) {
     const size_t e = m->bf16 ? 2 : 4, hidden = (size_t)m->hidden, D = (size_t)m->D, V = (size_t)g->lm_head.N;
     const size_t bytes = 2 * e * hidden * B + 2 * 4 * D * B + 8 * B + 4 * (B + 1) + e * V * B + 6 * 64;
     char *block = aligned_alloc(64, (bytes + 63) / 64 * 64), *p = block;
@@ -265,6 +265,10 @@ int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
         for (size_t i = 0; i < V * (size_t)B; i++) logits[i] = bf16_to_f32(((const uint16_t *)logits_e)[i]);
     free(block);
     return rc;
+}
+
+int pd_decode_graph(const Model *m, const Graph *g, int64_t B, float *logits) {
+    return graph_rows_valid(g, B) ? -3 : graph_step(m, g, B, logits);
 }
 
 /* ---- several steps in one call: multi-step decoding ----
@@ -370,7 +374,7 @@ int pd_decode_graph_steps(const Model *m, const Graph *g, int64_t B, int64_t ste
     for (int64_t i = 0; !rc && i < B; i++) lens[i] = g->seq_lens[i];
     const int64_t N = g->lm_head.N;
     for (int64_t s = 0; !rc && s < steps; s++) {
-        if ((rc = pd_decode_graph(m, &run, B, logits))) break;
+        if ((rc = graph_step(m, &run, B, logits))) break;     /* every step's rows checked above */
         int64_t *out = tokens + s * B;
         m->k.argmax_rows(logits, B, N, N, out);
         for (int64_t i = 0; temps && i < B; i++)
