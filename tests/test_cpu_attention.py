@@ -1,5 +1,6 @@
 """The AVX-512 paged attention kernel's grouped-query and page-walk paths (kernels/cpu/paged_attention.c)
-against the torch path: every group size 1, 2, 3, 4, 8 of query heads per KV head, contexts of one token,
+against the torch path, on each of its paths this CPU runs (AVX-512, AVX2, portable C): every group size
+1, 2, 3, 4, 8 of query heads per KV head, contexts of one token,
 one page, a page plus one and mid-page, query blocks, batch invariance, scores rising along the context,
 and the page prefetches present in the built library; and the same for the
 prefill kernel (kernels/cpu/prefill_attention.c): whole prompts and later chunks, key tiles cut at
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.cpu import library
+from pdserve.kernels.cpu import available, library
 from pdserve.kernels.cpu.attention import (
     attention_available,
     paged_attention_cpu,
@@ -23,18 +24,36 @@ from pdserve.kernels.paged_attention import build_attention_metadata, paged_atte
 from tests.disassembly import count_instruction, needs_objdump
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
-needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX-512")
+_DECODE_PATHS = {"cpu": 0, "avx2": 1, "portable": 2}     # pd_attention_force's paths
 
 
-@pytest.fixture(params=["dpbf16", "fma"])
+@pytest.fixture(params=list(_DECODE_PATHS))
+def decode_path(request):
+    """The decode kernel's paths this CPU can run: the one it chooses (AVX-512 where it has it), the AVX2
+    path (what a CPU without AVX-512 takes) and the portable C path, forced through the library."""
+    force = library("paged_attention").pd_attention_force
+    if force(_DECODE_PATHS[request.param]) != 0:
+        pytest.skip(f"no {request.param} path here")
+    yield request.param
+    assert force(0) == 0
+
+
+needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX2")
+_PREFILL_BUILDS = {"dpbf16": "prefill_attention", "fma": "prefill_attention_fma", "avx2": "prefill_attention_avx2"}
+
+
+@pytest.fixture(params=list(_PREFILL_BUILDS))
 def prefill_build(request, monkeypatch):
-    """Each build of the prefill kernel this CPU can run: on ``vdpbf16ps`` (AVX512-BF16 only) and on
-    float32 FMAs, chosen as a worker chooses it (through the bf16 GEMM choice)."""
+    """Each build of the prefill kernel this CPU can run: on ``vdpbf16ps`` (AVX512-BF16 only), on 16-lane
+    float32 FMAs (AVX-512) and on 8-lane ones (AVX2), chosen as a worker chooses it (through the bf16
+    GEMM choice; ``avx2`` is what a CPU without AVX-512 runs, forced here on one with it)."""
     if request.param == "dpbf16" and not gemv_available():
         pytest.skip("no AVX512-BF16")
+    if request.param == "fma" and not available("gemm_bf16_fma"):
+        pytest.skip("no AVX-512")
     monkeypatch.setenv(GEMM_ENV, request.param)
     bf16_gemm_kernel.cache_clear()
-    assert prefill_library() == {"dpbf16": "prefill_attention", "fma": "prefill_attention_fma"}[request.param]
+    assert prefill_library() == _PREFILL_BUILDS[request.param]
     yield request.param
     bf16_gemm_kernel.cache_clear()
 
@@ -70,7 +89,7 @@ def _check(cache, meta, q, scale=0.2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_every_group_size_and_context_edge_matches_torch(dtype, group, head_dim):
+def test_every_group_size_and_context_edge_matches_torch(dtype, group, head_dim, decode_path):
     """Decode rows with 1, 2, 3, 4, 8 query heads per KV head (groups split across the kernel's
     register budget for head_dim 128), contexts of one token, exactly one page, one page + 1,
     mid-page and many pages, plus query blocks causal inside the block."""
@@ -82,14 +101,14 @@ def test_every_group_size_and_context_edge_matches_torch(dtype, group, head_dim)
 
 @needs_attention
 @pytest.mark.parametrize("block_size", [1, 7, 32, 40])
-def test_pages_smaller_and_larger_than_a_chunk(block_size):
+def test_pages_smaller_and_larger_than_a_chunk(block_size, decode_path):
     """Pages of 1 and 7 tokens (a chunk per page) and of 32 and 40 (several chunks, the last partial)."""
     cache, meta, q = _case(6, 2, 64, block_size, [1, 1, 3], [1, 75, 64], torch.bfloat16, seed=block_size)
     _check(cache, meta, q)
 
 
 @needs_attention
-def test_large_scores_do_not_overflow():
+def test_large_scores_do_not_overflow(decode_path):
     """Scores far from 0 (the running max moves by hundreds between pages) stay finite and exact."""
     cache, meta, q = _case(4, 1, 64, 16, [1, 2], [100, 50], torch.float32)
     for t in range(0, 100, 16):
@@ -100,7 +119,7 @@ def test_large_scores_do_not_overflow():
 @needs_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rise", [0.005, 0.02, 0.1])
-def test_decode_scores_rising_along_the_context_match_torch(rise, dtype):
+def test_decode_scores_rising_along_the_context_match_torch(rise, dtype, decode_path):
     """Scores that climb along the context (rise per token: 0.8, 3.2 or 16 per 16-token chunk): a pair's
     reference max then stays for several chunks while its weights grow towards e^8, or moves at every
     chunk; either way acc / l is torch's (fails if what was summed under an old max is not rescaled)."""
@@ -130,7 +149,7 @@ def test_the_built_decode_kernel_keeps_its_page_prefetches():
 
 @needs_attention
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_is_independent_of_the_rest_of_the_batch(dtype):
+def test_each_row_is_independent_of_the_rest_of_the_batch(dtype, decode_path):
     """A sequence's output is bit-identical alone and inside a batch (batch invariance)."""
     cache, meta, q = _case(12, 4, 64, 16, [1, 1, 1, 1], [300, 17, 64, 1], dtype)
     full = paged_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
@@ -163,8 +182,9 @@ def _check_prefill(cache, meta, q, scale=0.2):
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 16])          # 16 heads per KV head: wider than a 12-row tile
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 128, 256])
 def test_prefill_kernel_matches_torch_for_every_group_and_head_size(group, head_dim, prefill_build):
-    # whole prompts around the 32-key tile edges, a later chunk, and three sequences in one step
-    for query_lens, seq_lens in ([1], [1]), ([31], [31]), ([33], [33]), ([40], [130]), ([5, 64, 17], [5, 100, 90]):
+    # whole prompts around the 16- and 32-key tile edges, a later chunk, and three sequences in one step
+    for query_lens, seq_lens in ([1], [1]), ([15], [15]), ([17], [17]), ([31], [31]), ([33], [33]), ([40], [130]), \
+            ([5, 64, 17], [5, 100, 90]):
         _check_prefill(*_case(2 * group, 2, head_dim, 16, query_lens, seq_lens, torch.bfloat16, seed=group))
 
 

@@ -99,14 +99,15 @@ def test_the_bf16_gemm_follows_the_measured_issue_ratio_or_the_override(monkeypa
             abs(ratio - DP_FMA_SLOW) < 0.5                      # a second measurement may fall either side
         lin = PackedBF16Linear(nn.Linear(64, 40).bfloat16(), keep_dense=False)
         for forced, kernel, one_row in (("fma", "gemm-fma", "gemm-fma"),
-                                        ("DPBF16", "gemm-avx512bf16", "gemv-avx512bf16")):
+                                        ("DPBF16", "gemm-avx512bf16", "gemv-avx512bf16"),
+                                        ("avx2", "gemm-avx2", "gemm-avx2")):
             monkeypatch.setenv(GEMM_ENV, forced)
             bf16_gemm_kernel.cache_clear()
             assert bf16_gemm_kernel() == kernel and lin.kernel_for(32) == kernel
             assert lin.amx or lin.kernel_for(1) == one_row     # the gemv only beside its bit-identical gemm
         monkeypatch.setenv(GEMM_ENV, "amx")
         bf16_gemm_kernel.cache_clear()
-        with pytest.raises(ValueError, match="fma' or 'dpbf16'"):
+        with pytest.raises(ValueError, match="'dpbf16' or 'avx2'"):
             bf16_gemm_kernel()
     finally:
         monkeypatch.delenv(GEMM_ENV, raising=False)

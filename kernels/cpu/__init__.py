@@ -7,10 +7,11 @@ CPU operators run far from the machine's limits at decode shapes.
   activation products over pre-packed weights (on AVX512-BF16 ``vdpbf16ps``: a gemv and a
   register-blocked gemm; AMX tiles; float32 FMAs on any AVX-512 CPU, and on 8-lane AVX2 FMAs
   elsewhere), streaming each weight once per step;
-* :mod:`kernels.cpu.attention` (``paged_attention.c``, ``prefill_attention.c``): paged attention
+* :mod:`kernels.cpu.attention` (``paged_attention.c``, ``prefill_attention*.c``): paged attention
   for decode and short query blocks, reading K/V through block tables without gathering them
   first, and causal flash-style attention of bf16 prefill chunks (on ``vdpbf16ps``, or on float32
-  FMAs where the CPU lacks it or issues it slowly: ``prefill_attention_fma``);
+  FMAs where the CPU lacks it or issues it slowly: ``prefill_attention_fma``; on 8-lane AVX2 FMAs
+  without AVX-512: ``prefill_attention_avx2.c``);
 * :mod:`kernels.cpu.fused` (``fused.c``): RMSNorm, RoPE with the KV cache write, and SiLU-and-mul,
   one call each instead of a dozen tensor operations;
 * :mod:`kernels.cpu.decode_stack` (``decode_stack.c``): all decoder layers of a decode step in one
@@ -59,6 +60,7 @@ _FLAGS = {
     "prefill_attention": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd"],
     "prefill_attention_fma": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
                               "-DPD_NO_DPBF16"],
+    "prefill_attention_avx2": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
 }
 _SOURCES = {"prefill_attention_fma": "prefill_attention"}   # libraries built from another's source
 

@@ -96,15 +96,19 @@ PREFILL_MAX_HEAD_DIM = 256
 
 
 def prefill_library() -> str:
-    """The build of ``prefill_attention.c`` this CPU runs: ``"prefill_attention"`` (``vdpbf16ps``) or
-    ``"prefill_attention_fma"`` (the same products on float32 FMAs), the latter wherever the packed
-    GEMMs run on FMAs (:func:`kernels.cpu.gemv.bf16_gemm_kernel`: no AVX512-BF16, or a slow one)."""
-    return "prefill_attention_fma" if bf16_gemm_kernel() == KERNELS[3] else "prefill_attention"
+    """The prefill attention build this CPU runs, following the packed bf16 GEMM's choice
+    (:func:`kernels.cpu.gemv.bf16_gemm_kernel`): ``"prefill_attention"`` (``vdpbf16ps``),
+    ``"prefill_attention_fma"`` (the same products on float32 FMAs, where the GEMMs run on FMAs: no
+    AVX512-BF16, or a slow one) or ``"prefill_attention_avx2"`` (8-lane FMAs, CPUs without AVX-512)."""
+    return _PREFILL_BUILDS.get(bf16_gemm_kernel(), "prefill_attention")
+
+
+_PREFILL_BUILDS = {KERNELS[3]: "prefill_attention_fma", KERNELS[4]: "prefill_attention_avx2"}
 
 
 def prefill_attention_available(head_dim: int) -> bool:
-    """Whether :func:`prefill_attention_cpu` takes this head size here (AVX-512, ``head_dim`` a
-    multiple of 16 up to :data:`PREFILL_MAX_HEAD_DIM`)."""
+    """Whether :func:`prefill_attention_cpu` takes this head size here (AVX-512 or AVX2 with FMA,
+    ``head_dim`` a multiple of 16 up to :data:`PREFILL_MAX_HEAD_DIM`)."""
     return head_dim % 16 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM and available(prefill_library())
 
 

@@ -29,6 +29,25 @@ __attribute__((target("avx512f"))) static inline __m512 bf16_odd_f32(__m512i w) 
     return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+/* The same on 8 pairs (one 32-byte load), for the AVX2 kernels (gemm_bf16_avx2.c, prefill_attention_avx2.c). */
+__attribute__((target("avx2"))) static inline __m256 bf16_even8(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+__attribute__((target("avx2"))) static inline __m256 bf16_odd8(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* f32_to_bf16 on 8 lanes, packed to 8 uint16 (nearest even; NaN stays a quiet NaN). */
+__attribute__((target("avx2"))) static inline __m128i f32_to_bf16_x8(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
+}
+
 /* f32_to_bf16 on 16 lanes: each lane's bf16 bits in its low half (narrow with _mm512_cvtepi32_epi16). */
 __attribute__((target("avx512f,avx512bw"))) static inline __m512i f32_to_bf16_x16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f);

@@ -1,5 +1,6 @@
 /* exp on 16 float32 lanes, inline, for the attention kernels' softmax (prefill_attention.c,
- * paged_attention.c). A libmvec call there spilled the score accumulators and queries around it.
+ * paged_attention.c; exp8 below: the same on 8 lanes for their AVX2 paths). A libmvec call there
+ * spilled the score accumulators and queries around it.
  *
  * x clamped at -104 (exp(-104) rounds to 0, so -inf, a masked key, gives 0), x = n ln2 + r with
  * |r| <= ln2 / 2 (ln2 in two parts), e^r by the degree-6 polynomial of Cephes' expf (within ~1 ulp, as
@@ -24,6 +25,28 @@ static inline __attribute__((always_inline, target("avx512f"))) __m512 exp16(__m
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* exp16 on 8 lanes for the AVX2 kernels (prefill_attention_avx2.c), lane for lane the same result: AVX2
+ * has no vscalefps, so 2^n is applied as two exact powers of two, 2^(n >> 1) then 2^(n - (n >> 1)), each
+ * a normal float for n in [-150, 128]; the first product is exact, the second rounds once, as vscalefps. */
+static inline __attribute__((always_inline, target("avx2,fma"))) __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
 }
 
 #endif

@@ -32,22 +32,6 @@ int pd_cpu_supported(void) {                       /* asked by kernels.cpu.avail
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-TARGET static inline __m256 even8(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
-TARGET static inline __m256 odd8(__m256i w) {
-    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
-}
-
-/* f32_to_bf16 on 8 lanes, packed to 8 uint16 (nearest even; NaN stays a quiet NaN). */
-TARGET static inline __m128i bf16x8(__m256 f) {
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
-}
-
 /* After a tile: rows x 16 float32 sums in out (row stride 16) go to the partial-sum buffer cb, or, at the
  * last chunk, rounded to bf16 into y (outputs nb .. nb + 15 below n_valid). The tiles copy their
  * accumulators to out with constant indices, so that gcc keeps them in registers inside the k loop. */
@@ -59,7 +43,7 @@ TARGET static void tile_out(const float *out, int mr, float *cb, int last, uint1
             if (!last) { _mm256_storeu_ps(cb + i * 16 + 8 * h, v); continue; }
             const int64_t n = nb + 8 * h, cnt = n_valid - n < 8 ? n_valid - n : 8;
             if (cnt <= 0) continue;
-            const __m128i b = bf16x8(v);
+            const __m128i b = f32_to_bf16_x8(v);
             if (cnt == 8) { _mm_storeu_si128((__m128i *)(y + i * ldy + n), b); continue; }
             uint16_t tmp[8];
             _mm_storeu_si128((__m128i *)tmp, b);
@@ -78,7 +62,7 @@ TARGET static inline __attribute__((always_inline)) void tile(
         ahead_step(&ahead);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(ws + kk * 32));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(ws + kk * 32 + 16));
-        const __m256 e0 = even8(w0), o0 = odd8(w0), e1 = even8(w1), o1 = odd8(w1);
+        const __m256 e0 = bf16_even8(w0), o0 = bf16_odd8(w0), e1 = bf16_even8(w1), o1 = bf16_odd8(w1);
         for (int i = 0; i < mr; i++) {
             const __m256 xe = _mm256_broadcast_ss(xs + i * K + 2 * kk), xo = _mm256_broadcast_ss(xs + i * K + 2 * kk + 1);
             acc[i][0] = _mm256_fmadd_ps(xo, o0, _mm256_fmadd_ps(xe, e0, acc[i][0]));
@@ -104,7 +88,7 @@ TARGET static void row_two_panels(const float *xs, int64_t kn, const uint16_t *w
         const __m256 xe = _mm256_broadcast_ss(xs + 2 * kk), xo = _mm256_broadcast_ss(xs + 2 * kk + 1);
         for (int h = 0; h < 4; h++) {
             const __m256i w = _mm256_loadu_si256((const __m256i *)((h < 2 ? ws : ws2) + kk * 32 + 16 * (h & 1)));
-            acc[h] = _mm256_fmadd_ps(xo, odd8(w), _mm256_fmadd_ps(xe, even8(w), acc[h]));
+            acc[h] = _mm256_fmadd_ps(xo, bf16_odd8(w), _mm256_fmadd_ps(xe, bf16_even8(w), acc[h]));
         }
     }
     float out[32] __attribute__((aligned(32)));

@@ -100,7 +100,7 @@ KERNELS = ("gemv-avx512bf16", "gemm-avx512bf16", "gemm-amx", "gemm-fma", "gemm-a
 SYMBOLS = dict(zip(KERNELS, (("gemv_bf16", "pd_gemv_bf16"), ("gemv_bf16", "pd_gemm_bf16_avx512"),
                               ("gemv_bf16", "pd_gemm_bf16_amx"), ("gemm_bf16_fma", "pd_gemm_bf16_fma"),
                               ("gemm_bf16_avx2", "pd_gemm_bf16_avx2"))))
-GEMM_ENV = "PDSERVE_BF16_GEMM"     # "fma" or "dpbf16": overrides bf16_gemm_kernel's measurement
+GEMM_ENV = "PDSERVE_BF16_GEMM"     # "fma", "dpbf16" or "avx2": overrides bf16_gemm_kernel's measurement
 DP_FMA_SLOW = 2.0                  # vdpbf16ps does 2x an FMA's FLOPs: slower than this, FMAs win
 
 
@@ -121,19 +121,22 @@ def bf16_gemm_kernel() -> str:
     AVX-512 (its library may still be unavailable: no AVX2 or no compiler); ``"gemm-fma"`` where ``vdpbf16ps``
     issues more than :data:`DP_FMA_SLOW` times slower than an FMA (:func:`dp_fma_ratio`) or does not
     exist (an AVX-512 CPU without AVX512-BF16, such as Ice Lake, or a VM that hides it), else
-    ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16`` overrides the measurement (``dpbf16`` only
-    where the CPU has the instruction: elsewhere it is logged and ignored). Every row count and the
+    ``"gemm-avx512bf16"``. ``PDSERVE_BF16_GEMM=fma|dpbf16|avx2`` overrides the measurement (``dpbf16`` only
+    where the CPU has the instruction, ``fma`` only with AVX-512: elsewhere logged and ignored; ``avx2``
+    runs an AVX-512 CPU as one without AVX-512 would, for tests and comparisons). Every row count and the
     decode stack use the one answer, so a row's result does not depend on its batch.
 
     Raises:
         ValueError: ``PDSERVE_BF16_GEMM`` is set to something else.
     """
     forced = os.environ.get(GEMM_ENV, "").lower()
-    if forced not in ("", "fma", "dpbf16"):
-        raise ValueError(f"{GEMM_ENV} must be 'fma' or 'dpbf16', got {forced!r}")
+    if forced not in ("", "fma", "dpbf16", "avx2"):
+        raise ValueError(f"{GEMM_ENV} must be 'fma', 'dpbf16' or 'avx2', got {forced!r}")
+    if forced == "avx2":
+        return KERNELS[4]
     if not available(SYMBOLS[KERNELS[3]][0]):
-        if forced == "dpbf16":
-            log.warning("%s=dpbf16 ignored: no AVX-512 here, the bf16 GEMM runs on AVX2 FMAs", GEMM_ENV)
+        if forced:
+            log.warning("%s=%s ignored: no AVX-512 here, the bf16 GEMM runs on AVX2 FMAs", GEMM_ENV, forced)
         log.info("bf16 GEMM: %s (no AVX-512)", KERNELS[4])
         return KERNELS[4]
     if forced == "fma":

@@ -24,8 +24,10 @@
  * The cache is read ahead of the arithmetic: on AMD CPUs the next page (through the block table,
  * into the next sequence) is prefetched into L2 a row at a time while this page is computed; on
  * Intel CPUs each page's rows are loaded once before the page is computed (load_page). See
- * sequence_avx512. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
- * PagedAttention v1 (Kwon et al., SOSP 2023).
+ * sequence_avx512. AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass
+ * softmax below on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into
+ * L2 while the one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per
+ * sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
  *
  * Float32 arithmetic throughout whatever the cache dtype (bf16 rows are widened exactly; a
  * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core, and QK on
@@ -51,6 +53,7 @@
 #define SLACK 8.f          /* a pair's reference max moves only when a score passes it by this: p <= e^8 */
 
 #include "paged_attention_rows.h"
+#include "paged_attention_avx2.h"
 
 /* Group state: R pairs of NV vectors each; queries, accumulators and running sums in registers. */
 typedef struct { __m512 qv[MAX_VECS], acc[MAX_VECS], lv[MAX_R]; float m[MAX_R]; } State;
@@ -244,6 +247,18 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
         }
 }
 
+static int forced_path;                                 /* pd_attention_force: 0 by the CPU, 1 AVX2, 2 portable */
+
+/* Tests' way to reach the AVX2 and portable paths on a CPU that would take another: path 0 restores the
+ * CPU's choice. Returns 0, or -1 for a path this CPU cannot run (AVX2 without AVX2 and FMA) or out of range. */
+int pd_attention_force(int path) {
+    __builtin_cpu_init();
+    if (path < 0 || path > 2 || (path == 1 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))))
+        return -1;
+    forced_path = path;
+    return 0;
+}
+
 /* q, out: float32 [num_tokens, H, D] contiguous. qs: int32 [B+1] row offsets. seq_lens: int32 [B].
  * tables: int32 [B, max_blocks]. Returns 0, or -1 if scratch memory could not be allocated. */
 int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64_t D,
@@ -251,19 +266,28 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
                        const void *cache, int bf16, int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,
                        const int32_t *tables, int64_t max_blocks, int64_t block_size, float scale) {
     __builtin_cpu_init();
-    const int fast = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, __builtin_cpu_is("amd") };   /* spread */
+    const int fast = !forced_path && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                      && D % 16 == 0 && D / 16 <= MAX_VECS;
-    const int64_t G = H / Hkv, R_max = fast ? group_max(D / 16) : 8;
+    const int avx2 = !fast && forced_path != 2 && avx2_takes(&c);
+    const int64_t G = H / Hkv, R_max = fast ? group_max(D / 16) : avx2 ? RA : 8;
     int64_t max_len = 0, max_q = 0;
     for (int64_t b = 0; b < B; b++) {
         max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
         max_q = qs[b + 1] - qs[b] > max_q ? qs[b + 1] - qs[b] : max_q;
     }
+    const int64_t ld = (max_len + 7) / 8 * 8;             /* avx2: score rows padded to 8 tokens */
     const size_t scratch = fast ? sizeof(Group) * (size_t)(Hkv * ((max_q * G + R_max - 1) / R_max))
+                         : avx2 ? sizeof(float) * (size_t)(R_max * ld) + sizeof(void *) * (size_t)(2 * max_len)
                                 : sizeof(float) * (size_t)(R_max * max_len + D);   /* groups / score rows */
     void *buf = aligned_alloc(64, (scratch + 63) / 64 * 64);
     if (!buf) return -1;
-    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, __builtin_cpu_is("amd") };   /* spread */
+    if (avx2) {
+        batch_avx2(&c, q, out, H, Hkv, qs, seq_lens, B, tables, max_blocks, scale, buf, ld,
+                   (const uint16_t **)((float *)buf + R_max * ld), max_len);
+        free(buf);
+        return 0;
+    }
     const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R];
     for (int64_t b = 0; b < B; b++) {
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;

@@ -51,6 +51,7 @@ static void rows_portable(const Ctx *c, int64_t kvh, int R, const float **qrow, 
         for (int r = 0; r < R; r++) {
             if (t > lim[r]) continue;
             float s = 0.f;
+#pragma omp simd reduction(+ : s)              /* lanes summed apart, then together: vectorized */
             for (int64_t d = 0; d < D; d++) s += qrow[r][d] * buf[d];
             scores[r * L + t] = scale * s;
         }

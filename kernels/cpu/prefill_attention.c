@@ -38,6 +38,7 @@
 #define SLACK 8.f                 /* a row's reference max moves only when a score passes it by this: P <= e^8 */
 #define RMAX 12                   /* query rows per tile: 24 score accumulators */
 #define MAX_D 256
+#include "prefill_attention.h"
 
 /* vdpbf16ps where the build targets a CPU that has it (-march=native there), else the same products
  * on float32 FMAs: bf16 pairs widened by a shift (even element) and a mask (odd element), exact, and
@@ -61,34 +62,6 @@ int pd_cpu_supported(void) {                             /* asked by kernels.cpu
         && __builtin_cpu_supports("avx512vl") && (!PD_DPBF16 || __builtin_cpu_supports("avx512bf16"));
 }
 
-
-typedef struct {
-    const uint16_t *cache;        /* one layer */
-    int64_t s_block, s_tok, s_head, s_v, block_size;
-    const int32_t *table;
-} Paged;
-
-static inline const uint16_t *kv_row(const Paged *c, int64_t pos, int64_t kvh, int v) {
-    const int64_t blk = c->table[pos / c->block_size], off = pos % c->block_size;
-    return c->cache + blk * c->s_block + off * c->s_tok + kvh * c->s_head + (v ? c->s_v : 0);
-}
-
-/* Kp[t][p][k][e] = K[32 t + k][2 p + e] and Vp[j / 2][d][e] = V[2 (j / 2) + e][d] (zero past L):
- * the B operands of vdpbf16ps for the scores (pairs of dims) and for the value sums (pairs of keys). */
-static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t *kp, uint16_t *vp) {
-    const int64_t tiles = (L + NK - 1) / NK, P = D / 2;
-    memset(kp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
-    memset(vp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
-    for (int64_t j = 0; j < L; j++) {
-        const uint16_t *k = kv_row(c, j, kvh, 0), *v = kv_row(c, j, kvh, 1);
-        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2, *vd = vp + (j / 2) * 2 * D + (j % 2);
-        for (int64_t p = 0; p < P; p++) {
-            dst[p * NK * 2] = k[2 * p];
-            dst[p * NK * 2 + 1] = k[2 * p + 1];
-        }
-        for (int64_t d = 0; d < D; d++) vd[2 * d] = v[d];
-    }
-}
 
 /* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
  * each pair of V rows is loaded once (NVC zmm per pair; compile-time in each instance); keys past a
@@ -237,36 +210,6 @@ int pd_prefill_attention(const uint16_t *q, uint16_t *out, int64_t H, int64_t Hk
                          const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache,
                          int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v, const int32_t *tables,
                          int64_t max_blocks, int64_t block_size, float scale) {
-    if (D % 16 || D > MAX_D || H % Hkv) return -2;
-    int64_t max_len = 0;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const int64_t tiles = (max_len + NK - 1) / NK;
-    uint16_t *kp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
-    uint16_t *vp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
-    if (!kp || !vp) { free(kp); free(vp); return -1; }
-    const int64_t G = H / Hkv, rows_per = RMAX / G > 0 ? RMAX / G : 1;   /* tokens per tile */
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
-        Paged c = { cache, s_block, s_tok, s_head, s_v, block_size, tables + b * max_blocks };
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            pack_kv(&c, kvh, L, D, kp, vp);
-            for (int64_t i0 = 0; i0 < nq; i0 += rows_per) {
-                const int64_t nt = nq - i0 < rows_per ? nq - i0 : rows_per;
-                for (int64_t g0 = 0; g0 < G; g0 += RMAX) {          /* groups wider than a tile */
-                    const uint16_t *qr[RMAX]; uint16_t *orow[RMAX]; int64_t pos[RMAX];
-                    int R = 0;
-                    for (int64_t i = i0; i < i0 + nt; i++)
-                        for (int64_t g = g0; g < G && g < g0 + RMAX && R < RMAX; g++) {
-                            const int64_t h = kvh * G + g, row = (q0 + i) * H + h;
-                            qr[R] = q + row * D; orow[R] = out + row * D; pos[R] = first + i;
-                            R++;
-                        }
-                    tile(R, qr, pos, orow, kp, vp, D, scale);
-                    if (G <= RMAX) break;
-                }
-            }
-        }
-    }
-    free(kp); free(vp);
-    return 0;
+    return prefill_run(tile, q, out, H, Hkv, D, qs, seq_lens, B, cache, s_block, s_tok, s_head, s_v, tables,
+                       max_blocks, block_size, scale);
 }

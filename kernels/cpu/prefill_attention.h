@@ -1,0 +1,86 @@
+/* What the two prefill attention kernels share (prefill_attention.c on AVX-512, prefill_attention_avx2.c
+ * on AVX2): the paged cache's reader, the packing of one KV head's keys and values into the operand
+ * layouts of their key tiles, and the walk over sequences, KV heads and query tiles. The including file
+ * defines NK (keys per key tile), RMAX (query rows per tile) and MAX_D first, and passes its tile
+ * function to prefill_run. Included only; kernels/cpu/__init__.py keys its build cache on headers too.
+ */
+#ifndef PD_PREFILL_ATTENTION_H
+#define PD_PREFILL_ATTENTION_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const uint16_t *cache;        /* one layer */
+    int64_t s_block, s_tok, s_head, s_v, block_size;
+    const int32_t *table;
+} Paged;
+
+static inline const uint16_t *kv_row(const Paged *c, int64_t pos, int64_t kvh, int v) {
+    const int64_t blk = c->table[pos / c->block_size], off = pos % c->block_size;
+    return c->cache + blk * c->s_block + off * c->s_tok + kvh * c->s_head + (v ? c->s_v : 0);
+}
+
+/* Kp[t][p][k][e] = K[NK t + k][2 p + e] and Vp[j / 2][d][e] = V[2 (j / 2) + e][d] (zero past L):
+ * the B operands of the score products (pairs of dims, NK keys a tile) and of the value sums (pairs of keys). */
+static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t *kp, uint16_t *vp) {
+    const int64_t tiles = (L + NK - 1) / NK, P = D / 2;
+    memset(kp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
+    memset(vp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
+    for (int64_t j = 0; j < L; j++) {
+        const uint16_t *k = kv_row(c, j, kvh, 0), *v = kv_row(c, j, kvh, 1);
+        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2, *vd = vp + (j / 2) * 2 * D + (j % 2);
+        for (int64_t p = 0; p < P; p++) {
+            dst[p * NK * 2] = k[2 * p];
+            dst[p * NK * 2 + 1] = k[2 * p + 1];
+        }
+        for (int64_t d = 0; d < D; d++) vd[2 * d] = v[d];
+    }
+}
+
+/* One query tile of R <= RMAX rows (their bf16 query vectors qr[r] at positions pos[r]) against keys
+ * [0, max pos] of the packed kp / vp, writing bf16 rows orow[r]. */
+typedef void (*tile_fn)(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                        const uint16_t *kp, const uint16_t *vp, int64_t D, float scale);
+
+/* pd_prefill_attention's walk (arguments as there): per sequence and KV head, pack its keys and values,
+ * then run tile over query tiles of up to RMAX rows (tokens x the heads of the group). */
+static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H, int64_t Hkv, int64_t D,
+                       const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache,
+                       int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v, const int32_t *tables,
+                       int64_t max_blocks, int64_t block_size, float scale) {
+    if (D % 16 || D > MAX_D || H % Hkv) return -2;
+    int64_t max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int64_t tiles = (max_len + NK - 1) / NK;
+    uint16_t *kp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
+    uint16_t *vp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
+    if (!kp || !vp) { free(kp); free(vp); return -1; }
+    const int64_t G = H / Hkv, rows_per = RMAX / G > 0 ? RMAX / G : 1;   /* tokens per tile */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
+        Paged c = { cache, s_block, s_tok, s_head, s_v, block_size, tables + b * max_blocks };
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            pack_kv(&c, kvh, L, D, kp, vp);
+            for (int64_t i0 = 0; i0 < nq; i0 += rows_per) {
+                const int64_t nt = nq - i0 < rows_per ? nq - i0 : rows_per;
+                for (int64_t g0 = 0; g0 < G; g0 += RMAX) {          /* groups wider than a tile */
+                    const uint16_t *qr[RMAX]; uint16_t *orow[RMAX]; int64_t pos[RMAX];
+                    int R = 0;
+                    for (int64_t i = i0; i < i0 + nt; i++)
+                        for (int64_t g = g0; g < G && g < g0 + RMAX && R < RMAX; g++) {
+                            const int64_t h = kvh * G + g, row = (q0 + i) * H + h;
+                            qr[R] = q + row * D; orow[R] = out + row * D; pos[R] = first + i;
+                            R++;
+                        }
+                    tile(R, qr, pos, orow, kp, vp, D, scale);
+                    if (G <= RMAX) break;
+                }
+            }
+        }
+    }
+    free(kp); free(vp);
+    return 0;
+}
+
+#endif
