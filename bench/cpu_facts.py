@@ -13,7 +13,8 @@ from pathlib import Path
 
 FEATURES = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2", "fma")
 C_KERNELS = ("gemv_bf16", "gemm_bf16_fma", "gemm_bf16_avx2", "paged_attention", "prefill_attention",
-             "prefill_attention_fma", "fused", "decode_stack", "gemv_int4", "gemv_int4_avx2", "membw")
+             "prefill_attention_fma", "prefill_attention_avx2", "fused", "decode_stack", "gemv_int4", "gemv_int4_avx2",
+             "membw")
 
 # FLOP per cycle per core, by ISA. AMX: one TDPBF16PS (16x16 fp32 tile += 16x32 by 32x16 bf16,
 # 16,384 FLOP) per 16 cycles = 1024 (Intel AMX, Sapphire Rapids). vdpbf16ps zmm: 16 fp32 lanes x
