@@ -34,6 +34,7 @@ import torch
 
 from pdserve.bench.common import hf_generate_seconds, machine
 from pdserve.cluster.worker_process import default_redis_url
+from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.deploy.processes import spawn_role
@@ -56,11 +57,13 @@ async def _timed_stream(channel, request) -> tuple[float, float, int]:
 
 
 def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: int, redis_url: str,
-                  dtype: str = "auto", decode_core: int | None = None) -> dict:
+                  dtype: str = "auto", decode_core: int | None = None,
+                  window_s: float = DecodeWorkerConfig.multi_step_window_s) -> dict:
     name = "bench-" + uuid.uuid4().hex[:8]
     common = dict(model_dir=model, cluster=name, redis_url=redis_url, num_threads=1, dtype=dtype)
     decode_cpus = None if decode_core is None else str(decode_core)
-    procs = [spawn_role("decode_worker", dict(worker_id="d0", **common), cpus=decode_cpus),
+    procs = [spawn_role("decode_worker", dict(worker_id="d0", multi_step_window_s=window_s, **common),
+                        cpus=decode_cpus),
              spawn_role("prefill_worker", dict(worker_id="p0", **common))]
     procs.append(spawn_role("router", dict(model_dir=model, cluster=name, redis_url=redis_url)))
     try:
@@ -83,16 +86,18 @@ def bench_cluster(model: str, prompt: list[int], decode_tokens: int, repeats: in
             p.stop()
 
 
-def bench_engine(model: str, prompt: list[int], decode_tokens: int, repeats: int, dtype: str) -> dict:
+def bench_engine(model: str, prompt: list[int], decode_tokens: int, repeats: int, dtype: str,
+                 window_s: float = DecodeWorkerConfig.multi_step_window_s) -> dict:
     """The decode engine alone at batch 1, in this process: median step seconds over ``repeats`` runs of
-    ``decode_tokens`` steps, loaded as the decode worker loads it (``dtype`` resolved as the worker does)."""
+    ``decode_tokens`` steps, loaded as the decode worker loads it (``dtype`` resolved as the worker does,
+    the same multi-step window)."""
     from pdserve.bench.decode import _engine, run_decode, tokens_budget
     from pdserve.cluster.worker_process import resolve_dtype
-    from pdserve.decode_worker.config import DecodeWorkerConfig
 
     short = {"float32": "fp32", "bfloat16": "bf16"}[resolve_dtype(dtype, model)]
     budget = tokens_budget(DecodeWorkerConfig(model_dir=model, worker_id="bench"), decode_tokens)
-    engine, model_obj = _engine(model, short, "native", DecodeWorkerConfig.graph, 1, (len(prompt) + budget) // 16 + 16)
+    engine, model_obj = _engine(model, short, "native", DecodeWorkerConfig.graph, 1, (len(prompt) + budget) // 16 + 16,
+                                multi_step_window_s=window_s)
     try:
         steps = [run_decode(engine, [prompt], decode_tokens)["step_s"] for _ in range(repeats)]
     finally:
@@ -140,6 +145,9 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=None, help="pin this process and every worker to this core")
     ap.add_argument("--decode-core", type=int, default=None,
                     help="pin the decode worker (and the engine-alone run) to this core instead")
+    ap.add_argument("--multi-step-window", type=float, default=DecodeWorkerConfig.multi_step_window_s,
+                    help="the decode worker's and the engine's multi-step window in seconds "
+                         "(pdserve up --multi-step-window)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "e2e"))
     args = ap.parse_args()
     if args.core is not None:
@@ -154,11 +162,11 @@ def main() -> None:
             "command": "python " + " ".join(sys.argv),
             "machine": machine(), "core": args.core, "decode_core": args.decode_core, "dtype": args.dtype,
             "model": args.model, "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "multi_step_window_s": args.multi_step_window,
             "pdserve_cluster": bench_cluster(args.model, prompt, args.decode_tokens, args.repeats, redis_url,
-                                             args.dtype, args.decode_core),
+                                             args.dtype, args.decode_core, args.multi_step_window),
             "decode_engine": _on_core(args.decode_core, lambda: bench_engine(
-                args.model, prompt, args.decode_tokens, args.repeats, args.dtype)),
+                args.model, prompt, args.decode_tokens, args.repeats, args.dtype, args.multi_step_window)),
             "transformers_generate": bench_transformers(args.model, prompt, args.decode_tokens, args.repeats),
         }
     finally:
