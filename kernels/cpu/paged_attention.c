@@ -299,12 +299,7 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
         for (int64_t kvh = 0; kvh < Hkv; kvh++)
             for (int64_t p0 = 0; p0 < nq * G; p0 += R_max) {      /* pairs (row i, head g), R at a time */
                 const int R = (int)(nq * G - p0 < R_max ? nq * G - p0 : R_max);
-                for (int r = 0; r < R; r++) {
-                    const int64_t i = (p0 + r) / G, h = kvh * G + (p0 + r) % G;
-                    qrow[r] = q + ((q0 + i) * H + h) * D;
-                    orow[r] = out + ((q0 + i) * H + h) * D;
-                    lim[r] = first + i;
-                }
+                group_pairs(p0, R, G, H, D, kvh, q0, first, q, out, qrow, orow, lim);
                 rows_portable(&c, kvh, R, qrow, orow, lim, L, scale, buf, (float *)buf + R_max * max_len);
             }
     }

@@ -194,12 +194,7 @@ AVX2 static void batch_avx2(Ctx *c, const float *q, float *out, int64_t H, int64
             row_table(c, tables + nb * max_blocks, (k + 1) % Hkv, seq_lens[nb], rows + ((k + 1) & 1) * max_len);
         for (int64_t p0 = 0; p0 < nq * G; p0 += RA) {          /* pairs (row i, head g), RA at a time */
             const int R = (int)(nq * G - p0 < RA ? nq * G - p0 : RA);
-            for (int r = 0; r < R; r++) {
-                const int64_t i = (p0 + r) / G, h = kvh * G + (p0 + r) % G;
-                qrow[r] = q + ((q0 + i) * H + h) * D;
-                orow[r] = out + ((q0 + i) * H + h) * D;
-                lim[r] = first + i;
-            }
+            group_pairs(p0, R, G, H, D, kvh, q0, first, q, out, qrow, orow, lim);
             rows_avx2(c, R, cur, qrow, orow, lim, scale, sc, ld);
         }
     }

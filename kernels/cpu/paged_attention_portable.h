@@ -32,6 +32,20 @@ static void load_row(const Ctx *c, int64_t off, float *dst) {
     }
 }
 
+/* Pairs p0 .. p0 + R of kv head kvh (pair p: query row p / G of the sequence, head kvh G + p % G), for a
+ * sequence whose query rows start at q0 and whose first new token sits at position `first`: their query
+ * and output rows and causal limits. */
+static inline void group_pairs(int64_t p0, int R, int64_t G, int64_t H, int64_t D, int64_t kvh, int64_t q0,
+                               int64_t first, const float *q, float *out, const float **qrow, float **orow,
+                               int64_t *lim) {
+    for (int r = 0; r < R; r++) {
+        const int64_t i = (p0 + r) / G, h = kvh * G + (p0 + r) % G;
+        qrow[r] = q + ((q0 + i) * H + h) * D;
+        orow[r] = out + ((q0 + i) * H + h) * D;
+        lim[r] = first + i;
+    }
+}
+
 /* p = softmax(s[0..n)) in place, n >= 1 */
 static void softmax(float *s, int64_t n) {
     float mx = s[0], sum = 0.f;

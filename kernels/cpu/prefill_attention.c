@@ -195,21 +195,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         }
         pv(R, O, alpha, (const pval (*)[NK])P, vp + t * NK * D, D, keys);
     }
-    for (int r = 0; r < R; r++) {
-        const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < D; d++) orow[r][d] = f32_to_bf16(O[r][d] * inv);
-    }
+    write_rows(R, O, l, orow, D);
 }
 
-/* q, out: bf16 [num_tokens, H, D] contiguous. qs: int32 [B + 1] row offsets; seq_lens: int32 [B]
- * (the new tokens are each sequence's last qs[b+1] - qs[b] positions, their K/V already in the
- * cache). cache: one layer, strides in elements as paged_attention.c. tables: int32 [B, max_blocks].
- * Returns 0; -1 if scratch memory could not be allocated; -2 for a head size it does not take
- * (D must be a multiple of 16, at most 256). */
-int pd_prefill_attention(const uint16_t *q, uint16_t *out, int64_t H, int64_t Hkv, int64_t D,
-                         const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache,
-                         int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v, const int32_t *tables,
-                         int64_t max_blocks, int64_t block_size, float scale) {
-    return prefill_run(tile, q, out, H, Hkv, D, qs, seq_lens, B, cache, s_block, s_tok, s_head, s_v, tables,
-                       max_blocks, block_size, scale);
-}
+PD_PREFILL_ENTRY(tile)

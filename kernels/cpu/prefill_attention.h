@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef struct {
     const uint16_t *cache;        /* one layer */
     int64_t s_block, s_tok, s_head, s_v, block_size;
@@ -42,6 +44,14 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
  * [0, max pos] of the packed kp / vp, writing bf16 rows orow[r]. */
 typedef void (*tile_fn)(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                         const uint16_t *kp, const uint16_t *vp, int64_t D, float scale);
+
+/* out rows = O / l, rounded to bf16 (nearest even): the last step of a query tile. */
+static inline void write_rows(int R, float *const *O, const float *l, uint16_t *const *orow, int64_t D) {
+    for (int r = 0; r < R; r++) {
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) orow[r][d] = f32_to_bf16(O[r][d] * inv);
+    }
+}
 
 /* pd_prefill_attention's walk (arguments as there): per sequence and KV head, pack its keys and values,
  * then run tile over query tiles of up to RMAX rows (tokens x the heads of the group). */
@@ -82,5 +92,20 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
     free(kp); free(vp);
     return 0;
 }
+
+/* The exported entry of each build, over its tile function:
+ * q, out: bf16 [num_tokens, H, D] contiguous. qs: int32 [B + 1] row offsets; seq_lens: int32 [B]
+ * (the new tokens are each sequence's last qs[b+1] - qs[b] positions, their K/V already in the
+ * cache). cache: one layer, strides in elements as paged_attention.c. tables: int32 [B, max_blocks].
+ * Returns 0; -1 if scratch memory could not be allocated; -2 for a head size it does not take
+ * (D must be a multiple of 16, at most 256). */
+#define PD_PREFILL_ENTRY(TILE)                                                                              \
+    int pd_prefill_attention(const uint16_t *q, uint16_t *out, int64_t H, int64_t Hkv, int64_t D,          \
+                             const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache, \
+                             int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,                  \
+                             const int32_t *tables, int64_t max_blocks, int64_t block_size, float scale) { \
+        return prefill_run(TILE, q, out, H, Hkv, D, qs, seq_lens, B, cache, s_block, s_tok, s_head, s_v,   \
+                           tables, max_blocks, block_size, scale);                                         \
+    }
 
 #endif
