@@ -1,11 +1,12 @@
-"""Paged attention on CPUs (``paged_attention.c``, ``prefill_attention.c``).
+"""Paged attention on CPUs (``paged_attention.c``, ``prefill_attention.c`` and their AVX2 forms).
 
 Same contract as :func:`kernels.paged_attention.paged_attention_torch` for steps whose new
 tokens' K/V are already in the cache, without the torch path's gather of every context
 into a padded batch: the kernels walk each sequence's block table once per KV head.
-:func:`paged_attention_cpu` serves decode steps and short query blocks (float32 or bf16 cache);
+:func:`paged_attention_cpu` serves decode steps and short query blocks (float32 or bf16 cache; on
+AVX-512, on AVX2 for bf16 caches, else a portable C path);
 :func:`prefill_attention_cpu` serves prefill chunks of any length over a bf16 cache, about 4x
-torch's CPU flash attention on one core (``bench/cpu_kernels.py``).
+torch's CPU flash attention on one AVX-512 core and 1.1-1.6x on an AVX2 one (``bench/cpu_kernels.py``).
 """
 
 from __future__ import annotations
