@@ -96,15 +96,15 @@ def _fn():
 PREFILL_MAX_HEAD_DIM = 256
 
 
+_PREFILL_BUILDS = {KERNELS[3]: "prefill_attention_fma", KERNELS[4]: "prefill_attention_avx2"}  # by GEMM
+
+
 def prefill_library() -> str:
     """The prefill attention build this CPU runs, following the packed bf16 GEMM's choice
     (:func:`kernels.cpu.gemv.bf16_gemm_kernel`): ``"prefill_attention"`` (``vdpbf16ps``),
     ``"prefill_attention_fma"`` (the same products on float32 FMAs, where the GEMMs run on FMAs: no
     AVX512-BF16, or a slow one) or ``"prefill_attention_avx2"`` (8-lane FMAs, CPUs without AVX-512)."""
     return _PREFILL_BUILDS.get(bf16_gemm_kernel(), "prefill_attention")
-
-
-_PREFILL_BUILDS = {KERNELS[3]: "prefill_attention_fma", KERNELS[4]: "prefill_attention_avx2"}
 
 
 def prefill_attention_available(head_dim: int) -> bool:
