@@ -1,5 +1,5 @@
-/* bf16 <-> float32 conversions shared by the CPU kernels (included; kernels/cpu/__init__.py keys its
- * build cache on this header too). bf16 is the upper half of a float32: widening is exact; narrowing
+/* bf16 <-> float32 conversions shared by the CPU kernels, and the AVX2 kernels' 8-lane reductions
+ * (included; kernels/cpu/__init__.py keys its build cache on this header too). bf16 is the upper half of a float32: widening is exact; narrowing
  * rounds to nearest even, as torch's .to(torch.bfloat16) does, and keeps NaN a quiet NaN. */
 #ifndef PD_BF16_H
 #define PD_BF16_H
@@ -35,6 +35,18 @@ __attribute__((target("avx2"))) static inline __m256 bf16_even8(__m256i w) {
 }
 __attribute__((target("avx2"))) static inline __m256 bf16_odd8(__m256i w) {
     return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* The largest of 8 lanes (exact), and their sum as ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)). */
+__attribute__((target("avx2"))) static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+__attribute__((target("avx2"))) static inline float hadd8(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 /* f32_to_bf16 on 8 lanes, packed to 8 uint16 (nearest even; NaN stays a quiet NaN). */

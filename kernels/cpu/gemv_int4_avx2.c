@@ -43,13 +43,6 @@ TARGET INLINE __m256 load8(const void *x, int is_bf16, int64_t k, int64_t K) {
     return _mm256_loadu_ps(v);
 }
 
-TARGET INLINE float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
 TARGET INLINE int32_t hsum8_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));

@@ -6,7 +6,7 @@
  *   rows[t]     the context's K row addresses, walked page by page once (no division per token)
  *   scores      per token, each pair's <q, K_t> as 8-lane partial sums (even and odd dims of each
  *               16-dim block: 2 chains a pair), reduced 8 tokens at a time by a transpose-and-add
- *               tree; the next chunk's K rows are prefetched into L1 and this token's V row into L2
+ *               tree; the next chunk's K rows are prefetched into L1
  *   softmax     s = scale * score, masked past each pair's causal limit; p = exp(s - max) (exp8,
  *               exp16.h), l = sum p
  *   values      per 16-dim block, each V row widened once (even and odd dims) for every pair of the
@@ -40,8 +40,8 @@ AVX2_INLINE __m256 hsum8(const __m256 *a) {
 }
 
 /* Scores of the R pairs (queries qe / qo: even / odd dims, D / 2 floats each) against tokens t0 .. t0 + nt,
- * nt <= 8, into sc[r][t0 .. t0 + 8) (scaled; 0 past nt); the next chunk's K rows are prefetched into L1 and
- * these tokens' V rows into L2. */
+ * nt <= 8, into sc[r][t0 .. t0 + 8) (scaled; 0 past nt); the next chunk's K rows are prefetched into L1
+ * (row_table has brought every K and V row of the group into L2). */
 AVX2_INLINE void scores8(const int R, const uint16_t *const *rows, int64_t t0, int nt, int64_t NB, int64_t s_v,
                          const float *qe, const float *qo, float *sc, int64_t ld, __m256 vscale, int64_t n) {
     __m256 part[RA][8];
@@ -104,25 +104,21 @@ AVX2_INLINE void values16(const int R, const int BJ, const uint16_t *const *rows
         }
 }
 
-/* Softmax of row sc[0 .. n) in place, entries past lim (causal) first set to -inf; n padded to 8 with
- * -inf by the caller. Returns 1 / sum. */
+/* Softmax of row sc[0 .. n) in place (the row has room for n rounded up to 8), entries past lim (causal)
+ * and the padding first set to -inf. Returns 1 / sum. */
 AVX2 static float softmax8(float *sc, int64_t n, int64_t lim) {
     const int64_t npad = (n + 7) / 8 * 8;
     for (int64_t t = lim + 1; t < npad; t++) sc[t] = -INFINITY;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t t = 0; t < npad; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))));
+    const __m256 m = _mm256_set1_ps(hmax8(mx));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < npad; t += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
         _mm256_storeu_ps(sc + t, e);
         sum = _mm256_add_ps(sum, e);
     }
-    h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return 1.f / _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    return 1.f / hadd8(sum);
 }
 
 /* One group of R (compile-time) pairs over tokens 0 .. n (n = the largest limit + 1). */

@@ -107,17 +107,12 @@ TARGET static int softmax_tile(int R, const int64_t *pos, int64_t t, float scale
         float mt = m[r];
         alpha[r] = 1.f;
         if (_mm256_movemask_ps(_mm256_cmp_ps(smax, _mm256_set1_ps(m[r] + SLACK), _CMP_GT_OQ))) {
-            __m128 h = _mm_max_ps(_mm256_castps256_ps128(smax), _mm256_extractf128_ps(smax, 1));
-            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-            mt = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+            mt = hmax8(smax);
             alpha[r] = _mm256_cvtss_f32(exp8(_mm256_set1_ps(m[r] - mt)));   /* 0 on the row's first tile */
         }
         const __m256 mv = _mm256_set1_ps(mt);
         const __m256 p0 = exp8(_mm256_sub_ps(s0, mv)), p1 = exp8(_mm256_sub_ps(s1, mv));
-        __m256 s = _mm256_add_ps(p0, p1);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        l[r] = l[r] * alpha[r] + _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        l[r] = l[r] * alpha[r] + hadd8(_mm256_add_ps(p0, p1));
         m[r] = mt;
         _mm256_storeu_ps(P[r], p0);
         _mm256_storeu_ps(P[r] + 8, p1);
