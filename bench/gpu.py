@@ -58,7 +58,10 @@ def summary(r: dict) -> list[str]:
         lines.append(f"fp8 {f['rows']}x{f['k']}x{f['n']}: bf16 {f['bf16_tflops']:.0f}, scaled_mm "
                      f"{f['scaled_mm_tflops']:.0f} (err {f['scaled_mm_rel_err']:.1e}), triton ch "
                      f"{f['triton_channel_tflops']:.0f} (err {f['triton_channel_rel_err']:.1e}), blk128 "
-                     f"{f['triton_block128_tflops']:.0f} TFLOP/s (err {f['triton_block128_rel_err']:.1e})")
+                     f"{f['triton_block128_tflops']:.0f} TFLOP/s (err {f['triton_block128_rel_err']:.1e}); "
+                     f"Fp8Linear {f['module_torch_quant_tflops']:.0f} -> {f['module_channel_tflops']:.0f} TFLOP/s, "
+                     f"quantize {f['quant_torch_ms']:.3f} -> {f['quant_triton_ms']:.3f} ms "
+                     f"(bit-equal {f['quant_bit_equal']})")
     m = r.get("model", {})
     for e in m.get("exact", []):
         lines.append(f"vs transformers {e['dtype']}: matching prefix {e['matching_prefix']} of {e['tokens']}, "

@@ -119,7 +119,15 @@ def fp8_case(dev: torch.device, rows: int, k: int, n: int) -> dict:
             y = mod(x)
             res[f"module_{name}_rel_err_vs_bf16"] = rel_err(y, exact)
             res[f"module_{name}_tflops"] = flops / median_ms(lambda: mod(x)) / 1e9
-            if g is None:
+            if g is None:   # the activation quantization: eight torch kernels against one Triton kernel
+                from pdserve.kernels.fp8_quant_triton import quantize_e4m3_rows
+                tq, ts = quantize_e4m3_rows(x)
+                res["quant_bit_equal"] = bool(torch.equal(ts, sx) and torch.equal(
+                    tq.view(torch.uint8)[:, :k], xq.view(torch.uint8)))
+                res["quant_torch_ms"] = median_ms(lambda: quantize_e4m3(x))
+                res["quant_triton_ms"] = median_ms(lambda: quantize_e4m3_rows(x))
+                res["module_torch_quant_tflops"] = flops / median_ms(
+                    lambda: mod._scaled_mm(*quantize_e4m3(x), torch.bfloat16)) / 1e9
                 res["scaled_mm_rel_err"] = rel_err(mod._scaled_mm(xq, sx, torch.bfloat16), ref)
                 res["scaled_mm_tflops"] = flops / median_ms(lambda: mod._scaled_mm(xq, sx, torch.bfloat16)) / 1e9
     return res
