@@ -38,21 +38,26 @@ static inline Chunk chunk_after(const uint16_t *wp, int64_t Np, int64_t n_valid,
 }
 
 /* Row tile t of `tiles` prefetching its share of chunk *c, lines [l, end), over `steps` k steps: `per`
- * lines a step. Line l is pair l % kn of block l / kn. */
-typedef struct { const Chunk *c; int64_t l, end, per; } Ahead;
+ * lines a step. Line l is pair l % kn of block l / kn; the walk keeps that pair (p) and block (b) as it
+ * goes, the division done once here: a 64-bit division per k step issued once per 24-90 cycles on a
+ * Cascade Lake core, as long as the step's FMAs, and halved the FMA GEMM's rate there at 32 rows. */
+typedef struct { const Chunk *c; int64_t l, end, per, b, p; } Ahead;
 
 static inline Ahead ahead_share(const Chunk *c, int64_t t, int64_t tiles, int64_t steps) {
-    Ahead a = {c, 0, 0, 0};
+    Ahead a = {c, 0, 0, 0, 0, 0};
     if (!c->w || tiles < 2 || steps < 1) return a;
     const int64_t lines = c->nr * c->kn;
     a.l = lines * t / tiles, a.end = lines * (t + 1) / tiles, a.per = (a.end - a.l + steps - 1) / steps;
+    a.b = a.l / c->kn, a.p = a.l % c->kn;
     return a;
 }
 
 /* One k step's prefetches (into L2: T0 measured slower on Zen 4, the lines would crowd the chunk in L1). */
 static inline __attribute__((always_inline)) void ahead_step(Ahead *a) {
-    for (int64_t i = 0; i < a->per && a->l < a->end; i++, a->l++)
-        _mm_prefetch((const char *)(a->c->w + a->l / a->c->kn * a->c->block + a->l % a->c->kn * 32), _MM_HINT_T1);
+    for (int64_t i = 0; i < a->per && a->l < a->end; i++, a->l++) {
+        _mm_prefetch((const char *)(a->c->w + a->b * a->c->block + a->p * 32), _MM_HINT_T1);
+        if (++a->p == a->c->kn) a->p = 0, a->b++;
+    }
 }
 
 #endif

@@ -27,7 +27,6 @@
 #include <time.h>
 
 #include "bf16.h"
-#include "chunk_ahead.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
 #define FMR 8                                      /* rows per tile */
@@ -42,9 +41,9 @@ int pd_cpu_supported(void) {                       /* asked by kernels.cpu.avail
 }
 
 TARGET static inline __attribute__((always_inline)) void fma_tile(
-        const int mr, const int nr, const int pf, const float *xf, int64_t K, int64_t k0, int64_t kn,
+        const int mr, const int nr, const float *xf, int64_t K, int64_t k0, int64_t kn,
         const uint16_t *wb, float *cb, int first, int last, uint16_t *y, int64_t ldy, int64_t nb,
-        int64_t n_valid, Ahead ahead) {
+        int64_t n_valid) {
     __m512 acc[FMR][FNR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++)
@@ -53,9 +52,8 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
     const float *xs = xf + 2 * k0;
     for (int64_t kk = 0; kk < kn; kk++) {
         __m512 we[FNR], wo[FNR];
-        ahead_step(&ahead);
         for (int j = 0; j < nr; j++) {
-            if (pf) _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + FPF), _MM_HINT_T0);
+            _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + FPF), _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(ws + j * 16 * K + kk * 32);
             we[j] = bf16_even_f32(w);
             wo[j] = bf16_odd_f32(w);
@@ -75,24 +73,26 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
         }
 }
 
-#define TILE(MR, NR, PF) fma_tile(MR, NR, PF, xf + m0 * K, K, k0, kn, wb, cb, first, last, y + m0 * ldy, ldy, \
-                                  nb, n_valid, ahead)
-#define ROWS(NR) switch (mr) { case 1: TILE(1, NR, 1); break; case 2: TILE(2, NR, 1); break;              \
-                               case 3: TILE(3, NR, 1); break; case 4: TILE(4, NR, 1); break;              \
-                               case 5: TILE(5, NR, 1); break; case 6: TILE(6, NR, 1); break;              \
-                               case 7: TILE(7, NR, 1); break; default: TILE(FMR, NR, 1); }
+#define TILE(MR, NR) fma_tile(MR, NR, xf + m0 * K, K, k0, kn, wb, cb, first, last, y + m0 * ldy, ldy, \
+                                  nb, n_valid)
+#define ROWS(NR) switch (mr) { case 1: TILE(1, NR); break; case 2: TILE(2, NR); break;              \
+                               case 3: TILE(3, NR); break; case 4: TILE(4, NR); break;              \
+                               case 5: TILE(5, NR); break; case 6: TILE(6, NR); break;              \
+                               case 7: TILE(7, NR); break; default: TILE(FMR, NR); }
 
-/* One k chunk of one weight panel over the mc widened rows xf; nr, mr and pf compile-time per instance. */
+/* One k chunk of one weight panel over the mc widened rows xf; nr and mr compile-time per instance. Every
+ * row tile prefetches its own stream FPF elements ahead: the first tile brings the chunk's lines, the
+ * others find them in cache. (gemv_bf16.c and gemm_bf16_avx2.c instead share the next chunk's lines
+ * among the tiles, chunk_ahead.h, measured on Zen 4; on a Cascade Lake core, the one Intel core this
+ * kernel has been measured on with both, that sharing was 1.4-2x slower from 16 to 128 rows.) */
 TARGET static void fma_chunk(const int nr, const float *xf, int64_t mc, int64_t K, int64_t k0, int64_t kn,
                              const uint16_t *wb, float *cbuf, int first, int last, uint16_t *y, int64_t ldy,
-                             int64_t nb, int64_t n_valid, const Chunk *next) {
-    const int64_t tiles = (mc + FMR - 1) / FMR;
+                             int64_t nb, int64_t n_valid) {
     for (int64_t m0 = 0; m0 < mc; m0 += FMR) {
         const int mr = mc - m0 < FMR ? (int)(mc - m0) : FMR;
-        const Ahead ahead = ahead_share(next, m0 / FMR, tiles, kn);
         float *cb = cbuf + m0 * FNR * 16;
         if (nr == FNR && mr == FMR) {
-            if (tiles == 1) TILE(FMR, FNR, 1); else TILE(FMR, FNR, 0);
+            TILE(FMR, FNR);
         } else if (nr == FNR) { ROWS(FNR) }
         else if (nr == 2) { ROWS(2) }
         else { ROWS(1) }
@@ -124,9 +124,8 @@ TARGET int pd_gemm_bf16_fma(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
             const int64_t left = (Np - nb) / 16, nr = left < FNR ? left : FNR;
             for (int64_t k0 = 0; k0 < K2; k0 += FKC) {
                 const int64_t kn = K2 - k0 < FKC ? K2 - k0 : FKC;
-                const Chunk next = chunk_after(wp, Np, n_valid, K, nb, nr, k0, kn, FNR, FKC);
                 fma_chunk((int)nr, xf, mc, K, k0, kn, wp + nb * K, cbuf, k0 == 0, k0 + kn == K2, y + m0 * ldy, ldy,
-                          nb, n_valid, &next);
+                          nb, n_valid);
             }
         }
     }
