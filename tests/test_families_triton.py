@@ -12,17 +12,12 @@ tests/test_paged_attention_triton.py), with the checkpoints written here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.family_checkpoints import FAMILIES, write_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_subprocess import run_script
 
 _SCRIPT = textwrap.dedent("""
     import copy, json, os, sys
@@ -102,11 +97,7 @@ _SCRIPT = textwrap.dedent("""
 def results(tmp_path_factory) -> dict:
     pytest.importorskip("triton")
     paths = {f: write_checkpoint(f, tmp_path_factory.mktemp(f"triton-{f}"), seed=5) for f in FAMILIES}
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(paths)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(_SCRIPT, json.dumps(paths), timeout=280)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

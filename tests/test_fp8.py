@@ -4,10 +4,6 @@ first-token agreement on the real TinyStories model."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,6 +23,7 @@ from pdserve.model.quant.fp8 import (
     quantize_e4m3_groups,
     to_e4m3_saturating,
 )
+from tests.triton_subprocess import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 TINYSTORIES = ROOT / "assets" / "models" / "tinystories-656k"
@@ -292,11 +289,7 @@ def test_triton_kernel_under_interpreter_matches_reference():
     """Runs in a subprocess with TRITON_INTERPRET=1 set before Triton is imported there, so the
     result does not depend on which test module imported Triton first in this process."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_script(_INTERPRETER_SCRIPT)
     assert res.pop("decode_exact")
     assert res.pop("fp8linear_max_abs") < 1e-5
     assert res.pop("fp8linear_grouped_max_abs") < 1e-5

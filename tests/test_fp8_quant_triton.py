@@ -4,16 +4,11 @@ be set before Triton is imported)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.triton_subprocess import run_script
 
 _SCRIPT = textwrap.dedent("""
     import json, os
@@ -60,11 +55,7 @@ _SCRIPT = textwrap.dedent("""
 
 def test_quantize_rows_kernel_matches_torch_bit_for_bit_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_script(_SCRIPT)
     assert res.pop("strided_refused")
     assert res["2x5000_float32"]["shape"] == [2, 5008]               # padded to 16 for cuBLASLt
     for name, r in res.items():

@@ -7,16 +7,11 @@ tests/test_paged_attention_triton.py); each check is reported by its own test he
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.triton_subprocess import run_script
 
 _SCRIPT = textwrap.dedent("""
     import json, os
@@ -76,11 +71,7 @@ _SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def results() -> dict:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(_SCRIPT, timeout=280, OMP_NUM_THREADS="1")
 
 
 def test_every_check_ran(results):

@@ -13,16 +13,11 @@ chose."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.triton_subprocess import run_script
 
 _SCRIPT = textwrap.dedent("""
     import json, os
@@ -106,12 +101,7 @@ KERNELS = {"_quant_rows_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_r
 
 def test_every_triton_kernel_compiles_for_a_cuda_gpu():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = run_script(_SCRIPT, interpret=False, timeout=600)
     assert {r["kernel"] for r in res.values()} == KERNELS           # every kernel was launched and compiled
     failed = {name: r.get("error") for name, r in res.items() if not r["ok"]}
     assert not failed, failed
