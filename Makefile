@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(PY) bench/e2e.py --out bench/out/e2e

@@ -28,20 +28,6 @@ AWKWARD_SHAPES = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=2
                       tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500.0, bos_token_id=1, eos_token_id=2)
 
 
-RAY_MODULES = {"test_deploy", "test_detach", "test_http_api", "test_scaling"}
-"""Test files that start a local Ray (``pdserve up``, ``pdserve scale``): ``ray.init(address="auto")`` attaches
-to *the* local Ray, so two of them must never run at once."""
-
-
-def pytest_collection_modifyitems(config, items):
-    """Groups for pytest-xdist's ``--dist loadgroup`` (``make test`` runs two workers): each test file runs
-    whole on one worker (its module fixtures built once), and the :data:`RAY_MODULES` together on one
-    worker, one after another. Without xdist the marks do nothing."""
-    for item in items:
-        stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("local-ray" if stem in RAY_MODULES else stem))
-
-
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """The real Redis the suite runs against (started with deploy's launcher if none answers)."""
