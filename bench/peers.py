@@ -146,7 +146,8 @@ def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dic
     try:
         for rep in range(reps):
             t0 = time.perf_counter()
-            for w in ("bf16", "int4", "bf16 1", "int4 1"):
+            order = ("bf16", "int4", "bf16 1", "int4 1")    # every other rep reversed: none always first
+            for w in order if rep % 2 == 0 else order[::-1]:
                 reply = worker.ask(f"decode {w}")
                 if "error" in reply:
                     errors.setdefault(f"pdserve decode {w}", reply["error"])
