@@ -101,8 +101,10 @@ def to_e4m3_saturating(x: torch.Tensor) -> torch.Tensor:
 def _div_448(amax: torch.Tensor) -> torch.Tensor:
     """``amax / 448`` rounded once (IEEE division) on every device: torch's CUDA kernels divide by a
     Python scalar as a multiplication by its reciprocal (1/448 is inexact), which on an H100 moved 1,173
-    of 2,048 per-token scales by an ulp against the CPU's; a 0-dim tensor divisor is divided exactly."""
-    return amax / amax.new_tensor(E4M3_MAX)
+    of 2,048 per-token scales by an ulp against the CPU's; a tensor divisor is divided exactly. The
+    divisor is filled on the device (no host-to-device copy), so the division stays capturable in a
+    CUDA graph."""
+    return amax / torch.full_like(amax, E4M3_MAX)
 
 
 def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
