@@ -91,9 +91,7 @@ TARGET static void fma_chunk(const int nr, const float *xf, int64_t mc, int64_t 
     for (int64_t m0 = 0; m0 < mc; m0 += FMR) {
         const int mr = mc - m0 < FMR ? (int)(mc - m0) : FMR;
         float *cb = cbuf + m0 * FNR * 16;
-        if (nr == FNR && mr == FMR) {
-            TILE(FMR, FNR);
-        } else if (nr == FNR) { ROWS(FNR) }
+        if (nr == FNR) { ROWS(FNR) }
         else if (nr == 2) { ROWS(2) }
         else { ROWS(1) }
     }
