@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels.fp8_gemm_triton import E4M3_MAX
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - Triton is a dependency of the CUDA path only
     triton = tl = None
 
-E4M3_MAX = 448.0
-AMAX_FLOOR = 1e-12
+AMAX_FLOOR = 1e-12         # as model.quant.fp8: an all-zero row keeps a finite, normal scale
 
 if triton is not None:
     _MAX = tl.constexpr(E4M3_MAX)          # a jit function reads module globals only as constexpr
@@ -85,8 +86,8 @@ def quantize_e4m3_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor,
     """Per-token e4m3 quantization of ``x`` ``[M, K]`` in one kernel launch.
 
     Args:
-        x: ``[M, K]`` bf16, fp16 or fp32 with unit stride along K, on a CUDA device with compute
-            capability >= 8.9 (or any tensor under the Triton interpreter).
+        x: ``[M, K]`` bf16, fp16 or fp32 with unit stride along K, on a CUDA device (no fp8 type is
+            needed) or, under the Triton interpreter, on the CPU.
         pad_to: the returned codes have ``K_pad = ceil(K / pad_to) * pad_to`` columns, the extra ones
             0x00 (+0.0); ``torch._scaled_mm`` needs 16.
     Returns:

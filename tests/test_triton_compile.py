@@ -81,9 +81,10 @@ _SCRIPT = textwrap.dedent("""
     out, seen = {}, set()
     for fn, args, kw in launches:
         src, options = source(fn, args, kw)
-        if src.hash() + str(options) in seen:
+        key = src.hash() + str(options)
+        if key in seen:
             continue
-        seen.add(src.hash() + str(options))
+        seen.add(key)
         for arch in (90, 80) if fn.__name__ == "_fp8_gemm_kernel" else (90,):   # the FP8 GEMM serves pre-Ada GPUs
             name = f"{fn.__name__}-{len(seen)}-sm{arch}"
             try:
