@@ -21,10 +21,8 @@
  * update is a compare in the common case; exponentials inline, exp16.h) and the chunk's V
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
  * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
- * The cache is read ahead of the arithmetic: on AMD CPUs the next page (through the block table,
- * into the next sequence) is prefetched into L2 a row at a time while this page is computed; on
- * Intel CPUs each page's rows are loaded once before the page is computed (load_page). See
- * sequence_avx512. AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass
+ * The cache is read ahead of the arithmetic: the next page (through the block table, into the next
+ * sequence) is prefetched into L2 a row at a time while this page is computed. See sequence_avx512. AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass
  * softmax below on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into
  * L2 while the one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per
  * sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
@@ -185,20 +183,23 @@ static const char *page_ahead(const Ctx *c, const int32_t *seq_lens, const int32
  * page are read together; groups: room for Hkv * ceil(nq * G / R_max).
  *
  * How the cache gets ahead of the arithmetic. A page's misses, taken as the arithmetic meets them,
- * stall it; loaded all at once first (load_page) they overlap one another but not the arithmetic, and
- * run at what the core's L1 miss buffers allow (about 13 GB/s for scattered 16 KiB pages on Zen 4,
- * under half its streaming read). Software prefetches into L1 (T0) take the same buffers: a burst of
- * the next page's 256 lines after each load_page stalls as long as the loads (Zen 5 gained from it,
- * Zen 4 did not), and spread over the page they gain nothing on Zen 4. Prefetches into L2 (T1) do not
- * hold them: on AMD CPUs (c->spread) the first group of each kv head prefetches that head's rows of
- * the next page into L2, a K and a V row per token it computes, and load_page is skipped. bench-80m's
- * 12 layers over a cold, scattered cache, Zen 4 (EPYC 9004, KVM), an interleaved A/B in one process
- * (medians, ms, load_page + burst -> L2 rows spread): batch 32 x 140 6.6-7.0 -> 3.9 (the same layer
- * again, in L3: 4.3 -> 3.3), 32 x 1024 50.6 -> 27.2, 4 x 512 2.96 -> 1.67; with load_page kept beside
- * the spread prefetch 4.3 at 32 x 140. Zen 5 measured only before (burst: 3.57-3.66 -> 2.99-3.18 ms at
- * 32 x 140). Intel CPUs keep load_page and prefetch nothing past the first pages: on the Xeon model
- * 207 a prefetch burst per page had stalled warm calls on the line-fill buffers (2026-11-24, L1
- * prefetches; L2 prefetches there not measured). */
+ * stall it. Loaded all at once before the page is computed (a load_page step, kept until 2026-11-28)
+ * they overlap one another but not the arithmetic, and run at what the core's L1 miss buffers allow
+ * (about 13 GB/s for scattered 16 KiB pages on Zen 4, under half its streaming read). Software
+ * prefetches into L1 (T0) take the same buffers: a burst of the next page's 256 lines after each
+ * load_page stalls as long as the loads (Zen 5 gained from it, Zen 4 did not), and spread over the
+ * page they gain nothing on Zen 4. Prefetches into L2 (T1) do not hold them: the first group of each
+ * kv head prefetches that head's rows of the next page into L2, a K and a V row per token it
+ * computes. bench-80m's 12 layers over a cold, scattered cache, interleaved A/Bs in one process
+ * (medians, ms, load_page (+ burst on Zen 4) -> L2 rows spread):
+ *   Zen 4 (EPYC 9004, KVM):            32 x 140 6.6-7.0 -> 3.9   32 x 1024 50.6 -> 27.2   4 x 512 2.96 -> 1.67
+ *   Xeon model 207 (KVM, no AVX512-BF16, 2026-11-28, 11 reps):
+ *                                      32 x 140 8.81 -> 6.50     32 x 1024 57.8 -> 42.6   4 x 512 3.69 -> 2.74
+ *                                      1 x 140 0.52 -> 0.45 (21 reps)                     1 x 1024 2.21 -> 1.66
+ * On the Xeon, prefetching two pages ahead, into L1, or keeping load_page beside the L2 prefetch was no
+ * better or slower. (Before, Intel CPUs had kept load_page because a prefetch burst per page into L1
+ * had stalled warm calls there on the line-fill buffers; prefetches into L2 had not been measured on
+ * Intel. Cascade Lake has not been measured with them.) */
 AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, float *out, int64_t H,
                                    int64_t Hkv, int64_t q0, int64_t nq, int64_t L, float scale,
                                    const int32_t *seq_lens, const int32_t *tables, int64_t max_blocks,
@@ -227,10 +228,7 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
     const __m512 vscale = _mm512_set1_ps(scale);
     const int64_t npages = (L + c->block_size - 1) / c->block_size;
     for (int64_t p = 0; p < npages; p++) {
-        const char *next = c->spread ? page_ahead(c, seq_lens, tables, max_blocks, B, b, p, 1) : NULL;
-        if (!c->spread)
-            load_page(c, (int64_t)c->table[p] * c->s_block, L - p * c->block_size < c->block_size ?
-                      L - p * c->block_size : c->block_size, Hkv);
+        const char *next = page_ahead(c, seq_lens, tables, max_blocks, B, b, p, 1);
         for (int64_t k = 0; k < n; k++) {               /* the first group of each kv head prefetches */
             Group *g = groups + k;
             if (p * c->block_size > g->lmax) continue;
@@ -266,7 +264,7 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
                        const void *cache, int bf16, int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,
                        const int32_t *tables, int64_t max_blocks, int64_t block_size, float scale) {
     __builtin_cpu_init();
-    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, __builtin_cpu_is("amd") };   /* spread */
+    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL };
     const int fast = !forced_path && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                      && D % 16 == 0 && D / 16 <= MAX_VECS;
     const int avx2 = !fast && forced_path != 2 && avx2_takes(&c);

@@ -1,7 +1,7 @@
 /* How paged_attention.c reads the cache: a row as float32 vectors (bf16 widened, in the pair order
- * for head sizes that are multiples of 32), 16 partial dot products reduced at once, each page loaded
- * whole before it is computed, pages prefetched whole. Included by paged_attention.c only, after
- * paged_attention_portable.h (Ctx) and its AVX512 target macro. */
+ * for head sizes that are multiples of 32), 16 partial dot products reduced at once, pages prefetched
+ * whole. Included by paged_attention.c only, after paged_attention_portable.h (Ctx) and its AVX512
+ * target macro. */
 #ifndef PD_PAGED_ATTENTION_ROWS_H
 #define PD_PAGED_ATTENTION_ROWS_H
 #include <immintrin.h>
@@ -97,27 +97,6 @@ PREFETCH void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
             prefetch_row(page + (o * c->s_tok + h * c->s_head) * esz, rowb);
             prefetch_row(page + (o * c->s_tok + h * c->s_head + c->s_v) * esz, rowb);
         }
-}
-
-/* Loads every K and V row of the first ntok tokens of the page at element offset base, all Hkv heads,
- * before the page is computed. Loads with nothing depending on them run as far ahead as the core
- * allows, so the page's cache misses overlap; interleaved with the arithmetic that uses them they
- * stalled it. A 12-layer decode step over a scattered KV cache evicted from the L3 (batch x context,
- * ms without -> with, both without any software prefetch in the build, see above; AMD CPUs now
- * prefetch into L2 instead, sequence_avx512):
- *   Zen 5 (EPYC, KVM):                 32 x 140  7.07 -> 4.24   32 x 1024 55.2 -> 29.8   4 x 512 2.29 -> 1.48
- *   Xeon model 207 (KVM, no AVX512-BF16): 32 x 140  9.97 -> 7.79   32 x 1024 63.1 -> 51.1   4 x 512 4.92 -> 3.63 */
-AVX512 static inline void load_page(const Ctx *c, int64_t base, int64_t ntok, int64_t Hkv) {
-    const int64_t esz = c->bf16 ? 2 : 4, rowb = c->D * esz;
-    const char *p = (const char *)c->cache + base * esz;
-    __m512i t = _mm512_setzero_si512();
-    for (int64_t o = 0; o < ntok; o++)
-        for (int64_t h = 0; h < Hkv; h++) {
-            const char *k = p + (o * c->s_tok + h * c->s_head) * esz, *v = k + c->s_v * esz;
-            for (int64_t b = 0; b < rowb; b += 64)
-                t = _mm512_or_si512(t, _mm512_or_si512(_mm512_loadu_si512(k + b), _mm512_loadu_si512(v + b)));
-        }
-    __asm__ volatile("" : : "v"(t));                  /* the loads are the point: keep them */
 }
 
 #endif
