@@ -1,0 +1,188 @@
+"""One C kernel at two commits, timed interleaved in one process: the A/B behind every kernel change in
+docs/benchmarks.md since the VMs of this project's machine kind proved noisy (10-25% drift within minutes,
+so runs minutes apart cannot tell a 10% change). Both builds use the flags ``kernels.cpu`` builds with;
+each repetition times A then B, the next B then A; medians of the repetitions; the outputs of the two
+builds are compared (largest absolute difference, 0 when bit-identical).
+
+Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, bf16 cache, block 16):
+
+* ``paged_attention``: a decode step's attention over 12 layers of a KV cache in huge pages whose blocks
+  are shuffled, the L3 evicted first (cold) and the same step at once again (warm), per batch x context;
+* ``prefill_attention`` / ``prefill_attention_fma``: one layer's causal attention over a 512- and a
+  2,048-token prompt;
+* ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
+  evicted before each pass.
+
+    taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
+    taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import shutil
+import statistics
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pdserve.bench.common import ROOT
+from pdserve.bench.cpu_facts import cpu_facts
+from pdserve.bench.cpu_kernels import BENCH_80M
+from pdserve.kernels.cpu import _FLAGS, _SOURCES, _compiler
+from pdserve.kernels.cpu.gemv import pack_weight
+from pdserve.kernels.paged_attention import build_attention_metadata
+from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
+
+_p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {  # C function and argument types of each kernel library
+    "paged_attention": ("pd_paged_attention", [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, ctypes.c_int, _i64,
+                                               _i64, _i64, _i64, _p, _i64, _i64, _f]),
+    "prefill_attention": ("pd_prefill_attention", [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64,
+                                                   _i64, _p, _i64, _i64, _f]),
+    "gemm_bf16_fma": ("pd_gemm_bf16_fma", [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]),
+}
+SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention"]
+HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
+
+
+def build(kernel: str, rev: str | None, into: Path) -> Callable:
+    """The kernel's C function built from ``kernels/cpu`` at git revision ``rev`` (``None``: the working
+    tree) with the project's flags for it.
+
+    Raises:
+        subprocess.CalledProcessError: an unknown revision, or the build failed.
+    """
+    src = into / (rev or "worktree")
+    if rev is None:
+        shutil.copytree(ROOT / "kernels" / "cpu", src)
+    else:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "kernels/cpu"], check=True,
+                                 capture_output=True).stdout
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(src, filter="data")
+        src = src / "kernels" / "cpu"
+    lib = src / f"{kernel}.so"
+    subprocess.run([_compiler(), *_FLAGS[kernel], "-shared", "-fPIC", str(src / f"{_SOURCES.get(kernel, kernel)}.c"),
+                    "-o", str(lib), "-lmvec", "-lm"], check=True, capture_output=True)
+    name, argtypes = SIGNATURES[kernel]
+    fn = getattr(ctypes.CDLL(str(lib)), name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
+def interleaved(builds: dict[str, Callable], run: Callable[[Callable], torch.Tensor], reps: int,
+                before: Callable[[], None] = lambda: None) -> dict:
+    """Median seconds of ``run(fn)`` per build over ``reps`` repetitions in alternating order (``before``
+    called ahead of each timed run), and the largest absolute difference of their outputs."""
+    times, outs = {k: [] for k in builds}, {}
+    for rep in range(reps):
+        for name in (list(builds) if rep % 2 == 0 else list(builds)[::-1]):
+            before()
+            start = time.perf_counter()
+            outs[name] = run(builds[name])
+            times[name].append(time.perf_counter() - start)
+    a, b = (outs[k].float() for k in builds)
+    return {**{k: statistics.median(v) for k, v in times.items()}, "max_abs_diff": (a - b).abs().max().item()}
+
+
+def _evictor() -> Callable[[], None]:
+    evict = torch.empty(int(cpu_facts()["l3_bytes"] * 1.5) // 4 or 2 ** 26)
+    return lambda: evict.add_(1.0)
+
+
+def decode_attention_cases(builds: dict, reps: int, cases=((32, 140), (32, 1024), (4, 512), (1, 140)),
+                           layers: int = 12) -> list[dict]:
+    rows, evict = [], _evictor()
+    for batch, context in cases:
+        nb = -(-(context + 1) // BLOCK)
+        cache = empty_huge(batch * nb * layers * 2 * BLOCK * KV_HEADS * DIM, torch.bfloat16).normal_()
+        cache = cache.view(batch * nb, layers, 2, BLOCK, KV_HEADS, DIM)
+        perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(0)).tolist()
+        meta = build_attention_metadata([1] * batch, [context + 1] * batch,
+                                        [perm[i * nb:(i + 1) * nb] for i in range(batch)], BLOCK)
+        q = torch.randn(batch, HEADS, DIM)
+        s_block, s_layer, s_kv, s_tok, s_head, _ = cache.stride()
+
+        def step(fn) -> torch.Tensor:
+            out = torch.empty_like(q)
+            for layer in range(layers):
+                fn(q.data_ptr(), out.data_ptr(), HEADS, KV_HEADS, DIM, meta.query_start_loc.data_ptr(),
+                   meta.seq_lens.data_ptr(), batch, cache.data_ptr() + layer * s_layer * 2, 1, s_block, s_tok,
+                   s_head, s_kv, meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, 0.125)
+            return out
+        rows.append({"case": f"decode attention, {layers} layers, batch {batch} x {context + 1} tokens, cold",
+                     **interleaved(builds, step, reps, evict)})
+        rows.append({"case": f"decode attention, {layers} layers, batch {batch} x {context + 1} tokens, warm",
+                     **interleaved(builds, step, reps)})
+    return rows
+
+
+def prefill_attention_cases(builds: dict, reps: int) -> list[dict]:
+    rows = []
+    for n in (512, 2048):
+        blocks = n // BLOCK
+        cache = torch.randn(blocks, 1, 2, BLOCK, KV_HEADS, DIM).bfloat16()
+        meta = build_attention_metadata([n], [n], [list(range(blocks))], BLOCK)
+        q = torch.randn(n, HEADS, DIM).bfloat16()
+        s_block, _, s_kv, s_tok, s_head, _ = cache.stride()
+
+        def run(fn) -> torch.Tensor:
+            out = torch.empty_like(q)
+            fn(q.data_ptr(), out.data_ptr(), HEADS, KV_HEADS, DIM, meta.query_start_loc.data_ptr(),
+               meta.seq_lens.data_ptr(), 1, cache.data_ptr(), s_block, s_tok, s_head, s_kv,
+               meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, 0.125)
+            return out
+        rows.append({"case": f"prefill attention, one layer, {n} tokens", **interleaved(builds, run, reps)})
+    return rows
+
+
+def gemm_cases(builds: dict, reps: int) -> list[dict]:
+    g, rows, evict = torch.Generator().manual_seed(0), [], _evictor()
+    packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
+    for m in (8, 32, 128):
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in BENCH_80M}
+
+        def run(fn) -> torch.Tensor:
+            ys = []
+            for (n, k), w in zip(BENCH_80M, packed):
+                y = torch.empty(m, n, dtype=torch.bfloat16)
+                fn(xs[k].data_ptr(), m, k, k, w.data_ptr(), w.shape[0] * 16, n, y.data_ptr(), n)
+                ys.append(y.flatten())
+            return torch.cat(ys)
+        rows.append({"case": f"bench-80m's 48 projections, {m} rows, L3 evicted", **interleaved(builds, run, reps,
+                                                                                                 evict)})
+    return rows
+
+
+CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill_attention_cases,
+         "prefill_attention_fma": prefill_attention_cases, "gemm_bf16_fma": gemm_cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", choices=sorted(CASES), required=True)
+    ap.add_argument("--base", required=True, help="git revision of A")
+    ap.add_argument("--head", default=None, help="git revision of B (default: the working tree)")
+    ap.add_argument("--reps", type=int, default=9)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    facts = cpu_facts()
+    print(f"CPU: {facts['model_name']} (family {facts['family']}, model {facts['model']}; "
+          f"{', '.join(f for f, on in facts['features'].items() if on)}); {args.kernel}: A = {args.base}, "
+          f"B = {args.head or 'working tree'}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {"A": build(args.kernel, args.base, Path(tmp)), "B": build(args.kernel, args.head, Path(tmp))}
+        for row in CASES[args.kernel](builds, args.reps):
+            print(f"{row['case']}: A {row['A'] * 1e3:.2f} ms, B {row['B'] * 1e3:.2f} ms "
+                  f"(B/A {row['B'] / row['A']:.3f}), max |A - B| {row['max_abs_diff']:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
