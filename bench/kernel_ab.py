@@ -36,7 +36,7 @@ import torch
 from pdserve.bench.common import ROOT
 from pdserve.bench.cpu_facts import cpu_facts
 from pdserve.bench.cpu_kernels import BENCH_80M
-from pdserve.kernels.cpu import _FLAGS, _SOURCES, _compiler
+from pdserve.kernels.cpu import _FLAGS, _SOURCES, _compiler, available
 from pdserve.kernels.cpu.gemv import pack_weight
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if not available(args.kernel):
+        raise SystemExit(f"{args.kernel} does not run on this CPU (kernels.cpu.available)")
     facts = cpu_facts()
     print(f"CPU: {facts['model_name']} (family {facts['family']}, model {facts['model']}; "
           f"{', '.join(f for f, on in facts['features'].items() if on)}); {args.kernel}: A = {args.base}, "
