@@ -83,8 +83,10 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
 /* One k chunk of one weight panel over the mc widened rows xf; nr and mr compile-time per instance. Every
  * row tile prefetches its own stream FPF elements ahead: the first tile brings the chunk's lines, the
  * others find them in cache. (gemv_bf16.c and gemm_bf16_avx2.c instead share the next chunk's lines
- * among the tiles, chunk_ahead.h, measured on Zen 4; on a Cascade Lake core, the one Intel core this
- * kernel has been measured on with both, that sharing was 1.4-2x slower from 16 to 128 rows.) */
+ * among the tiles, chunk_ahead.h, measured on Zen 4; for this kernel that sharing was 1.4-2x slower
+ * from 16 to 128 rows on a Cascade Lake core, and 2-8% slower at 8-128 rows on a Xeon model 207 without
+ * AVX512-BF16, with or without each tile's own stream beside it: bench-80m's 48 projections, 32 rows,
+ * 45.8 ms own stream, 49.3 shared, 49.1 both; interleaved, median of 9, 2026-11-28.) */
 TARGET static void fma_chunk(const int nr, const float *xf, int64_t mc, int64_t K, int64_t k0, int64_t kn,
                              const uint16_t *wb, float *cbuf, int first, int last, uint16_t *y, int64_t ldy,
                              int64_t nb, int64_t n_valid) {
