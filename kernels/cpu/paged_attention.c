@@ -22,10 +22,11 @@
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
  * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
  * The cache is read ahead of the arithmetic: the next page (through the block table, into the next
- * sequence) is prefetched into L2 a row at a time while this page is computed. See sequence_avx512. AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass
- * softmax below on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into
- * L2 while the one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per
- * sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
+ * sequence) is prefetched into L2 a row at a time while this page is computed. See sequence_avx512.
+ * AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass softmax below
+ * on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into L2 while the
+ * one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
+ * PagedAttention v1 (Kwon et al., SOSP 2023).
  *
  * Float32 arithmetic throughout whatever the cache dtype (bf16 rows are widened exactly; a
  * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core, and QK on
