@@ -36,7 +36,7 @@ import torch
 from pdserve.bench.common import ROOT
 from pdserve.bench.cpu_facts import cpu_facts
 from pdserve.bench.cpu_kernels import BENCH_80M
-from pdserve.kernels.cpu import _FLAGS, _SOURCES, _compiler, available
+from pdserve.kernels.cpu import available, compile_library
 from pdserve.kernels.cpu.gemv import pack_weight
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
@@ -58,7 +58,8 @@ def build(kernel: str, rev: str | None, into: Path) -> Callable:
     tree) with the project's flags for it.
 
     Raises:
-        subprocess.CalledProcessError: an unknown revision, or the build failed.
+        subprocess.CalledProcessError: an unknown revision.
+        KernelUnavailable: the build failed.
     """
     src = into / (rev or "worktree")
     if rev is None:
@@ -69,8 +70,7 @@ def build(kernel: str, rev: str | None, into: Path) -> Callable:
         tarfile.open(fileobj=io.BytesIO(archive)).extractall(src, filter="data")
         src = src / "kernels" / "cpu"
     lib = src / f"{kernel}.so"
-    subprocess.run([_compiler(), *_FLAGS[kernel], "-shared", "-fPIC", str(src / f"{_SOURCES.get(kernel, kernel)}.c"),
-                    "-o", str(lib), "-lmvec", "-lm"], check=True, capture_output=True)
+    compile_library(kernel, src, lib)
     name, argtypes = SIGNATURES[kernel]
     fn = getattr(ctypes.CDLL(str(lib)), name)
     fn.argtypes, fn.restype = argtypes, ctypes.c_int

@@ -144,13 +144,27 @@ def _build(name: str) -> Path:
     except OSError as exc:
         raise KernelUnavailable(f"cannot write the kernel cache {out.parent}: {exc}") from exc
     os.close(fd)
-    cmd = [cc, *flags, "-shared", "-fPIC", str(src), "-o", tmp, "-lmvec", "-lm"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    try:
+        compile_library(name, _HERE, Path(tmp))
+    except KernelUnavailable:
         os.unlink(tmp)
-        raise KernelUnavailable(f"building {name}.c failed: {proc.stderr.strip()[-2000:]}")
+        raise
     os.replace(tmp, out)                                   # atomic: concurrent builders agree
     return out
+
+
+def compile_library(name: str, source_dir: Path, out: Path) -> None:
+    """Compile the library ``name`` from the sources in ``source_dir`` (``kernels/cpu`` or a copy of it
+    at another commit, as ``bench/kernel_ab.py`` builds) into ``out`` with this project's flags for it.
+
+    Raises:
+        KernelUnavailable: no compiler, or the build failed.
+    """
+    src = source_dir / f"{_SOURCES.get(name, name)}.c"
+    cmd = [_compiler(), *_FLAGS[name], "-shared", "-fPIC", str(src), "-o", str(out), "-lmvec", "-lm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise KernelUnavailable(f"building {name}.c failed: {proc.stderr.strip()[-2000:]}")
 
 
 @functools.cache
