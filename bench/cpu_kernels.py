@@ -52,7 +52,7 @@ from pdserve.kernels.cpu.gemv import (
     gemv_bf16,
     pack_weight,
 )
-from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention_torch
+from pdserve.kernels.paged_attention import AttentionMetadata, build_attention_metadata, paged_attention_torch
 from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
 
 BENCH_80M = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12   # (out, in) of a step's projections
@@ -172,28 +172,42 @@ def bench_prefill_attention(lengths: list[int]) -> list[dict]:
     return out
 
 
+def l3_evictor() -> Callable[[], None]:
+    """A call that evicts the L3 (writes a buffer 1.5x its size; 256 MiB where its size is unknown)."""
+    evict = torch.empty(int(cpu_facts()["l3_bytes"] * 1.5) // 4 or 2 ** 26)
+    return lambda: evict.add_(1.0)
+
+
+def scattered_decode_cache(batch: int, context: int, layers: int, kv_heads: int = 4, dim: int = 64,
+                           block: int = 16) -> tuple[torch.Tensor, AttentionMetadata]:
+    """A bf16 KV cache ``[blocks, layers, 2, block, kv_heads, dim]`` in huge pages, random, and the metadata
+    of one decode row per sequence at ``context + 1`` tokens, each sequence's blocks taken from a shuffled
+    list (a cache that has served a while scatters them so)."""
+    nb = -(-(context + 1) // block)
+    cache = empty_huge(batch * nb * layers * 2 * block * kv_heads * dim, torch.bfloat16)
+    cache = cache.normal_().view(batch * nb, layers, 2, block, kv_heads, dim)
+    perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(0)).tolist()
+    meta = build_attention_metadata([1] * batch, [context + 1] * batch,
+                                    [perm[i * nb:(i + 1) * nb] for i in range(batch)], block)
+    return cache, meta
+
+
 def bench_cold_attention(cases: list[tuple[int, int]], layers: int = 12) -> list[dict]:
     """A decode step's attention over all ``layers`` of a KV cache in huge pages, each sequence's blocks
     scattered (a shuffled block table) and the L3 evicted before the step by writing 1.5x its size:
     seconds per step (median of 7), and the same step run again at once (warm)."""
-    heads, kv_heads, dim, bs = 12, 4, 64, 16
-    evict = torch.empty(int(cpu_facts()["l3_bytes"] * 1.5) // 4 or 2 ** 26)
+    evict = l3_evictor()
     out = []
     for batch, context in cases:
-        nb = -(-(context + 1) // bs)
-        cache = empty_huge(batch * nb * layers * 2 * bs * kv_heads * dim, torch.bfloat16)
-        cache = cache.normal_().view(batch * nb, layers, 2, bs, kv_heads, dim)
-        perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(0)).tolist()
-        meta = build_attention_metadata([1] * batch, [context + 1] * batch,
-                                        [perm[i * nb:(i + 1) * nb] for i in range(batch)], bs)
-        q = torch.randn(batch, heads, dim).bfloat16()
+        cache, meta = scattered_decode_cache(batch, context, layers)
+        q = torch.randn(batch, 12, 64).bfloat16()
 
         def step() -> None:
             for layer in range(layers):
                 paged_attention_cpu(q, cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.125)
         cold, warm = [], []
         for _ in range(7):
-            evict.add_(1.0)
+            evict()
             t = time.perf_counter()
             step()
             cold.append(time.perf_counter() - t)

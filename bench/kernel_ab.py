@@ -35,11 +35,11 @@ import torch
 
 from pdserve.bench.common import ROOT
 from pdserve.bench.cpu_facts import cpu_facts
-from pdserve.bench.cpu_kernels import BENCH_80M
+from pdserve.bench.cpu_kernels import BENCH_80M, l3_evictor, scattered_decode_cache
 from pdserve.kernels.cpu import available, compile_library
 from pdserve.kernels.cpu.gemv import pack_weight
 from pdserve.kernels.paged_attention import build_attention_metadata
-from pdserve.model.hugepages import copies_in_huge_pages, empty_huge
+from pdserve.model.hugepages import copies_in_huge_pages
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {  # C function and argument types of each kernel library
@@ -92,21 +92,11 @@ def interleaved(builds: dict[str, Callable], run: Callable[[Callable], torch.Ten
     return {**{k: statistics.median(v) for k, v in times.items()}, "max_abs_diff": (a - b).abs().max().item()}
 
 
-def _evictor() -> Callable[[], None]:
-    evict = torch.empty(int(cpu_facts()["l3_bytes"] * 1.5) // 4 or 2 ** 26)
-    return lambda: evict.add_(1.0)
-
-
 def decode_attention_cases(builds: dict, reps: int, cases=((32, 140), (32, 1024), (4, 512), (1, 140)),
                            layers: int = 12) -> list[dict]:
-    rows, evict = [], _evictor()
+    rows, evict = [], l3_evictor()
     for batch, context in cases:
-        nb = -(-(context + 1) // BLOCK)
-        cache = empty_huge(batch * nb * layers * 2 * BLOCK * KV_HEADS * DIM, torch.bfloat16).normal_()
-        cache = cache.view(batch * nb, layers, 2, BLOCK, KV_HEADS, DIM)
-        perm = torch.randperm(batch * nb, generator=torch.Generator().manual_seed(0)).tolist()
-        meta = build_attention_metadata([1] * batch, [context + 1] * batch,
-                                        [perm[i * nb:(i + 1) * nb] for i in range(batch)], BLOCK)
+        cache, meta = scattered_decode_cache(batch, context, layers, KV_HEADS, DIM, BLOCK)
         q = torch.randn(batch, HEADS, DIM)
         s_block, s_layer, s_kv, s_tok, s_head, _ = cache.stride()
 
@@ -144,7 +134,7 @@ def prefill_attention_cases(builds: dict, reps: int) -> list[dict]:
 
 
 def gemm_cases(builds: dict, reps: int) -> list[dict]:
-    g, rows, evict = torch.Generator().manual_seed(0), [], _evictor()
+    g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
     packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
     for m in (8, 32, 128):
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in BENCH_80M}
