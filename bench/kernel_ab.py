@@ -11,7 +11,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
 * ``prefill_attention`` / ``prefill_attention_fma``: one layer's causal attention over a 512- and a
   2,048-token prompt;
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
-  evicted before each pass.
+  evicted before each pass; ``gemm_bf16_amx`` (AMX tiles) the same at 1, 8 and 32 rows, ``gemv_bf16`` at
+  1 and 2 (both in the ``gemv_bf16`` library).
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -37,17 +38,20 @@ from pdserve.bench.common import ROOT
 from pdserve.bench.cpu_facts import cpu_facts
 from pdserve.bench.cpu_kernels import BENCH_80M, l3_evictor, scattered_decode_cache
 from pdserve.kernels.cpu import available, compile_library
-from pdserve.kernels.cpu.gemv import pack_weight
+from pdserve.kernels.cpu.gemv import gemm_amx_available, pack_weight
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.hugepages import copies_in_huge_pages
 
 _p, _i64, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {  # C function and argument types of each kernel library
+_GEMM = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]
+SIGNATURES = {  # C function and argument types of each kernel, and its library where not of its name
     "paged_attention": ("pd_paged_attention", [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, ctypes.c_int, _i64,
                                                _i64, _i64, _i64, _p, _i64, _i64, _f]),
     "prefill_attention": ("pd_prefill_attention", [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64,
                                                    _i64, _p, _i64, _i64, _f]),
-    "gemm_bf16_fma": ("pd_gemm_bf16_fma", [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64]),
+    "gemm_bf16_fma": ("pd_gemm_bf16_fma", _GEMM),
+    "gemm_bf16_amx": ("pd_gemm_bf16_amx", _GEMM, "gemv_bf16"),
+    "gemv_bf16": ("pd_gemv_bf16", _GEMM),
 }
 SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention"]
 HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
@@ -69,9 +73,10 @@ def build(kernel: str, rev: str | None, into: Path) -> Callable:
                                  capture_output=True).stdout
         tarfile.open(fileobj=io.BytesIO(archive)).extractall(src, filter="data")
         src = src / "kernels" / "cpu"
-    lib = src / f"{kernel}.so"
-    compile_library(kernel, src, lib)
-    name, argtypes = SIGNATURES[kernel]
+    name, argtypes, *library = SIGNATURES[kernel]
+    library = library[0] if library else kernel
+    lib = src / f"{library}.so"
+    compile_library(library, src, lib)
     fn = getattr(ctypes.CDLL(str(lib)), name)
     fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return fn
@@ -133,17 +138,18 @@ def prefill_attention_cases(builds: dict, reps: int) -> list[dict]:
     return rows
 
 
-def gemm_cases(builds: dict, reps: int) -> list[dict]:
+def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
     packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
-    for m in (8, 32, 128):
+    for m in row_counts:
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in BENCH_80M}
 
         def run(fn) -> torch.Tensor:
             ys = []
             for (n, k), w in zip(BENCH_80M, packed):
                 y = torch.empty(m, n, dtype=torch.bfloat16)
-                fn(xs[k].data_ptr(), m, k, k, w.data_ptr(), w.shape[0] * 16, n, y.data_ptr(), n)
+                if fn(xs[k].data_ptr(), m, k, k, w.data_ptr(), w.shape[0] * 16, n, y.data_ptr(), n):
+                    raise RuntimeError("the kernel refused its input (out of memory or no AMX)")
                 ys.append(y.flatten())
             return torch.cat(ys)
         rows.append({"case": f"bench-80m's 48 projections, {m} rows, L3 evicted", **interleaved(builds, run, reps,
@@ -152,7 +158,9 @@ def gemm_cases(builds: dict, reps: int) -> list[dict]:
 
 
 CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill_attention_cases,
-         "prefill_attention_fma": prefill_attention_cases, "gemm_bf16_fma": gemm_cases}
+         "prefill_attention_fma": prefill_attention_cases, "gemm_bf16_fma": gemm_cases,
+         "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
+         "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2))}
 
 
 def main() -> None:
@@ -163,7 +171,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if not available(args.kernel):
+    if not (gemm_amx_available() if args.kernel == "gemm_bf16_amx" else available(args.kernel)):
         raise SystemExit(f"{args.kernel} does not run on this CPU (kernels.cpu.available)")
     facts = cpu_facts()
     print(f"CPU: {facts['model_name']} (family {facts['family']}, model {facts['model']}; "

@@ -36,25 +36,70 @@ int pd_cpu_has_avx512_bf16(void) {
 
 int pd_cpu_supported(void) { return pd_cpu_has_avx512_bf16(); }   /* asked by kernels.cpu.available */
 
-/* From GEMV_PF_ROWS rows the weight stream is prefetched GEMV_PF elements (4 KiB) ahead into L1. With one
- * row the hardware prefetcher keeps up and a software prefetch only slows the stream; with three or four
- * the loop's arithmetic (a broadcast and a vdpbf16ps per row per 64 bytes) fills the out-of-order window
- * and the stream stalls without one. bench-80m's 48 projections from DRAM, huge pages, Zen 4, interleaved
- * A/B in one process (15 rounds, medians): 4 rows 6.68-6.85 -> 5.30-5.52 ms, 3 rows 5.53 -> 5.11,
- * 2 rows 4.79 -> 4.70, 1 row 4.62 -> 4.99 (so not there); 2 KiB or 8 KiB ahead: less gain. Other CPUs
- * keep the stream without a software prefetch until measured (on the Xeon model 207 prefetch bursts had
- * stalled on its line-fill buffers; Zen 5's lone tile wanted a longer lead). */
-#define GEMV_PF_ROWS 3
-#define GEMV_PF 2048
+/* How the gemv streams its weights, per CPU (from pf_rows rows a software prefetch pf_lead elements ahead into
+ * L1; `streams` 16-row blocks side by side):
+ *
+ * - AMD family 19h (Zen 4): one stream, prefetched 2,048 elements (4 KiB) ahead from 3 rows. With one row
+ *   the hardware prefetcher keeps up and a software prefetch only slows the stream; with three or four the
+ *   loop's arithmetic (a broadcast and a vdpbf16ps per row per 64 bytes) fills the out-of-order window and
+ *   the stream stalls without one. bench-80m's 48 projections from DRAM, huge pages, interleaved A/B in one
+ *   process (15 rounds, medians): 4 rows 6.68-6.85 -> 5.30-5.52 ms, 3 rows 5.53 -> 5.11, 2 rows 4.79 ->
+ *   4.70, 1 row 4.62 -> 4.99 (so not there); 2 KiB or 8 KiB ahead: less gain.
+ * - Intel: two streams, prefetched 1,024 elements (2 KiB) ahead at every row count. One stream, not
+ *   prefetched, left an AMX Xeon (model 167 under KVM, 2026-11-28) at 57% of its read bandwidth, behind
+ *   the register-blocked gemms' several streams; the same 48 projections, L3 evicted, bench/kernel_ab.py
+ *   (7 rounds): 1 row 15.8 -> 10.8 ms, 2 rows 19.0 -> 11.7 (one prefetched stream 11.2-13.3 at leads of
+ *   512-4,096 elements, T0 or T1; two without a prefetch 12.9; four 11.0).
+ * - elsewhere (Zen 5 and older AMD): one stream, no prefetch, until measured. */
+typedef struct { int pf_rows, pf_lead, streams; } GemvPlan;
 
-/* GEMV_PF_ROWS on AMD family 19h (Zen 4, where it was measured); elsewhere no prefetch, as before. */
-static int gemv_pf_rows(void) {
-    static int rows;
-    if (!rows) {
+static GemvPlan gemv_plan(void) {
+    static GemvPlan plan;
+    if (!plan.streams) {
         __builtin_cpu_init();
-        rows = __builtin_cpu_is("amdfam19h") ? GEMV_PF_ROWS : 1 << 30;
+        plan = __builtin_cpu_is("amdfam19h") ? (GemvPlan){3, 2048, 1}
+             : __builtin_cpu_is("intel") ? (GemvPlan){1, 1024, 2} : (GemvPlan){1 << 30, 0, 1};
     }
-    return rows;
+    return plan;
+}
+
+/* Rows m0..m0+mm-1 (mm <= 4) of `nbl` (1 or 2) consecutive 16-row blocks from nb, their weight streams
+ * side by side; pf: software prefetch lead (elements), 0 for none. Each output keeps its two chains. */
+TARGET static inline __attribute__((always_inline)) void gemv_blocks(
+        const int nbl, const int32_t *const xr[4], int64_t mm, int64_t K2, const uint16_t *wb, int64_t K,
+        int pf, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
+    __m512 a0[2][4], a1[2][4];                   /* two chains per row and block: even and odd kk */
+    for (int b = 0; b < nbl; b++)
+        for (int i = 0; i < 4; i++) { a0[b][i] = _mm512_setzero_ps(); a1[b][i] = _mm512_setzero_ps(); }
+    int64_t kk = 0;
+    for (; kk + 1 < K2; kk += 2) {
+        for (int b = 0; b < nbl; b++) {
+            const uint16_t *w = wb + b * 16 * K + kk * 32;
+            if (pf) {
+                _mm_prefetch((const char *)(w + pf), _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + 32 + pf), _MM_HINT_T0);
+            }
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+            for (int i = 0; i < mm; i++) {
+                a0[b][i] = _mm512_dpbf16_ps(a0[b][i], (__m512bh)_mm512_set1_epi32(xr[i][kk]), w0);
+                a1[b][i] = _mm512_dpbf16_ps(a1[b][i], (__m512bh)_mm512_set1_epi32(xr[i][kk + 1]), w1);
+            }
+        }
+    }
+    if (kk < K2)
+        for (int b = 0; b < nbl; b++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + b * 16 * K + kk * 32);
+            for (int i = 0; i < mm; i++)
+                a0[b][i] = _mm512_dpbf16_ps(a0[b][i], (__m512bh)_mm512_set1_epi32(xr[i][kk]), w0);
+        }
+    for (int b = 0; b < nbl; b++) {
+        const int64_t cnt = n_valid - nb - 16 * b < 16 ? n_valid - nb - 16 * b : 16;
+        const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
+        for (int i = 0; i < mm; i++) {
+            const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(a0[b][i], a1[b][i]));
+            _mm256_mask_storeu_epi16(y + i * ldy + nb + 16 * b, mask, (__m256i)o);
+        }
+    }
 }
 
 /* y[m, n] (bf16, row stride ldy) = sum_k x[m, k] W[n, k] for m < M, n < n_valid.
@@ -63,39 +108,16 @@ static int gemv_pf_rows(void) {
 TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     const int64_t K2 = K / 2;
-    const int pf = M >= gemv_pf_rows();
-    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16) {   /* blocks holding wanted outputs */
-        const uint16_t *wb = wp + nb * K;
-        const int64_t cnt = n_valid - nb < 16 ? n_valid - nb : 16;
-        const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
+    const GemvPlan plan = gemv_plan();
+    const int pf = M >= plan.pf_rows ? plan.pf_lead : 0;
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16 * plan.streams) {   /* blocks holding wanted outputs */
+        const int two = plan.streams == 2 && nb + 16 < Np && nb + 16 < n_valid;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t mm = M - m0 < 4 ? M - m0 : 4;
             const int32_t *xr[4];
             for (int i = 0; i < 4; i++) xr[i] = (const int32_t *)(x + (m0 + (i < mm ? i : 0)) * ldx);
-            __m512 a0[4], a1[4];                /* two chains per row: even and odd kk */
-            for (int i = 0; i < 4; i++) { a0[i] = _mm512_setzero_ps(); a1[i] = _mm512_setzero_ps(); }
-            int64_t kk = 0;
-            for (; kk + 1 < K2; kk += 2) {
-                if (pf) {
-                    _mm_prefetch((const char *)(wb + kk * 32 + GEMV_PF), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(wb + kk * 32 + 32 + GEMV_PF), _MM_HINT_T0);
-                }
-                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kk * 32);
-                const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + kk * 32 + 32);
-                for (int i = 0; i < mm; i++) {
-                    a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_set1_epi32(xr[i][kk]), w0);
-                    a1[i] = _mm512_dpbf16_ps(a1[i], (__m512bh)_mm512_set1_epi32(xr[i][kk + 1]), w1);
-                }
-            }
-            if (kk < K2) {
-                const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + kk * 32);
-                for (int i = 0; i < mm; i++)
-                    a0[i] = _mm512_dpbf16_ps(a0[i], (__m512bh)_mm512_set1_epi32(xr[i][kk]), w0);
-            }
-            for (int i = 0; i < mm; i++) {
-                const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(a0[i], a1[i]));
-                _mm256_mask_storeu_epi16(y + (m0 + i) * ldy + nb, mask, (__m256i)o);
-            }
+            if (two) gemv_blocks(2, xr, mm, K2, wp + nb * K, K, pf, y + m0 * ldy, ldy, nb, n_valid);
+            else gemv_blocks(1, xr, mm, K2, wp + nb * K, K, pf, y + m0 * ldy, ldy, nb, n_valid);
         }
     }
     return 0;
