@@ -140,11 +140,17 @@ def test_kernel_for_names_the_path_each_row_count_takes():
 
 
 @needs_amx
-@pytest.mark.parametrize("n,k,m", [(37, 64, 4), (16, 32, 17), (1000, 96, 33), (48, 2048, 64), (8, 32, 1)])
-def test_amx_gemm_matches_float32_product(n, k, m):
+@pytest.mark.parametrize("n,k,m", [(37, 64, 4), (16, 32, 17), (1000, 96, 33), (48, 2048, 64), (8, 32, 1),
+                                   (101, 64, 3), (130, 96, 16), (64, 32, 20), (80, 64, 32), (200, 128, 70)])
+def test_amx_gemm_matches_float32_product_and_is_batch_invariant(n, k, m):
+    """Up to 16 rows, 17-32 and more take three different tile plans (and 4, 3, 2 or 1 weight streams at the
+    last columns): each matches the float32 product, and a row's result does not depend on the others."""
     torch.manual_seed(n * m)
     w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
-    _bf16_close(gemm_bf16_amx(x, pack_weight(w), n), x.float() @ w.float().t())
+    y = gemm_bf16_amx(x, pack_weight(w), n)
+    _bf16_close(y, x.float() @ w.float().t())
+    for rows in (slice(0, 1), slice(m - 1, m), slice(0, min(m, 17))):
+        assert torch.equal(gemm_bf16_amx(x[rows].contiguous(), pack_weight(w), n), y[rows])
 
 
 @needs_amx

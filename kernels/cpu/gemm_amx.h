@@ -1,0 +1,161 @@
+/* AMX: the gemv's packed weights as B tiles, for a few to a few hundred activation rows (included by
+ * gemv_bf16.c: the same library and packed layout).
+ *
+ * A 16-kk slice of a 16-row weight block, Wp[nb][kk0 .. kk0+16][16][2], is 16 rows of 64 bytes:
+ * exactly an AMX bf16 B tile (K/2 rows x 16 columns x 2). A tiles (up to 16 rows x 32 bf16) are loaded
+ * from x itself, with as many rows as x has, up to 32 rows; beyond, x is copied into a zero-padded scratch
+ * (per thread, grown and kept) of a multiple of 32 rows. C tiles are up to 16 x 16 float32.
+ *
+ *   up to 16 rows:  for each 64 output columns (4 B tiles, four weight streams):   4 C tiles
+ *                       for each 32 input columns:  C[j] += A B[j]                 (tdpbf16ps)
+ *   more rows:      for each 32 output columns (2 B tiles), each 32 rows of x (2 A tiles):  4 C tiles
+ *                       for each 32 input columns:  C[i][j] += A[i] B[j]
+ *
+ * Every weight byte comes from memory once; each stream is prefetched AMX_AHEAD input columns ahead into
+ * L2. Decode is bound by that stream, and tile loads that miss the L1 keep fewer lines in flight than
+ * vector loads do: on an AMX Xeon (model 167 under KVM, 2026-11-28) a microbenchmark of tile loads and
+ * tdpbf16ps over 1 GiB of B read 9.9 GB/s with one stream and no software prefetch, 13.7 with two
+ * prefetched, 14.5 with four prefetched into L2 (T0, T1 and T2 alike from two streams; NTA 6 GB/s), where
+ * a C streaming read reaches 17.6. The same loop over 1 MiB of B (in L2) runs at ~85 GB/s: arithmetic is
+ * not the bound at these row counts.
+ */
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AMX_AHEAD 128                            /* input columns of prefetch lead per weight stream (4 KiB) */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+
+/* 1 if AMX-BF16 is present and the kernel lets this process use tile data. */
+int pd_cpu_has_amx_bf16(void) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* The 16 lines (1 KiB) of B a stream reads AMX_AHEAD columns after k0, into L2. */
+#define AMX_PREFETCH(b, k0) \
+    for (int l = 0; l < 1024; l += 64) _mm_prefetch((const char *)((b) + ((k0) + AMX_AHEAD) * 16) + l, _MM_HINT_T1)
+
+/* C tiles 0..nt-1 (rows 16 x 16 columns each, side by side) -> y rows [0, rows), columns nb.. (< n_valid). */
+AMX static void amx_store(float *c, int64_t rows, uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid, int nt,
+                          int c_stride) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int j = 0; j < 16 * nt && nb + j < n_valid; j += 16) {
+            const int64_t cnt = n_valid - nb - j < 16 ? n_valid - nb - j : 16;
+            const __m256bh o = _mm512_cvtneps_pbh(_mm512_loadu_ps(c + i * c_stride + j));
+            _mm256_mask_storeu_epi16(y + i * ldy + nb + j, (__mmask16)((1u << cnt) - 1), (__m256i)o);
+        }
+}
+
+/* Every tile 64 bytes wide; rows[t] rows in tile t. */
+AMX static void amx_config(const uint8_t rows[8]) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = rows[t]; }
+    _tile_loadconfig(&cfg);
+}
+
+/* Up to 16 rows (A: tile 4, M rows, stride lda elements): four B streams at a time (tiles 5, 6, 7, and 5
+ * again; 16 rows each), C in 0-3 (M rows). */
+AMX static void amx_rows16(const uint16_t *a, int64_t lda, int64_t M, int64_t K, const uint16_t *wp, int64_t Np,
+                           int64_t n_valid, uint16_t *y, int64_t ldy, float *c) {
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 64) {
+        const int64_t nt = (Np - nb) / 16 < 4 ? (Np - nb) / 16 : 4;
+        const uint16_t *b0 = wp + nb * K, *b1 = b0 + 16 * K, *b2 = b1 + 16 * K, *b3 = b2 + 16 * K;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        if (nt == 4) {
+            for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                AMX_PREFETCH(b0, k0); AMX_PREFETCH(b1, k0); AMX_PREFETCH(b2, k0); AMX_PREFETCH(b3, k0);
+                _tile_loadd(4, a + k0, lda * 2);
+                _tile_loadd(5, b0 + k0 * 16, 64);
+                _tile_loadd(6, b1 + k0 * 16, 64);
+                _tile_loadd(7, b2 + k0 * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, b3 + k0 * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        } else {                                 /* the last 1-3 blocks */
+            for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                _tile_loadd(4, a + k0, lda * 2);
+                _tile_loadd(5, b0 + k0 * 16, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nt > 1) { _tile_loadd(6, b1 + k0 * 16, 64); _tile_dpbf16ps(1, 4, 6); }
+                if (nt > 2) { _tile_loadd(7, b2 + k0 * 16, 64); _tile_dpbf16ps(2, 4, 7); }
+            }
+        }
+        _tile_stored(0, c, 256); _tile_stored(1, c + 16, 256); _tile_stored(2, c + 32, 256); _tile_stored(3, c + 48, 256);
+        amx_store(c, M, y, ldy, nb, n_valid, (int)nt, 64);
+    }
+}
+
+/* Rows 32 at a time (A: tiles 4-5, stride lda elements; Mp rows, a multiple of 32, or M <= 32 rows as
+ * configured): two B streams (tiles 6-7), C in 0-3. */
+AMX static void amx_rows32(const uint16_t *a, int64_t lda, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp,
+                           int64_t Np,
+                           int64_t n_valid, uint16_t *y, int64_t ldy, float *c) {
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 32) {    /* weights outer: each B block is read from */
+        const int two = nb + 16 < Np;                             /* memory once, then from cache per 32 rows */
+        const uint16_t *b0 = wp + nb * K, *b1 = b0 + 16 * K;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                if (m0 == 0) { AMX_PREFETCH(b0, k0); if (two) AMX_PREFETCH(b1, k0); }
+                _tile_loadd(4, a + m0 * lda + k0, lda * 2);
+                _tile_loadd(5, a + (m0 + 16) * lda + k0, lda * 2);
+                _tile_loadd(6, b0 + k0 * 16, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, b1 + k0 * 16, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
+            amx_store(c, M - m0 < 32 ? M - m0 : 32, y + m0 * ldy, ldy, nb, n_valid, two ? 2 : 1, 32);
+        }
+    }
+}
+
+/* As pd_gemv_bf16, for K % 32 == 0 and any M. Returns -1 if out of memory, -2 if this CPU or process cannot
+ * use AMX (asked once per process). */
+AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
+                         const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
+    static int granted = -1;
+    static __thread uint16_t *a;                 /* A scratch [Mp][K] beyond 32 rows, zero-padded; grows, kept */
+    static __thread size_t a_bytes;
+    static __thread float c[16 * 64] __attribute__((aligned(64)));
+    if (granted < 0) granted = pd_cpu_has_amx_bf16();
+    if (!granted) return -2;
+    if (M <= 0) return 0;
+    const uint8_t m = (uint8_t)(M < 16 ? M : 16), rest = (uint8_t)(M > 32 ? 16 : M > 16 ? M - 16 : 0);
+    if (M <= 16) {
+        amx_config((const uint8_t[8]){m, m, m, m, m, 16, 16, 16});
+        amx_rows16(x, ldx, M, K, wp, Np, n_valid, y, ldy, c);
+    } else if (M <= 32) {
+        amx_config((const uint8_t[8]){16, 16, rest, rest, 16, rest, 16, 16});
+        amx_rows32(x, ldx, M, 32, K, wp, Np, n_valid, y, ldy, c);
+    } else {
+        const int64_t Mp = (M + 31) / 32 * 32;
+        const size_t need = (size_t)(Mp * K * 2), round = (need + 4095) / 4096 * 4096;
+        if (need > a_bytes) {
+            uint16_t *grown = aligned_alloc(64, round);
+            if (!grown) return -1;
+            free(a);
+            a = grown;
+            a_bytes = round;
+        }
+        for (int64_t m = 0; m < Mp; m++) {
+            if (m < M) memcpy(a + m * K, x + m * ldx, (size_t)K * 2);
+            else memset(a + m * K, 0, (size_t)K * 2);
+        }
+        amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+        amx_rows32(a, K, M, Mp, K, wp, Np, n_valid, y, ldy, c);
+    }
+    _tile_release();
+    return 0;
+}
