@@ -12,7 +12,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   2,048-token prompt;
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
   evicted before each pass; ``gemm_bf16_amx`` (AMX tiles) the same at 1, 8 and 32 rows, ``gemv_bf16`` at
-  1 and 2 (both in the ``gemv_bf16`` library).
+  1 and 2 (both in the ``gemv_bf16`` library); ``gemv_int4`` the same projections as INT4 weights (group
+  128) at 1 and 4 rows, with the L3 evicted and without (its 45 MiB fit many L3s).
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -39,6 +40,7 @@ from pdserve.bench.cpu_facts import cpu_facts
 from pdserve.bench.cpu_kernels import BENCH_80M, l3_evictor, scattered_decode_cache
 from pdserve.kernels.cpu import available, compile_library
 from pdserve.kernels.cpu.gemv import gemm_amx_available, pack_weight
+from pdserve.kernels.cpu.int4 import pack_int4_weight
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.hugepages import copies_in_huge_pages
 
@@ -52,6 +54,8 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "gemm_bf16_fma": ("pd_gemm_bf16_fma", _GEMM),
     "gemm_bf16_amx": ("pd_gemm_bf16_amx", _GEMM, "gemv_bf16"),
     "gemv_bf16": ("pd_gemv_bf16", _GEMM),
+    "gemv_int4": ("pd_int4_gemv", [_p, ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p,
+                                   ctypes.c_int, _i64]),
 }
 SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention"]
 HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
@@ -157,10 +161,34 @@ def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     return rows
 
 
+def int4_cases(builds: dict, reps: int, group: int = 128) -> list[dict]:
+    g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
+    weights = [pack_int4_weight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                                torch.rand(n, k // group, generator=g) * 0.01,
+                                torch.randn(n, k // group, generator=g) * 0.01, group) for n, k in BENCH_80M]
+    weights = [tuple(copies_in_huge_pages(list(w))) for w in weights]
+    for m in (1, 4):
+        xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in BENCH_80M}
+
+        def run(fn) -> torch.Tensor:
+            ys = []
+            for (n, k), (wq, sc, zc) in zip(BENCH_80M, weights):
+                y = torch.empty(m, n, dtype=torch.bfloat16)
+                if fn(xs[k].data_ptr(), 1, m, k, k, k, group, wq.data_ptr(), sc.data_ptr(), zc.data_ptr(),
+                      wq.shape[0] * 16, n, y.data_ptr(), 1, n):
+                    raise RuntimeError("the kernel is out of memory")
+                ys.append(y.flatten())
+            return torch.cat(ys)
+        rows.append({"case": f"bench-80m's 48 INT4 projections, {m} rows, L3 evicted",
+                     **interleaved(builds, run, reps, evict)})
+        rows.append({"case": f"bench-80m's 48 INT4 projections, {m} rows, warm", **interleaved(builds, run, reps)})
+    return rows
+
+
 CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill_attention_cases,
          "prefill_attention_fma": prefill_attention_cases, "gemm_bf16_fma": gemm_cases,
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
-         "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2))}
+         "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases}
 
 
 def main() -> None:

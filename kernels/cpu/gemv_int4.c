@@ -29,10 +29,25 @@
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
-/* No software prefetch in the weight stream: the hardware prefetchers follow it, and a prefetcht0
- * 1 KiB ahead (here until 2026-11-27) held the L1 miss buffers the stream's own loads need. bench-80m
- * INT4 at batch 1 on Zen 4, the C decode step, two interleaved rounds: 2.02 / 1.98 ms with it, 1.44 /
- * 1.52 ms with prefetcht1 instead, 1.44 / 1.44 ms with none. (The bf16 gemv never had one.) */
+/* The weight stream is prefetched INT4_PF bytes ahead into L2 (T1), and on Intel one activation row takes
+ * two 16-row blocks side by side (two streams). Into L1 (T0, 1 KiB ahead, here until 2026-11-27) the
+ * prefetch held the L1 miss buffers the stream's own loads need. bench-80m INT4 at batch 1 on Zen 4, the
+ * C decode step, two interleaved rounds: 2.02 / 1.98 ms with T0, 1.44 / 1.52 ms with T1, 1.44 / 1.44 ms
+ * with none (none was kept then). On an AMX Xeon (model 167 under KVM, 2026-11-28), whose hardware
+ * prefetchers keep one stream well short of its read bandwidth, bench/kernel_ab.py --kernel gemv_int4
+ * (bench-80m's 48 INT4 projections, 9 rounds): two blocks alone 0.93-0.95x; with T1 2 KiB ahead 1 row
+ * 0.88-0.91x with the L3 evicted, 0.80-0.82x warm; 4 rows 0.85-0.87x / 0.79-0.80x (1 KiB ahead: 0.89-0.95x,
+ * 4 KiB: 0.69-0.97x). */
+
+#define INT4_PF 2048
+
+/* Whether one activation row takes two weight blocks side by side: on Intel (measured above); elsewhere
+ * one, as measured on Zen 4 before. */
+static int int4_pairs(void) {
+    static int pairs = -1;
+    if (pairs < 0) { __builtin_cpu_init(); pairs = __builtin_cpu_is("intel"); }
+    return pairs;
+}
 
 int pd_cpu_supported(void) {                    /* asked by kernels.cpu.available */
     __builtin_cpu_init();
@@ -104,43 +119,54 @@ TARGET INLINE __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* One 16-row weight block x MR activation rows (MR a constant 1..4 after inlining). */
+/* NB (1 or 2) consecutive 16-row weight blocks (each its own stream, side by side) x MR activation rows (MR a constant 1..4 after inlining; NB 2 with MR 1 only: registers).
+ * Each output's operations and their order do not depend on NB. */
 TARGET INLINE void block_rows(const uint8_t *wb, const float *sb, const float *zb, const int8_t *xq,
-                              const float *sx, const float *sxs, int64_t Kp, int64_t G, int MR,
-                              __m512 out[4]) {
-    const int64_t Gs = Kp / G;
+                              const float *sx, const float *sxs, int64_t Kp, int64_t G, int MR, int NB,
+                              __m512 out[2][4]) {
+    const int64_t Gs = Kp / G, wstride = 16 * (Kp / 2), sstride = 16 * Gs;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 y[4], yz[4];
-    for (int i = 0; i < MR; i++) { y[i] = _mm512_setzero_ps(); yz[i] = _mm512_setzero_ps(); }
+    __m512 y[2][4], yz[2][4];
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < MR; i++) { y[b][i] = _mm512_setzero_ps(); yz[b][i] = _mm512_setzero_ps(); }
     for (int64_t g = 0; g < Gs; g++) {
-        __m512i a0[4], a1[4], a2[4], a3[4];     /* four int32 chains per row: lo/hi nibbles x even/odd kb */
-        for (int i = 0; i < MR; i++) {
-            a0[i] = _mm512_setzero_si512(); a1[i] = _mm512_setzero_si512();
-            a2[i] = _mm512_setzero_si512(); a3[i] = _mm512_setzero_si512();
-        }
-        const uint8_t *wg = wb + g * G * 8;      /* G/8 loads of 64 bytes */
-        for (int64_t kb = 0; kb < G / 8; kb += 2) {
-            const __m512i w0 = _mm512_loadu_si512(wg + kb * 64), w1 = _mm512_loadu_si512(wg + kb * 64 + 64);
-            const __m512i l0 = _mm512_and_si512(w0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), low);
-            const __m512i l1 = _mm512_and_si512(w1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), low);
-            const int64_t k = g * G + kb * 8;
+        __m512i a0[2][4], a1[2][4], a2[2][4], a3[2][4];   /* four int32 chains per row: lo/hi nibbles x even/odd kb */
+        for (int b = 0; b < NB; b++)
             for (int i = 0; i < MR; i++) {
-                const int8_t *xr = xq + i * Kp + k;
-                DPBUSD(a0[i], l0, bcast4(xr));
-                DPBUSD(a1[i], h0, bcast4(xr + 4));
-                DPBUSD(a2[i], l1, bcast4(xr + 8));
-                DPBUSD(a3[i], h1, bcast4(xr + 12));
+                a0[b][i] = _mm512_setzero_si512(); a1[b][i] = _mm512_setzero_si512();
+                a2[b][i] = _mm512_setzero_si512(); a3[b][i] = _mm512_setzero_si512();
+            }
+        for (int64_t kb = 0; kb < G / 8; kb += 2) {
+            const int64_t k = g * G + kb * 8;
+            for (int b = 0; b < NB; b++) {
+                const uint8_t *wg = wb + b * wstride + g * G * 8;      /* G/8 loads of 64 bytes */
+                _mm_prefetch((const char *)(wg + kb * 64 + INT4_PF), _MM_HINT_T1);
+                _mm_prefetch((const char *)(wg + kb * 64 + 64 + INT4_PF), _MM_HINT_T1);
+                const __m512i w0 = _mm512_loadu_si512(wg + kb * 64), w1 = _mm512_loadu_si512(wg + kb * 64 + 64);
+                const __m512i l0 = _mm512_and_si512(w0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), low);
+                const __m512i l1 = _mm512_and_si512(w1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), low);
+                for (int i = 0; i < MR; i++) {
+                    const int8_t *xr = xq + i * Kp + k;
+                    DPBUSD(a0[b][i], l0, bcast4(xr));
+                    DPBUSD(a1[b][i], h0, bcast4(xr + 4));
+                    DPBUSD(a2[b][i], l1, bcast4(xr + 8));
+                    DPBUSD(a3[b][i], h1, bcast4(xr + 12));
+                }
             }
         }
-        const __m512 s = _mm512_loadu_ps(sb + g * 16), zc = _mm512_loadu_ps(zb + g * 16);
-        for (int i = 0; i < MR; i++) {          /* y += (dot sx) s;  yz += zc (sx sum xq) */
-            const __m512i d = _mm512_add_epi32(_mm512_add_epi32(a0[i], a1[i]), _mm512_add_epi32(a2[i], a3[i]));
-            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx[i * Gs + g]));
-            y[i] = _mm512_fmadd_ps(f, s, y[i]);
-            yz[i] = _mm512_fmadd_ps(zc, _mm512_set1_ps(sxs[i * Gs + g]), yz[i]);
+        for (int b = 0; b < NB; b++) {
+            const __m512 s = _mm512_loadu_ps(sb + b * sstride + g * 16), zc = _mm512_loadu_ps(zb + b * sstride + g * 16);
+            for (int i = 0; i < MR; i++) {          /* y += (dot sx) s;  yz += zc (sx sum xq) */
+                const __m512i d = _mm512_add_epi32(_mm512_add_epi32(a0[b][i], a1[b][i]),
+                                                   _mm512_add_epi32(a2[b][i], a3[b][i]));
+                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(sx[i * Gs + g]));
+                y[b][i] = _mm512_fmadd_ps(f, s, y[b][i]);
+                yz[b][i] = _mm512_fmadd_ps(zc, _mm512_set1_ps(sxs[i * Gs + g]), yz[b][i]);
+            }
         }
     }
-    for (int i = 0; i < MR; i++) out[i] = _mm512_add_ps(y[i], yz[i]);
+    for (int b = 0; b < NB; b++)
+        for (int i = 0; i < MR; i++) out[b][i] = _mm512_add_ps(y[b][i], yz[b][i]);
 }
 
 TARGET INLINE void store16(void *y, int is_bf16, int64_t off, __mmask16 mask, __m512 v) {
@@ -163,23 +189,28 @@ TARGET void pd_int4_gemv_q(const int8_t *xq, const float *sx, const float *sxs, 
                            const uint8_t *wq, const float *sc, const float *zc, int64_t Np, int64_t n_valid,
                            void *y, int y_bf16, int64_t ldy) {
     const int64_t Gs = Kp / G;
-    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16) {
+    const int pair = M == 1 && int4_pairs();
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += pair ? 32 : 16) {
         const uint8_t *wb = wq + nb * (Kp / 2);
         const float *sb = sc + nb * Gs, *zb = zc + nb * Gs;
-        const int64_t cnt = n_valid - nb < 16 ? n_valid - nb : 16;
-        const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
+        const int nbl = pair && nb + 16 < Np && nb + 16 < n_valid ? 2 : 1;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int64_t mm = M - m0 < 4 ? M - m0 : 4;
             const int8_t *xr = xq + m0 * Kp;
             const float *sr = sx + m0 * Gs, *tr = sxs + m0 * Gs;
-            __m512 out[4];
-            switch (mm) {                         /* constant row counts: registers, not arrays */
-            case 1: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, out); break;
-            case 2: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 2, out); break;
-            case 3: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 3, out); break;
-            default: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 4, out); break;
+            __m512 out[2][4];
+            switch (nbl == 2 ? 0 : mm) {          /* constant row counts: registers, not arrays */
+            case 0: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, 2, out); break;
+            case 1: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, 1, out); break;
+            case 2: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 2, 1, out); break;
+            case 3: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 3, 1, out); break;
+            default: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 4, 1, out); break;
             }
-            for (int i = 0; i < mm; i++) store16(y, y_bf16, (m0 + i) * ldy + nb, mask, out[i]);
+            for (int b = 0; b < nbl; b++) {
+                const int64_t cnt = n_valid - nb - 16 * b < 16 ? n_valid - nb - 16 * b : 16;
+                const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
+                for (int i = 0; i < mm; i++) store16(y, y_bf16, (m0 + i) * ldy + nb + 16 * b, mask, out[b][i]);
+            }
         }
     }
 }
