@@ -12,11 +12,13 @@ torch's CPU flash attention on one AVX-512 core and 1.1-1.6x on an AVX2 one (``b
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 
 import torch
 
 from pdserve.kernels.cpu import DTYPES, available, library
-from pdserve.kernels.cpu.gemv import KERNELS, bf16_gemm_kernel
+from pdserve.kernels.cpu.gemv import KERNELS, bf16_gemm_kernel, gemm_amx_available
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -105,6 +107,26 @@ def prefill_library() -> str:
     ``"prefill_attention_fma"`` (the same products on float32 FMAs, where the GEMMs run on FMAs: no
     AVX512-BF16, or a slow one) or ``"prefill_attention_avx2"`` (8-lane FMAs, CPUs without AVX-512)."""
     return _PREFILL_BUILDS.get(bf16_gemm_kernel(), "prefill_attention")
+
+
+PREFILL_ENV = "PDSERVE_PREFILL_ATTENTION"
+
+
+@functools.cache
+def prefill_attention_in_c() -> bool:
+    """Whether bf16 prefill attention runs the C kernel (:func:`prefill_attention_cpu`) rather than torch's
+    ``scaled_dot_product_attention``: everywhere but on an AMX CPU, where torch's runs its products on AMX
+    tiles (oneDNN) and the C kernel's FMAs lose (bench-80m, one layer, AMX Xeon model 167, 2026-11-28,
+    ``bench/cpu_kernels.py``: 2.8 vs 4.5 ms at 512 tokens, 27.0 vs 65.1 ms at 2,048). ``PDSERVE_PREFILL_ATTENTION
+    =c|torch`` overrides the choice (for tests and comparisons).
+
+    Raises:
+        ValueError: ``PDSERVE_PREFILL_ATTENTION`` is set to something else.
+    """
+    forced = os.environ.get(PREFILL_ENV, "").lower()
+    if forced not in ("", "c", "torch"):
+        raise ValueError(f"{PREFILL_ENV} must be 'c' or 'torch', got {forced!r}")
+    return forced == "c" if forced else not gemm_amx_available()
 
 
 def prefill_attention_available(head_dim: int) -> bool:
