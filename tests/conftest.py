@@ -271,6 +271,26 @@ def prefill_then_decode(prefill_model, decode_model, model_cfg, prompt: list[int
     return out
 
 
+@pytest.fixture
+def env_choice(monkeypatch):
+    """``env_choice(var, value, choice)``: set the environment override ``var`` to ``value`` (``None``:
+    unset) and clear ``choice``, the cached function that reads it; at teardown the environment is
+    restored and every choice touched cleared again, so no other test sees a forced kernel."""
+    touched = []
+
+    def set_choice(var: str, value: str | None, choice) -> None:
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+        choice.cache_clear()
+        touched.append(choice)
+    yield set_choice
+    monkeypatch.undo()
+    for choice in touched:
+        choice.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Small ops: one thread avoids OpenMP spin-waits when the 2 cores are busy (restored after the module).

@@ -226,9 +226,8 @@ def test_prefill_kernel_scores_rising_across_key_tiles_match_torch(rise, prefill
 
 @needs_prefill
 def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it(prefill_build,
-                                                                                                 monkeypatch):
-    monkeypatch.setenv(PREFILL_ENV, "c")                      # as on every CPU without AMX
-    prefill_attention_in_c.cache_clear()
+                                                                                                 env_choice):
+    env_choice(PREFILL_ENV, "c", prefill_attention_in_c)      # as on every CPU without AMX
     cache, meta, q = _case(6, 2, 64, 16, [30], [30], torch.bfloat16)
     args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
     with pytest.raises(ValueError, match="bf16"):
@@ -238,29 +237,21 @@ def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf
     assert not prefill_attention_available(24) and not prefill_attention_available(512)
     routed = paged_attention(q, None, None, cache, 1, meta, 0.2)  # not decode-sized: no cpu_kernels flag
     assert torch.equal(routed, prefill_attention_cpu(q, *args))
-    prefill_attention_in_c.cache_clear()
 
 
 @needs_prefill
-def test_bf16_prefill_attention_runs_in_torch_on_amx_cpus_or_where_told(monkeypatch):
+def test_bf16_prefill_attention_runs_in_torch_on_amx_cpus_or_where_told(env_choice):
     """torch's SDPA (AMX tiles through oneDNN) where AMX is granted, the C kernel elsewhere; the override
     wins either way and a bad one is refused."""
     cache, meta, q = _case(6, 2, 64, 16, [12], [40], torch.bfloat16)        # a chunk after 28 cached tokens
     cache = cache.nan_to_num(0.0)
     args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
-    try:
-        monkeypatch.delenv(PREFILL_ENV, raising=False)
-        prefill_attention_in_c.cache_clear()
-        assert prefill_attention_in_c() == (not gemm_amx_available())
-        for forced, want in (("torch", paged_attention_torch(q, None, None, cache, 1, meta, 0.2)),
-                             ("C", prefill_attention_cpu(q, *args))):
-            monkeypatch.setenv(PREFILL_ENV, forced)
-            prefill_attention_in_c.cache_clear()
-            assert torch.equal(paged_attention(q, None, None, cache, 1, meta, 0.2), want)
-        monkeypatch.setenv(PREFILL_ENV, "amx")
-        prefill_attention_in_c.cache_clear()
-        with pytest.raises(ValueError, match="'c' or 'torch'"):
-            prefill_attention_in_c()
-    finally:
-        monkeypatch.delenv(PREFILL_ENV, raising=False)
-        prefill_attention_in_c.cache_clear()
+    env_choice(PREFILL_ENV, None, prefill_attention_in_c)
+    assert prefill_attention_in_c() == (not gemm_amx_available())
+    for forced, want in (("torch", paged_attention_torch(q, None, None, cache, 1, meta, 0.2)),
+                         ("C", prefill_attention_cpu(q, *args))):
+        env_choice(PREFILL_ENV, forced, prefill_attention_in_c)
+        assert torch.equal(paged_attention(q, None, None, cache, 1, meta, 0.2), want)
+    env_choice(PREFILL_ENV, "amx", prefill_attention_in_c)
+    with pytest.raises(ValueError, match="'c' or 'torch'"):
+        prefill_attention_in_c()

@@ -86,30 +86,23 @@ def test_fma_gemm_keeps_nan_and_infinity_and_refuses_what_the_packed_kernels_ref
 
 
 @pytest.mark.skipif(not gemv_available() or not available("gemm_bf16_fma"), reason="no AVX512-BF16")
-def test_the_bf16_gemm_follows_the_measured_issue_ratio_or_the_override(monkeypatch):
+def test_the_bf16_gemm_follows_the_measured_issue_ratio_or_the_override(env_choice):
     """The choice follows the measurement (a ratio of issue times is positive and below 20 on any core
     that runs both), the override wins either way, a bad override is refused, and what a packed linear
     names is what the choice says."""
     ratio = dp_fma_ratio()
     assert 0 < ratio < 20
-    monkeypatch.delenv(GEMM_ENV, raising=False)
-    bf16_gemm_kernel.cache_clear()
-    try:
-        assert bf16_gemm_kernel() == (KERNELS[3] if ratio > DP_FMA_SLOW else KERNELS[1]) or \
-            abs(ratio - DP_FMA_SLOW) < 0.5                      # a second measurement may fall either side
-        lin = PackedBF16Linear(nn.Linear(64, 40).bfloat16(), keep_dense=False)
-        for forced, kernel, one_row in (("fma", "gemm-fma", "gemm-fma"),
-                                        ("DPBF16", "gemm-avx512bf16", "gemv-avx512bf16"),
-                                        ("avx2", "gemm-avx2", "gemm-avx2")):
-            monkeypatch.setenv(GEMM_ENV, forced)
-            bf16_gemm_kernel.cache_clear()
-            assert bf16_gemm_kernel() == kernel
-            assert lin.kernel_for(32) == (KERNELS[2] if lin.amx else kernel)  # AMX tiles serve 32 rows where present
-            assert lin.amx or lin.kernel_for(1) == one_row     # the gemv only beside its bit-identical gemm
-        monkeypatch.setenv(GEMM_ENV, "amx")
-        bf16_gemm_kernel.cache_clear()
-        with pytest.raises(ValueError, match="'dpbf16' or 'avx2'"):
-            bf16_gemm_kernel()
-    finally:
-        monkeypatch.delenv(GEMM_ENV, raising=False)
-        bf16_gemm_kernel.cache_clear()
+    env_choice(GEMM_ENV, None, bf16_gemm_kernel)
+    assert bf16_gemm_kernel() == (KERNELS[3] if ratio > DP_FMA_SLOW else KERNELS[1]) or \
+        abs(ratio - DP_FMA_SLOW) < 0.5                          # a second measurement may fall either side
+    lin = PackedBF16Linear(nn.Linear(64, 40).bfloat16(), keep_dense=False)
+    for forced, kernel, one_row in (("fma", "gemm-fma", "gemm-fma"),
+                                    ("DPBF16", "gemm-avx512bf16", "gemv-avx512bf16"),
+                                    ("avx2", "gemm-avx2", "gemm-avx2")):
+        env_choice(GEMM_ENV, forced, bf16_gemm_kernel)
+        assert bf16_gemm_kernel() == kernel
+        assert lin.kernel_for(32) == (KERNELS[2] if lin.amx else kernel)  # AMX tiles serve 32 rows where present
+        assert lin.amx or lin.kernel_for(1) == one_row         # the gemv only beside its bit-identical gemm
+    env_choice(GEMM_ENV, "amx", bf16_gemm_kernel)
+    with pytest.raises(ValueError, match="'dpbf16' or 'avx2'"):
+        bf16_gemm_kernel()
