@@ -158,7 +158,7 @@ def bench_prefill_attention(lengths: list[int]) -> list[dict]:
         meta = build_attention_metadata([n], [n], [list(range(blocks))], bs)
         q = torch.randn(n, heads, dim).bfloat16()
         k, v = (cache[:, 0, i].reshape(-1, kv_heads, dim)[:n] for i in (0, 1))
-        row = {"tokens": n, "kernel": prefill_library() if prefill_attention_available(dim) else None,
+        row = {"tokens": n, "kernel": prefill_library(dim) if prefill_attention_available(dim) else None,
                "flops": 4 * n * (n + 1) / 2 * dim * heads,
                "torch_s": median_time(lambda: paged_attention_torch(q, k, v, cache, 0, meta, 0.125), repeats=3)}
         if row["kernel"]:

@@ -8,8 +8,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
 
 * ``paged_attention``: a decode step's attention over 12 layers of a KV cache in huge pages whose blocks
   are shuffled, the L3 evicted first (cold) and the same step at once again (warm), per batch x context;
-* ``prefill_attention`` / ``prefill_attention_fma``: one layer's causal attention over a 512- and a
-  2,048-token prompt;
+* ``prefill_attention`` / ``prefill_attention_fma`` / ``prefill_attention_amx``: one layer's causal attention
+  over a 512- and a 2,048-token prompt;
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
   evicted before each pass; ``gemm_bf16_amx`` (AMX tiles) the same at 1, 8 and 32 rows, ``gemv_bf16`` at
   1 and 2 (both in the ``gemv_bf16`` library); ``gemv_int4`` the same projections as INT4 weights (group
@@ -57,7 +57,7 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "gemv_int4": ("pd_int4_gemv", [_p, ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p,
                                    ctypes.c_int, _i64]),
 }
-SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention"]
+SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention_amx"] = SIGNATURES["prefill_attention"]
 HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
 
 
@@ -186,7 +186,8 @@ def int4_cases(builds: dict, reps: int, group: int = 128) -> list[dict]:
 
 
 CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill_attention_cases,
-         "prefill_attention_fma": prefill_attention_cases, "gemm_bf16_fma": gemm_cases,
+         "prefill_attention_fma": prefill_attention_cases, "prefill_attention_amx": prefill_attention_cases,
+         "gemm_bf16_fma": gemm_cases,
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
          "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases}
 

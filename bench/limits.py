@@ -158,7 +158,7 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
     sequence over a ``kv_dtype`` cache (:func:`kernels.paged_attention.paged_attention`'s choice: the C
     decode kernel, the C prefill kernel or torch), and ``layers``: whether such a step runs every
     decoder layer in one C call (:mod:`model.cpu_stack`) or operation by operation."""
-    from pdserve.kernels.cpu.attention import prefill_attention_available, prefill_attention_in_c, prefill_library
+    from pdserve.kernels.cpu.attention import prefill_attention_available, prefill_library
     from pdserve.kernels.cpu.decode_stack import KERNEL as STACK_KERNEL
     from pdserve.kernels.paged_attention import cpu_kernels_apply
     from pdserve.model.cpu_stack import decode_stack
@@ -170,9 +170,8 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
             out.setdefault(kind, kernel_path(module, rows) or f"{type(module).__name__} (torch)")
     c = cpu_kernels_apply(torch.device("cpu"), query_len, rows, kv_dtype)
     cfg = getattr(model, "cfg", None)
-    prefill_c = cfg is not None and kv_dtype == torch.bfloat16 and prefill_attention_available(cfg.head_dim) \
-        and prefill_attention_in_c()
-    out["attention"] = "paged_attention (C)" if c else f"{prefill_library()} (C)" if prefill_c else "torch"
+    prefill_c = cfg is not None and kv_dtype == torch.bfloat16 and prefill_attention_available(cfg.head_dim)
+    out["attention"] = "paged_attention (C)" if c else f"{prefill_library(cfg.head_dim)} (C)" if prefill_c else "torch"
     stacked = c and cfg is not None and getattr(model, "cpu_stack", False) and decode_stack(model) is not None
     out["layers"] = f"{STACK_KERNEL} (C, one call)" if stacked else "per operation"
     return out

@@ -27,7 +27,6 @@ from pdserve.kernels.cpu.attention import (
     paged_attention_cpu,
     prefill_attention_available,
     prefill_attention_cpu,
-    prefill_attention_in_c,
 )
 from pdserve.kernels.cpu.fused import MAX_ROWS
 
@@ -199,8 +198,8 @@ def paged_attention(
     """Attention for one layer of a step, on the best path for the device: the Triton
     decode kernel for all-decode steps on CUDA; on CPUs the C kernel for steps of at most
     :data:`CPU_KERNEL_MAX_QUERY` new tokens per sequence (decode, speculative verification), the
-    C prefill kernel for longer bf16 steps (:func:`~kernels.cpu.attention.prefill_attention_cpu`) where it
-    beats torch's (:func:`~kernels.cpu.attention.prefill_attention_in_c`);
+    C prefill kernel for longer bf16 steps (:func:`~kernels.cpu.attention.prefill_attention_cpu`; on AMX
+    tiles where granted, :func:`~kernels.cpu.attention.prefill_attention_path`);
     the torch path otherwise. Arguments and result as :func:`paged_attention_torch`."""
     if q.is_cuda and meta.decode_only and not meta.fresh_prefill:
         from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
@@ -208,7 +207,7 @@ def paged_attention(
     if meta.cpu_kernels:
         return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     if q.dtype == kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu" \
-            and prefill_attention_available(q.shape[-1]) and prefill_attention_in_c():
+            and prefill_attention_available(q.shape[-1]):
         return prefill_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)
 

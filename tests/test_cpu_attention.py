@@ -18,7 +18,7 @@ from pdserve.kernels.cpu.attention import (
     paged_attention_cpu,
     prefill_attention_available,
     prefill_attention_cpu,
-    prefill_attention_in_c,
+    prefill_attention_path,
     prefill_library,
 )
 from pdserve.kernels.cpu.gemv import GEMM_ENV, bf16_gemm_kernel, gemm_amx_available, gemv_available
@@ -41,23 +41,27 @@ def decode_path(request):
 
 
 needs_prefill = pytest.mark.skipif(not prefill_attention_available(64), reason="no C compiler or no AVX2")
-_PREFILL_BUILDS = {"dpbf16": "prefill_attention", "fma": "prefill_attention_fma", "avx2": "prefill_attention_avx2"}
+_PREFILL_BUILDS = {"dpbf16": "prefill_attention", "fma": "prefill_attention_fma", "avx2": "prefill_attention_avx2",
+                   "amx": "prefill_attention_amx"}
 
 
 @pytest.fixture(params=list(_PREFILL_BUILDS))
-def prefill_build(request, monkeypatch):
-    """Each build of the prefill kernel this CPU can run: on ``vdpbf16ps`` (AVX512-BF16 only), on 16-lane
-    float32 FMAs (AVX-512) and on 8-lane ones (AVX2), chosen as a worker chooses it (through the bf16
-    GEMM choice; ``avx2`` is what a CPU without AVX-512 runs, forced here on one with it)."""
+def prefill_build(request, env_choice):
+    """Each build of the prefill kernel this CPU can run: on AMX tiles (where granted), on ``vdpbf16ps``
+    (AVX512-BF16 only), on 16-lane float32 FMAs (AVX-512) and on 8-lane ones (AVX2), chosen as a worker
+    chooses it (AMX where granted, else through the bf16 GEMM choice; ``avx2`` is what a CPU without
+    AVX-512 runs, forced here on one with it)."""
+    if request.param == "amx" and not (gemm_amx_available() and available("prefill_attention_amx")):
+        pytest.skip("no AMX")
     if request.param == "dpbf16" and not gemv_available():
         pytest.skip("no AVX512-BF16")
     if request.param == "fma" and not available("gemm_bf16_fma"):
         pytest.skip("no AVX-512")
-    monkeypatch.setenv(GEMM_ENV, request.param)
-    bf16_gemm_kernel.cache_clear()
+    env_choice(PREFILL_ENV, "amx" if request.param == "amx" else "c", prefill_attention_path)
+    if request.param != "amx":
+        env_choice(GEMM_ENV, request.param, bf16_gemm_kernel)
     assert prefill_library() == _PREFILL_BUILDS[request.param]
     yield request.param
-    bf16_gemm_kernel.cache_clear()
 
 
 def _case(heads, kv_heads, head_dim, block_size, query_lens, seq_lens, dtype, seed=0):
@@ -225,9 +229,7 @@ def test_prefill_kernel_scores_rising_across_key_tiles_match_torch(rise, prefill
 
 
 @needs_prefill
-def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it(prefill_build,
-                                                                                                 env_choice):
-    env_choice(PREFILL_ENV, "c", prefill_attention_in_c)      # as on every CPU without AMX
+def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf16_prefill_to_it(prefill_build):
     cache, meta, q = _case(6, 2, 64, 16, [30], [30], torch.bfloat16)
     args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
     with pytest.raises(ValueError, match="bf16"):
@@ -240,18 +242,24 @@ def test_prefill_kernel_refuses_what_it_cannot_take_and_the_dispatcher_routes_bf
 
 
 @needs_prefill
-def test_bf16_prefill_attention_runs_in_torch_on_amx_cpus_or_where_told(env_choice):
-    """torch's SDPA (AMX tiles through oneDNN) where AMX is granted, the C kernel elsewhere; the override
-    wins either way and a bad one is refused."""
+def test_bf16_prefill_attention_runs_on_amx_tiles_where_granted_or_where_told(env_choice):
+    """AMX tiles where AMX is granted, the C build of the GEMM's choice elsewhere; the override wins (torch:
+    the torch path), ``amx`` where AMX is not granted is ignored, and a bad value is refused."""
     cache, meta, q = _case(6, 2, 64, 16, [12], [40], torch.bfloat16)        # a chunk after 28 cached tokens
     cache = cache.nan_to_num(0.0)
     args = (cache, 1, meta.query_start_loc, meta.seq_lens, meta.block_tables, 0.2)
-    env_choice(PREFILL_ENV, None, prefill_attention_in_c)
-    assert prefill_attention_in_c() == (not gemm_amx_available())
-    for forced, want in (("torch", paged_attention_torch(q, None, None, cache, 1, meta, 0.2)),
-                         ("C", prefill_attention_cpu(q, *args))):
-        env_choice(PREFILL_ENV, forced, prefill_attention_in_c)
-        assert torch.equal(paged_attention(q, None, None, cache, 1, meta, 0.2), want)
-    env_choice(PREFILL_ENV, "amx", prefill_attention_in_c)
-    with pytest.raises(ValueError, match="'c' or 'torch'"):
-        prefill_attention_in_c()
+    amx = gemm_amx_available() and available("prefill_attention_amx")
+    env_choice(PREFILL_ENV, None, prefill_attention_path)
+    assert prefill_attention_path() == ("amx" if amx else "c")
+    env_choice(PREFILL_ENV, "AMX", prefill_attention_path)
+    assert prefill_attention_path() == ("amx" if amx else "c")
+    env_choice(PREFILL_ENV, "torch", prefill_attention_path)
+    assert not prefill_attention_available(64)
+    assert torch.equal(paged_attention(q, None, None, cache, 1, meta, 0.2),
+                       paged_attention_torch(q, None, None, cache, 1, meta, 0.2))
+    env_choice(PREFILL_ENV, "c", prefill_attention_path)
+    assert prefill_library() != "prefill_attention_amx"
+    assert torch.equal(paged_attention(q, None, None, cache, 1, meta, 0.2), prefill_attention_cpu(q, *args))
+    env_choice(PREFILL_ENV, "tiles", prefill_attention_path)
+    with pytest.raises(ValueError, match="'amx', 'c' or 'torch'"):
+        prefill_attention_path()

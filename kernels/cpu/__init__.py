@@ -61,6 +61,7 @@ _FLAGS = {
     "prefill_attention_fma": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp-simd",
                               "-DPD_NO_DPBF16"],
     "prefill_attention_avx2": ["-O3", "-ffp-contract=off", "-fno-math-errno"],
+    "prefill_attention_amx": ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"],
 }
 _SOURCES = {"prefill_attention_fma": "prefill_attention"}   # libraries built from another's source
 

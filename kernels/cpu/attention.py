@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 
 import torch
 
 from pdserve.kernels.cpu import DTYPES, available, library
 from pdserve.kernels.cpu.gemv import KERNELS, bf16_gemm_kernel, gemm_amx_available
+
+log = logging.getLogger(__name__)
 
 _i64, _p = ctypes.c_int64, ctypes.c_void_p
 
@@ -101,38 +104,52 @@ PREFILL_MAX_HEAD_DIM = 256
 _PREFILL_BUILDS = {KERNELS[3]: "prefill_attention_fma", KERNELS[4]: "prefill_attention_avx2"}  # by GEMM
 
 
-def prefill_library() -> str:
-    """The prefill attention build this CPU runs, following the packed bf16 GEMM's choice
-    (:func:`kernels.cpu.gemv.bf16_gemm_kernel`): ``"prefill_attention"`` (``vdpbf16ps``),
-    ``"prefill_attention_fma"`` (the same products on float32 FMAs, where the GEMMs run on FMAs: no
-    AVX512-BF16, or a slow one) or ``"prefill_attention_avx2"`` (8-lane FMAs, CPUs without AVX-512)."""
-    return _PREFILL_BUILDS.get(bf16_gemm_kernel(), "prefill_attention")
-
-
 PREFILL_ENV = "PDSERVE_PREFILL_ATTENTION"
 
 
 @functools.cache
-def prefill_attention_in_c() -> bool:
-    """Whether bf16 prefill attention runs the C kernel (:func:`prefill_attention_cpu`) rather than torch's
-    ``scaled_dot_product_attention``: everywhere but on an AMX CPU, where torch's runs its products on AMX
-    tiles (oneDNN) and the C kernel's FMAs lose (bench-80m, one layer, AMX Xeon model 167, 2026-11-28,
-    ``bench/cpu_kernels.py``: 2.8 vs 4.5 ms at 512 tokens, 27.0 vs 65.1 ms at 2,048). ``PDSERVE_PREFILL_ATTENTION
-    =c|torch`` overrides the choice (for tests and comparisons).
+def prefill_attention_path() -> str:
+    """Where bf16 prefill attention runs: ``"amx"`` (``prefill_attention_amx.c``, both products on AMX
+    tiles) where AMX is granted, else ``"c"`` (the build that follows the bf16 GEMM, :func:`prefill_library`).
+    One layer of bench-80m on an AMX Xeon (model 167, 2026-11-28): 2.30 ms at 512 tokens and 26.6 ms at
+    2,048 on AMX tiles, 3.28 / 33.8 ms in torch's ``scaled_dot_product_attention`` (oneDNN, AMX too),
+    5.26 / 77.3 ms in the FMA build. ``PDSERVE_PREFILL_ATTENTION=amx|c|torch`` overrides (``torch``: the
+    torch path everywhere; ``amx`` only where AMX is granted, else logged and ignored).
 
     Raises:
         ValueError: ``PDSERVE_PREFILL_ATTENTION`` is set to something else.
     """
     forced = os.environ.get(PREFILL_ENV, "").lower()
-    if forced not in ("", "c", "torch"):
-        raise ValueError(f"{PREFILL_ENV} must be 'c' or 'torch', got {forced!r}")
-    return forced == "c" if forced else not gemm_amx_available()
+    if forced not in ("", "amx", "c", "torch"):
+        raise ValueError(f"{PREFILL_ENV} must be 'amx', 'c' or 'torch', got {forced!r}")
+    amx = gemm_amx_available() and available(_AMX_BUILD)
+    if forced == "amx" and not amx:
+        log.warning("%s=amx ignored: AMX is not granted here", PREFILL_ENV)
+    return forced if forced in ("c", "torch") else "amx" if amx else "c"
+
+
+_AMX_BUILD = "prefill_attention_amx"
+_PREFILL_BUILDS = {KERNELS[3]: "prefill_attention_fma", KERNELS[4]: "prefill_attention_avx2"}  # by GEMM
+
+
+def prefill_library(head_dim: int = 64) -> str:
+    """The prefill attention build this CPU runs for heads of ``head_dim``: ``"prefill_attention_amx"``
+    where :func:`prefill_attention_path` says AMX and ``head_dim`` is a multiple of 32 (an A tile's
+    width); else following the packed bf16 GEMM's choice (:func:`kernels.cpu.gemv.bf16_gemm_kernel`):
+    ``"prefill_attention"`` (``vdpbf16ps``), ``"prefill_attention_fma"`` (the same products on float32
+    FMAs, where the GEMMs run on FMAs: no AVX512-BF16, or a slow one) or ``"prefill_attention_avx2"``
+    (8-lane FMAs, CPUs without AVX-512)."""
+    if prefill_attention_path() == "amx" and head_dim % 32 == 0:
+        return _AMX_BUILD
+    return _PREFILL_BUILDS.get(bf16_gemm_kernel(), "prefill_attention")
 
 
 def prefill_attention_available(head_dim: int) -> bool:
     """Whether :func:`prefill_attention_cpu` takes this head size here (AVX-512 or AVX2 with FMA,
-    ``head_dim`` a multiple of 16 up to :data:`PREFILL_MAX_HEAD_DIM`)."""
-    return head_dim % 16 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM and available(prefill_library())
+    ``head_dim`` a multiple of 16 up to :data:`PREFILL_MAX_HEAD_DIM`) and the torch path is not forced
+    (:func:`prefill_attention_path`)."""
+    return head_dim % 16 == 0 and head_dim <= PREFILL_MAX_HEAD_DIM and prefill_attention_path() != "torch" \
+        and available(prefill_library(head_dim))
 
 
 def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, query_start_loc: torch.Tensor,
@@ -157,7 +174,7 @@ def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, q
     q = q.contiguous()
     out = torch.empty_like(q)
     base, s_block, s_tok, s_head, s_kv = _layer_layout(kv_cache, layer)
-    fn = library(prefill_library()).pd_prefill_attention
+    fn = library(prefill_library(dim)).pd_prefill_attention
     if fn.argtypes is None:
         fn.argtypes = [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _i64, _i64,
                        ctypes.c_float]

@@ -1,0 +1,144 @@
+/* Causal attention of prefill chunks over the paged bf16 KV cache on AMX tiles.
+ *
+ * The online-softmax walk of prefill_attention.c (FlashAttention: Dao et al., 2022), with both products
+ * on tdpbf16ps. prefill_attention.h packs each KV head's keys and values in exactly the B-tile layouts:
+ *
+ *   Kp [L/32][D/2][32][2]: a B tile of the scores is 16 dim pairs x 16 keys (64 of a row's 128 bytes)
+ *   Vp [L/2][D][2]:        a B tile of the value sums is 16 key pairs x 16 dims (stride 4 D bytes)
+ *
+ *   per query tile of R <= 16 rows (Q in a zero-padded buffer, one A tile per 32 dims):
+ *     per key tile of 32 at or before the tile's last position:
+ *       S = Q Kp^T                                   two C tiles (keys 0-15, 16-31), D/32 steps each
+ *       softmax step as prefill_attention.c (scale, causal mask, conditional rescale past SLACK)
+ *       P = bf16(exp(S - m))                         one A tile (R rows x 32 keys)
+ *       O = alpha O + P Vp                           one C tile per 16 dims, added into float32 O rows
+ *     out = O / l, rounded to bf16
+ *
+ * P is rounded to bf16 for the value sums as FlashAttention rounds it for its matrix units (the
+ * dot-product build of prefill_attention.c does the same); scores and sums are float32. Head sizes must
+ * be multiples of 32 (an A tile's 32 bf16): kernels/cpu/attention.py sends others to torch.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "bf16.h"
+#include "exp16.h"
+
+#define NK 32                     /* keys per tile: two C tiles of scores */
+#define SLACK 8.f                 /* as prefill_attention.c: the reference max moves past this only */
+#define RMAX 16                   /* query rows per tile: an A tile's rows */
+#define MAX_D 256
+#include "prefill_attention.h"
+
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+
+int pd_cpu_supported(void) {                             /* asked by kernels.cpu.available: AMX granted */
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Tiles: 0-1 S (R rows), 2 Q (R rows), 3 K (16 pair rows), 4 P (R rows), 5 V (16 pair rows), 6 O part. */
+AMX static void tile_config(int R) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[4] = cfg.rows[6] = (uint8_t)R;
+    cfg.rows[3] = cfg.rows[5] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* One query tile of R rows (bf16 query vectors qr[r], positions pos[r]) against keys [0, max pos],
+ * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). */
+AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                     const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
+    uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
+    float S[RMAX][NK] __attribute__((aligned(64))), Ob[RMAX][MAX_D] __attribute__((aligned(64)));
+    float Ot[RMAX][16] __attribute__((aligned(64))), m[RMAX], l[RMAX], alpha[RMAX];
+    __m512 lv[RMAX];                                    /* per-lane running sums: reduced once at the end */
+    uint16_t P[RMAX][NK] __attribute__((aligned(64)));
+    float *O[RMAX];
+    int64_t last = 0;
+    for (int r = 0; r < R; r++) {
+        memcpy(Q[r], qr[r], sizeof(uint16_t) * (size_t)D);
+        O[r] = Ob[r];
+        memset(O[r], 0, sizeof(float) * (size_t)D);
+        m[r] = -INFINITY; lv[r] = _mm512_setzero_ps();
+        last = pos[r] > last ? pos[r] : last;
+    }
+    tile_config(R);
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t * NK <= last; t++) {
+        const uint16_t *kt = kp + t * NK * D, *vt = vp + t * NK * D;
+        _tile_zero(0); _tile_zero(1);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {              /* 16 dim pairs a step */
+            _tile_loadd(2, Q[0] + d0, MAX_D * 2);
+            _tile_loadd(3, kt + d0 * NK, NK * 4);             /* rows d0/2.., keys 0-15 */
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(3, kt + d0 * NK + 32, NK * 4);        /* keys 16-31 */
+            _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, S[0], NK * 4);
+        _tile_stored(1, S[0] + 16, NK * 4);
+        for (int r = 0; r < R; r++) {
+            const int64_t n = pos[r] - t * NK + 1;            /* keys of this tile the row may see */
+            if (n <= 0) {                                     /* none: the row is unchanged */
+                alpha[r] = 1.f;
+                memset(P[r], 0, sizeof P[r]);
+                continue;
+            }
+            const __mmask32 vis = n >= NK ? 0xffffffffu : (__mmask32)((1u << n) - 1);
+            const __m512 s0 = _mm512_mask_mov_ps(ninf, (__mmask16)vis, _mm512_mul_ps(_mm512_load_ps(S[r]), sc));
+            const __m512 s1 = _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16),
+                                                 _mm512_mul_ps(_mm512_load_ps(S[r] + 16), sc));
+            const __m512 smax = _mm512_max_ps(s0, s1);
+            float mt = m[r];
+            alpha[r] = 1.f;
+            if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(m[r] + SLACK), _CMP_GT_OQ)) {   /* always on the first tile */
+                mt = _mm512_reduce_max_ps(smax);
+                alpha[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mt)));
+            }
+            const __m512 mv = _mm512_set1_ps(mt);
+            const __m512 p0 = exp16(_mm512_sub_ps(s0, mv)), p1 = exp16(_mm512_sub_ps(s1, mv));
+            lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
+            m[r] = mt;
+            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));     /* keys 0..15, 16..31 */
+        }
+        _tile_loadd(4, P[0], NK * 2);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {              /* 16 dims a tile */
+            _tile_zero(6);
+            _tile_loadd(5, vt + 2 * d0, D * 4);
+            _tile_dpbf16ps(6, 4, 5);
+            _tile_stored(6, Ot[0], 64);
+            for (int r = 0; r < R; r++)
+                _mm512_storeu_ps(O[r] + d0, _mm512_fmadd_ps(_mm512_loadu_ps(O[r] + d0), _mm512_set1_ps(alpha[r]),
+                                                             _mm512_load_ps(Ot[r])));
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(lv[r]);
+    write_rows(R, O, l, orow, D);
+}
+
+/* A head size the tiles cannot take (D % 32) writes NaN rows rather than reading past them; the caller
+ * (kernels/cpu/attention.py: prefill_library) sends such heads to the other builds. */
+static void tile_any(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                     const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
+    if (D % 32 == 0) {
+        tile(R, qr, pos, orow, kp, vp, D, scale);
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) orow[r][d] = 0x7fc0;
+}
+
+PD_PREFILL_ENTRY(tile_any)
