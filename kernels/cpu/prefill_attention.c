@@ -39,6 +39,7 @@
 #define RMAX 12                   /* query rows per tile: 24 score accumulators */
 #define MAX_D 256
 #include "prefill_attention.h"
+#include "prefill_softmax.h"
 
 /* vdpbf16ps where the build targets a CPU that has it (-march=native there), else the same products
  * on float32 FMAs: bf16 pairs widened by a shift (even element) and a mask (odd element), exact, and
@@ -137,7 +138,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         last = pos[r] > last ? pos[r] : last;
     }
     const int64_t NP = D / 2;
-    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t t = 0; t * NK <= last; t++) {
         const uint16_t *kt = kp + t * NK * D;
         __m512 acc[RMAX][2];
@@ -171,21 +172,10 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
                 memset(P[r], 0, sizeof P[r]);
                 continue;
             }
-            const __mmask32 vis = n >= NK ? 0xffffffffu : (__mmask32)((1u << n) - 1);
             keys = n > keys ? (n < NK ? (int)n : NK) : keys;
-            const __m512 s0 = _mm512_mask_mov_ps(ninf, (__mmask16)vis, _mm512_mul_ps(acc[r][0], sc));
-            const __m512 s1 = _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16), _mm512_mul_ps(acc[r][1], sc));
-            const __m512 smax = _mm512_max_ps(s0, s1);
-            float mt = m[r];                                 /* the reference max: moved only past the slack */
-            alpha[r] = 1.f;
-            if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(m[r] + SLACK), _CMP_GT_OQ)) {   /* always on the first tile */
-                mt = _mm512_reduce_max_ps(smax);
-                alpha[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mt)));  /* 0 on the row's first tile */
-            }
-            const __m512 mv = _mm512_set1_ps(mt);
-            const __m512 p0 = exp16(_mm512_sub_ps(s0, mv)), p1 = exp16(_mm512_sub_ps(s1, mv));
+            __m512 p0, p1;
+            softmax_tile(acc[r][0], acc[r][1], n, sc, &m[r], &alpha[r], &p0, &p1);
             l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            m[r] = mt;
 #if PD_DPBF16
             _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
 #else                          /* float32: nothing to round for (7% faster than rounding to bf16 first) */

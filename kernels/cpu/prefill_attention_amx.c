@@ -34,6 +34,7 @@
 #define RMAX 16                   /* query rows per tile: an A tile's rows */
 #define MAX_D 256
 #include "prefill_attention.h"
+#include "prefill_softmax.h"
 
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -76,7 +77,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         last = pos[r] > last ? pos[r] : last;
     }
     tile_config(R);
-    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scale);
     for (int64_t t = 0; t * NK <= last; t++) {
         const uint16_t *kt = kp + t * NK * D, *vt = vp + t * NK * D;
         _tile_zero(0); _tile_zero(1);
@@ -96,21 +97,9 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
                 memset(P[r], 0, sizeof P[r]);
                 continue;
             }
-            const __mmask32 vis = n >= NK ? 0xffffffffu : (__mmask32)((1u << n) - 1);
-            const __m512 s0 = _mm512_mask_mov_ps(ninf, (__mmask16)vis, _mm512_mul_ps(_mm512_load_ps(S[r]), sc));
-            const __m512 s1 = _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16),
-                                                 _mm512_mul_ps(_mm512_load_ps(S[r] + 16), sc));
-            const __m512 smax = _mm512_max_ps(s0, s1);
-            float mt = m[r];
-            alpha[r] = 1.f;
-            if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(m[r] + SLACK), _CMP_GT_OQ)) {   /* always on the first tile */
-                mt = _mm512_reduce_max_ps(smax);
-                alpha[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(m[r] - mt)));
-            }
-            const __m512 mv = _mm512_set1_ps(mt);
-            const __m512 p0 = exp16(_mm512_sub_ps(s0, mv)), p1 = exp16(_mm512_sub_ps(s1, mv));
+            __m512 p0, p1;
+            softmax_tile(_mm512_load_ps(S[r]), _mm512_load_ps(S[r] + 16), n, sc, &m[r], &alpha[r], &p0, &p1);
             lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
-            m[r] = mt;
             _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));     /* keys 0..15, 16..31 */
         }
         _tile_loadd(4, P[0], NK * 2);
