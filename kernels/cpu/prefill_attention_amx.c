@@ -48,18 +48,52 @@ int pd_cpu_supported(void) {                             /* asked by kernels.cpu
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-/* Tiles: 0-1 S (R rows), 2 Q (R rows), 3 K (16 pair rows), 4 P (R rows), 5 V (16 pair rows), 6 O part. */
-AMX static void tile_config(int R) {
+/* Tiles 0-1 S, 2 the A operand (Q, then P in tile_d64), 3 the B operand (K, then V in tile_d64): R rows but
+ * B operands (16 pair rows). tile: 4 P, 5 V (16), 6 a part of O. tile_d64: 4-7 O (16 dims each). */
+AMX static void tile_config(int R, int d64) {
     TileConfig cfg = {0};
     cfg.palette = 1;
-    for (int t = 0; t < 7; t++) cfg.colsb[t] = 64;
-    cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[4] = cfg.rows[6] = (uint8_t)R;
-    cfg.rows[3] = cfg.rows[5] = 16;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = (uint8_t)R; }
+    cfg.rows[3] = 16;
+    if (!d64) { cfg.rows[5] = 16; cfg.rows[7] = 0; cfg.colsb[7] = 0; }
     _tile_loadconfig(&cfg);
 }
 
+/* Key tile t's scores for the R rows (tiles 0-1 = Q (tile 2, from Q) x K (tile 3)) and each row's softmax
+ * step (prefill_softmax.h): P (bf16), alpha, the per-lane sums lv. Returns whether a row's alpha is not 1. */
+AMX static int scores(int R, uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D, int64_t t, const int64_t *pos,
+                      __m512 sc, float (*S)[NK], uint16_t (*P)[NK], float *m, float *alpha, __m512 *lv) {
+    _tile_zero(0); _tile_zero(1);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {                  /* 16 dim pairs a step */
+        _tile_loadd(2, Q[0] + d0, MAX_D * 2);
+        _tile_loadd(3, kt + d0 * NK, NK * 4);                 /* rows d0/2.., keys 0-15 */
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(3, kt + d0 * NK + 32, NK * 4);            /* keys 16-31 */
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, S[0], NK * 4);
+    _tile_stored(1, S[0] + 16, NK * 4);
+    int rescale = 0;
+    for (int r = 0; r < R; r++) {
+        const int64_t n = pos[r] - t * NK + 1;                /* keys of this tile the row may see */
+        if (n <= 0) {                                         /* none: the row is unchanged */
+            alpha[r] = 1.f;
+            memset(P[r], 0, sizeof P[r]);
+            continue;
+        }
+        __m512 p0, p1;
+        softmax_tile(_mm512_load_ps(S[r]), _mm512_load_ps(S[r] + 16), n, sc, &m[r], &alpha[r], &p0, &p1);
+        lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
+        _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));         /* keys 0..15, 16..31 */
+        rescale |= alpha[r] != 1.f;
+    }
+    return rescale;
+}
+
 /* One query tile of R rows (bf16 query vectors qr[r], positions pos[r]) against keys [0, max pos],
- * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). */
+ * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). With D = 64, O stays in tiles 4-7 across key
+ * tiles and goes through memory only when a row rescales (with SLACK, rarely after its first tiles);
+ * otherwise each 16 dims of P V are added into float32 O rows, scaled, at every key tile. */
 AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                      const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
@@ -69,6 +103,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
     uint16_t P[RMAX][NK] __attribute__((aligned(64)));
     float *O[RMAX];
     int64_t last = 0;
+    const int d64 = D == 64;
     for (int r = 0; r < R; r++) {
         memcpy(Q[r], qr[r], sizeof(uint16_t) * (size_t)D);
         O[r] = Ob[r];
@@ -76,31 +111,28 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         m[r] = -INFINITY; lv[r] = _mm512_setzero_ps();
         last = pos[r] > last ? pos[r] : last;
     }
-    tile_config(R);
+    tile_config(R, d64);
     const __m512 sc = _mm512_set1_ps(scale);
+    if (d64) { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
     for (int64_t t = 0; t * NK <= last; t++) {
-        const uint16_t *kt = kp + t * NK * D, *vt = vp + t * NK * D;
-        _tile_zero(0); _tile_zero(1);
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {              /* 16 dim pairs a step */
-            _tile_loadd(2, Q[0] + d0, MAX_D * 2);
-            _tile_loadd(3, kt + d0 * NK, NK * 4);             /* rows d0/2.., keys 0-15 */
-            _tile_dpbf16ps(0, 2, 3);
-            _tile_loadd(3, kt + d0 * NK + 32, NK * 4);        /* keys 16-31 */
-            _tile_dpbf16ps(1, 2, 3);
-        }
-        _tile_stored(0, S[0], NK * 4);
-        _tile_stored(1, S[0] + 16, NK * 4);
-        for (int r = 0; r < R; r++) {
-            const int64_t n = pos[r] - t * NK + 1;            /* keys of this tile the row may see */
-            if (n <= 0) {                                     /* none: the row is unchanged */
-                alpha[r] = 1.f;
-                memset(P[r], 0, sizeof P[r]);
-                continue;
+        const uint16_t *vt = vp + t * NK * D;
+        const int rescale = scores(R, Q, kp + t * NK * D, D, t, pos, sc, S, P, m, alpha, lv);
+        if (d64) {
+            if (rescale) {                                    /* O through memory, each row scaled */
+                _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
+                _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4);
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < 64; j += 16)
+                        _mm512_store_ps(O[r] + j, _mm512_mul_ps(_mm512_load_ps(O[r] + j), _mm512_set1_ps(alpha[r])));
+                _tile_loadd(4, Ob[0], MAX_D * 4); _tile_loadd(5, Ob[0] + 16, MAX_D * 4);
+                _tile_loadd(6, Ob[0] + 32, MAX_D * 4); _tile_loadd(7, Ob[0] + 48, MAX_D * 4);
             }
-            __m512 p0, p1;
-            softmax_tile(_mm512_load_ps(S[r]), _mm512_load_ps(S[r] + 16), n, sc, &m[r], &alpha[r], &p0, &p1);
-            lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
-            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));     /* keys 0..15, 16..31 */
+            _tile_loadd(2, P[0], NK * 2);
+            _tile_loadd(3, vt, D * 4); _tile_dpbf16ps(4, 2, 3);
+            _tile_loadd(3, vt + 32, D * 4); _tile_dpbf16ps(5, 2, 3);
+            _tile_loadd(3, vt + 64, D * 4); _tile_dpbf16ps(6, 2, 3);
+            _tile_loadd(3, vt + 96, D * 4); _tile_dpbf16ps(7, 2, 3);
+            continue;
         }
         _tile_loadd(4, P[0], NK * 2);
         for (int64_t d0 = 0; d0 < D; d0 += 16) {              /* 16 dims a tile */
@@ -112,6 +144,10 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
                 _mm512_storeu_ps(O[r] + d0, _mm512_fmadd_ps(_mm512_loadu_ps(O[r] + d0), _mm512_set1_ps(alpha[r]),
                                                              _mm512_load_ps(Ot[r])));
         }
+    }
+    if (d64) {
+        _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
+        _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4);
     }
     _tile_release();
     for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(lv[r]);
