@@ -19,19 +19,12 @@
  * a C streaming read reaches 17.6. The same loop over 1 MiB of B (in L2) runs at ~85 GB/s: arithmetic is
  * not the bound at these row counts.
  */
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-#define AMX_AHEAD 128                            /* input columns of prefetch lead per weight stream (4 KiB) */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
+#define AMX_AHEAD 128                            /* input columns of prefetch lead per weight stream (4 KiB) */
 
 /* 1 if AMX-BF16 is present and the kernel lets this process use tile data. */
-int pd_cpu_has_amx_bf16(void) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int pd_cpu_has_amx_bf16(void) { return amx_bf16_granted(); }
 
 /* The 16 lines (1 KiB) of B a stream reads AMX_AHEAD columns after k0, into L2. */
 #define AMX_PREFETCH(b, k0) \

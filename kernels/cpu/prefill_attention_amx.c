@@ -23,8 +23,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "bf16.h"
 #include "exp16.h"
@@ -35,18 +33,9 @@
 #define MAX_D 256
 #include "prefill_attention.h"
 #include "prefill_softmax.h"
+#include "amx.h"
 
-#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
-
-int pd_cpu_supported(void) {                             /* asked by kernels.cpu.available: AMX granted */
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int pd_cpu_supported(void) { return amx_bf16_granted(); }      /* asked by kernels.cpu.available */
 
 /* Tiles 0-1 S, 2 the A operand (Q, then P in tile_d64), 3 the B operand (K, then V in tile_d64): R rows but
  * B operands (16 pair rows). tile: 4 P, 5 V (16), 6 a part of O. tile_d64: 4-7 O (16 dims each). */
