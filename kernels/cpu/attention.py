@@ -99,11 +99,6 @@ def _fn():
 
 
 PREFILL_MAX_HEAD_DIM = 256
-
-
-_PREFILL_BUILDS = {KERNELS[3]: "prefill_attention_fma", KERNELS[4]: "prefill_attention_avx2"}  # by GEMM
-
-
 PREFILL_ENV = "PDSERVE_PREFILL_ATTENTION"
 
 
@@ -111,10 +106,10 @@ PREFILL_ENV = "PDSERVE_PREFILL_ATTENTION"
 def prefill_attention_path() -> str:
     """Where bf16 prefill attention runs: ``"amx"`` (``prefill_attention_amx.c``, both products on AMX
     tiles) where AMX is granted, else ``"c"`` (the build that follows the bf16 GEMM, :func:`prefill_library`).
-    One layer of bench-80m on an AMX Xeon (model 167, 2026-11-28): 2.30 ms at 512 tokens and 26.6 ms at
-    2,048 on AMX tiles, 3.28 / 33.8 ms in torch's ``scaled_dot_product_attention`` (oneDNN, AMX too),
-    5.26 / 77.3 ms in the FMA build. ``PDSERVE_PREFILL_ATTENTION=amx|c|torch`` overrides (``torch``: the
-    torch path everywhere; ``amx`` only where AMX is granted, else logged and ignored).
+    One layer of bench-80m on an AMX Xeon (model 167, 2026-11-28, ``bench/cpu_kernels.py``): 1.7 ms at 512
+    tokens and 18.4 ms at 2,048 on AMX tiles, 2.9 / 27.3 ms in torch's ``scaled_dot_product_attention``
+    (oneDNN, AMX too); the FMA build took 4.6 / 68.6 ms. ``PDSERVE_PREFILL_ATTENTION=amx|c|torch`` overrides
+    (``torch``: the torch path everywhere; ``amx`` only where AMX is granted, else logged and ignored).
 
     Raises:
         ValueError: ``PDSERVE_PREFILL_ATTENTION`` is set to something else.
