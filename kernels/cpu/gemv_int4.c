@@ -119,8 +119,9 @@ TARGET INLINE __m512i bcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* NB (1 or 2) consecutive 16-row weight blocks (each its own stream, side by side) x MR activation rows (MR a constant 1..4 after inlining; NB 2 with MR 1 only: registers).
- * Each output's operations and their order do not depend on NB. */
+/* NB (1 or 2) consecutive 16-row weight blocks (each its own stream, side by side) x MR activation rows
+ * (MR a constant 1..4 after inlining; NB 2 with MR 1 only: registers). Each output's operations and their
+ * order do not depend on NB. */
 TARGET INLINE void block_rows(const uint8_t *wb, const float *sb, const float *zb, const int8_t *xq,
                               const float *sx, const float *sxs, int64_t Kp, int64_t G, int MR, int NB,
                               __m512 out[2][4]) {
