@@ -1,8 +1,9 @@
 /* What the AMX kernels share (gemm_amx.h in gemv_bf16.c, prefill_attention_amx.c): their target
- * attribute, the tile configuration's layout (palette 1) and the check that this process may use tile
+ * attribute, the tile configuration (palette 1, 64-byte rows) and the check that this process may use tile
  * data (Linux grants it on request: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA). */
 #ifndef PD_AMX_H
 #define PD_AMX_H
+#include <immintrin.h>
 #include <stdint.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -18,5 +19,13 @@ static inline int amx_bf16_granted(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* Loads the tile configuration: every tile 64 bytes wide, rows[t] rows in tile t. */
+AMX static inline void amx_config(const uint8_t rows[8]) {
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = rows[t]; }
+    _tile_loadconfig(&cfg);
 }
 #endif

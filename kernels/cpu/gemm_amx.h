@@ -41,14 +41,6 @@ AMX static void amx_store(float *c, int64_t rows, uint16_t *y, int64_t ldy, int6
         }
 }
 
-/* Every tile 64 bytes wide; rows[t] rows in tile t. */
-AMX static void amx_config(const uint8_t rows[8]) {
-    TileConfig cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = rows[t]; }
-    _tile_loadconfig(&cfg);
-}
-
 /* Up to 16 rows (A: tile 4, M rows, stride lda elements): four B streams at a time (tiles 5, 6, 7, and 5
  * again; 16 rows each), C in 0-3 (M rows). */
 AMX static void amx_rows16(const uint16_t *a, int64_t lda, int64_t M, int64_t K, const uint16_t *wp, int64_t Np,

@@ -16,7 +16,8 @@
  *
  * P is rounded to bf16 for the value sums as FlashAttention rounds it for its matrix units (the
  * dot-product build of prefill_attention.c does the same); scores and sums are float32. Head sizes must
- * be multiples of 32 (an A tile's 32 bf16): kernels/cpu/attention.py sends others to torch.
+ * be multiples of 32 (an A tile's 32 bf16): kernels/cpu/attention.py sends others to the build that follows
+ * the bf16 GEMM (prefill_library).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -37,15 +38,12 @@
 
 int pd_cpu_supported(void) { return amx_bf16_granted(); }      /* asked by kernels.cpu.available */
 
-/* Tiles 0-1 S, 2 the A operand (Q, then P in tile_d64), 3 the B operand (K, then V in tile_d64): R rows but
- * B operands (16 pair rows). tile: 4 P, 5 V (16), 6 a part of O. tile_d64: 4-7 O (16 dims each). */
+/* Tiles 0-1 S, 2 the A operand (Q; P too with 64-dim heads), 3 the B operand (K; V too with 64-dim heads):
+ * R rows but the B operands (16 pair rows). Other heads: 4 P, 5 V (16 rows), 6 a part of O, 7 unused;
+ * 64-dim heads: 4-7 O (16 dims each). */
 AMX static void tile_config(int R, int d64) {
-    TileConfig cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = (uint8_t)R; }
-    cfg.rows[3] = 16;
-    if (!d64) { cfg.rows[5] = 16; cfg.rows[7] = 0; cfg.colsb[7] = 0; }
-    _tile_loadconfig(&cfg);
+    const uint8_t r = (uint8_t)R;
+    amx_config((const uint8_t[8]){r, r, r, 16, r, d64 ? r : 16, r, r});
 }
 
 /* Key tile t's scores for the R rows (tiles 0-1 = Q (tile 2, from Q) x K (tile 3)) and each row's softmax
