@@ -14,6 +14,9 @@
    path against the C prefill kernel (its AVX512-BF16 or FMA build).
 4. A decode step's attention over all 12 layers of a scattered KV cache evicted from the L3 before
    the step (wall time): how the decode kernel meets DRAM.
+5. The elementwise work of one bench-80m layer at a prefill chunk's 512 bf16 rows: the residual add
+   and RMSNorm, RoPE with the KV cache write, SiLU-and-mul, each as the model's torch code and as the
+   fused C kernel (:mod:`kernels.cpu.fused`, where it runs on AVX-512).
 
 Times are medians of the calling thread's CPU time (``time.thread_time``), so that time spent
 descheduled on a shared machine is not counted; pin the run (``taskset -c 1``).
@@ -172,6 +175,52 @@ def bench_prefill_attention(lengths: list[int]) -> list[dict]:
     return out
 
 
+def bench_prefill_elementwise(rows: int = 512) -> list[dict]:
+    """One bench-80m layer's elementwise operations over ``rows`` bf16 rows: the torch code of
+    :mod:`model.llama` / :mod:`model.rope` against :mod:`kernels.cpu.fused` (skipped where it is not
+    built for AVX-512: there the model keeps the torch code at these sizes)."""
+    from pdserve.kernels.cpu import fused
+    from pdserve.kernels.paged_attention import write_kv
+    from pdserve.model.rope import apply_rotary
+    if not fused.vectorized():
+        return []
+    heads, kv_heads, dim, hidden, inter = 12, 4, 64, 768, 2048
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(rows, hidden, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(hidden, generator=g).bfloat16()
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    gate_up = torch.randn(rows, 2 * inter, generator=g).bfloat16()
+    cache = torch.zeros(rows // 16 + 1, 1, 2, 16, kv_heads, dim, dtype=torch.bfloat16)
+    slots = torch.arange(rows)
+    freqs = slots[:, None].float() / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    def torch_norm():
+        s = x + r
+        sf = s.float()
+        return w * (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16(), s
+
+    def torch_rope():
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+        k = apply_rotary(k.reshape(rows, kv_heads, dim), cos, sin)
+        write_kv(cache, 0, k, v.reshape(rows, kv_heads, dim), slots)
+        return apply_rotary(q.reshape(rows, heads, dim), cos, sin)
+
+    cases = {"add_rms_norm": (torch_norm, lambda: fused.add_rms_norm(x, r, w, 1e-5)),
+             "rope_write_kv": (torch_rope, lambda: fused.rope_write_kv(qkv, cos, sin, cache, 0, slots, heads, kv_heads,
+                                                                       dim, q_dtype=torch.bfloat16)),
+             "silu_and_mul": (lambda: F.silu(gate_up[:, :inter]) * gate_up[:, inter:],
+                              lambda: fused.silu_and_mul(gate_up))}
+    out = []
+    for name, (torch_fn, c_fn) in cases.items():
+        row = {"op": name, "rows": rows, "torch_s": median_time(torch_fn, repeats=21),
+               "c_s": median_time(c_fn, repeats=21)}
+        out.append(row)
+        print(f"{name:14s} {rows} rows: torch {row['torch_s'] * 1e6:6.0f} us, C {row['c_s'] * 1e6:6.0f} us", flush=True)
+    return out
+
+
 def l3_evictor() -> Callable[[], None]:
     """A call that evicts the L3 (writes a buffer 1.5x its size; 256 MiB where its size is unknown)."""
     evict = torch.empty(int(cpu_facts()["l3_bytes"] * 1.5) // 4 or 2 ** 26)
@@ -231,7 +280,8 @@ def main() -> None:
     result = {"linears": bench_linears([int(r) for r in args.rows.split(",")]),
               "attention": bench_attention([(1, 1), (8, 1), (32, 1), (1, 5), (4, 8), (4, 16)]),
               "prefill_attention": bench_prefill_attention([512, 2048]),
-              "cold_attention": bench_cold_attention([(32, 140), (32, 1024), (4, 512), (4, 140)])}
+              "cold_attention": bench_cold_attention([(32, 140), (32, 1024), (4, 512), (4, 140)]),
+              "prefill_elementwise": bench_prefill_elementwise()}
     write_result(result, Path(args.out))
 
 

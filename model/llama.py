@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.cpu import fused
-from pdserve.kernels.cpu.attention import paged_attention_cpu
+from pdserve.kernels.cpu.attention import paged_attention_cpu, prefill_attention_available
 from pdserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_stack import decode_stack
@@ -50,9 +50,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
-        if cpu_kernel or (x.dtype == torch.bfloat16 == self.weight.dtype and x.dim() == 2 and x.is_cpu
-                          and x.stride(1) == 1 and fused.rms_norm_vectorized()):   # prefill-sized bf16 rows too
+    def forward(self, x: torch.Tensor, cpu_kernel: bool = False, residual: torch.Tensor | None = None):
+        """``x`` ``[rows, dim]`` -> normed rows; with ``residual``, ``s = x + residual`` first (rounded to
+        their dtype) and ``(norm(s), s)`` returned: a layer's residual add fused into the next norm where
+        the C kernel runs (vLLM's ``fused_add_rms_norm``), bit-identical to the two operations."""
+        c_kernel = cpu_kernel or (x.dtype == torch.bfloat16 == self.weight.dtype and x.dim() == 2 and x.is_cpu
+                                  and x.stride(1) == 1 and fused.vectorized())    # prefill-sized bf16 rows too
+        if residual is not None:
+            if c_kernel and residual.dtype == x.dtype and residual.stride(-1) == 1:
+                return fused.add_rms_norm(x, residual, self.weight, self.eps)
+            s = x + residual
+            return self(s, cpu_kernel), s
+        if c_kernel:
             return fused.rms_norm(x, self.weight, self.eps)
         if triton_elementwise(x) and x.dtype == self.weight.dtype:
             return _fused_triton().rms_norm(x, self.weight, self.eps)
@@ -88,6 +97,12 @@ class Attention(nn.Module):
             out = paged_attention_cpu(q, kv_cache, self.layer, meta.query_start_loc, meta.seq_lens,
                                       meta.block_tables, self.scale)
             return self.o_proj(out.view(n, self.q_size).to(x.dtype))
+        if self._c_prefill(qkv, kv_cache):
+            # CPU, bf16 rows of a prefill chunk: RoPE + cache write in C, the C prefill attention on bf16 q
+            q = fused.rope_write_kv(qkv, cos, sin, kv_cache, self.layer, meta.slot_mapping, cfg.num_heads,
+                                    cfg.num_kv_heads, cfg.head_dim, q_dtype=qkv.dtype)
+            out = paged_attention(q, None, None, kv_cache, self.layer, meta, self.scale)
+            return self.o_proj(out.reshape(n, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(n, cfg.num_heads, cfg.head_dim), k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
@@ -102,6 +117,15 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
+    def _c_prefill(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether a step's RoPE + KV write runs in C ahead of the C prefill attention: bf16 rows and cache
+        on a CPU where both run vectorized (AVX-512; heads a multiple of 32, no q/k norm), bit-identical
+        to the torch code (``apply_rotary``, ``write_kv``)."""
+        return (qkv.dtype == kv_cache.dtype == torch.bfloat16 and qkv.is_cpu and qkv.stride(1) == 1
+                and not self.cfg.qk_norm and self.cfg.head_dim % 32 == 0 and self.cfg.head_dim <= fused.MAX_HEAD_DIM
+                and fused.vectorized() and prefill_attention_available(self.cfg.head_dim))
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer, 2020)."""
 
@@ -113,13 +137,21 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if cpu_kernels:
+        if cpu_kernels or self._c_silu(gate_up):
             return self.down_proj(fused.silu_and_mul(gate_up))
         if triton_elementwise(gate_up):
             return self.down_proj(_fused_triton().silu_and_mul(gate_up.view(-1, 2 * self.intermediate))
                                   .view(*gate_up.shape[:-1], self.intermediate))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    @staticmethod
+    def _c_silu(gate_up: torch.Tensor) -> bool:
+        """Whether SiLU-and-mul of a step of any size runs in C: bf16 row-major rows on a CPU where it runs
+        vectorized (AVX-512), bit-identical to ``F.silu(gate) * up`` but for a rare one-ulp rounding
+        (:func:`kernels.cpu.fused.silu_and_mul`)."""
+        return (gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.is_cpu
+                and gate_up.stride(1) == 1 and fused.vectorized())
 
 
 class DecoderLayer(nn.Module):
@@ -132,9 +164,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, kv_cache, meta, cpu_kernels: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x, cpu_kernels), cos, sin, kv_cache, meta, cpu_kernels)
-        return x + self.mlp(self.post_attention_layernorm(x, cpu_kernels), cpu_kernels)
+    def forward(self, x, residual, cos, sin, kv_cache, meta, cpu_kernels: bool = False):
+        """``x``: the previous layer's output ``[num_tokens, hidden]`` and ``residual`` the stream it adds to
+        (None at the first layer, where ``x`` is the stream) -> this layer's ``(output, residual)``: each
+        residual add runs inside the norm after it, as vLLM's layers pass them."""
+        if residual is None:
+            h, residual = self.input_layernorm(x, cpu_kernels), x
+        else:
+            h, residual = self.input_layernorm(x, cpu_kernels, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta, cpu_kernels)
+        h, residual = self.post_attention_layernorm(h, cpu_kernels, residual)
+        return self.mlp(h, cpu_kernels), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,9 +218,10 @@ class LlamaForCausalLM(nn.Module):
         if cpu_kernels and self.cpu_stack and (stack := decode_stack(self)) is not None:
             return stack.run(x, cos, sin, kv_cache, meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
                              meta.block_tables, num_layers)
+        residual = None
         for layer in self.layers[:num_layers]:
-            x = layer(x, cos, sin, kv_cache, meta, cpu_kernels)
-        return self.norm(x, cpu_kernels)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, cpu_kernels)
+        return self.norm(x, cpu_kernels) if residual is None else self.norm(x, cpu_kernels, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

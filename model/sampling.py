@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.cpu.fused import argmax_rows, rms_norm_vectorized
+from pdserve.kernels.cpu.fused import argmax_rows, vectorized
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
@@ -144,7 +144,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     (:func:`kernels.cpu.fused.argmax_rows`) for float32 CPU logits of at least ``GREEDY_C_MIN`` entries
     where it runs."""
     if logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu" \
-            and logits.stride(1) == 1 and logits.numel() >= GREEDY_C_MIN and rms_norm_vectorized():
+            and logits.stride(1) == 1 and logits.numel() >= GREEDY_C_MIN and vectorized():
         return argmax_rows(logits)
     return logits.argmax(dim=-1)
 

@@ -238,7 +238,7 @@ def test_fused_ops_round_as_the_torch_code(dtype, dim):
     assert torch.equal(cache, ref_cache)
 
 
-@pytest.mark.skipif(not cfused.rms_norm_vectorized(), reason="RMSNorm not built for AVX-512 here")
+@pytest.mark.skipif(not cfused.vectorized(), reason="RMSNorm not built for AVX-512 here")
 def test_prefill_sized_bf16_rows_take_the_c_rms_norm_within_one_rounding_of_torch():
     torch.manual_seed(2)
     x = torch.randn(512, 768).bfloat16()

@@ -49,4 +49,4 @@ def test_sample_takes_the_c_argmax_for_large_logits_and_agrees_with_torch(monkey
     monkeypatch.setattr(sampling, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     assert sample(logits, [greedy] * 4, [0] * 4) == logits.argmax(dim=-1).tolist()
-    assert calls == ([(4, 4096)] if cfused.rms_norm_vectorized() else [])
+    assert calls == ([(4, 4096)] if cfused.vectorized() else [])

@@ -38,8 +38,8 @@ typedef int (*int4_linear_fn)(const void *x, int x_bf16, int64_t M, int64_t K, i
 typedef void (*rms_norm_fn)(const void *x, const void *w, void *out, int64_t n, int64_t dim, int64_t ldx,
                             int64_t ldo, float eps, int bf16);
 typedef void (*rope_write_kv_fn)(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
-                                 const float *cos_t, const float *sin_t, float *q_out, void *cache, int64_t s_block,
-                                 int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots,
+                                 const float *cos_t, const float *sin_t, void *q_out, int q_elem, void *cache,
+                                 int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots,
                                  int64_t block_size, int bf16, const void *q_norm_w, const void *k_norm_w, float eps);
 typedef int (*attention_fn)(const float *q, float *out, int64_t H, int64_t Hkv, int64_t D, const int32_t *qs,
                             const int32_t *seq_lens, int64_t B, const void *cache, int bf16, int64_t s_block,
@@ -174,7 +174,7 @@ int pd_decode_stack(const Model *m, const Step *s, void *x, void *out, int64_t n
         char *cache = s->cache + li * s->s_layer_bytes;
         m->k.rms_norm(x, L->input_norm, h, n, m->hidden, m->hidden, m->hidden, m->eps, m->bf16);
         if ((rc = linear(m, &L->qkv, h, qkv, n))) break;
-        m->k.rope_write_kv(qkv, n, qkv_n, m->H, m->Hkv, m->D, s->cos_t, s->sin_t, q, cache, s->s_block, s->s_tok,
+        m->k.rope_write_kv(qkv, n, qkv_n, m->H, m->Hkv, m->D, s->cos_t, s->sin_t, q, 0, cache, s->s_block, s->s_tok,
                            s->s_head, s->s_v, s->slots, s->block_size, m->bf16, L->q_norm, L->k_norm, m->eps);
         if ((rc = m->k.attention(q, att, m->H, m->Hkv, m->D, s->qs, s->seq_lens, s->B, cache, m->bf16, s->s_block,
                                  s->s_tok, s->s_head, s->s_v, s->tables, s->max_blocks, s->block_size, m->scale)))

@@ -3,10 +3,15 @@
  * decode sizes, more than their arithmetic).
  *
  *   pd_rms_norm       out = w * rmsnorm(x)                                      (RMSNorm, Zhang & Sennrich 2019)
+ *   pd_add_rms_norm   sum = x + r; out = w * rmsnorm(sum)                       (a residual add and the next norm,
+ *                                                                                as vLLM's fused_add_rms_norm)
  *   pd_rope_write_kv  q_out = rope(q); cache[slot] = (rope(k), v)               (RoPE, Su et al. 2021)
+ *                     (q_out float32 for the decode attention, or the element type for the prefill one)
  *                     optionally q, k = rmsnorm per head first (Qwen3's q_norm / k_norm)
  *   pd_silu_mul       out = silu(gate) * up                                     (SwiGLU, Shazeer 2020)
  *   pd_argmax_rows    out[i] = argmax_j x[i, j], as torch.argmax picks       (greedy sampling)
+ *
+ * On AVX-512 (PD_VECTOR_NORM) every one runs on 16 lanes and serves prefill-sized steps too.
  *
  * Element type: float32 or bfloat16 (flag bf16). Every result is rounded to the element
  * type where the torch code it replaces (model/llama.py, model/rope.py) rounds, and nothing is contracted
@@ -38,24 +43,36 @@ static inline float rnd(float v, int bf16) {           /* v as the element type 
 #define PD_VECTOR_NORM 1
 #include <immintrin.h>
 
+#include "exp16.h"
+
 static inline __m512 load16(const void *p, int64_t i, int bf16, __mmask16 m) {
     if (!bf16) return _mm512_maskz_loadu_ps(m, (const float *)p + i);
     const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* 16 float32 lanes rounded to bf16 (nearest even, NaN quiet): one vcvtneps2bf16 where AVX512-BF16 is
+ * there, the same result as bf16.h's integer sequence (eight instructions) elsewhere. */
+static inline __m256i bf16x16(__m512 f) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    return _mm512_cvtepi32_epi16(f32_to_bf16_x16(f));
+#endif
+}
+
 static inline __m512 rnd16(__m512 f, int bf16) {         /* f as the element type holds it */
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(f32_to_bf16_x16(f), 16)) : f;
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(f)), 16)) : f;
 }
 
 static inline void store16(void *p, int64_t i, __m512 f, int bf16, __mmask16 m) {
-    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(f32_to_bf16_x16(f)));
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16x16(f));
     else _mm512_mask_storeu_ps((float *)p + i, m, f);
 }
 #endif
 
-/* 1 where pd_rms_norm runs on AVX-512 (then faster than torch's operators at any row count). */
-int pd_rms_norm_vectorized(void) {
+/* 1 where these kernels run on AVX-512 (then faster than torch's operators at any row count). */
+int pd_vectorized(void) {
 #ifdef PD_VECTOR_NORM
     return 1;
 #else
@@ -95,6 +112,35 @@ void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim
 #endif
 }
 
+/* sum = x + r rounded to the element type (torch's add), then out = w * rmsnorm(sum) exactly as pd_rms_norm
+ * computes it from sum: one pass fewer over the rows than the two operations. x, r, sum, out: [n, dim]
+ * with row strides ldx, ldr, lds, ldo. */
+void pd_add_rms_norm(const void *x, const void *r, const void *w, void *sum, void *out, int64_t n, int64_t dim,
+                     int64_t ldx, int64_t ldr, int64_t lds, int64_t ldo, float eps, int bf16) {
+#ifdef PD_VECTOR_NORM
+    for (int64_t i = 0; i < n; i++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __mmask16 m = dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
+            const __m512 v = rnd16(_mm512_add_ps(load16(x, i * ldx + d, bf16, m), load16(r, i * ldr + d, bf16, m)), bf16);
+            store16(sum, i * lds + d, v, bf16, m);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __mmask16 m = dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
+            const __m512 normed = rnd16(_mm512_mul_ps(load16(sum, i * lds + d, bf16, m), inv), bf16);
+            store16(out, i * ldo + d, _mm512_mul_ps(load16(w, d, bf16, m), normed), bf16, m);
+        }
+    }
+#else
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < dim; d++)
+            put(sum, i * lds + d, get(x, i * ldx + d, bf16) + get(r, i * ldr + d, bf16), bf16);
+    pd_rms_norm(sum, w, out, n, dim, lds, ldo, eps, bf16);
+#endif
+}
+
 /* x[0..D) = w * rmsnorm(x), rounded as pd_rms_norm rounds (the element type's RMSNorm of one head). */
 static inline void head_rms_norm(float *x, const void *w, int64_t D, float eps, int bf16) {
     float ss = 0.f;
@@ -108,7 +154,7 @@ static inline void head_rms_norm(float *x, const void *w, int64_t D, float eps, 
  * rounded once for all its heads: the same operations and roundings as the scalar loop below
  * (bit-identical). bench-80m's layer at batch 32, Zen 4, a C harness: 29-30 -> 14 us. */
 static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
-                                 const float *cos_t, const float *sin_t, float *q_out, void *cache,
+                                 const float *cos_t, const float *sin_t, void *q_out, int q_elem, void *cache,
                                  int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,
                                  const int64_t *slots, int64_t block_size, int bf16) {
     const int64_t half = D / 2, esz = bf16 ? 2 : 4;
@@ -131,9 +177,9 @@ static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t
                                                       rnd16(_mm512_mul_ps(_mm512_xor_ps(x2, sign), s1), bf16)), bf16);
                 const __m512 hi = rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2), bf16),
                                                       rnd16(_mm512_mul_ps(x1, s2), bf16)), bf16);
-                if (h < H) {
-                    _mm512_storeu_ps(q_out + (i * H + h) * D + d, lo);
-                    _mm512_storeu_ps(q_out + (i * H + h) * D + half + d, hi);
+                if (h < H) {                                   /* lo, hi are already rounded: exact in either type */
+                    store16(q_out, (i * H + h) * D + d, lo, q_elem && bf16, 0xffff);
+                    store16(q_out, (i * H + h) * D + half + d, hi, q_elem && bf16, 0xffff);
                 } else {
                     store16(cache, base + (h - H) * s_head + d, lo, bf16, 0xffff);
                     store16(cache, base + (h - H) * s_head + half + d, hi, bf16, 0xffff);
@@ -147,18 +193,19 @@ static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t
 }
 #endif
 
-/* qkv: [n, (H + 2 Hkv) D] rows of stride ld; cos, sin: float32 [n, D]; q_out: float32 [n, H, D].
+/* qkv: [n, (H + 2 Hkv) D] rows of stride ld; cos, sin: float32 [n, D]; q_out: [n, H, D], float32, or the
+ * element type where q_elem (the rotated queries are rounded to it either way: the value is the same).
  * cache: base of one layer; K of (block, off, head) at block*s_block + off*s_tok + head*s_head, V at + s_v.
  * slots: int64 [n] = block * block_size + offset.
  * q_norm_w, k_norm_w: [D] of the element type, or NULL: RMSNorm (eps) of each query / key head before RoPE. */
 void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t Hkv, int64_t D,
-                      const float *cos_t, const float *sin_t, float *q_out, void *cache, int64_t s_block,
+                      const float *cos_t, const float *sin_t, void *q_out, int q_elem, void *cache, int64_t s_block,
                       int64_t s_tok, int64_t s_head, int64_t s_v, const int64_t *slots, int64_t block_size,
                       int bf16, const void *q_norm_w, const void *k_norm_w, float eps) {
     const int64_t half = D / 2;
 #ifdef PD_VECTOR_NORM
     if (half % 16 == 0 && !q_norm_w && !k_norm_w) {
-        rope_write_kv_avx512(qkv, n, ld, H, Hkv, D, cos_t, sin_t, q_out, cache, s_block, s_tok, s_head, s_v,
+        rope_write_kv_avx512(qkv, n, ld, H, Hkv, D, cos_t, sin_t, q_out, q_elem, cache, s_block, s_tok, s_head, s_v,
                              slots, block_size, bf16);
         return;
     }
@@ -177,7 +224,8 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
                 v[d] = rnd(rnd(x[d] * rnd(c[d], bf16), bf16) + rnd(-x[d + half] * rnd(s[d], bf16), bf16), bf16);
             for (int64_t d = half; d < D; d++)
                 v[d] = rnd(rnd(x[d] * rnd(c[d], bf16), bf16) + rnd(x[d - half] * rnd(s[d], bf16), bf16), bf16);
-            if (h < H) memcpy(q_out + (i * H + h) * D, v, (size_t)D * sizeof(float));
+            if (h < H && q_elem) for (int64_t d = 0; d < D; d++) put(q_out, (i * H + h) * D + d, v[d], bf16);
+            else if (h < H) memcpy((float *)q_out + (i * H + h) * D, v, (size_t)D * sizeof(float));
             else for (int64_t d = 0; d < D; d++) put(cache, base + (h - H) * s_head + d, v[d], bf16);
         }
         for (int64_t h = 0; h < Hkv; h++)
@@ -187,8 +235,24 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
 }
 
 /* gate_up: [n, 2 inter] rows of stride ld (gate first); out: [n, inter] contiguous.
- * silu in float32 through a buffer, so the expf loop vectorizes (glibc libmvec, as torch's Sleef). */
+ * silu(g) = g / (1 + e^-g) in float32, rounded to the element type, times up (torch's F.silu(gate) * up).
+ * On AVX-512 16 lanes at a time with exp16.h's exp (Cephes' polynomial, within ~1 ulp, as torch's Sleef
+ * and glibc's are: a result lying within a few float32 ulps of a bf16 rounding midpoint can round the
+ * other way than torch's, one bf16 ulp). -g is capped at 100, past exp16's range (e^-g is inf from
+ * -g > 88.72, as expf's, so silu is -0 there, as torch's); for g > 87 e^-g is 0 and silu g, as torch's. bench-80m's 512 x 2,048 per layer: ~0.9 ms in torch or in the scalar
+ * loop below, <measured> here. Elsewhere through a buffer, so the expf loop vectorizes (glibc libmvec). */
 void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16) {
+#ifdef PD_VECTOR_NORM
+    const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f), cap = _mm512_set1_ps(100.f);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < inter; d += 16) {
+            const __mmask16 m = inter - d >= 16 ? 0xffff : (__mmask16)((1u << (inter - d)) - 1);
+            const __m512 g = load16(gate_up, i * ld + d, bf16, m), u = load16(gate_up, i * ld + inter + d, bf16, m);
+            const __m512 e = exp16(_mm512_min_ps(_mm512_xor_ps(g, sign), cap));       /* e^-g */
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+            store16(out, i * inter + d, _mm512_mul_ps(rnd16(silu, bf16), u), bf16, m);
+        }
+#else
     float buf[256];
     for (int64_t i = 0; i < n; i++)
         for (int64_t d0 = 0; d0 < inter; d0 += 256) {
@@ -199,6 +263,7 @@ void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void
             for (int64_t d = 0; d < m; d++)
                 put(out, i * inter + d0 + d, rnd(buf[d], bf16) * get(gate_up, i * ld + inter + d0 + d, bf16), bf16);
         }
+#endif
 }
 
 /* x: float32 [n, vocab] rows of stride ld; out: int64 [n]. The index torch.argmax gives: the first

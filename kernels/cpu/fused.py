@@ -1,8 +1,8 @@
-"""Fused RMSNorm, RoPE + KV cache write and SiLU-and-mul for decode-sized steps on CPUs (``fused.c``).
+"""Fused RMSNorm (with the residual add before it), RoPE + KV cache write and SiLU-and-mul on CPUs (``fused.c``).
 
 Inputs are float32 or bf16 row-major ``[rows, features]`` CPU tensors; the model calls these
-when the step's metadata says so (:func:`kernels.paged_attention.cpu_kernels_apply`), and RMSNorm
-for bf16 rows of any count where it runs on AVX-512 (:func:`rms_norm_vectorized`).
+when the step's metadata says so (:func:`kernels.paged_attention.cpu_kernels_apply`: decode-sized
+steps), and for bf16 prefill rows of any count where they run on AVX-512 (:func:`vectorized`).
 
 Each replaces a chain of small tensor operations whose framework overhead, at a few rows,
 outweighs their arithmetic (Qwen3's per-head q/k RMSNorm runs inside :func:`rope_write_kv`).
@@ -31,11 +31,12 @@ def _check_rows(name: str, x: torch.Tensor) -> None:
 
 
 @functools.cache
-def rms_norm_vectorized() -> bool:
-    """Whether :func:`rms_norm` runs on AVX-512 here, and so beats torch's operators at every row
-    count (bench-80m's 512 x 768 bf16 rows: C ~0.05 ms vs torch's chain of seven operations ~0.2 ms);
-    the scalar build serves decode-sized steps only."""
-    return available("fused") and bool(library("fused").pd_rms_norm_vectorized())
+def vectorized() -> bool:
+    """Whether these kernels run on AVX-512 here, and so beat torch's operators at every row count;
+    the scalar build serves decode-sized steps only. bench-80m's layer at 512 bf16 rows, Xeon model 167
+    (AMX, AVX512-BF16), one core: RMSNorm C ~0.05 ms vs torch's chain of seven operations ~0.2 ms;
+    RoPE with the KV write 0.17 vs 0.82 ms; SiLU-and-mul 0.50 vs 0.78 ms (``bench/cpu_kernels.py``, part 5)."""
+    return available("fused") and bool(library("fused").pd_vectorized())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,16 +55,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (rounded to their dtype, as torch's add) and ``weight * (s / rms(s))`` in one pass
+    over the rows: a decoder layer's residual add and the next RMSNorm (vLLM's ``fused_add_rms_norm``).
+    ``x``, ``residual`` ``[rows, dim]`` of one dtype, ``weight`` ``[dim]``. Returns ``(normed, s)``, each
+    ``[rows, dim]``; ``normed`` as :func:`rms_norm` of ``s``, bit-identical.
+
+    Raises:
+        ValueError: layouts, shapes or dtypes the kernel does not take.
+    """
+    _check_rows("add_rms_norm", x)
+    _check_rows("add_rms_norm", residual)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} does not match "
+                         f"x {tuple(x.shape)} {x.dtype}")
+    if weight.dtype != x.dtype or weight.shape != (x.shape[1],) or not weight.is_contiguous():
+        raise ValueError(f"add_rms_norm: weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    s, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+    _fn("pd_add_rms_norm", [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f, _int])(
+        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), s.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+        x.stride(0), residual.stride(0), x.shape[1], x.shape[1], eps, int(x.dtype == torch.bfloat16))
+    return out, s
+
+
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                   slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> torch.Tensor:
+                  eps: float = 1e-6, q_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """RoPE on the queries and keys of ``qkv`` (``[n, (H + 2 Hkv) D]``, as ``qkv_proj`` returns it);
     rotated keys and the values go to ``kv_cache`` (of qkv's dtype) at ``slot_mapping`` (``[n]`` int64).
     ``cos``/``sin``: ``[n, 1, D]`` or ``[n, D]`` float32. Returns the rotated queries ``[n, H, D]`` float32.
     ``q_norm``, ``k_norm`` (``[D]`` of qkv's dtype, both or neither): each query / key head is first
     RMS-normalized with ``eps`` and scaled by them, as :class:`model.llama.RMSNorm` over the head
-    (Qwen3). Slots must lie inside the cache (not checked; the engine allocates them from its pool).
+    (Qwen3). ``q_dtype``: float32 (for the decode attention) or qkv's dtype (for the prefill attention,
+    :func:`~kernels.cpu.attention.prefill_attention_cpu`); the values are the same, rounded to qkv's
+    dtype as ``apply_rotary`` rounds them. Slots must lie inside the cache (not checked; the engine
+    allocates them from its pool).
 
     Raises:
         ValueError: an odd ``head_dim`` or one above 512, or shapes, dtypes and layouts that do not
@@ -87,16 +116,18 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
             for w in (q_norm, k_norm)):
         raise ValueError(f"rope_write_kv: q_norm and k_norm must both be contiguous [{head_dim}] {qkv.dtype} "
                          f"or both None")
+    if q_dtype not in (torch.float32, qkv.dtype):
+        raise ValueError(f"rope_write_kv: q_dtype must be float32 or qkv's {qkv.dtype}, got {q_dtype}")
     cos, sin = cos.reshape(n, head_dim).contiguous(), sin.reshape(n, head_dim).contiguous()
     slots = slot_mapping.contiguous()
     norms = (q_norm.data_ptr(), k_norm.data_ptr()) if q_norm is not None else (None, None)
-    q = torch.empty(n, num_heads, head_dim)
+    q = torch.empty(n, num_heads, head_dim, dtype=q_dtype)
     s_block, _, s_kv, s_tok, s_head, _ = kv_cache.stride()
     base = kv_cache.data_ptr() + layer * kv_cache.stride(1) * kv_cache.element_size()
-    _fn("pd_rope_write_kv", [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _p, _i64,
-                             _int, _p, _p, _f])(
+    _fn("pd_rope_write_kv", [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _int, _p, _i64, _i64, _i64, _i64, _p,
+                             _i64, _int, _p, _p, _f])(
         qkv.data_ptr(), n, qkv.stride(0), num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-        q.data_ptr(), base, s_block, s_tok, s_head, s_kv, slots.data_ptr(), kv_cache.shape[3],
+        q.data_ptr(), int(q_dtype != torch.float32), base, s_block, s_tok, s_head, s_kv, slots.data_ptr(), kv_cache.shape[3],
         int(qkv.dtype == torch.bfloat16), *norms, eps)
     return q
 

@@ -1,0 +1,109 @@
+"""The fused C kernels on prefill-sized bf16 rows: residual add + RMSNorm, RoPE + KV write with bf16
+queries, SiLU-and-mul, each against the torch code it replaces, and a model's prefill with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.cpu import fused as cfused
+from pdserve.kernels.paged_attention import write_kv
+from pdserve.model import llama
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.rope import apply_rotary
+from pdserve.model.runner import ModelRunner, StepInput
+
+needs_vector = pytest.mark.skipif(not cfused.vectorized(), reason="the fused kernels are not built for AVX-512 here")
+
+
+@needs_vector
+def test_silu_and_mul_is_torch_bit_for_bit_on_prefill_rows_and_at_the_exp_range_edges():
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(300, 2 * 1000, generator=g) * 4).bfloat16()     # a 1000-wide row: masked tails
+    edges = torch.tensor([-1e30, -100.0, -88.8, -88.7, -87.5, -87.0, -0.0, 0.0, 87.0, 87.5, 88.7, 100.0,
+                          float("inf"), float("-inf"), float("nan"), 1e-40])
+    gate_up[0, :16] = edges.bfloat16()
+    gate, up = gate_up.split(1000, -1)
+    got, ref = cfused.silu_and_mul(gate_up), F.silu(gate) * up
+    assert torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(0.0), ref.nan_to_num(0.0))
+    assert torch.equal(got.signbit(), ref.signbit())                          # -0 where torch gives -0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_c_norm(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(70, 200, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(200, generator=g).to(dtype)
+    normed, s = cfused.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r)
+    assert torch.equal(normed, cfused.rms_norm(x + r, w, 1e-5))
+    with pytest.raises(ValueError, match="does not match"):
+        cfused.add_rms_norm(x, r[:, :100].contiguous(), w, 1e-5)
+
+
+def test_rope_write_kv_returns_bf16_queries_equal_to_apply_rotary():
+    heads, kv_heads, dim, n = 4, 2, 64, 40
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g).bfloat16()
+    pos = torch.arange(n) * 3
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat((pos[:, None] * inv, pos[:, None] * inv), -1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    slots = torch.randperm(64, generator=g)[:n]
+    cache, ref_cache = (torch.zeros(16, 2, 2, 4, kv_heads, dim, dtype=torch.bfloat16) for _ in range(2))
+    q = cfused.rope_write_kv(qkv, cos, sin, cache, 1, slots, heads, kv_heads, dim, q_dtype=torch.bfloat16)
+    qr, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    write_kv(ref_cache, 1, apply_rotary(k.reshape(n, kv_heads, dim), cos, sin), v.reshape(n, kv_heads, dim), slots)
+    assert q.dtype == torch.bfloat16 and torch.equal(q, apply_rotary(qr.reshape(n, heads, dim), cos, sin))
+    assert torch.equal(cache, ref_cache)
+    with pytest.raises(ValueError, match="q_dtype"):
+        cfused.rope_write_kv(qkv, cos, sin, cache, 1, slots, heads, kv_heads, dim, q_dtype=torch.float16)
+
+
+@pytest.fixture(scope="module")
+def model_64(tmp_path_factory) -> str:
+    """A random-weight bf16 Llama with 64-dim heads (the size the C RoPE + prefill attention take)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("llama-64")
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=500, max_position_embeddings=512)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
+@needs_vector
+def test_bf16_prefill_through_the_fused_kernels_equals_the_torch_operations(model_64, monkeypatch):
+    """Two chunks (the second attends to the first through the cache) of 150 and 90 rows: the hidden
+    states and the KV cache equal those of the torch RoPE, cache write and SiLU, bit for bit."""
+    model, cfg = load_model(model_64, torch.bfloat16)
+    ids = torch.randint(3, cfg.vocab_size, (240,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = list(range(20, 36))
+
+    def prefill() -> tuple[torch.Tensor, torch.Tensor]:
+        runner = ModelRunner(model, KVCacheSpec(40, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                torch.bfloat16))
+        runner.run([StepInput(ids[:150], 0, table)])
+        return runner.run([StepInput(ids[150:], 150, table)]), runner.kv_cache
+
+    calls = []
+    monkeypatch.setattr(cfused, "rope_write_kv", _counting(cfused.rope_write_kv, calls))
+    fused_logits, fused_cache = prefill()
+    assert len(calls) == 2 * cfg.num_layers                         # every layer of both chunks took it
+    monkeypatch.setattr(llama.Attention, "_c_prefill", lambda self, qkv, kv_cache: False)
+    monkeypatch.setattr(llama.MLP, "_c_silu", staticmethod(lambda gate_up: False))
+    torch_logits, torch_cache = prefill()
+    assert len(calls) == 2 * cfg.num_layers
+    assert torch.equal(fused_cache, torch_cache)
+    assert torch.equal(fused_logits, torch_logits)
+
+
+def _counting(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return fn(*args, **kwargs)
+    return wrapped
