@@ -127,8 +127,8 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     _fn("pd_rope_write_kv", [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _int, _p, _i64, _i64, _i64, _i64, _p,
                              _i64, _int, _p, _p, _f])(
         qkv.data_ptr(), n, qkv.stride(0), num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-        q.data_ptr(), int(q_dtype != torch.float32), base, s_block, s_tok, s_head, s_kv, slots.data_ptr(), kv_cache.shape[3],
-        int(qkv.dtype == torch.bfloat16), *norms, eps)
+        q.data_ptr(), int(q_dtype != torch.float32), base, s_block, s_tok, s_head, s_kv, slots.data_ptr(),
+        kv_cache.shape[3], int(qkv.dtype == torch.bfloat16), *norms, eps)
     return q
 
 
