@@ -46,10 +46,9 @@ AMX static void tile_config(int R, int d64) {
     amx_config((const uint8_t[8]){r, r, r, 16, r, d64 ? r : 16, r, r});
 }
 
-/* Key tile t's scores for the R rows (tiles 0-1 = Q (tile 2, from Q) x K (tile 3)) and each row's softmax
- * step (prefill_softmax.h): P (bf16), alpha, the per-lane sums lv. Returns whether a row's alpha is not 1. */
-AMX static int scores(int R, uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D, int64_t t, const int64_t *pos,
-                      __m512 sc, float (*S)[NK], uint16_t (*P)[NK], float *m, float *alpha, __m512 *lv) {
+/* Key tile kt's raw scores of the query tile Q into tiles 0-1 (keys 0-15, 16-31): Q (tile 2) x K (tile 3),
+ * D/32 steps; issued only, stored by the caller a key tile later. */
+AMX static void issue_scores(uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D) {
     _tile_zero(0); _tile_zero(1);
     for (int64_t d0 = 0; d0 < D; d0 += 32) {                  /* 16 dim pairs a step */
         _tile_loadd(2, Q[0] + d0, MAX_D * 2);
@@ -58,8 +57,12 @@ AMX static int scores(int R, uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D
         _tile_loadd(3, kt + d0 * NK + 32, NK * 4);            /* keys 16-31 */
         _tile_dpbf16ps(1, 2, 3);
     }
-    _tile_stored(0, S[0], NK * 4);
-    _tile_stored(1, S[0] + 16, NK * 4);
+}
+
+/* Each row's softmax step over key tile t's stored scores S (prefill_softmax.h): P (bf16), alpha, the
+ * per-lane sums lv. Returns whether a row's alpha is not 1. */
+AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, float (*S)[NK], uint16_t (*P)[NK],
+                            float *m, float *alpha, __m512 *lv) {
     int rescale = 0;
     for (int r = 0; r < R; r++) {
         const int64_t n = pos[r] - t * NK + 1;                /* keys of this tile the row may see */
@@ -77,10 +80,22 @@ AMX static int scores(int R, uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D
     return rescale;
 }
 
+/* 64-dim heads: O (tiles 4-7, 16 dims each) += P (tile 2) x Vp of the key tile (tile 3). */
+AMX static void accumulate_pv64(uint16_t (*P)[NK], const uint16_t *vt) {
+    _tile_loadd(2, P[0], NK * 2);
+    _tile_loadd(3, vt, 64 * 4); _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(3, vt + 32, 64 * 4); _tile_dpbf16ps(5, 2, 3);
+    _tile_loadd(3, vt + 64, 64 * 4); _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(3, vt + 96, 64 * 4); _tile_dpbf16ps(7, 2, 3);
+}
+
 /* One query tile of R rows (bf16 query vectors qr[r], positions pos[r]) against keys [0, max pos],
- * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). With D = 64, O stays in tiles 4-7 across key
- * tiles and goes through memory only when a row rescales (with SLACK, rarely after its first tiles);
- * otherwise each 16 dims of P V are added into float32 O rows, scaled, at every key tile. */
+ * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). Software-pipelined by one key tile: the
+ * scores of tile t + 1 are issued to the tiles before the vector softmax of tile t runs, so the matrix
+ * unit works while the vector units do; with D = 64 P V of tile t is issued in the next step too, after
+ * tile t + 1's scores are stored, and O stays in tiles 4-7 across key tiles, through memory only when a
+ * row rescales (with SLACK, rarely after its first tiles); otherwise each 16 dims of P V are added
+ * into float32 O rows, scaled, at every key tile. */
 AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                      const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
@@ -101,9 +116,15 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
     tile_config(R, d64);
     const __m512 sc = _mm512_set1_ps(scale);
     if (d64) { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
-    for (int64_t t = 0; t * NK <= last; t++) {
+    const int64_t tiles = last / NK + 1;
+    issue_scores(Q, kp, D);
+    for (int64_t t = 0; t < tiles; t++) {
         const uint16_t *vt = vp + t * NK * D;
-        const int rescale = scores(R, Q, kp + t * NK * D, D, t, pos, sc, S, P, m, alpha, lv);
+        _tile_stored(0, S[0], NK * 4);
+        _tile_stored(1, S[0] + 16, NK * 4);
+        if (d64 && t > 0) accumulate_pv64(P, vt - NK * D);    /* tile t - 1's values */
+        if (t + 1 < tiles) issue_scores(Q, kp + (t + 1) * NK * D, D);
+        const int rescale = softmax_rows(R, t, pos, sc, S, P, m, alpha, lv);
         if (d64) {
             if (rescale) {                                    /* O through memory, each row scaled */
                 _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
@@ -114,11 +135,6 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
                 _tile_loadd(4, Ob[0], MAX_D * 4); _tile_loadd(5, Ob[0] + 16, MAX_D * 4);
                 _tile_loadd(6, Ob[0] + 32, MAX_D * 4); _tile_loadd(7, Ob[0] + 48, MAX_D * 4);
             }
-            _tile_loadd(2, P[0], NK * 2);
-            _tile_loadd(3, vt, D * 4); _tile_dpbf16ps(4, 2, 3);
-            _tile_loadd(3, vt + 32, D * 4); _tile_dpbf16ps(5, 2, 3);
-            _tile_loadd(3, vt + 64, D * 4); _tile_dpbf16ps(6, 2, 3);
-            _tile_loadd(3, vt + 96, D * 4); _tile_dpbf16ps(7, 2, 3);
             continue;
         }
         _tile_loadd(4, P[0], NK * 2);
@@ -133,6 +149,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         }
     }
     if (d64) {
+        accumulate_pv64(P, vp + (tiles - 1) * NK * D);
         _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
         _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4);
     }
