@@ -1,5 +1,6 @@
-/* exp on 16 float32 lanes, inline, for the attention kernels' softmax (prefill_attention.c,
- * paged_attention.c; exp8 below: the same on 8 lanes for their AVX2 paths). A libmvec call there
+/* exp on 16 float32 lanes, inline, for the decode attention's softmax (paged_attention.c) and SiLU (fused.c);
+ * exp8 below: the same on 8 lanes for the AVX2 attention paths (the AVX-512 prefill kernels walk in base 2:
+ * prefill_softmax.h). A libmvec call there
  * spilled the score accumulators and queries around it.
  *
  * x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by the degree-6 polynomial of Cephes'

@@ -32,7 +32,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "exp16.h"
 
 #define NK 32                     /* keys per tile: two zmm of scores per row */
 #define SLACK 8.f                 /* a row's reference max moves only when a score passes it by this: P <= e^8 */
@@ -138,7 +137,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         last = pos[r] > last ? pos[r] : last;
     }
     const int64_t NP = D / 2;
-    const __m512 sc = _mm512_set1_ps(scale);
+    const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
     for (int64_t t = 0; t * NK <= last; t++) {
         const uint16_t *kt = kp + t * NK * D;
         __m512 acc[RMAX][2];
