@@ -6,8 +6,9 @@
   step's working set: weights + KV; one smaller than the L3 streams from cache, so its speed of
   light is the cache's). A ``torch.sum`` over the same buffer is kept as a second figure.
 * **Compute**: the best GEMM rate over the model's linear shapes ``[N, K]`` at each row count, over
-  every bf16 kernel the project has for it (``F.linear``; the packed ``gemv_bf16`` and
-  ``gemm_bf16_amx``; ``PackedBF16Linear.forward``, whatever it selects).
+  every bf16 kernel the project has for it (``F.linear``; oneDNN on a weight reordered once,
+  ``onednn_prepacked``; the packed ``gemv_bf16`` and ``gemm_bf16_amx``; ``PackedBF16Linear.forward``,
+  whatever it selects).
 * **Theoretical peak**: cores x clock x FLOP/cycle/core of the best ISA present (:func:`theoretical_peak`).
 * **CPU facts**: model, ISA flags, L3, which C kernels load here (:func:`cpu_facts`).
 
@@ -78,7 +79,8 @@ def read_bandwidths(nbytes: int, threads: int = 1) -> dict:
 def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: int = 1,
                budget_s: float = 0.3) -> list[dict]:
     """FLOP/s of ``x [m, K] @ W[N, K].T`` in bf16 for each ``(N, K)`` of ``shapes`` and ``m`` of ``rows``, by
-    every kernel that runs here: ``f_linear``; ``gemv_bf16`` (up to 64 rows: a few-row kernel) and
+    every kernel that runs here: ``f_linear``; ``onednn_prepacked`` (:class:`model.onednn_linear.OneDNNLinear`,
+    where torch's oneDNN prepacking runs, from 32 rows); ``gemv_bf16`` (up to 64 rows: a few-row kernel) and
     ``gemm_bf16_avx512`` (where the module has it), ``gemm_bf16_fma`` and ``gemm_bf16_amx`` on the packed weight;
     ``packed_linear`` (``PackedBF16Linear.forward``, with its ``kernel_for(rows)`` where it has one).
     Each the fastest of repeated calls (about ``budget_s``); a kernel that raises is recorded with
@@ -93,6 +95,7 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
         packed_bf16_available,
     )
     from pdserve.model.cpu_linear import PackedBF16Linear
+    from pdserve.model.onednn_linear import OneDNNLinear, onednn_prepack_available
 
     gemm_avx512 = getattr(gemv_module, "gemm_bf16_avx512", None)
     gemm_fma = getattr(gemv_module, "gemm_bf16_fma", None) if available("gemm_bf16_fma") else None
@@ -112,6 +115,9 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
             for m in rows:
                 x = torch.randn(m, k).bfloat16()
                 kernels: dict[str, Callable[[], object]] = {"f_linear": lambda: F.linear(x, w)}
+                if m >= 32 and onednn_prepack_available():
+                    prepacked = OneDNNLinear(linear, m)
+                    kernels["onednn_prepacked"] = lambda: prepacked(x)
                 if packed is not None:
                     xp = F.pad(x, (0, k % 2))
                     if m <= 64 and gemv_available():

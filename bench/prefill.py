@@ -66,7 +66,7 @@ def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int, limi
     if not given, measured here once per process over the model's shapes at those row counts), with
     the paper peak's fraction beside it."""
     torch.set_num_threads(threads)
-    model, cfg = load_prefill_model(model_dir, torch.bfloat16)      # as the prefill worker loads it
+    model, cfg = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=chunk)   # as the prefill worker loads it
     if limits is None:
         key = (model_dir, tuple(sorted({min(n, chunk) for n in lengths})), threads)
         if key not in _LIMITS:

@@ -38,6 +38,7 @@ from pdserve.kvtransfer.wire.channel import parse_address
 from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.loader import load_model
+from pdserve.model.onednn_linear import prepack_for_cpu_prefill
 from pdserve.model.quant import fp8
 from pdserve.model.sampling import SamplingParams
 from pdserve.prefill_worker.config import PrefillWorkerConfig
@@ -181,16 +182,19 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                           else logprobs_to_wire(req.first_logprobs))
 
 
-def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "native"):
+def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "native", chunk_tokens: int = 512):
     """The model as a prefill worker runs it: FP8 activation matmuls where ``activations`` is ``"fp8"``;
     otherwise, on a CPU without AMX, bf16 projections packed for the AVX512-BF16 gemm without their dense
-    copies (:func:`model.cpu_linear.dense_beats_packed_for_prefill`); then weights in huge pages.
+    copies (:func:`model.cpu_linear.dense_beats_packed_for_prefill`), and with AMX on oneDNN weights reordered
+    once for chunks of ``chunk_tokens`` rows (:mod:`model.onednn_linear`); then weights in huge pages.
     Returns ``(model, ModelConfig)``. Raises as :func:`model.loader.load_model`."""
     model, model_cfg = load_model(model_dir, dtype)
     if activations == "fp8":
         fp8.convert_for_runtime(model)
     elif not dense_beats_packed_for_prefill():
         pack_for_cpu_decode(model, keep_dense=False)
+    else:
+        prepack_for_cpu_prefill(model, chunk_tokens)
     move_to_huge_pages(model)
     return model, model_cfg
 
@@ -203,7 +207,8 @@ class PrefillWorker(WorkerProcess):
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         secret = worker_secret(cfg, f"prefill worker {cfg.worker_id}")  # refuse an unguarded bind first
         torch.set_num_threads(cfg.num_threads)
-        model, model_cfg = load_prefill_model(cfg.model_dir, cfg.torch_dtype, cfg.activations)
+        model, model_cfg = load_prefill_model(cfg.model_dir, cfg.torch_dtype, cfg.activations,
+                                              cfg.max_num_batched_tokens)
         self.events = None
         if cfg.prefix_cache and cfg.kv_events:
             self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, secret=secret)
