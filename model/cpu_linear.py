@@ -146,6 +146,13 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
     """
     if not packed_bf16_available():
         return 0
+    return swap_bf16_linears(model, lambda linear: PackedBF16Linear(linear, keep_dense))
+
+
+def swap_bf16_linears(model: nn.Module, convert) -> int:
+    """Replace each bf16 CPU ``nn.Linear`` among the decoder layers' projections and the LM head
+    (:data:`TARGET_MODULES`) with ``convert(linear)``, in place; other modules, dtypes and devices stay.
+    Returns the number replaced."""
     swapped = 0
     for name, module in list(model.named_modules()):
         if not name.endswith(TARGET_MODULES) or type(module) is not nn.Linear:
@@ -153,7 +160,6 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
         if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
             continue
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, PackedBF16Linear(module, keep_dense))
+        setattr(model.get_submodule(parent_name), attr, convert(module))
         swapped += 1
     return swapped

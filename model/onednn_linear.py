@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import nn
 
-from pdserve.model.cpu_linear import TARGET_MODULES
+from pdserve.model.cpu_linear import swap_bf16_linears
 
 KERNEL = "onednn-prepacked"
 
@@ -77,13 +77,4 @@ def prepack_for_cpu_prefill(model: nn.Module, rows_hint: int = 512) -> int:
     Returns the number swapped."""
     if not onednn_prepack_available():
         return 0
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if not name.endswith(TARGET_MODULES) or type(module) is not nn.Linear:
-            continue
-        if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, OneDNNLinear(module, rows_hint))
-        swapped += 1
-    return swapped
+    return swap_bf16_linears(model, lambda linear: OneDNNLinear(linear, rows_hint))

@@ -82,22 +82,33 @@ int pd_vectorized(void) {
 
 /* x, out: [n, dim] with row strides ldx, ldo; w: [dim]. The sum of squares runs in 16 float32
  * lanes on AVX-512 (one lane per column modulo 16, folded at the end), else in column order. */
+#ifdef PD_VECTOR_NORM
+static inline __mmask16 tail16(int64_t dim, int64_t d) {   /* the lanes of columns d.. that exist */
+    return dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
+}
+
+/* out[0..dim) = w * (src * inv) from a row's 16-lane sum of squares acc, rounded as the torch code rounds. */
+static inline void normed_row16(const void *src, int64_t so, const void *w, void *out, int64_t oo, int64_t dim,
+                                __m512 acc, float eps, int bf16) {
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 m = tail16(dim, d);
+        const __m512 normed = rnd16(_mm512_mul_ps(load16(src, so + d, bf16, m), inv), bf16);
+        store16(out, oo + d, _mm512_mul_ps(load16(w, d, bf16, m), normed), bf16, m);
+    }
+}
+#endif
+
 void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim, int64_t ldx, int64_t ldo,
                  float eps, int bf16) {
 #ifdef PD_VECTOR_NORM
     for (int64_t i = 0; i < n; i++) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 m = dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
-            const __m512 v = load16(x, i * ldx + d, bf16, m);
+            const __m512 v = load16(x, i * ldx + d, bf16, tail16(dim, d));
             acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
         }
-        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 m = dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
-            const __m512 normed = rnd16(_mm512_mul_ps(load16(x, i * ldx + d, bf16, m), inv), bf16);
-            store16(out, i * ldo + d, _mm512_mul_ps(load16(w, d, bf16, m), normed), bf16, m);
-        }
+        normed_row16(x, i * ldx, w, out, i * ldo, dim, acc, eps, bf16);
     }
 #else
     for (int64_t i = 0; i < n; i++) {
@@ -121,17 +132,12 @@ void pd_add_rms_norm(const void *x, const void *r, const void *w, void *sum, voi
     for (int64_t i = 0; i < n; i++) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 m = dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
+            const __mmask16 m = tail16(dim, d);
             const __m512 v = rnd16(_mm512_add_ps(load16(x, i * ldx + d, bf16, m), load16(r, i * ldr + d, bf16, m)), bf16);
             store16(sum, i * lds + d, v, bf16, m);
             acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
         }
-        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 m = dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
-            const __m512 normed = rnd16(_mm512_mul_ps(load16(sum, i * lds + d, bf16, m), inv), bf16);
-            store16(out, i * ldo + d, _mm512_mul_ps(load16(w, d, bf16, m), normed), bf16, m);
-        }
+        normed_row16(sum, i * lds, w, out, i * ldo, dim, acc, eps, bf16);
     }
 #else
     for (int64_t i = 0; i < n; i++)
