@@ -116,7 +116,6 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, kv_cache, self.layer, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
-
     def _c_prefill(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether a step's RoPE + KV write runs in C ahead of the C prefill attention: bf16 rows and cache
         on a CPU where both run vectorized (AVX-512; heads a multiple of 32, no q/k norm), bit-identical
