@@ -50,6 +50,9 @@ from pdserve.kernels.cpu.gemv import (
     run_unchecked,
     unpack_weight,
 )
+from pdserve.model.linear_swap import swap_bf16_linears
+from pdserve.model.onednn_linear import KERNEL as ONEDNN_KERNEL
+from pdserve.model.onednn_linear import OneDNNLinear, onednn_prepack_available
 
 GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 gemm per bench-80m step, Zen 4,
                        # 1-4 rows: 5.1 / 5.4 / 6.5 / 7.4 vs 6.3 / 6.9 / 7.3 / 8.2 ms, 5 rows 13.2 vs 7.5 (two
@@ -58,7 +61,6 @@ GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 g
 AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
 AMX_MAX_ROWS = 256     # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
-TARGET_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
 
 
 class PackedBF16Linear(nn.Module):
@@ -68,32 +70,37 @@ class PackedBF16Linear(nn.Module):
     and one rounding (a bias is added after it: a second rounding, where ``F.linear`` has one).
     Args: ``linear`` (bf16, CPU); ``keep_dense``: also keep its dense weight (shared, not copied,
     when tied) for steps of more rows than the packed kernels serve best (:data:`AMX_MAX_ROWS`,
-    :data:`GEMM_MAX_ROWS`), where ``F.linear`` is faster (prefill chunks of a colocated worker).
-    Without it every row count runs on the packed weight. A float32 input goes through ``F.linear``
-    (on the dense weight, or one unpacked for the call).
+    :data:`GEMM_MAX_ROWS`), where oneDNN is faster (prefill chunks of a colocated worker): ``F.linear``
+    on it, or, with ``prepack`` where :func:`model.onednn_linear.onednn_prepack_available`, oneDNN on a
+    copy reordered once in its place (:class:`~model.onednn_linear.OneDNNLinear`, bit-identical to
+    ``F.linear``; the dense weight is then not kept). Without ``keep_dense`` every row count runs on the
+    packed weight. A float32 input goes through ``F.linear`` (on the dense weight, or one unpacked for
+    the call).
 
     Raises:
         ValueError: ``linear``'s weight is not bf16 on the CPU.
     """
 
-    def __init__(self, linear: nn.Linear, keep_dense: bool = True) -> None:
+    def __init__(self, linear: nn.Linear, keep_dense: bool = True, prepack: bool = False) -> None:
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
             raise ValueError(f"PackedBF16Linear needs a bf16 CPU weight, got {linear.weight.dtype} "
                              f"on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = gemm_amx_available() and self.in_features % 32 == 0
-        self.weight = linear.weight if keep_dense else None
+        self.onednn = OneDNNLinear(linear) if keep_dense and prepack and onednn_prepack_available() else None
+        self.weight = linear.weight if keep_dense and self.onednn is None else None
         self.bias = linear.bias
         self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
-        # rows up to which the packed kernels run; beyond, F.linear on the dense weight if there is one
-        self.max_rows = None if self.weight is None else AMX_MAX_ROWS if self.amx else GEMM_MAX_ROWS
+        # rows up to which the packed kernels run; beyond, oneDNN on the dense weight or its prepacked copy
+        self.max_rows = None if not keep_dense else AMX_MAX_ROWS if self.amx else GEMM_MAX_ROWS
 
     def kernel_for(self, rows: int) -> str:
         """The kernel a bf16 input of ``rows`` rows runs on: ``"gemv-avx512bf16"``, ``"gemm-avx512bf16"``,
-        ``"gemm-fma"``, ``"gemm-amx"`` or ``"F.linear"`` (recorded by the benchmarks next to their numbers)."""
+        ``"gemm-fma"``, ``"gemm-amx"``, ``"onednn-prepacked"`` or ``"F.linear"`` (recorded by the benchmarks
+        next to their numbers)."""
         if self.max_rows is not None and rows > self.max_rows:
-            return "F.linear"
+            return "F.linear" if self.onednn is None else ONEDNN_KERNEL
         if rows <= gemv_max_rows(self.amx):
             return KERNELS[0]
         return KERNELS[2] if self.amx else bf16_gemm_kernel()
@@ -101,6 +108,8 @@ class PackedBF16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         kernel = self.kernel_for(rows)
+        if kernel == ONEDNN_KERNEL and x.dtype == torch.bfloat16:
+            return self.onednn(x)
         if x.dtype != torch.bfloat16 or kernel == "F.linear":
             dense = self.weight if self.weight is not None else unpack_weight(
                 self.packed, self.out_features, self.in_features)
@@ -146,20 +155,7 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
     """
     if not packed_bf16_available():
         return 0
-    return swap_bf16_linears(model, lambda linear: PackedBF16Linear(linear, keep_dense))
+    # the LM head sees a few rows per step (those sampled): no prefill copy, and a tied one stays shared
+    return swap_bf16_linears(model, lambda name, linear: PackedBF16Linear(
+        linear, keep_dense, prepack=not name.endswith("lm_head")))
 
-
-def swap_bf16_linears(model: nn.Module, convert) -> int:
-    """Replace each bf16 CPU ``nn.Linear`` among the decoder layers' projections and the LM head
-    (:data:`TARGET_MODULES`) with ``convert(linear)``, in place; other modules, dtypes and devices stay.
-    Returns the number replaced."""
-    swapped = 0
-    for name, module in list(model.named_modules()):
-        if not name.endswith(TARGET_MODULES) or type(module) is not nn.Linear:
-            continue
-        if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, convert(module))
-        swapped += 1
-    return swapped

@@ -8,7 +8,8 @@ oneDNN primitive runs without it, bit-identical to ``F.linear`` at every row cou
 at 512 rows on the AMX Xeon (family 6, model 167), one core, ms per call: qkv 0.84 -> 0.63, o_proj 0.46 -> 0.38,
 down_proj 1.64 -> 1.20, gate_up 2.66 -> 2.69 (``bench/limits.py`` measures both as ``f_linear`` and
 ``onednn_prepacked``). A prefill worker takes it where its projections stay on ``F.linear``
-(:func:`model.cpu_linear.dense_beats_packed_for_prefill`: on AMX CPUs).
+(:func:`model.cpu_linear.dense_beats_packed_for_prefill`: on AMX CPUs), and so does a colocated decode worker
+there for its prefill chunks (:class:`model.cpu_linear.PackedBF16Linear`'s ``prepack``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from pdserve.model.cpu_linear import swap_bf16_linears
+from pdserve.model.linear_swap import swap_bf16_linears
 
 KERNEL = "onednn-prepacked"
 
@@ -77,4 +78,4 @@ def prepack_for_cpu_prefill(model: nn.Module, rows_hint: int = 512) -> int:
     Returns the number swapped."""
     if not onednn_prepack_available():
         return 0
-    return swap_bf16_linears(model, lambda linear: OneDNNLinear(linear, rows_hint))
+    return swap_bf16_linears(model, lambda name, linear: OneDNNLinear(linear, rows_hint))

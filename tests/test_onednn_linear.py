@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.cpu_linear import dense_beats_packed_for_prefill
+from pdserve.kernels.cpu.gemv import packed_bf16_available
+from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.onednn_linear import KERNEL, OneDNNLinear, onednn_prepack_available, prepack_for_cpu_prefill
@@ -58,3 +59,26 @@ def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_lin
         assert kinds == {"OneDNNLinear"}
     else:
         assert "OneDNNLinear" not in kinds
+
+
+@needs_prepack
+def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_the_head_shared(model_dir):
+    """pack_for_cpu_decode(keep_dense=True), as a colocated decode worker on an AMX CPU packs: each layer's
+    projections take rows beyond the packed kernels' range on oneDNN's copy (no dense weight kept), the tied
+    LM head keeps the embedding's weight; a 300-row prefill chunk equals the dense model's bit for bit."""
+    dense, cfg = load_model(model_dir, torch.bfloat16)
+    packed, _ = load_model(model_dir, torch.bfloat16)
+    pack_for_cpu_decode(packed, keep_dense=True)
+    down, head = packed.layers[0].mlp.down_proj, packed.lm_head
+    assert down.weight is None and down.onednn is not None and down.kernel_for(100_000) == KERNEL
+    assert head.onednn is None and head.weight is packed.embed_tokens.weight and head.kernel_for(100_000) == "F.linear"
+    if not packed_bf16_available():
+        return
+    rows = down.max_rows + 44
+    packed.lm_head = dense.lm_head          # the head's one sampled row runs on the gemv: compare what precedes it
+    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs = []
+    for model in (dense, packed):
+        runner = ModelRunner(model, KVCacheSpec(24, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16))
+        outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
+    assert torch.equal(*outs)

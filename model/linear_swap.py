@@ -1,0 +1,27 @@
+"""Swapping a model's bf16 projections for the CPU linear modules (:mod:`model.cpu_linear`,
+:mod:`model.onednn_linear`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+TARGET_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
+
+
+def swap_bf16_linears(model: nn.Module, convert: Callable[[str, nn.Linear], nn.Module]) -> int:
+    """Replace each bf16 CPU ``nn.Linear`` among the decoder layers' projections and the LM head
+    (:data:`TARGET_MODULES`) with ``convert(name, linear)``, in place; other modules, dtypes and devices
+    stay. Returns the number replaced."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if not name.endswith(TARGET_MODULES) or type(module) is not nn.Linear:
+            continue
+        if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, convert(name, module))
+        swapped += 1
+    return swapped
