@@ -71,7 +71,9 @@ AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, flo
             continue;
         }
         __m512 p0, p1;
-        softmax_tile(_mm512_load_ps(S[r]), _mm512_load_ps(S[r] + 16), n, sc, &m[r], &alpha[r], &p0, &p1);
+        const __m512 s0 = _mm512_load_ps(S[r]), s1 = _mm512_load_ps(S[r] + 16);
+        if (n >= NK) softmax_tile(s0, s1, NK, sc, &m[r], &alpha[r], &p0, &p1);   /* constant: no masks */
+        else softmax_tile(s0, s1, n, sc, &m[r], &alpha[r], &p0, &p1);
         lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
         _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));         /* keys 0..15, 16..31 */
         rescale |= alpha[r] != 1.f;
