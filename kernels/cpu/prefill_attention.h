@@ -11,6 +11,9 @@
 #include <string.h>
 
 #include "bf16.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 
 typedef struct {
     const uint16_t *cache;        /* one layer */
@@ -24,18 +27,36 @@ static inline const uint16_t *kv_row(const Paged *c, int64_t pos, int64_t kvh, i
 }
 
 /* Kp[t][p][k][e] = K[NK t + k][2 p + e] and Vp[j / 2][d][e] = V[2 (j / 2) + e][d] (zero past L):
- * the B operands of the score products (pairs of dims, NK keys a tile) and of the value sums (pairs of keys). */
+ * the B operands of the score products (pairs of dims, NK keys a tile) and of the value sums (pairs of keys).
+ * A key's dim pairs move as 32-bit words; with AVX-512 two V rows are interleaved 32 dims at a time
+ * (vpermt2w), else element by element. Only the last key tile is cleared first. */
 static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t *kp, uint16_t *vp) {
     const int64_t tiles = (L + NK - 1) / NK, P = D / 2;
-    memset(kp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
-    memset(vp, 0, sizeof(uint16_t) * (size_t)(tiles * NK * D));
+    memset(kp + (tiles - 1) * NK * D, 0, sizeof(uint16_t) * (size_t)(NK * D));
+    memset(vp + (L / 2) * 2 * D, 0, sizeof(uint16_t) * (size_t)((tiles * NK - L / 2 * 2) * D));
     for (int64_t j = 0; j < L; j++) {
-        const uint16_t *k = kv_row(c, j, kvh, 0), *v = kv_row(c, j, kvh, 1);
-        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2, *vd = vp + (j / 2) * 2 * D + (j % 2);
-        for (int64_t p = 0; p < P; p++) {
-            dst[p * NK * 2] = k[2 * p];
-            dst[p * NK * 2 + 1] = k[2 * p + 1];
+        const uint32_t *k = (const uint32_t *)kv_row(c, j, kvh, 0);
+        uint32_t *dst = (uint32_t *)(kp + (j / NK) * NK * D) + (j % NK);
+        for (int64_t p = 0; p < P; p++) dst[p * NK] = k[p];
+    }
+    int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                            8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(interleave), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (; D % 32 == 0 && j + 1 < L; j += 2) {
+        const uint16_t *v0 = kv_row(c, j, kvh, 1), *v1 = kv_row(c, j + 1, kvh, 1);
+        uint16_t *vd = vp + (j / 2) * 2 * D;
+        for (int64_t d = 0; d < D; d += 32) {
+            const __m512i a = _mm512_loadu_si512(v0 + d), b = _mm512_loadu_si512(v1 + d);
+            _mm512_storeu_si512(vd + 2 * d, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vd + 2 * d + 32, _mm512_permutex2var_epi16(a, hi, b));
         }
+    }
+#endif
+    for (; j < L; j++) {
+        const uint16_t *v = kv_row(c, j, kvh, 1);
+        uint16_t *vd = vp + (j / 2) * 2 * D + (j % 2);
         for (int64_t d = 0; d < D; d++) vd[2 * d] = v[d];
     }
 }
