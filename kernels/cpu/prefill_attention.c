@@ -165,12 +165,8 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         }
         int keys = 0;                                        /* the widest row's visible keys */
         for (int r = 0; r < R; r++) {
-            const int64_t n = pos[r] - t * NK + 1;           /* keys of this tile the row may see */
-            if (n <= 0) {                                    /* none: the row is unchanged */
-                alpha[r] = 1.f;
-                memset(P[r], 0, sizeof P[r]);
-                continue;
-            }
+            const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
+            if (n <= 0) continue;
             keys = n > keys ? (n < NK ? (int)n : NK) : keys;
             __m512 p0, p1;
             softmax_tile(acc[r][0], acc[r][1], n, sc, &m[r], &alpha[r], &p0, &p1);

@@ -64,12 +64,8 @@ AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, flo
                             float *m, float *alpha, __m512 *lv) {
     int rescale = 0;
     for (int r = 0; r < R; r++) {
-        const int64_t n = pos[r] - t * NK + 1;                /* keys of this tile the row may see */
-        if (n <= 0) {                                         /* none: the row is unchanged */
-            alpha[r] = 1.f;
-            memset(P[r], 0, sizeof P[r]);
-            continue;
-        }
+        const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
+        if (n <= 0) continue;
         __m512 p0, p1;
         const __m512 s0 = _mm512_load_ps(S[r]), s1 = _mm512_load_ps(S[r] + 16);
         if (n >= NK) softmax_tile(s0, s1, NK, sc, &m[r], &alpha[r], &p0, &p1);   /* constant: no masks */

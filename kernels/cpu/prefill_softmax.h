@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define LOG2E 1.44269504088896341f
 
@@ -32,6 +33,17 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 pow2_16(_
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314697751e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+/* Keys of key tile t that a query row at position pos may see; where none (<= 0), the row is unchanged:
+ * its alpha is 1 and its P row (`bytes` at p) zero. */
+static inline int64_t tile_keys(int64_t pos, int64_t t, float *alpha, void *p, size_t bytes) {
+    const int64_t n = pos - t * NK + 1;
+    if (n <= 0) {
+        *alpha = 1.f;
+        memset(p, 0, bytes);
+    }
+    return n;
 }
 
 __attribute__((target("avx512f"), always_inline)) static inline void softmax_tile(
