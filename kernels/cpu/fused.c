@@ -245,14 +245,15 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
  * On AVX-512 16 lanes at a time with exp16.h's exp (Cephes' polynomial, within ~1 ulp, as torch's Sleef
  * and glibc's are: a result lying within a few float32 ulps of a bf16 rounding midpoint can round the
  * other way than torch's, one bf16 ulp). -g is capped at 100, past exp16's range (e^-g is inf from
- * -g > 88.72, as expf's, so silu is -0 there, as torch's); for g > 87 e^-g is 0 and silu g, as torch's. bench-80m's 512 x 2,048 per layer: ~0.9 ms in torch or in the scalar
- * loop below, <measured> here. Elsewhere through a buffer, so the expf loop vectorizes (glibc libmvec). */
+ * -g > 88.72, as expf's, so silu is -0 there, as torch's); for g > 87 e^-g is 0 and silu g, as torch's.
+ * bench-80m's 512 x 2,048 per layer, Xeon model 167: 0.51 ms, torch 0.82 (bench/cpu_kernels.py part 5).
+ * Elsewhere through a buffer, so the expf loop vectorizes (glibc libmvec). */
 void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16) {
 #ifdef PD_VECTOR_NORM
     const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f), cap = _mm512_set1_ps(100.f);
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < inter; d += 16) {
-            const __mmask16 m = inter - d >= 16 ? 0xffff : (__mmask16)((1u << (inter - d)) - 1);
+            const __mmask16 m = tail16(inter, d);
             const __m512 g = load16(gate_up, i * ld + d, bf16, m), u = load16(gate_up, i * ld + inter + d, bf16, m);
             const __m512 e = exp16(_mm512_min_ps(_mm512_xor_ps(g, sign), cap));       /* e^-g */
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));

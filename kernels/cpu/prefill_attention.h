@@ -35,9 +35,9 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
     memset(kp + (tiles - 1) * NK * D, 0, sizeof(uint16_t) * (size_t)(NK * D));
     memset(vp + (L / 2) * 2 * D, 0, sizeof(uint16_t) * (size_t)((tiles * NK - L / 2 * 2) * D));
     for (int64_t j = 0; j < L; j++) {
-        const uint32_t *k = (const uint32_t *)kv_row(c, j, kvh, 0);
-        uint32_t *dst = (uint32_t *)(kp + (j / NK) * NK * D) + (j % NK);
-        for (int64_t p = 0; p < P; p++) dst[p * NK] = k[p];
+        const uint16_t *k = kv_row(c, j, kvh, 0);
+        uint16_t *dst = kp + (j / NK) * NK * D + (j % NK) * 2;
+        for (int64_t p = 0; p < P; p++) memcpy(dst + p * NK * 2, k + 2 * p, 4);    /* one 32-bit move */
     }
     int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
