@@ -8,16 +8,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-TARGET_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
+LAYER_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+TARGET_MODULES = (*LAYER_MODULES, "lm_head")
 
 
-def swap_bf16_linears(model: nn.Module, convert: Callable[[str, nn.Linear], nn.Module]) -> int:
-    """Replace each bf16 CPU ``nn.Linear`` among the decoder layers' projections and the LM head
-    (:data:`TARGET_MODULES`) with ``convert(name, linear)``, in place; other modules, dtypes and devices
-    stay. Returns the number replaced."""
+def swap_bf16_linears(model: nn.Module, convert: Callable[[str, nn.Linear], nn.Module],
+                      names: tuple[str, ...] = TARGET_MODULES) -> int:
+    """Replace each bf16 CPU ``nn.Linear`` whose name ends with one of ``names`` (by default the decoder layers'
+    projections and the LM head, :data:`TARGET_MODULES`) with ``convert(name, linear)``, in place; other
+    modules, dtypes and devices stay. Returns the number replaced."""
     swapped = 0
     for name, module in list(model.named_modules()):
-        if not name.endswith(TARGET_MODULES) or type(module) is not nn.Linear:
+        if not name.endswith(names) or type(module) is not nn.Linear:
             continue
         if module.weight.dtype != torch.bfloat16 or module.weight.device.type != "cpu":
             continue

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from pdserve.model.linear_swap import swap_bf16_linears
+from pdserve.model.linear_swap import LAYER_MODULES, swap_bf16_linears
 
 KERNEL = "onednn-prepacked"
 
@@ -72,10 +72,11 @@ class OneDNNLinear(nn.Module):
 
 
 def prepack_for_cpu_prefill(model: nn.Module, rows_hint: int = 512) -> int:
-    """Swap the decoder layers' bf16 ``nn.Linear`` projections and the LM head for :class:`OneDNNLinear` in
-    place (a tied head gets its own packed copy; the embedding keeps its weight). A no-op (returns 0) where
-    :func:`onednn_prepack_available` is false; modules already converted or of another dtype or device stay.
-    Returns the number swapped."""
+    """Swap the decoder layers' bf16 ``nn.Linear`` projections for :class:`OneDNNLinear` in place. The LM head
+    stays as it is: it sees one row per prefill chunk (the last token's), and a tied one shares the
+    embedding's weight, where a packed copy would add vocab x hidden bytes for nothing. A no-op (returns 0)
+    where :func:`onednn_prepack_available` is false; modules already converted or of another dtype or device
+    stay. Returns the number swapped."""
     if not onednn_prepack_available():
         return 0
-    return swap_bf16_linears(model, lambda name, linear: OneDNNLinear(linear, rows_hint))
+    return swap_bf16_linears(model, lambda name, linear: OneDNNLinear(linear, rows_hint), LAYER_MODULES)

@@ -41,7 +41,8 @@ def test_prepacked_linear_is_f_linear_bit_for_bit_at_any_row_count(bias):
 def test_a_prepacked_model_prefills_as_the_dense_one(model_dir):
     dense, cfg = load_model(model_dir, torch.bfloat16)
     packed, _ = load_model(model_dir, torch.bfloat16)
-    assert prepack_for_cpu_prefill(packed, 64) == 4 * cfg.num_layers + 1        # and the tied LM head
+    assert prepack_for_cpu_prefill(packed, 64) == 4 * cfg.num_layers             # the layers' projections only
+    assert type(packed.lm_head) is nn.Linear and packed.lm_head.weight is packed.embed_tokens.weight   # still tied
     assert prepack_for_cpu_prefill(packed, 64) == 0
     ids = torch.randint(3, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(1)).tolist()
     outs = []
@@ -54,11 +55,12 @@ def test_a_prepacked_model_prefills_as_the_dense_one(model_dir):
 
 def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_linear(model_dir):
     model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=128)
-    kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj", "lm_head"))}
+    kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
     if dense_beats_packed_for_prefill() and onednn_prepack_available():
         assert kinds == {"OneDNNLinear"}
+        assert type(model.lm_head) is nn.Linear                 # one row per chunk: the dense (tied) head
     else:
-        assert "OneDNNLinear" not in kinds
+        assert "OneDNNLinear" not in kinds and type(model.lm_head) is not OneDNNLinear
 
 
 @needs_prepack
