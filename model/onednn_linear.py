@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from pdserve.model.linear_swap import LAYER_MODULES, swap_bf16_linears
+from pdserve.model.linear_swap import LAYER_MODULES, TARGET_MODULES, swap_bf16_linears
 
 KERNEL = "onednn-prepacked"
 
@@ -72,11 +72,14 @@ class OneDNNLinear(nn.Module):
 
 
 def prepack_for_cpu_prefill(model: nn.Module, rows_hint: int = 512) -> int:
-    """Swap the decoder layers' bf16 ``nn.Linear`` projections for :class:`OneDNNLinear` in place. The LM head
-    stays as it is: it sees one row per prefill chunk (the last token's), and a tied one shares the
-    embedding's weight, where a packed copy would add vocab x hidden bytes for nothing. A no-op (returns 0)
-    where :func:`onednn_prepack_available` is false; modules already converted or of another dtype or device
-    stay. Returns the number swapped."""
+    """Swap the decoder layers' bf16 ``nn.Linear`` projections, and an untied LM head, for :class:`OneDNNLinear`
+    in place. A head tied to the embedding stays as it is: a packed copy would add vocab x hidden bytes to
+    speed up one row per prefill chunk (the last token's; bench-80m's head on that row: 0.28 ms prepacked,
+    0.50 with ``F.linear``). A no-op (returns 0) where :func:`onednn_prepack_available` is false; modules
+    already converted or of another dtype or device stay. Returns the number swapped."""
     if not onednn_prepack_available():
         return 0
-    return swap_bf16_linears(model, lambda name, linear: OneDNNLinear(linear, rows_hint), LAYER_MODULES)
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    return swap_bf16_linears(model, lambda name, linear: OneDNNLinear(linear, rows_hint),
+                             LAYER_MODULES if tied else TARGET_MODULES)

@@ -53,12 +53,23 @@ def test_a_prepacked_model_prefills_as_the_dense_one(model_dir):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
+@needs_prepack
+def test_an_untied_head_is_prepacked_too(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=100, tie_word_embeddings=False)
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path, torch.bfloat16)
+    assert prepack_for_cpu_prefill(model, 16) == 5 and type(model.lm_head) is OneDNNLinear
+
+
 def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_linear(model_dir):
     model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=128)
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
     if dense_beats_packed_for_prefill() and onednn_prepack_available():
         assert kinds == {"OneDNNLinear"}
-        assert type(model.lm_head) is nn.Linear                 # one row per chunk: the dense (tied) head
+        assert type(model.lm_head) is nn.Linear                 # tied: one row per chunk on the shared weight
     else:
         assert "OneDNNLinear" not in kinds and type(model.lm_head) is not OneDNNLinear
 
