@@ -92,6 +92,7 @@ def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_th
     ids = torch.randint(3, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = []
     for model in (dense, packed):
-        runner = ModelRunner(model, KVCacheSpec(24, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16))
+        runner = ModelRunner(model, KVCacheSpec(rows // 16 + 1, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                torch.bfloat16))
         outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
     assert torch.equal(*outs)
