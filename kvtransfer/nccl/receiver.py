@@ -14,8 +14,9 @@ from pdserve.kvtransfer.nccl.comms import CommCache, DevicePages, PairComm, chec
 from pdserve.kvtransfer.nccl.control import SCHEME, Bye, ClearToSend, Hello, Welcome, encode_control, expect, read_any
 from pdserve.kvtransfer.nccl.handshake import negotiate_receiver
 from pdserve.kvtransfer.nccl.library import NcclError, NcclLibrary, load_library
+from pdserve.kvtransfer.wire.conn import Conn
 from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, PeerClosed, encode
-from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS, Conn, ListeningReceiver
+from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS, ListeningReceiver
 from pdserve.kvtransfer.wire.pending import PendingTransfers
 from pdserve.model.kv_cache import KVCacheSpec
 

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.wire.conn import Conn
 from pdserve.kvtransfer.wire.frames import (
     Ack,
     Done,
@@ -27,7 +28,7 @@ from pdserve.kvtransfer.wire.frames import (
     read_frame,
     recv_exact_into,
 )
-from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS, Conn, ListeningReceiver
+from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS, ListeningReceiver
 from pdserve.kvtransfer.wire.pending import PendingTransfers
 from pdserve.model.kv_cache import KVCacheSpec
 

@@ -29,14 +29,20 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 
 from pdserve.kvtransfer.base import KVReceiver, OnComplete, OnFailed
+from pdserve.kvtransfer.wire.conn import (
+    Conn,
+    LogThrottle,
+    ReceiverStats,
+    call_quietly,
+    refuse_quietly,
+    shutdown_quietly,
+)
 from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, busy_ack, check_pages, encode
 from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_sender
 from pdserve.kvtransfer.wire.pending import PendingTransfer, PendingTransfers
@@ -46,104 +52,11 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CONNECTIONS = 256
 """Connections a receiver serves at once unless told otherwise (one thread each)."""
 LISTEN_BACKLOG = 1024  # connections the kernel queues for accept() (capped by net.core.somaxconn)
-LOG_EVERY_S = 10.0  # repeated warnings (refusals, failed starts) are logged at most this often per kind
 _LISTENER_GONE = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}  # accept() on a closed or shut-down listener
-
-
-@dataclass(eq=False)
-class Conn:
-    """One accepted connection and the pending transfer its first frame names (None until then).
-
-    ``deadline`` (``time.monotonic()``) bounds the unbound phase: handshake and first frame header.
-    ``displaced`` is set, under the receiver's connection lock, when the accept loop closes the
-    connection to make room; a displaced connection is never bound to a request. ``ending`` is set
-    (same lock) once its handler is finishing: it is not displaced any more.
-    """
-
-    sock: socket.socket
-    transfer: PendingTransfer | None = None
-    deadline: float = math.inf
-    displaced: bool = False
-    ending: bool = False
-
-
-@dataclass(frozen=True)
-class ReceiverStats:
-    """Counters of one receiver since it started.
-
-    Attributes:
-        num_open: connections being served now.
-        num_refused_auth: connections closed because the peer failed the authentication handshake.
-        num_refused_busy: connections told :func:`~kvtransfer.wire.frames.busy_ack` at the connection
-            limit (refused at once, or displaced while unbound).
-        num_failed_starts: connections told ``busy_ack`` because their handler could not start.
-        num_timed_out: connections dropped because a frame (or a page) missed its deadline.
-    """
-
-    num_open: int
-    num_refused_auth: int
-    num_refused_busy: int
-    num_failed_starts: int
-    num_timed_out: int
 
 
 class _Displaced(Exception):
     """Raised in a handler whose connection the accept loop closed to make room."""
-
-
-class _Throttle:
-    """At most one log line per kind every ``LOG_EVERY_S`` seconds; counts what it held back."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def ready(self, kind: str) -> int | None:
-        """None: do not log now; else the number of lines held back since the last one."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -math.inf) < LOG_EVERY_S:
-                self._held[kind] = self._held.get(kind, 0) + 1
-                return None
-            self._last[kind] = now
-            return self._held.pop(kind, 0)
-
-
-def shutdown_quietly(sock: socket.socket, how: int) -> None:
-    """``sock.shutdown(how)``, ignoring a socket that is already closed or never connected."""
-    try:
-        sock.shutdown(how)
-    except OSError:
-        pass
-
-
-def call_quietly(fn: Callable[..., None], *args: object) -> None:
-    """Run a user callback; an exception is logged, never raised (it must not kill a receiver thread)."""
-    try:
-        fn(*args)
-    except Exception:
-        log.exception("KV receiver callback %r raised", fn)
-
-
-def refuse_quietly(sock: socket.socket, ack: Ack) -> None:
-    """Tell the peer of a connection nobody serves ``ack`` and close it, without ever blocking:
-    drain what it already sent (so closing does not reset the connection before the nack is
-    read), send the nack into the empty send buffer, half-close, close. Never raises."""
-    try:
-        sock.setblocking(False)
-        try:
-            for _ in range(16):  # at most 1 MiB: a peer that keeps sending gets a reset instead
-                if not sock.recv(65536):
-                    break
-        except OSError:
-            pass
-        sock.send(encode(ack))
-        sock.shutdown(socket.SHUT_WR)
-    except (OSError, FrameError):
-        pass
-    finally:
-        sock.close()
 
 
 class ListeningReceiver(KVReceiver):
@@ -182,7 +95,7 @@ class ListeningReceiver(KVReceiver):
         self._num_failed_starts = 0
         self._num_timed_out = 0
         self._num_displaced_open = 0  # displaced connections whose handler has not closed them yet
-        self._throttle = _Throttle()
+        self._throttle = LogThrottle()
         self._conns: dict[socket.socket, Conn] = {}  # in accept order: the first unbound one is the oldest
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
