@@ -35,15 +35,8 @@ from typing import NamedTuple
 import msgpack
 import redis.asyncio as aioredis
 
-from pdserve.cluster.kv_events import (
-    SNAPSHOT_HEAD_FIELDS,
-    ForgedEntry,
-    KVEvent,
-    events_key,
-    snapshot_key,
-    verify_snapshot,
-    verify_snapshot_head,
-)
+from pdserve.cluster.kv_event_auth import SNAPSHOT_HEAD_FIELDS, ForgedEntry, verify_snapshot, verify_snapshot_head
+from pdserve.cluster.kv_events import KVEvent, events_key, snapshot_key
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.worker_stream import StreamAuth, StreamState, SyncStats, decode_checked, note_forged
 

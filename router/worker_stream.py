@@ -14,7 +14,7 @@ Per worker the sync tracks ``(epoch, last seq, last stream entry id)``
   starts.
 
 With the cluster secret (:class:`StreamAuth`), entries must carry the worker's ``mac``
-(:func:`cluster.kv_events.verify_event`). A forged entry (unsigned, wrongly signed,
+(:func:`cluster.kv_event_auth.verify_event`). A forged entry (unsigned, wrongly signed,
 copied from another worker or cluster) is counted (``SyncStats.forged``), logged once
 per worker, and skipped as if it were not in the stream: its seq is not taken. That
 keeps the index exact: the index only ever holds what genuine entries and snapshots
@@ -30,7 +30,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from pdserve.cluster.kv_events import ForgedEntry, KVEvent, decode_event
+from pdserve.cluster.kv_event_auth import ForgedEntry
+from pdserve.cluster.kv_events import KVEvent, decode_event
 from pdserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)

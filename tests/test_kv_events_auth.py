@@ -11,15 +11,8 @@ import msgpack
 import pytest
 import redis
 
-from pdserve.cluster.kv_events import (
-    ForgedEntry,
-    KVEventPublisher,
-    event_mac,
-    events_key,
-    read_events,
-    read_snapshot,
-    snapshot_key,
-)
+from pdserve.cluster.kv_event_auth import ForgedEntry, event_mac
+from pdserve.cluster.kv_events import KVEventPublisher, events_key, read_events, read_snapshot, snapshot_key
 from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.model.block_hash import block_hashes
 from pdserve.model.kv_cache import BlockPool
