@@ -17,13 +17,13 @@
  * the batch. pd_gemm_bf16_avx512 (below) keeps that order for many rows, register-blocked;
  * pd_gemm_bf16_amx uses AMX tiles and its own order.
  */
-#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chunk_ahead.h"
+#include "cpu_family.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -34,15 +34,6 @@ int pd_cpu_has_avx512_bf16(void) {
 }
 
 int pd_cpu_supported(void) { return pd_cpu_has_avx512_bf16(); }   /* asked by kernels.cpu.available */
-
-/* The family of an AMD CPU (base + extended family from CPUID leaf 1: 0x19 Zen 3/4, 0x1A Zen 5), 0 for
- * other vendors; GCC 12's __builtin_cpu_is knows no "amdfam1ah". */
-static int amd_family(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d) || b != signature_AMD_ebx || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    const unsigned base = (a >> 8) & 0xF;
-    return (int)(base == 0xF ? base + ((a >> 20) & 0xFF) : base);
-}
 
 /* How the gemv streams its weights, per CPU (from pf_rows rows a software prefetch pf_lead elements ahead into
  * L1; `streams` 16-row blocks side by side):

@@ -27,9 +27,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_family.h"
+
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define INLINE static inline __attribute__((always_inline))
-/* The weight stream is prefetched INT4_PF bytes ahead into L2 (T1), and on Intel one activation row takes
+/* The weight stream is prefetched int4_lead() bytes ahead into L2 (T1), and on Intel one activation row takes
  * two 16-row blocks side by side (two streams). Into L1 (T0, 1 KiB ahead, here until 2026-11-27) the
  * prefetch held the L1 miss buffers the stream's own loads need. bench-80m INT4 at batch 1 on Zen 4, the
  * C decode step, two interleaved rounds: 2.02 / 1.98 ms with T0, 1.44 / 1.52 ms with T1, 1.44 / 1.44 ms
@@ -39,7 +41,15 @@
  * 0.88-0.91x with the L3 evicted, 0.80-0.82x warm; 4 rows 0.85-0.87x / 0.79-0.80x (1 KiB ahead: 0.89-0.95x,
  * 4 KiB: 0.69-0.97x). */
 
-#define INT4_PF 2048
+/* Prefetch lead (bytes): 2,048 (measured above), 8,192 on Zen 5 (AMD family 1Ah; EPYC family 26 model 2
+ * under KVM, 2026-11-28, the same kernel_ab case, 11 rounds, two runs against 2,048: 1 row 0.92-0.95x with
+ * the L3 evicted, 0.86-0.87x warm; 4 rows 0.82-0.85x / 0.80-0.83x; 4,096 0.90-0.98x at 4 rows and
+ * 0.97-1.11x warm at 1 row, 16,384 0.82-0.98x, 1,024 1.07-1.14x slower). */
+static int64_t int4_lead(void) {
+    static int64_t lead;
+    if (!lead) lead = amd_family() == 0x1A ? 8192 : 2048;
+    return lead;
+}
 
 /* Whether one activation row takes two weight blocks side by side: on Intel (measured above); elsewhere
  * one, as measured on Zen 4 before. */
@@ -124,7 +134,7 @@ TARGET INLINE __m512i bcast4(const int8_t *p) {
  * order do not depend on NB. */
 TARGET INLINE void block_rows(const uint8_t *wb, const float *sb, const float *zb, const int8_t *xq,
                               const float *sx, const float *sxs, int64_t Kp, int64_t G, int MR, int NB,
-                              __m512 out[2][4]) {
+                              int64_t pf, __m512 out[2][4]) {
     const int64_t Gs = Kp / G, wstride = 16 * (Kp / 2), sstride = 16 * Gs;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 y[2][4], yz[2][4];
@@ -141,8 +151,8 @@ TARGET INLINE void block_rows(const uint8_t *wb, const float *sb, const float *z
             const int64_t k = g * G + kb * 8;
             for (int b = 0; b < NB; b++) {
                 const uint8_t *wg = wb + b * wstride + g * G * 8;      /* G/8 loads of 64 bytes */
-                _mm_prefetch((const char *)(wg + kb * 64 + INT4_PF), _MM_HINT_T1);
-                _mm_prefetch((const char *)(wg + kb * 64 + 64 + INT4_PF), _MM_HINT_T1);
+                _mm_prefetch((const char *)(wg + kb * 64 + pf), _MM_HINT_T1);
+                _mm_prefetch((const char *)(wg + kb * 64 + 64 + pf), _MM_HINT_T1);
                 const __m512i w0 = _mm512_loadu_si512(wg + kb * 64), w1 = _mm512_loadu_si512(wg + kb * 64 + 64);
                 const __m512i l0 = _mm512_and_si512(w0, low), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), low);
                 const __m512i l1 = _mm512_and_si512(w1, low), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), low);
@@ -191,6 +201,7 @@ TARGET void pd_int4_gemv_q(const int8_t *xq, const float *sx, const float *sxs, 
                            void *y, int y_bf16, int64_t ldy) {
     const int64_t Gs = Kp / G;
     const int pair = M == 1 && int4_pairs();
+    const int64_t pf = int4_lead();
     for (int64_t nb = 0; nb < Np && nb < n_valid; nb += pair ? 32 : 16) {
         const uint8_t *wb = wq + nb * (Kp / 2);
         const float *sb = sc + nb * Gs, *zb = zc + nb * Gs;
@@ -201,11 +212,11 @@ TARGET void pd_int4_gemv_q(const int8_t *xq, const float *sx, const float *sxs, 
             const float *sr = sx + m0 * Gs, *tr = sxs + m0 * Gs;
             __m512 out[2][4];
             switch (nbl == 2 ? 0 : mm) {          /* constant row counts: registers, not arrays */
-            case 0: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, 2, out); break;
-            case 1: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, 1, out); break;
-            case 2: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 2, 1, out); break;
-            case 3: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 3, 1, out); break;
-            default: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 4, 1, out); break;
+            case 0: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, 2, pf, out); break;
+            case 1: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 1, 1, pf, out); break;
+            case 2: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 2, 1, pf, out); break;
+            case 3: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 3, 1, pf, out); break;
+            default: block_rows(wb, sb, zb, xr, sr, tr, Kp, G, 4, 1, pf, out); break;
             }
             for (int b = 0; b < nbl; b++) {
                 const int64_t cnt = n_valid - nb - 16 * b < 16 ? n_valid - nb - 16 * b : 16;
