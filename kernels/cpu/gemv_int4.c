@@ -42,7 +42,7 @@
  * 4 KiB: 0.69-0.97x). */
 
 /* Prefetch lead (bytes): 2,048 (measured above), 8,192 on Zen 5 (AMD family 1Ah; EPYC family 26 model 2
- * under KVM, 2026-11-28, the same kernel_ab case, 11 rounds, two runs against 2,048: 1 row 0.92-0.95x with
+ * under KVM, 2026-11-28, the same kernel_ab case, 11 rounds, three runs against 2,048: 1 row 0.92-0.95x with
  * the L3 evicted, 0.86-0.87x warm; 4 rows 0.82-0.85x / 0.80-0.83x; 4,096 0.90-0.98x at 4 rows and
  * 0.97-1.11x warm at 1 row, 16,384 0.82-0.98x, 1,024 1.07-1.14x slower). */
 static int64_t int4_lead(void) {
