@@ -158,4 +158,3 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
     # the LM head sees a few rows per step (those sampled): no prefill copy, and a tied one stays shared
     return swap_bf16_linears(model, lambda name, linear: PackedBF16Linear(
         linear, keep_dense, prepack=not name.endswith("lm_head")))
-

@@ -76,9 +76,10 @@ def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_lin
 
 @needs_prepack
 def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_the_head_shared(model_dir):
-    """pack_for_cpu_decode(keep_dense=True), as a colocated decode worker on an AMX CPU packs: each layer's
-    projections take rows beyond the packed kernels' range on oneDNN's copy (no dense weight kept), the tied
-    LM head keeps the embedding's weight; a 300-row prefill chunk equals the dense model's bit for bit."""
+    """pack_for_cpu_decode(keep_dense=True), as a colocated decode worker packs where oneDNN prepacking runs: each
+    layer's projections take rows beyond the packed kernels' range on oneDNN's copy (no dense weight kept), the
+    tied LM head keeps the embedding's weight; a prefill chunk 44 rows past that range (300 rows on an AMX CPU,
+    556 on the AVX512-BF16 gemm's) equals the dense model's bit for bit."""
     dense, cfg = load_model(model_dir, torch.bfloat16)
     packed, _ = load_model(model_dir, torch.bfloat16)
     pack_for_cpu_decode(packed, keep_dense=True)
