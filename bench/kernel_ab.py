@@ -12,8 +12,9 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   over a 512- and a 2,048-token prompt;
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
   evicted before each pass; ``gemm_bf16_amx`` (AMX tiles) the same at 1, 8 and 32 rows, ``gemv_bf16`` at
-  1 and 2 (both in the ``gemv_bf16`` library); ``gemv_int4`` the same projections as INT4 weights (group
-  128) at 1 and 4 rows, with the L3 evicted and without (its 45 MiB fit many L3s).
+  1 and 2 (both in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these three);
+  ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows, with the L3 evicted
+  and without (its 45 MiB fit many L3s).
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import io
 import shutil
 import statistics
@@ -198,6 +200,8 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision of A")
     ap.add_argument("--head", default=None, help="git revision of B (default: the working tree)")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--rows", default=None, help="activation row counts of the gemm kernels' cases, e.g. 3,4 "
+                                                 "(default: the kernel's own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not (gemm_amx_available() if args.kernel == "gemm_bf16_amx" else available(args.kernel)):
@@ -208,7 +212,10 @@ def main() -> None:
           f"B = {args.head or 'working tree'}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"A": build(args.kernel, args.base, Path(tmp)), "B": build(args.kernel, args.head, Path(tmp))}
-        for row in CASES[args.kernel](builds, args.reps):
+        cases = CASES[args.kernel]
+        if args.rows and args.kernel.startswith(("gemm", "gemv_bf16")):
+            cases = functools.partial(gemm_cases, row_counts=tuple(int(r) for r in args.rows.split(",")))
+        for row in cases(builds, args.reps):
             print(f"{row['case']}: A {row['A'] * 1e3:.2f} ms, B {row['B'] * 1e3:.2f} ms "
                   f"(B/A {row['B'] / row['A']:.3f}), max |A - B| {row['max_abs_diff']:.2e}", flush=True)
 
