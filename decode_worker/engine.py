@@ -2,7 +2,8 @@
 
 Other threads talk to it only through :meth:`DecodeEngine.add_request`,
 :meth:`DecodeEngine.abort` and the KV receiver's callbacks, all of which post to
-an inbox; the engine thread alone owns request state. Each :meth:`step`:
+an inbox (its messages: :mod:`decode_worker.request`); the engine thread alone owns request state.
+Each :meth:`step`:
 
     1. drain the inbox   (KV arrived: TRANSFERRING -> DECODING; failures and aborts -> FINISHED)
     2. schedule          (up to max_batch_size DECODING requests, oldest first)
@@ -23,22 +24,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
-import torch
 
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from pdserve.decode_worker.multi_step import plan_steps, sampling_inputs, stop_union
 from pdserve.decode_worker.request import (
+    AbortRequest,
     DecodeEventSink,
     DecodeRequest,
     ErrorEvent,
     FinishedEvent,
+    KVArrived,
+    KVFailed,
     TokensEvent,
     check_kv_timeout,
+    rows_logprobs,
 )
 from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer, verify
 from pdserve.kvtransfer.select import local_backends, make_receiver
@@ -49,35 +52,6 @@ from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class _KVArrived:
-    attempt_id: str
-    first_token: int
-
-
-@dataclass(frozen=True)
-class _KVFailed:
-    attempt_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class _Abort:
-    attempt_id: str
-
-
-def _rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list[int],
-                   ) -> list[list[TokenLogprobs] | None]:
-    """Per request of ``batch`` (one logits row and one sampled token each): its token's
-    log-probabilities, or None when its sampling does not ask. Nothing is computed when none asks."""
-    out: list[list[TokenLogprobs] | None] = [None] * len(batch)
-    rows = [i for i, r in enumerate(batch) if r.sampling.logprobs is not None]
-    if rows:
-        lps = token_logprobs(logits[rows], [tokens[i] for i in rows], [batch[i].sampling.logprobs for i in rows])
-        for i, lp in zip(rows, lps):
-            out[i] = [lp]
-    return out
 
 
 class DecodeEngine:
@@ -144,10 +118,10 @@ class DecodeEngine:
         self._post(req)  # the engine learns of it before any receiver callback can fire
         try:
             self.receiver.expect(attempt_id, prompt_blocks, kv_timeout_s,
-                                 on_complete=lambda rid, tok: self._post(_KVArrived(rid, tok)),
-                                 on_failed=lambda rid, why: self._post(_KVFailed(rid, why)))
+                                 on_complete=lambda rid, tok: self._post(KVArrived(rid, tok)),
+                                 on_failed=lambda rid, why: self._post(KVFailed(rid, why)))
         except BaseException:
-            self._post(_Abort(attempt_id))  # after the request in the inbox: retired, its blocks freed
+            self._post(AbortRequest(attempt_id))  # after the request in the inbox: retired, its blocks freed
             raise
         return prompt_blocks
 
@@ -189,7 +163,7 @@ class DecodeEngine:
 
     def abort(self, attempt_id: str) -> None:
         """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
-        self._post(_Abort(attempt_id))
+        self._post(AbortRequest(attempt_id))
 
     def _post(self, msg) -> None:
         """Hand ``msg`` to the engine thread, ending a multi-step run after its current step."""
@@ -253,7 +227,7 @@ class DecodeEngine:
         logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
         tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
-        return [[t] for t in tokens], _rows_logprobs(logits, batch, tokens)
+        return [[t] for t in tokens], rows_logprobs(logits, batch, tokens)
 
     def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
         """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""
@@ -274,13 +248,13 @@ class DecodeEngine:
                              r.block_table) for r, n in chunks]  # output_ids: a migrated request's prior output
         logits = self.runner.run(inputs)
         tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch])
-        for req, token, logprobs in zip(batch, tokens, _rows_logprobs(logits[:len(batch)], batch, tokens)):
+        for req, token, logprobs in zip(batch, tokens, rows_logprobs(logits[:len(batch)], batch, tokens)):
             self._append(req, [token], logprobs)
         for row, (req, n) in enumerate(chunks, start=len(batch)):
             req.num_computed += n
             if req.num_computed == req.num_tokens:
                 first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)])[0]
-                req.emit(TokensEvent([first], _rows_logprobs(logits[row:row + 1], [req], [first])[0]))
+                req.emit(TokensEvent([first], rows_logprobs(logits[row:row + 1], [req], [first])[0]))
                 self._start_decoding(req, first)
 
     def _speculative_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
@@ -345,16 +319,16 @@ class DecodeEngine:
         req = self._requests.get(msg.attempt_id)
         if req is None:
             return  # already finished (e.g. aborted, then a late callback)
-        if isinstance(msg, _KVArrived) and req.state is RequestState.TRANSFERRING:
+        if isinstance(msg, KVArrived) and req.state is RequestState.TRANSFERRING:
             vocab = self.model_cfg.vocab_size
             if 0 <= msg.first_token < vocab:  # sampled by the prefill worker (index len(prior output))
                 self._start_decoding(req, msg.first_token)
             else:  # a bad sender must not fail the whole batch at the next step
                 self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: first token "
                                              f"{msg.first_token} outside the vocabulary [0, {vocab})"))
-        elif isinstance(msg, _KVFailed):
+        elif isinstance(msg, KVFailed):
             self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}"))
-        elif isinstance(msg, _Abort):
+        elif isinstance(msg, AbortRequest):
             self._retire(req, None)
 
     def _start_decoding(self, req: DecodeRequest, first_token: int) -> None:

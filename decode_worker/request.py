@@ -24,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.model.sampling import SamplingParams, TokenLogprobs
+from pdserve.model.sampling import SamplingParams, TokenLogprobs, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,43 @@ class DecodeRequest:
         if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_context:
             return "length"
         return None
+
+
+def rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list[int],
+                  ) -> list[list[TokenLogprobs] | None]:
+    """Per request of ``batch`` (one row of ``logits`` [len(batch), vocab] float32 and one sampled token each):
+    its token's log-probabilities, or None when its sampling does not ask. Nothing is computed when none asks."""
+    out: list[list[TokenLogprobs] | None] = [None] * len(batch)
+    rows = [i for i, r in enumerate(batch) if r.sampling.logprobs is not None]
+    if rows:
+        lps = token_logprobs(logits[rows], [tokens[i] for i in rows], [batch[i].sampling.logprobs for i in rows])
+        for i, lp in zip(rows, lps):
+            out[i] = [lp]
+    return out
+
+
+# What other threads post to the engine's inbox (the engine thread alone changes request state).
+@dataclass(frozen=True)
+class KVArrived:
+    """Every KV page of ``attempt_id`` has arrived, with the first token the prefill worker sampled."""
+
+    attempt_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class KVFailed:
+    """The KV transfer of ``attempt_id`` failed or timed out; ``reason`` goes into the request's error."""
+
+    attempt_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """End ``attempt_id`` (its client is gone); idempotent."""
+
+    attempt_id: str
 
 
 MAX_KV_TIMEOUT_S = 3600.0

@@ -60,13 +60,13 @@ def test_a_failing_step_fails_the_batch_and_frees_its_blocks(engine, monkeypatch
 def test_a_first_token_outside_the_vocabulary_fails_only_its_request(engine):
     """A KV sender's ``done`` carrying a first token outside the vocabulary ends that request with
     UNAVAILABLE and frees its blocks; a request decoding beside it finishes normally."""
-    from pdserve.decode_worker.engine import _KVArrived
+    from pdserve.decode_worker.request import KVArrived
 
     events: dict[str, list] = {"bad": [], "good": []}
     engine.add_request("bad", [1, 400, 500], SamplingParams(temperature=0, max_tokens=4), 30.0,
                        events["bad"].append)
     engine.add_local("good", [1, 400, 500], SamplingParams(temperature=0, max_tokens=4), events["good"].append)
-    engine._inbox.put(_KVArrived("bad", engine.model_cfg.vocab_size))  # as the receiver's on_complete would
+    engine._inbox.put(KVArrived("bad", engine.model_cfg.vocab_size))  # as the receiver's on_complete would
     for _ in range(50):
         engine.step()
         if all(evs and not isinstance(evs[-1], TokensEvent) for evs in events.values()):
