@@ -18,6 +18,10 @@ from pdserve.kernels.cpu.fused import argmax_rows, vectorized
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
+"""Temperatures under this sample greedily: logits divided by a temperature near 0 overflow float32 to
+infinity (at 1e-38, any logit above ~3.4), and the draw then picks whichever infinite logit comes
+first, not the most likely token. vLLM takes the same threshold (``_SAMPLING_EPS``) for greedy."""
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,8 @@ class SamplingParams:
     """How to pick each output token of one request.
 
     Attributes:
-        temperature: 0 for greedy; otherwise logits are divided by it.
+        temperature: 0 for greedy (as is any value under :data:`GREEDY_BELOW`, made 0 here); otherwise
+            logits are divided by it.
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
         seed: seeds the request's noise (the router fills one in when the client gives none).
@@ -44,6 +49,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first invalid field."""

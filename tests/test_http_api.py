@@ -15,8 +15,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 import grpc
@@ -29,6 +27,7 @@ from pdserve.model.chat_template import ChatTemplate
 from pdserve.proto import pdserve_pb2
 from tests.conftest import CHAT_MODEL as MODEL
 from tests.conftest import CHATML, Cluster
+from tests.http_helpers import raw
 from tests.tls_files import make_tls_files
 
 pytestmark = pytest.mark.timeout(180)
@@ -47,18 +46,6 @@ def api(http_cluster):
     """An OpenAI client of the cluster's HTTP API (no retries); the pools are checked free after the test."""
     yield openai.OpenAI(base_url=f"http://{http_cluster.router.http_address}/v1", api_key="unused", max_retries=0)
     http_cluster.assert_pools_free()
-
-
-def raw(address: str, path: str, body: dict | bytes | None = None, headers: dict | None = None):
-    """``(status, headers, body)`` of one plain HTTP request (POST when ``body`` is given)."""
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://{address}{path}", data=data, headers={
-        "Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.headers, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, e.read()
 
 
 def test_models_health_and_metrics(http_cluster, api):

@@ -45,6 +45,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        message, param = _text(message), None if param is None else _text(param)   # may quote the client
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = dict(headers or {})
 
@@ -56,6 +57,11 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         """The whole answer: status, headers and body."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _text(s: str) -> str:
+    """``s`` with any lone surrogate written as its escape (``\\ud800``), so that the JSON body renders."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def from_status(code: grpc.StatusCode, message: str) -> ApiError:
@@ -81,6 +87,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         loc = tuple(err.get("loc", ()))
         if err.get("type") == "json_invalid":
             problems.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
+            continue
+        if err.get("type") == "invalid_unicode":
+            problems.append(err.get("msg"))
+            first = first or err.get("ctx", {}).get("where")
             continue
         name = _field(loc)
         first = first or name

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 INT32 = (-(2**31), 2**31 - 1)
@@ -39,6 +39,30 @@ Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings"
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def lone_surrogate(data: Any) -> str | None:
+    """The path (``messages.0.content``) of a string of a parsed JSON body, key or value, that
+    holds a lone UTF-16 surrogate (JSON's ``"\\ud800"`` escape without its pair: valid JSON, but no
+    Unicode text, so UTF-8, protobuf and the tokenizer cannot take it); None if there is none. Walks
+    without recursion, so a deeply nested body costs no stack."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                at = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and lone_surrogate(key) is not None:
+                    return at.encode("utf-8", "backslashreplace").decode()
+                stack.append((item, at))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value))
+    return None
 
 
 class StreamOptions(_Strict):
@@ -69,6 +93,16 @@ class SamplingBody(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        """Refuse a body with a lone surrogate anywhere (:func:`lone_surrogate`): a 400 naming where."""
+        where = lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError("invalid_unicode", "`{where}` holds a lone UTF-16 surrogate (a \\ud800-"
+                                      "\\udfff escape without its pair): not Unicode text", {"where": where})
+        return data
 
 
 class CompletionRequest(SamplingBody):

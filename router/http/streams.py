@@ -129,8 +129,9 @@ async def collect(streams: ChoiceStreams, num_choices: int, disconnected: Callab
         Exception: a choice's error (the others cancelled).
     """
     async def run() -> list[Choice]:
+        firsts = await streams.first()  # validates n (and everything else) before anything is sized by it
         choices = [Choice(i) for i in range(num_choices * n)]
-        for s, msg in enumerate(await streams.first()):
+        for s, msg in enumerate(firsts):
             add(choices[s * n + msg.index], msg)
         async for s, msg in streams.rest():
             add(choices[s * n + msg.index], msg)
