@@ -65,6 +65,14 @@ def test_a_lone_surrogate_anywhere_is_a_400_naming_where(http_cluster, path, bod
     http_cluster.assert_pools_free()
 
 
+def test_a_text_part_without_its_text_is_a_400_saying_so(http_cluster):
+    status, _, answer = raw(http_cluster.router.http_address, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    error = json.loads(answer)["error"]
+    assert status == 400 and "needs its `text`" in error["message"], answer
+    assert error["param"] == "messages.0.content.0.text"
+
+
 def test_lone_surrogate_finds_keys_and_values_at_any_depth():
     deep: list = ["\ud800"]
     for _ in range(100_000):                                  # no recursion: no stack to run out of

@@ -27,16 +27,19 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     joined by newlines), and ``name`` when given.
 
     Raises:
-        ApiError: 400, a content part that is not text.
+        ApiError: 400, a content part that is not text, or a text part without its text.
     """
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise ApiError(400, f"only text content parts are served, got type `{part.type}`",
                                    param=f"messages.{i}.content.{j}")
+                if part.text is None:
+                    raise ApiError(400, "a text content part needs its `text` (a string)",
+                                   param=f"messages.{i}.content.{j}.text")
             content = "\n".join(part.text for part in content)
         item: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
