@@ -18,6 +18,7 @@ from pdserve.kernels.cpu.fused import argmax_rows, vectorized
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024  # stop tokens of one request: every message that forwards them stays small
 GREEDY_BELOW = 1e-5
 """Temperatures under this sample greedily: logits divided by a temperature near 0 overflow float32 to
 infinity (at 1e-38, any logit above ~3.4), and the draw then picks whichever infinite logit comes
@@ -35,7 +36,8 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
         seed: seeds the request's noise (the router fills one in when the client gives none).
         max_tokens: output tokens to generate at most (>= 1).
-        stop_token_ids: tokens that end the request (the stop token is part of the output).
+        stop_token_ids: tokens that end the request (the stop token is part of the output), at most
+            :data:`MAX_STOP_TOKEN_IDS`.
         ignore_eos: do not stop at the model's EOS tokens.
         logprobs: None computes no log-probabilities; k >= 0 returns the sampled token's and the
             k most likely tokens' (:func:`token_logprobs`), at most :data:`MAX_LOGPROBS`.
@@ -66,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"{len(self.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")

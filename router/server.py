@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor, bearer_interceptors
 from pdserve.cluster.metrics import router_metrics
 from pdserve.cluster.registry import RegistryReader, WorkerInfo
+from pdserve.cluster.rpc_fields import Undecodable, lenient_parser
 from pdserve.cluster.secret import (
     InsecureReminder,
     check_exposure,
@@ -172,10 +173,13 @@ class Router:
         finally:  # its SLO outcome or rejection shows in the next GetClusterState
             self._attainment_at = float("-inf")
 
-    async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest, context) -> pdserve_pb2.ClusterState:
+    async def GetClusterState(self, request: pdserve_pb2.GetClusterStateRequest | Undecodable,
+                              context) -> pdserve_pb2.ClusterState:
         """``Router.GetClusterState`` from the last registry read and SLO counters (read from Redis at
         most every ``registry_poll_s``, and the counters once after a stream ended, however often this
-        is called)."""
+        is called). Malformed request bytes: INVALID_ARGUMENT."""
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         await self._refresh_if_stale()  # normally a no-op: the poller's last read is fresh enough
         now = time.time()
         a = await self._slo_attainment()
@@ -340,8 +344,8 @@ class Router:
             # Generate takes raw bytes so that malformed requests get INVALID_ARGUMENT, not INTERNAL.
             "Generate": grpc.unary_stream_rpc_method_handler(
                 self.Generate, response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
-            "GetClusterState": grpc.unary_unary_rpc_method_handler(
-                self.GetClusterState, request_deserializer=pdserve_pb2.GetClusterStateRequest.FromString,
+            "GetClusterState": grpc.unary_unary_rpc_method_handler(   # malformed bytes: INVALID_ARGUMENT too
+                self.GetClusterState, request_deserializer=lenient_parser(pdserve_pb2.GetClusterStateRequest),
                 response_serializer=pdserve_pb2.ClusterState.SerializeToString),
         }),))
 

@@ -91,11 +91,14 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             :attr:`Tokenizer.max_token_chars` x context; token ids outside the vocabulary; prompt plus
             max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
             the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
-            (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary, logprobs outside
+            (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary or more than
+            :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs outside
             [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:  # before escaping it (escapes only lengthen it)
+        raise ValueError(f"request_id of {len(req.request_id)} characters exceeds {MAX_REQUEST_ID_CHARS}")
     request_id = printable_id(req.request_id)  # what the router keeps, logs and echoes: bounded as kept
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id of {len(request_id)} characters (control characters escaped) exceeds "

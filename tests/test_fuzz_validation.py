@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.model.config import ModelConfig
+from pdserve.model.sampling import MAX_STOP_TOKEN_IDS
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.slo import Slo
@@ -90,7 +91,7 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
         bad.add("top_k")
     if max_tokens < 1:
         bad.add("max_tokens")
-    if any(not 0 <= t < VOCAB for t in s.stop_token_ids):
+    if any(not 0 <= t < VOCAB for t in s.stop_token_ids) or len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         bad.add("stop_token_ids")
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if req.HasField(name) and not (math.isfinite(getattr(req, name)) and getattr(req, name) > 0):
@@ -279,6 +280,27 @@ def test_a_million_token_ids_are_refused_in_well_under_a_second():
     assert time.perf_counter() - start < 1.0
 
 
+def test_a_huge_request_id_is_refused_on_its_length_before_it_is_escaped():
+    """1.39 million zero-width spaces (4 MB): escaping them for the logs took the router's event loop 0.5 s."""
+    req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[1, 2]), request_id="\u200b" * 1_390_000)
+    start = time.perf_counter()
+    got = run(req.SerializeToString())
+    assert isinstance(got, ValueError), got
+    assert str(got) == f"request_id of 1390000 characters exceeds {MAX_REQUEST_ID_CHARS}"
+    assert time.perf_counter() - start < 0.25
+
+
+def test_stop_token_ids_are_capped():
+    """A valid stop list is forwarded to every worker of the request, n times: its length is bounded."""
+    def stops(n: int) -> ValidRequest | ValueError:
+        sampling = pdserve_pb2.SamplingParams(stop_token_ids=[5] * n, max_tokens=1)
+        return run(pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=[1]), sampling=sampling)
+                   .SerializeToString())
+    assert isinstance(stops(MAX_STOP_TOKEN_IDS), ValidRequest)
+    got = stops(MAX_STOP_TOKEN_IDS + 1)
+    assert isinstance(got, ValueError) and f"at most {MAX_STOP_TOKEN_IDS}" in str(got), got
+
+
 @fuzz(250)
 @given(extra=st.integers(1, 100_000) | st.sampled_from([3_000_000]),
        char=st.sampled_from(["a", " ", "\u200b", "\x00", "é", "🙂", "Once "]))
@@ -349,6 +371,18 @@ def _short(req: pdserve_pb2.GenerateRequest) -> pdserve_pb2.GenerateRequest:
     if req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 8:
         req.sampling.max_tokens = 8
     return req
+
+
+def test_live_malformed_cluster_state_request_is_invalid_argument(cluster):
+    async def call(channel):
+        rpc = channel.unary_unary("/pdserve.v1.Router/GetClusterState", request_serializer=lambda b: b,
+                                  response_deserializer=pdserve_pb2.ClusterState.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await rpc(b"\xff", timeout=30)
+        return info.value
+    error = cluster.run(call)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed GetClusterStateRequest" in error.details()
+    assert cluster.state().workers                                    # and the next call is answered
 
 
 def test_live_duplicate_request_ids_both_served_then_pools_free(cluster):
