@@ -53,6 +53,7 @@ async def decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, wa
                 return
             watch.on_event(event)
             yield event
+            watch.on_resume()  # a slow client held the relay: that time is not the worker's
     except grpc.aio.AioRpcError as exc:
         if exc.code() in NOT_RETRIABLE:
             raise GenerateError(exc.code(), f"decode worker {decode.worker_id}: {exc.details()}") from None
@@ -92,6 +93,12 @@ class StallWatch:
         self._last = self._heard[self.worker_id] = now
         if event.WhichOneof("event") == "tokens":
             self._first_token_by = None
+
+    def on_resume(self) -> None:
+        """The relay asks for the next event only now (it was sending to a client that reads slowly, whose
+        flow-control window was full): the wait for the worker starts here, so time the router spent not
+        reading never counts as the worker's silence."""
+        self._last = max(self._last, time.monotonic())
 
     def seconds_left(self) -> float:
         """Seconds until the stream counts as stalled if no event comes (<= 0: it does now)."""
