@@ -1,8 +1,10 @@
 """Bearer-token authentication of gRPC calls, both ends (``grpc.aio``).
 
 Server: :class:`BearerTokenInterceptor` ends every call that lacks ``authorization: Bearer
-<token>`` metadata with UNAUTHENTICATED before its request is parsed; the health service
-stays open so load balancers can probe. Client: :func:`bearer_interceptors` add that metadata on
+<token>`` metadata with UNAUTHENTICATED before its request is parsed; the health service's unary
+``Check`` stays open so load balancers can probe. Its ``Watch`` (a stream held open) needs the token:
+open, callers without one could hold every one of the server's ``maximum_concurrent_rpcs`` and lock
+out the clients that have it. Client: :func:`bearer_interceptors` add that metadata on
 plaintext channels (over TLS, ``grpc.access_token_call_credentials`` does the same).
 
 Used by the router's public API (the client's token, router/server.py), by the router's calls
@@ -20,7 +22,7 @@ import grpc
 
 log = logging.getLogger(__name__)
 
-OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
+OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/Check",)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

@@ -130,11 +130,24 @@ def test_router_rejects_calls_without_the_token(secure_cluster):
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     for kw in (dict(), dict(token="not-the-token-0123456789")):  # load balancers probe without a token
         assert call(c["address"], health, tls_ca_file=c["ca"], **kw) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a held-open Watch stream needs it: no lock-out
+            call(c["address"], watch, tls_ca_file=c["ca"], **kw)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert call(c["address"], watch, tls_ca_file=c["ca"], token=c["token"]) == health_pb2.HealthCheckResponse.SERVING
     assert len(call(c["address"], state, tls_ca_file=c["ca"], token=c["token"]).workers) == 2
 
 
 async def health(channel) -> int:
     return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))).status
+
+
+async def watch(channel) -> int:
+    """The first status of a health ``Watch`` stream (then the stream is cancelled)."""
+    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    try:
+        return (await stream.read()).status
+    finally:
+        stream.cancel()
 
 
 def test_generate_through_a_secret_protected_cluster(secure_cluster, redis_url):
