@@ -26,7 +26,8 @@ class PrefillWorkerConfig(WorkerConfig):
         fault_hold_transfer_s: fault-injection hook for tests only (0, the default, in service):
             hold every transfer open this many seconds after its last pages, before the done frame,
             so a test can kill the worker while the decode worker holds a half-filled block table.
-            The sender thread sleeps, so it also serialises this worker's transfers.
+            The destination's sender lane sleeps, so it also serialises this worker's transfers
+            to that decode worker.
     """
 
     max_num_batched_tokens: int = 512

@@ -8,7 +8,7 @@ Each :meth:`PrefillEngine.step`:
                     blocks can be had (cached prefix matched, the rest allocated)
     2. run          one forward over every chunk; chunks attend to earlier chunks'
                     KV through the paged cache
-    3. postprocess  hand every block the step completed to the sender thread; for
+    3. postprocess  hand every block the step completed to the KV senders; for
                     prompts that are done, sample the first token and queue ``Finish``
 
 Chunked prefill: Agrawal et al., "Sarathi-Serve" (OSDI 2024); vLLM's chunked prefill.
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefillEngine:
-    """Owns the prefill worker's model, KV cache, blocks and KV sender thread. ``secret``: the cluster
+    """Owns the prefill worker's model, KV cache, blocks and KV senders. ``secret``: the cluster
     secret its KV connections authenticate with (None: none)."""
 
     def __init__(self, cfg: PrefillWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig,
@@ -213,7 +213,7 @@ class PrefillEngine:
         return True
 
     def _finished(self, req: PrefillRequest, result: PrefillResult) -> None:
-        """FINISHED: deliver a request's result (sender thread, or the engine for never-admitted requests)."""
+        """FINISHED: deliver a request's result (a sender lane, or the engine for never-admitted requests)."""
         req.state = RequestState.FINISHED
         with self._lock:
             self._live.pop(req.attempt_id, None)

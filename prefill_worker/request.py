@@ -13,7 +13,7 @@ Abort (the router cancelled) or a failed transfer sends the request to FINISHED 
 QUEUED or PREFILLING at the next step; a TRANSFERRING one ends when its transfer does (the
 decode worker refuses the pages of a request it no longer expects). Owner of its blocks: the
 engine until admission fails or the request is admitted; from admission on, blocks are
-released only by the sender thread, after its last job for the request, so no page is read
+released only by the sender (its decode worker's lane), after its last job for the request, so no page is read
 after its block is reused. A request is known by its ``attempt_id``: the ``request_id`` of
 the router's Prefill call, which names one attempt of a client's request (:mod:`router.recovery`).
 """
@@ -76,7 +76,7 @@ class PrefillRequest:
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None  # when sampling.logprobs is set (router-bound, not sent over KV)
     error: str = ""                    # set by the sender when the transfer failed
-    channel: KVChannel | None = None   # sender thread only
+    channel: KVChannel | None = None   # its sender lane only
     arrived_at: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0
     computed_at: float = 0.0
