@@ -311,7 +311,12 @@ class AdaptiveSpeculation:
 
 
 def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | None:
-    """The configured speculative proposer, or ``None`` when speculation is off."""
+    """The configured speculative proposer, or ``None`` when speculation is off.
+
+    Raises:
+        ValueError: a draft model whose vocabulary is not the target's (its token ids would not be the
+            target's tokens).
+    """
     if cfg.speculative == "ngram":
         return NgramProposer()
     if cfg.speculative == "self":
@@ -319,5 +324,9 @@ def make_proposer(cfg: DecodeWorkerConfig, runner: ModelRunner) -> Proposer | No
     if cfg.speculative == "draft":
         from pdserve.model.loader import load_model
         draft, _ = load_model(cfg.spec_draft_model, cfg.torch_dtype)
+        target_vocab = runner.model.cfg.vocab_size
+        if draft.cfg.vocab_size != target_vocab:
+            raise ValueError(f"draft model {cfg.spec_draft_model}: vocab_size {draft.cfg.vocab_size} is not the "
+                             f"target's {target_vocab}; a draft model must share the target's tokenizer")
         return DraftModelProposer(draft, runner.spec)
     return None

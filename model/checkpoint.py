@@ -142,6 +142,18 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def read_json(model_dir: str | Path, name: str) -> dict | None:
-    """``name`` (e.g. ``generation_config.json``) of the checkpoint as a dict, or ``None`` when absent."""
+    """``name`` (e.g. ``generation_config.json``) of the checkpoint as a dict, or ``None`` when absent.
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON holding an object (the message names the file).
+    """
     path = Path(model_dir) / name
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, IsADirectoryError) as exc:
+        raise ValueError(f"{path}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pdserve.model.checkpoint import read_json, resolve_model_dir
-from pdserve.model.families import FAMILIES, check_supported, family_options
+from pdserve.model.families import FAMILIES, check_supported, family_options, flag
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,21 @@ class ModelConfig:
             raise ValueError(f"config: head_dim {self.head_dim} is odd (RoPE rotates pairs)")
         if self.model_type not in FAMILIES:
             raise ValueError(f"config: model_type {self.model_type!r} is not one of {FAMILIES}")
+        for name in ("rms_norm_eps", "rope_theta"):        # NaN, 0 or negative: every logit NaN
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"config: {name} must be a finite positive number, got {value}")
+        for key, value in self.rope_scaling or ():
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError(f"config: rope_scaling {key} must be a number or a name, got {value!r}")
+            if key != "rope_type" and key != "type" and not (isinstance(value, (int, float)) and math.isfinite(value)
+                                                             and value > 0):
+                raise ValueError(f"config: rope_scaling {key} must be a finite positive number, got {value!r}")
+        ids = ([] if self.bos_token_id is None else [("bos_token_id", self.bos_token_id)]) + [
+            ("eos_token_id", t) for t in self.eos_token_ids]
+        for name, t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"config: {name} {t!r} is not a token id of the vocabulary [0, {self.vocab_size})")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -100,8 +117,11 @@ class ModelConfig:
             raise FileNotFoundError(f"{model_dir}: no config.json")
         try:
             return cls._from_raw(raw, read_json(model_dir, "generation_config.json") or {})
-        except ValueError as exc:
-            raise ValueError(f"{model_dir}: {exc}") from None
+        except KeyError as exc:
+            raise ValueError(f"{model_dir}: config.json lacks {exc}") from None
+        except (ValueError, TypeError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+            kind = "" if isinstance(exc, ValueError) else "a field of the wrong type or value: "
+            raise ValueError(f"{model_dir}: {kind}{exc}") from None
 
     @classmethod
     def _from_raw(cls, raw: dict, generation: dict) -> "ModelConfig":
@@ -109,8 +129,8 @@ class ModelConfig:
         options = family_options(model_type, raw)
         # transformers >= 5 writes `rope_parameters` (theta and scaling together); older ones
         # write `rope_theta` and `rope_scaling`.
-        rope = raw.get("rope_parameters") or {}
-        scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        rope = _object(raw, "rope_parameters")
+        scaling = _object(raw, "rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         check_supported(model_type, raw, scaling, options["head_dim"])
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -124,11 +144,24 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_theta=float(raw["rope_theta"] if raw.get("rope_theta") is not None
+                             else rope.get("rope_theta", 10000.0)),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag(raw, "tie_word_embeddings"),
             model_type=model_type,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **options,
         )
+
+
+def _object(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    """The JSON object ``raw[name]`` (empty when absent or null).
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = raw.get(name) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"config.json {name} must be an object, got {value!r}")
+    return value

@@ -46,10 +46,12 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
     """
     check_model_type(model_type, raw)
     heads = int(raw["num_attention_heads"])
+    if heads <= 0:
+        raise ValueError(f"config.json num_attention_heads must be positive, got {heads}")
     default_head_dim = 128 if model_type == "qwen3" else int(raw["hidden_size"]) // heads
-    attention_bias = bool(raw.get("attention_bias", False))
+    attention_bias = flag(raw, "attention_bias")
     options = {  # per family: (qkv_bias, o_proj_bias, mlp_bias, qk_norm)
-        "llama": (attention_bias, attention_bias, bool(raw.get("mlp_bias", False)), False),
+        "llama": (attention_bias, attention_bias, flag(raw, "mlp_bias"), False),
         "mistral": (False, False, False, False),
         "qwen2": (True, False, False, False),
         "qwen3": (attention_bias, attention_bias, False, True),
@@ -122,3 +124,17 @@ def sliding_window(model_type: str, raw: dict[str, Any]) -> tuple[int | None, li
         first = int(raw.get("max_window_layers", _QWEN_DEFAULT_MAX_WINDOW_LAYERS))
         layers = list(range(first, num_layers))
     return int(window), layers
+
+def flag(raw: dict[str, Any], name: str, default: bool = False) -> bool:
+    """The JSON boolean ``raw[name]`` (``default`` when absent or null).
+
+    Raises:
+        ValueError: any other value (a string ``"false"`` is not false).
+    """
+    value = raw.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json {name} must be true or false, got {value!r}")
+    return value
+

@@ -77,12 +77,13 @@ def assemble_state(tensors: Iterable[tuple[str, torch.Tensor]], expected: dict[s
         layout: checkpoint name -> placement (:func:`hf_layout`, or the identity for our own names).
         dtype_for: the dtype a target is allocated in, given its name and the first tensor placed there.
         aliases: other names one layout entry may come under (a tied head stored as ``lm_head.weight``);
-            a second copy of an entry is skipped.
+            a second copy of an entry must equal the first (then it is skipped).
     Returns:
         our name -> tensor, every row of every expected tensor written exactly once.
     Raises:
-        ValueError: missing or unexpected tensors (named as in the checkpoint), or a shape that
-            does not match the config.
+        ValueError: missing or unexpected tensors (named as in the checkpoint), a shape that does not
+            match the config, or two copies of one entry that differ (a head stored apart from the
+            embedding it is tied to).
     """
     aliases = aliases or {}
     state: dict[str, torch.Tensor] = {}
@@ -93,7 +94,13 @@ def assemble_state(tensors: Iterable[tuple[str, torch.Tensor]], expected: dict[s
         place = layout.get(name)
         if place is None and not _IGNORED.match(name):
             unexpected.append(raw_name)
-        elif place is not None and name not in seen:   # the tied head stored under both names: one copy
+        elif place is not None and name in seen:        # the tied head stored under both names: one copy
+            kept = state[place.target][place.row:place.row + place.rows]
+            if tuple(tensor.shape) != tuple(kept.shape) or not torch.equal(tensor.to(kept.dtype), kept):
+                raise ValueError(f"{model_dir}: config.json ties the LM head to the embedding "
+                                 f"(tie_word_embeddings), but the checkpoint's {raw_name} differs from the tensor "
+                                 f"it is tied to: set tie_word_embeddings to false")
+        elif place is not None:
             want = expected[place.target]
             shape = (place.rows, *want.shape[1:])
             if tuple(tensor.shape) != shape:

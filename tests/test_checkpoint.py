@@ -205,3 +205,66 @@ def test_a_cluster_serves_a_hub_repository_id(tmp_path, monkeypatch, redis_url, 
         c.assert_pools_free()
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(rope_theta=float("nan")), "rope_theta must be a finite positive number"),
+    (dict(rope_theta=0), "rope_theta must be a finite positive number"),           # was replaced by 10000
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite positive number"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0.0}, rope_parameters=None), "rope_scaling factor"),
+    (dict(rope_scaling="linear", rope_parameters=None), "rope_scaling must be an object"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false"),  # bool("false") is True
+    (dict(attention_bias=1), "attention_bias must be true or false"),
+    (dict(vocab_size=None), "config.json lacks 'vocab_size'"),
+    (dict(num_attention_heads=0), "num_attention_heads must be positive"),
+    (dict(hidden_size=float("inf")), "wrong type or value"),
+    (dict(bos_token_id=99999), "bos_token_id 99999 is not a token id"),
+    (dict(bos_token_id="<s>"), "bos_token_id '<s>' is not a token id"),
+])
+def test_malformed_configs_are_refused_naming_the_field(tmp_path, qwen2_dir, changes, words):
+    """Values that used to load and serve NaN logits, a different head, or fail later per request, or fail
+    with a bare KeyError / ZeroDivisionError naming no file."""
+    path = _edited(tmp_path, qwen2_dir, **changes)
+    for call in (ModelConfig.from_hf_dir, load_model):
+        with pytest.raises(ValueError) as err:
+            call(path)
+        assert words in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
+def test_eos_ids_of_the_generation_config_are_checked(tmp_path, qwen2_dir):
+    path = _edited(tmp_path, qwen2_dir)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [[2]]}))  # unhashable per request
+    with pytest.raises(ValueError, match=r"eos_token_id \[2\] is not a token id"):
+        ModelConfig.from_hf_dir(path)
+
+
+@pytest.mark.parametrize("text, words", [("{not json", "not a JSON file"), ("[1, 2]", "holds a JSON list"),
+                                         ("\udcff".encode("utf-8", "surrogateescape"), "not a JSON file")])
+def test_a_config_that_is_not_a_json_object_is_refused_naming_the_file(tmp_path, qwen2_dir, text, words):
+    path = _edited(tmp_path, qwen2_dir)
+    (path / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=words) as err:
+        ModelConfig.from_hf_dir(path)
+    assert "config.json" in str(err.value)
+
+
+def test_a_tied_head_stored_apart_from_its_embedding_is_refused(tmp_path, qwen2_dir):
+    """A qwen3 checkpoint stores its own lm_head.weight: declared tied, one copy used to overwrite the other
+    (the embedding took the head's weights, silently). A tied checkpoint (qwen2 here) loads tied."""
+    untied = write_checkpoint("qwen3", tmp_path / "qwen3", seed=3)
+    with pytest.raises(ValueError, match="differs from the tensor it is tied to"):
+        load_model(_edited(tmp_path, untied, tie_word_embeddings=True))
+    model, cfg = load_model(qwen2_dir)
+    assert cfg.tie_word_embeddings and model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path, qwen2_dir):
+    from pdserve.decode_worker.config import DecodeWorkerConfig
+    from pdserve.decode_worker.speculative import make_proposer
+
+    draft = write_checkpoint("qwen2", tmp_path / "draft", seed=9, num_hidden_layers=1, vocab_size=96)
+    model, cfg = load_model(qwen2_dir)
+    runner = ModelRunner(model, KVCacheSpec.for_model(cfg, 16, 8, torch.float32))
+    wcfg = DecodeWorkerConfig(model_dir=qwen2_dir, worker_id="t", speculative="draft", spec_draft_model=draft)
+    with pytest.raises(ValueError, match=f"vocab_size 96 is not the target's {cfg.vocab_size}"):
+        make_proposer(wcfg, runner)
