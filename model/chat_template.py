@@ -28,7 +28,8 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from pdserve.model.checkpoint import resolve_model_dir
+from pdserve.model.checkpoint import read_json, resolve_model_dir
+from pdserve.model.tokenizer import load_hf_tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -128,8 +129,7 @@ class ChatTemplate:
             FileNotFoundError: the checkpoint cannot be found.
         """
         model_dir = resolve_model_dir(model_dir)
-        cfg_path = model_dir / "tokenizer_config.json"
-        tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        tok_cfg = read_json(model_dir, "tokenizer_config.json") or {}
         if override_file:
             try:
                 found: tuple[str, str] | None = (Path(override_file).read_text(encoding="utf-8"), str(override_file))
@@ -162,5 +162,5 @@ class ChatTemplate:
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered ``text``; special tokens in the text are recognised, none is added."""
         if self._tok is None:
-            self._tok = HFTokenizer.from_file(str(self._model_dir / "tokenizer.json"))
+            self._tok = load_hf_tokenizer(self._model_dir)
         return self._tok.encode(text, add_special_tokens=False).ids

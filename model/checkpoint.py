@@ -85,12 +85,15 @@ def model_reference(model: str | Path) -> str:
 
 
 def _index_map(model_dir: Path) -> dict[str, str] | None:
-    index = model_dir / INDEX_FILE
-    if not index.exists():
+    index = read_json(model_dir, INDEX_FILE)
+    if index is None:
         return None
-    weight_map = json.loads(index.read_text()).get("weight_map")
+    weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index}: no weight_map (tensor name -> shard file)")
+        raise ValueError(f"{model_dir / INDEX_FILE}: no weight_map (tensor name -> shard file)")
+    bad = [f"{k}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"{model_dir / INDEX_FILE}: weight_map values must be shard file names, got {bad[:4]}")
     return weight_map
 
 
@@ -122,14 +125,14 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     Raises:
         FileNotFoundError: as :func:`safetensors_files`.
-        ValueError: a name in two files, or (sharded) a tensor in another shard than the index says,
-            or one the index lists that no shard holds.
+        ValueError: a file that is not readable safetensors (named), a name in two files, or (sharded)
+            a tensor in another shard than the index says, or one the index lists that no shard holds.
     """
     model_dir = Path(model_dir)
     weight_map = _index_map(model_dir)
     seen: set[str] = set()
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if name in seen:
                     raise ValueError(f"{model_dir}: tensor {name} appears in more than one file")
@@ -139,6 +142,19 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
     if weight_map is not None and weight_map.keys() - seen:
         raise ValueError(f"{model_dir / INDEX_FILE}: lists tensors no shard holds: {sorted(weight_map.keys() - seen)}")
+
+
+def open_safetensors(path: Path):
+    """``safe_open(path)``.
+
+    Raises:
+        ValueError: ``path`` is not a readable safetensors file (truncated, not safetensors, a directory);
+            the message names it.
+    """
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: all mean an unreadable shard
+        raise ValueError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
 
 
 def read_json(model_dir: str | Path, name: str) -> dict | None:

@@ -4,12 +4,27 @@ and incremental detokenization for streaming text deltas."""
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pdserve.model.checkpoint import resolve_model_dir
+from pdserve.model.checkpoint import read_json, resolve_model_dir
+
+
+def load_hf_tokenizer(model_dir: Path) -> HFTokenizer:
+    """The ``tokenizers`` tokenizer of ``model_dir/tokenizer.json``.
+
+    Raises:
+        FileNotFoundError: no ``tokenizer.json``.
+        ValueError: it does not load (the message names the file and the parser's complaint).
+    """
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (the checkpoint's tokenizer)")
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
+        raise ValueError(f"{path}: not a tokenizer file `tokenizers` can load ({exc})") from None
 
 
 class Tokenizer:
@@ -20,13 +35,13 @@ class Tokenizer:
 
     Raises:
         FileNotFoundError: from the constructor when the checkpoint or its ``tokenizer.json`` is missing.
+        ValueError: ``tokenizer.json`` or ``tokenizer_config.json`` cannot be read (the message names it).
     """
 
     def __init__(self, model_dir: str | Path, bos_token_id: int | None) -> None:
         model_dir = resolve_model_dir(model_dir)
-        self._tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
-        cfg_path = model_dir / "tokenizer_config.json"
-        tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self._tok = load_hf_tokenizer(model_dir)
+        tok_cfg = read_json(model_dir, "tokenizer_config.json") or {}
         # BOS as transformers adds it: when add_bos_token says so, else when the tokenizer has a BOS
         # token at all (Qwen's tokenizer_config sets bos_token to null: no BOS, whatever config.json says)
         has_bos = bos_token_id is not None and tok_cfg.get("bos_token", "") is not None

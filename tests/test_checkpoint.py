@@ -268,3 +268,27 @@ def test_a_draft_model_of_another_vocabulary_is_refused_at_start(tmp_path, qwen2
     wcfg = DecodeWorkerConfig(model_dir=qwen2_dir, worker_id="t", speculative="draft", spec_draft_model=draft)
     with pytest.raises(ValueError, match=f"vocab_size 96 is not the target's {cfg.vocab_size}"):
         make_proposer(wcfg, runner)
+
+
+def test_unreadable_tokenizer_and_weight_files_are_refused_naming_the_file(tmp_path, qwen2_dir):
+    from pdserve.model.chat_template import ChatTemplate
+
+    path = _edited(tmp_path, qwen2_dir)
+    (path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match="tokenizer.json: not a tokenizer file"):
+        Tokenizer(path, 1)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="tokenizer.json: no such file"):
+        Tokenizer(path, 1)
+    shutil.copy(Path(qwen2_dir) / "tokenizer.json", path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text("[]")
+    for call in (lambda: Tokenizer(path, 1), lambda: ChatTemplate.load(path)):
+        with pytest.raises(ValueError, match="tokenizer_config.json: holds a JSON list"):
+            call()
+    shard = next(path.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])                     # truncated
+    with pytest.raises(ValueError, match=f"{shard.name}: not a readable safetensors file"):
+        load_model(path)
+    (path / INDEX_FILE).write_text(json.dumps({"weight_map": {"lm_head.weight": 3}}))
+    with pytest.raises(ValueError, match="weight_map values must be shard file names"):
+        load_model(path)

@@ -20,10 +20,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pdserve.model.checkpoint import iter_tensors, resolve_model_dir, safetensors_files
+from pdserve.model.checkpoint import iter_tensors, open_safetensors, resolve_model_dir, safetensors_files
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import Placement, assemble_state, expected_tensors, finish_model, load_model
@@ -82,7 +81,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, group_size: int = 128,
 def _source_dtype(model_dir: Path) -> torch.dtype:
     """dtype of the first floating tensor in the checkpoint (header only)."""
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 dtype = _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
                 if dtype is not None:
@@ -122,7 +121,7 @@ def save_quantized_checkpoint(model_dir_in: str | Path, out_dir: str | Path, gro
 def _header_metadata(model_dir: str | Path) -> list[dict[str, str]]:
     out = []
     for path in safetensors_files(resolve_model_dir(model_dir)):
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             out.append(f.metadata() or {})
     return out
 
