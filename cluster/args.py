@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+MAX_TIMEOUT_S = 86_400.0  # a timeout or interval flag longer than a day is a mistake (inf or NaN: one that never fires)
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -39,3 +40,27 @@ def _bool(text: str) -> bool:
 
 def _default_text(f: dataclasses.Field) -> str:
     return "from environment" if f.default is dataclasses.MISSING else repr(f.default)
+
+
+def check_port(name: str, port: int) -> None:
+    """Refuse a TCP port outside [0, 65535] (0: any free one); the OS would wrap 70000 to 4464.
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{name} must be in [0, 65535] (0: any free port), got {port}")
+
+
+def check_seconds(name: str, value: float, low: float = 0.0, high: float = MAX_TIMEOUT_S,
+                  zero_ok: bool = False) -> None:
+    """Refuse a duration that is not a finite number of seconds in (``low``, ``high``] (``[low, high]``
+    with ``zero_ok``): NaN passes every ``<=`` test and turned off the checks that used them.
+
+    Raises:
+        ValueError: naming ``name`` and the range.
+    """
+    inside = (low <= value if zero_ok else low < value) and value <= high
+    if not (value == value and value not in (float("inf"), float("-inf")) and inside):
+        bounds = f"{'[' if zero_ok else '('}{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be a finite number of seconds in {bounds}, got {value}")

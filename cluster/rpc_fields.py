@@ -26,6 +26,10 @@ UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 """Unicode categories no id may carry into a log line: control, format, line/paragraph separators,
 surrogates (the router escapes them in client ids, workers refuse them in attempt ids)."""
 
+MAX_KV_TIMEOUT_S = 3600.0
+"""The longest ``kv_timeout_s`` a request may ask for (seconds): its blocks wait at most this long
+for KV pages, so a caller cannot hold them without a deadline."""
+
 
 def _short(value: object, limit: int = 80) -> str:
     text = repr(value)

@@ -17,6 +17,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
+from pdserve.cluster.args import check_port, check_seconds
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor
 from pdserve.cluster.metrics import start_metrics_server
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
@@ -138,10 +139,9 @@ class WorkerConfig:
         for name in ("block_size", "num_blocks", "num_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lease_s <= 0:
-            raise ValueError(f"lease_s must be positive, got {self.lease_s}")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        check_seconds("lease_s", self.lease_s, low=0.1, high=3600.0)   # Redis leases in whole milliseconds
+        check_port("port", self.port)
+        check_port("metrics_port", self.metrics_port)
 
     @property
     def resolved_dtype(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.cluster.args import check_port, check_seconds
 from pdserve.cluster.worker_process import WorkerConfig
 
 
@@ -89,5 +90,7 @@ class DecodeWorkerConfig(WorkerConfig):
                              f"{self.multi_step} and {self.multi_step_window_s}")
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
-        if self.kv_io_timeout_s <= 0:
-            raise ValueError(f"kv_io_timeout_s must be positive, got {self.kv_io_timeout_s}")
+        check_seconds("kv_io_timeout_s", self.kv_io_timeout_s)
+        check_port("kv_port", self.kv_port)
+        if self.max_num_batched_tokens <= 0:   # colocated: 0 prefilled one token a step
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")

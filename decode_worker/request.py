@@ -27,6 +27,7 @@ import grpc
 import torch
 
 from pdserve.cluster.lifecycle import RequestState
+from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.model.sampling import SamplingParams, TokenLogprobs, token_logprobs
 
 
@@ -129,11 +130,6 @@ class AbortRequest:
     """End ``attempt_id`` (its client is gone); idempotent."""
 
     attempt_id: str
-
-
-MAX_KV_TIMEOUT_S = 3600.0
-"""The longest ``kv_timeout_s`` a request may ask for (seconds): its blocks wait at most this long
-for KV pages, so a caller cannot hold them without a deadline."""
 
 
 def check_kv_timeout(kv_timeout_s: float) -> float:

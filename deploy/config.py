@@ -3,12 +3,14 @@ names of a cluster's controller, and the cluster-secret env vars every actor get
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.cluster.args import check_port, check_seconds
 from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy.planner import PlannerConfig
@@ -128,8 +130,13 @@ class ClusterConfig:
             raise ValueError(f"gpu_wait_s must be >= 0, got {self.gpu_wait_s}")
         if self.num_colocated < 0 or (not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1)):
             raise ValueError("a cluster needs colocated workers, or at least one prefill and one decode worker")
-        if self.cpus_per_worker <= 0:
-            raise ValueError(f"cpus_per_worker must be positive, got {self.cpus_per_worker}")
+        if not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker > 0):
+            raise ValueError(f"cpus_per_worker must be a finite positive number, got {self.cpus_per_worker}")
+        check_port("port", self.port)
+        for name in ("drain_timeout_s", "start_timeout_s", "placement_timeout_s"):
+            check_seconds(name, getattr(self, name))
+        for name in ("unroute_s", "gpu_wait_s"):
+            check_seconds(name, getattr(self, name), zero_ok=True)
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
         if min(self.drain_timeout_s, self.start_timeout_s, self.placement_timeout_s) <= 0 or self.unroute_s < 0:

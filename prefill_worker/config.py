@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.cluster.args import check_seconds
 from pdserve.cluster.worker_process import WorkerConfig
 
 
@@ -45,6 +46,7 @@ class PrefillWorkerConfig(WorkerConfig):
             raise ValueError(f"activations must be native or fp8, got {self.activations!r}")
         if self.fault_hold_transfer_s < 0:
             raise ValueError(f"fault_hold_transfer_s must be >= 0, got {self.fault_hold_transfer_s}")
-        for name in ("max_num_batched_tokens", "kv_connect_timeout_s", "kv_io_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        for name in ("kv_connect_timeout_s", "kv_io_timeout_s", "snapshot_interval_s"):
+            check_seconds(name, getattr(self, name))

@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from pdserve.cluster.args import check_port, check_seconds
+from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.cluster.worker_process import default_redis_url
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
@@ -129,15 +131,15 @@ class RouterConfig:
     chat_template: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("registry_poll_s", "kv_timeout_s", "prefill_timeout_s", "stream_idle_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("registry_poll_s", "prefill_timeout_s", "stream_idle_timeout_s"):
+            check_seconds(name, getattr(self, name))
+        check_seconds("kv_timeout_s", self.kv_timeout_s, high=MAX_KV_TIMEOUT_S)   # the decode worker's bound too
+        check_port("port", self.port)
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.registry_grace_s < 0:
-            raise ValueError(f"registry_grace_s must be >= 0, got {self.registry_grace_s}")
+        check_seconds("registry_grace_s", self.registry_grace_s, zero_ok=True)
         for name in ("max_concurrent_streams", "max_tokens_limit", "max_receive_message_bytes",
                      "max_send_message_bytes"):
             if getattr(self, name) < 1:

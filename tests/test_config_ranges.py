@@ -1,0 +1,58 @@
+"""Operator flags outside what a process can run are refused when its config is built, naming the flag:
+ports beyond 65535 (the OS wrapped 70000 to 4464 and served there), NaN or infinite timeouts and
+intervals (NaN passes every ``<=`` check: a NaN prefill timeout failed every request, a NaN registry
+poll spun a core, a NaN stall timeout never fired), a router KV timeout the decode workers refuse per
+request, leases Redis cannot hold, a colocated prefill budget of 0 tokens (one token a step), a NaN CPU
+share. Found by an audit of the flags; each case was accepted before."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.deploy.config import ClusterConfig
+from pdserve.prefill_worker.config import PrefillWorkerConfig
+from pdserve.router.config import RouterConfig
+
+NAN, INF = math.nan, math.inf
+
+
+def router(**kw):
+    return RouterConfig(model_dir="m", **kw)
+
+
+def prefill(**kw):
+    return PrefillWorkerConfig(model_dir="m", worker_id="p", **kw)
+
+
+def decode(**kw):
+    return DecodeWorkerConfig(model_dir="m", worker_id="d", **kw)
+
+
+def cluster(**kw):
+    return ClusterConfig(model_dir="m", **kw)
+
+
+@pytest.mark.parametrize("make, field, value", [
+    (router, "port", 70000), (router, "port", -1), (prefill, "port", 70000), (decode, "kv_port", 70000),
+    (decode, "metrics_port", 65536), (cluster, "port", 70000),
+    (router, "prefill_timeout_s", NAN), (router, "prefill_timeout_s", INF), (router, "registry_poll_s", NAN),
+    (router, "stream_idle_timeout_s", NAN), (router, "kv_timeout_s", NAN), (router, "kv_timeout_s", 4000.0),
+    (router, "registry_grace_s", NAN),
+    (prefill, "lease_s", NAN), (prefill, "lease_s", INF), (prefill, "lease_s", 1e300), (decode, "lease_s", 0.0001),
+    (prefill, "snapshot_interval_s", 0.0), (prefill, "snapshot_interval_s", NAN), (prefill, "kv_io_timeout_s", INF),
+    (decode, "kv_io_timeout_s", NAN), (decode, "max_num_batched_tokens", 0),
+    (cluster, "cpus_per_worker", NAN), (cluster, "drain_timeout_s", NAN), (cluster, "unroute_s", INF),
+])
+def test_out_of_range_flags_are_refused_naming_them(make, field, value):
+    with pytest.raises(ValueError, match=field):
+        make(**{field: value})
+
+
+def test_the_edges_of_each_range_are_accepted():
+    router(port=65535, kv_timeout_s=3600.0, registry_grace_s=0.0)
+    prefill(port=0, lease_s=0.5, snapshot_interval_s=0.5)
+    decode(kv_port=65535, lease_s=3600.0, max_num_batched_tokens=1)
+    cluster(port=0, unroute_s=0.0, gpu_wait_s=0.0)
