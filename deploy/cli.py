@@ -148,35 +148,41 @@ def _start_cluster(args: argparse.Namespace):
                                   min_decode=args.min_decode, max_decode=args.max_decode,
                                   window_s=args.autoscale_window, cooldown_s=2 * args.autoscale_window)
     ids = {"cluster": args.cluster} if args.cluster else {}
-    cfg = ClusterConfig(
-        model_dir=model_reference(args.model), num_prefill=args.prefill, num_decode=args.decode,
-        num_colocated=args.colocated, **ids, cpus_per_worker=args.cpus_per_worker,
-        placement_strategy=args.placement_strategy, max_restarts=args.max_restarts,
-        drain_timeout_s=args.drain_timeout, autoscale=autoscale,
-        detach=getattr(args, "detach", False), device=args.device, gpu_wait_s=args.gpu_wait,
-        router_node=args.router_node, port=args.port, ray_address=args.ray_address, redis_url=args.redis_url,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks, dtype=args.dtype,
-        prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
-                         "prefix_cache": not args.no_prefix_cache},
-        decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative, "spec_k": args.spec_k,
-                        "spec_draft_layers": args.spec_draft_layers, "spec_draft_model": args.spec_draft_model,
-                        "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
-                        "graph": not args.no_graph, "multi_step": args.multi_step,
-                        "multi_step_window_s": args.multi_step_window},
-        worker_options={**({"insecure": True} if args.insecure else {}),
-                        **({"warmup": False} if args.no_warmup else {})},
-        router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
-                        **{name: getattr(args, name) for name in ROUTER_LIMIT_FLAGS if getattr(args, name) is not None},
-                        **{name: getattr(args, flag) for flag, (name, _) in ROUTER_SLO_RANGE_FLAGS.items()
-                           if getattr(args, flag) is not None},
-                        "default_tpot_slo_s": args.tpot_slo,
-                        **({"stream_idle_timeout_s": args.stream_idle_timeout}
-                           if args.stream_idle_timeout is not None else {}),
-                        **{name: str(Path(path).resolve()) for name, path in (
-                            ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key),
-                            ("token_file", args.token_file)) if path},
-                        **_http_options(args)})
+    try:  # every config and the router's files, before Redis, Ray and the pools start
+        cfg = ClusterConfig(
+            model_dir=model_reference(args.model), num_prefill=args.prefill, num_decode=args.decode,
+            num_colocated=args.colocated, **ids, cpus_per_worker=args.cpus_per_worker,
+            placement_strategy=args.placement_strategy, max_restarts=args.max_restarts,
+            drain_timeout_s=args.drain_timeout, autoscale=autoscale,
+            detach=getattr(args, "detach", False), device=args.device, gpu_wait_s=args.gpu_wait,
+            router_node=args.router_node, port=args.port, ray_address=args.ray_address, redis_url=args.redis_url,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks, dtype=args.dtype,
+            prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
+                             "prefix_cache": not args.no_prefix_cache},
+            decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative,
+                            "spec_k": args.spec_k, "spec_draft_layers": args.spec_draft_layers,
+                            "spec_draft_model": args.spec_draft_model,
+                            "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
+                            "graph": not args.no_graph, "multi_step": args.multi_step,
+                            "multi_step_window_s": args.multi_step_window},
+            worker_options={**({"insecure": True} if args.insecure else {}),
+                            **({"warmup": False} if args.no_warmup else {})},
+            router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
+                            **{name: getattr(args, name) for name in ROUTER_LIMIT_FLAGS
+                               if getattr(args, name) is not None},
+                            **{name: getattr(args, flag) for flag, (name, _) in ROUTER_SLO_RANGE_FLAGS.items()
+                               if getattr(args, flag) is not None},
+                            "default_tpot_slo_s": args.tpot_slo,
+                            **({"stream_idle_timeout_s": args.stream_idle_timeout}
+                               if args.stream_idle_timeout is not None else {}),
+                            **{name: str(Path(path).resolve()) for name, path in (
+                                ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key),
+                                ("token_file", args.token_file)) if path},
+                            **_http_options(args)})
+        cfg.check_roles()
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"pdserve up: {exc}") from None
     redis_proc = ensure_redis(args.redis_url)
     cluster = RayCluster(cfg)
     try:

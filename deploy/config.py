@@ -153,6 +153,39 @@ class ClusterConfig:
         """Local clusters bind to loopback; on a Ray cluster each actor binds to its node's IP."""
         return "127.0.0.1" if self.local else "node-ip"
 
+    def router_config(self):
+        """The router's :class:`~router.config.RouterConfig` (``host`` as the actor will bind it)."""
+        from pdserve.router.config import RouterConfig
+
+        return RouterConfig(model_dir=self.model_dir, cluster=self.cluster, redis_url=self.redis_url, host=self.host,
+                            port=self.port, **{"http_host": self.host, **self.router_options})
+
+    def worker_config(self, role: str, worker_id: str):
+        """The config of a ``role`` worker (``prefill``, ``decode`` or ``both``) named ``worker_id``."""
+        from pdserve.decode_worker.config import DecodeWorkerConfig
+        from pdserve.prefill_worker.config import PrefillWorkerConfig
+
+        common = dict(model_dir=self.model_dir, worker_id=worker_id, cluster=self.cluster, redis_url=self.redis_url,
+                      host=self.host, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
+                      num_threads=self.num_threads, **self.worker_options)
+        if role == "prefill":
+            return PrefillWorkerConfig(**common, **self.prefill_options)
+        return DecodeWorkerConfig(**common, colocated=role == "both", **self.decode_options)
+
+    def check_roles(self) -> None:
+        """Build the router's config and each worker role's this cluster runs, and read the router's token and
+        TLS files: what would fail inside the Ray actors, after Ray has started and the pools have loaded the
+        model, fails here at once.
+
+        Raises:
+            ValueError, FileNotFoundError: as the configs and files do (the message names the field or file).
+        """
+        router = self.router_config()
+        router.bearer_tokens()
+        router.tls_key_pair()
+        for role in (("both",) if self.num_colocated else ("prefill", "decode")):
+            self.worker_config(role, f"check-{role}")
+
     @property
     def max_workers(self) -> int:
         """Workers the pools can grow to under autoscaling (else their initial size)."""

@@ -89,8 +89,6 @@ class PoolController:
         Raises:
             RuntimeError: not enough Ray resources, or a worker did not start in time.
         """
-        from pdserve.router.config import RouterConfig
-
         cfg, total = self.cfg, ray.cluster_resources()
         separate = cluster_has_pool_resources(total) if cfg.separate_nodes is None else cfg.separate_nodes
         # the driver resolved "cuda" (after waiting for GPU nodes) or "cpu"; "auto" decides here
@@ -107,8 +105,7 @@ class PoolController:
             name=actor_name(cfg.cluster, "router"), namespace=NAMESPACE, **pin,
             num_cpus=ROUTER_CPUS, max_restarts=cfg.max_restarts,
             runtime_env={"env_vars": {**self._env, **self._router_env}}).remote(
-            "router", RouterConfig(model_dir=cfg.model_dir, cluster=cfg.cluster, redis_url=cfg.redis_url,
-                                   host=cfg.host, port=cfg.port, **{"http_host": cfg.host, **cfg.router_options}))
+            "router", cfg.router_config())
         self.router_address = await self.router.address.remote()
         self.http_address = await self.router.http_address.remote()
         if cfg.autoscale is not None:
@@ -211,7 +208,7 @@ class PoolController:
                     **self.placement.actor_options(role), max_restarts=self.cfg.max_restarts,
                     runtime_env={"env_vars": self._env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                ).remote(role, self._worker_config(role, ids[-1])))
+                ).remote(role, self.cfg.worker_config(role, ids[-1])))
             await asyncio.wait_for(asyncio.gather(*(a.address.remote() for a in actors)), self.cfg.start_timeout_s)
         except BaseException as exc:
             for a in actors:
@@ -266,18 +263,6 @@ class PoolController:
         except BaseException as exc:  # already dead or stuck: killed below either way
             log.warning("actor did not stop cleanly: %r", exc)
         ray.kill(actor, no_restart=True)
-
-    def _worker_config(self, role: str, worker_id: str):
-        from pdserve.decode_worker.config import DecodeWorkerConfig
-        from pdserve.prefill_worker.config import PrefillWorkerConfig
-
-        cfg = self.cfg
-        common = dict(model_dir=cfg.model_dir, worker_id=worker_id, cluster=cfg.cluster, redis_url=cfg.redis_url,
-                      host=cfg.host, block_size=cfg.block_size, num_blocks=cfg.num_blocks, dtype=cfg.dtype,
-                      num_threads=cfg.num_threads, **cfg.worker_options)
-        if role == "prefill":
-            return PrefillWorkerConfig(**common, **cfg.prefill_options)
-        return DecodeWorkerConfig(**common, colocated=role == "both", **cfg.decode_options)
 
     # ---- autoscaling ---------------------------------------------------------------------
     async def observe(self, window_s: float = 60.0) -> Window:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import redis
 
 from pdserve.deploy.redis_server import ensure_redis, redis_answers
@@ -92,3 +93,20 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     again, _ = load_model(make_model("bench-9m", tmp_path / "m2", seed=3, dtype="float32"))
     assert torch.equal(model.layers[3].mlp.down_proj.weight, again.layers[3].mlp.down_proj.weight)  # seeded
     assert num_parameters(PRESETS["bench-80m"]) > 78e6
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--token-file", "/nonexistent/token"], "token_file"),
+    (["--max-tokens-limit", "0"], "max_tokens_limit"),
+    (["--num-blocks", "0"], "num_blocks must be positive"),
+    (["--port", "70000"], "port must be in [0, 65535]"),
+    (["--speculative", "draft"], "speculative=draft needs spec_draft_model"),
+])
+def test_up_refuses_bad_settings_at_once_before_ray_starts(redis_url, model_dir, flags, words):
+    """Settings the router or a worker would refuse fail `pdserve up` before Redis, Ray and the pools start:
+    one line naming the setting, exit status 1 (it was a Ray traceback once the pools had loaded the model)."""
+    env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
+    up = subprocess.run([*PDSERVE, "up", "--model", model_dir, *flags], capture_output=True, text=True, timeout=120,
+                        env=env)
+    assert up.returncode == 1 and up.stderr.startswith("pdserve up: ") and words in up.stderr, up.stderr
+    assert "Traceback" not in up.stderr and "ray" not in up.stderr.lower(), up.stderr
