@@ -23,11 +23,23 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
                             help=f"(default: {_default_text(f)})" if has_default else "(required)")
 
 
-def config_from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
-    """Build ``cls`` from parsed flags (unset flags keep the dataclass default)."""
+def config_from_args(cls: type[T], ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None,
+                     **overrides: Any) -> T:
+    """Build ``cls`` from parsed flags (unset flags keep the dataclass default). With ``parser``, a value the
+    config refuses ends the process as a bad flag does (usage and the config's message, exit status 2)
+    instead of a traceback.
+
+    Raises:
+        ValueError: the config refuses a value (without ``parser``).
+    """
     given = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)
              if getattr(ns, f.name, None) is not None}
-    return cls(**{**given, **overrides})
+    try:
+        return cls(**{**given, **overrides})
+    except ValueError as exc:
+        if parser is None:
+            raise
+        parser.error(str(exc))
 
 
 def _bool(text: str) -> bool:
@@ -64,3 +76,16 @@ def check_seconds(name: str, value: float, low: float = 0.0, high: float = MAX_T
     if not (value == value and value not in (float("inf"), float("-inf")) and inside):
         bounds = f"{'[' if zero_ok else '('}{low:g}, {high:g}]"
         raise ValueError(f"{name} must be a finite number of seconds in {bounds}, got {value}")
+
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def check_redis_url(name: str, url: str) -> None:
+    """Refuse a Redis URL the client library cannot parse (it said so from deep inside, at first use).
+
+    Raises:
+        ValueError: naming ``name`` and the schemes.
+    """
+    if not url.startswith(REDIS_SCHEMES):
+        raise ValueError(f"{name} must be a URL starting with {', '.join(REDIS_SCHEMES)}, got {url!r}")

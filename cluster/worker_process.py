@@ -17,7 +17,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster.args import check_port, check_seconds
+from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor
 from pdserve.cluster.metrics import start_metrics_server
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
@@ -141,6 +141,7 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         check_seconds("lease_s", self.lease_s, low=0.1, high=3600.0)   # Redis leases in whole milliseconds
         check_port("port", self.port)
+        check_redis_url("redis_url", self.redis_url)
         check_port("metrics_port", self.metrics_port)
 
     @property

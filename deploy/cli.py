@@ -149,6 +149,9 @@ def _start_cluster(args: argparse.Namespace):
                                   window_s=args.autoscale_window, cooldown_s=2 * args.autoscale_window)
     ids = {"cluster": args.cluster} if args.cluster else {}
     try:  # every config and the router's files, before Redis, Ray and the pools start
+        if args.colocated and args.activations != "native":
+            raise ValueError("--activations configures prefill workers; colocated workers (--colocated) run "
+                             "native activations")
         cfg = ClusterConfig(
             model_dir=model_reference(args.model), num_prefill=args.prefill, num_decode=args.decode,
             num_colocated=args.colocated, **ids, cpus_per_worker=args.cpus_per_worker,
@@ -195,8 +198,16 @@ def _start_cluster(args: argparse.Namespace):
 
 
 def _http_options(args: argparse.Namespace) -> dict:
-    """RouterConfig fields of the HTTP API flags (none without ``--http-port``)."""
+    """RouterConfig fields of the HTTP API flags (none without ``--http-port``).
+
+    Raises:
+        ValueError: ``--served-model-name`` or ``--chat-template`` without ``--http-port`` (they would be ignored).
+    """
     if args.http_port is None:
+        given = [flag for flag, value in (("--served-model-name", args.served_model_name),
+                                          ("--chat-template", args.chat_template)) if value]
+        if given:
+            raise ValueError(f"{' and '.join(given)} configure the HTTP API: they need --http-port")
         return {}
     return {"http_port": args.http_port, "served_model_name": args.served_model_name,
             **({"chat_template": str(Path(args.chat_template).resolve())} if args.chat_template else {})}

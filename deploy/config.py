@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.cluster.args import check_port, check_seconds
+from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy.planner import PlannerConfig
@@ -133,6 +133,7 @@ class ClusterConfig:
         if not (math.isfinite(self.cpus_per_worker) and self.cpus_per_worker > 0):
             raise ValueError(f"cpus_per_worker must be a finite positive number, got {self.cpus_per_worker}")
         check_port("port", self.port)
+        check_redis_url("redis_url", self.redis_url)
         for name in ("drain_timeout_s", "start_timeout_s", "placement_timeout_s"):
             check_seconds(name, getattr(self, name))
         for name in ("unroute_s", "gpu_wait_s"):

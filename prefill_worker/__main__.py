@@ -15,5 +15,5 @@ if __name__ == "__main__":
     add_no_warmup_flag(parser)
     add_logging_args(parser)
     args = parser.parse_args()
-    cfg = config_from_args(PrefillWorkerConfig, args)
+    cfg = config_from_args(PrefillWorkerConfig, args, parser)
     run_foreground(lambda: PrefillWorker(cfg), args.log_format, args.log_level)

@@ -31,5 +31,5 @@ if __name__ == "__main__":
     add_config_args(parser, RouterConfig)
     add_logging_args(parser)
     args = parser.parse_args()
-    cfg = config_from_args(RouterConfig, args)
+    cfg = config_from_args(RouterConfig, args, parser)
     run_foreground(lambda: _Announced(cfg), args.log_format, args.log_level)

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from pdserve.cluster.args import check_port, check_seconds
+from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.cluster.worker_process import default_redis_url
 
@@ -135,6 +135,7 @@ class RouterConfig:
             check_seconds(name, getattr(self, name))
         check_seconds("kv_timeout_s", self.kv_timeout_s, high=MAX_KV_TIMEOUT_S)   # the decode worker's bound too
         check_port("port", self.port)
+        check_redis_url("redis_url", self.redis_url)
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
         if self.max_attempts < 1:

@@ -3,11 +3,13 @@ ports beyond 65535 (the OS wrapped 70000 to 4464 and served there), NaN or infin
 intervals (NaN passes every ``<=`` check: a NaN prefill timeout failed every request, a NaN registry
 poll spun a core, a NaN stall timeout never fired), a router KV timeout the decode workers refuse per
 request, leases Redis cannot hold, a colocated prefill budget of 0 tokens (one token a step), a NaN CPU
-share. Found by an audit of the flags; each case was accepted before."""
+share, a Redis URL the client cannot parse. Found by an audit of the flags; each case was accepted before."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -45,6 +47,7 @@ def cluster(**kw):
     (prefill, "snapshot_interval_s", 0.0), (prefill, "snapshot_interval_s", NAN), (prefill, "kv_io_timeout_s", INF),
     (decode, "kv_io_timeout_s", NAN), (decode, "max_num_batched_tokens", 0),
     (cluster, "cpus_per_worker", NAN), (cluster, "drain_timeout_s", NAN), (cluster, "unroute_s", INF),
+    (router, "redis_url", "garbage"), (prefill, "redis_url", "http://127.0.0.1:6379"), (cluster, "redis_url", ""),
 ])
 def test_out_of_range_flags_are_refused_naming_them(make, field, value):
     with pytest.raises(ValueError, match=field):
@@ -55,4 +58,16 @@ def test_the_edges_of_each_range_are_accepted():
     router(port=65535, kv_timeout_s=3600.0, registry_grace_s=0.0)
     prefill(port=0, lease_s=0.5, snapshot_interval_s=0.5)
     decode(kv_port=65535, lease_s=3600.0, max_num_batched_tokens=1)
-    cluster(port=0, unroute_s=0.0, gpu_wait_s=0.0)
+    cluster(port=0, unroute_s=0.0, gpu_wait_s=0.0, redis_url="unix:///tmp/redis.sock")
+    router(redis_url="rediss://example:6380/0")
+
+
+@pytest.mark.parametrize("module, flags, words", [
+    ("pdserve.router", ["--model-dir", "m", "--port", "70000"], "port must be in [0, 65535]"),
+    ("pdserve.prefill_worker", ["--model-dir", "m", "--worker-id", "p", "--lease-s", "nan"], "lease_s"),
+    ("pdserve.decode_worker", ["--model-dir", "m", "--worker-id", "d", "--redis-url", "x"], "redis_url"),
+])
+def test_a_role_process_refuses_a_bad_flag_as_argparse_does(module, flags, words):
+    """Usage and the config's message, exit status 2: no traceback."""
+    run = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -101,6 +101,9 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     (["--num-blocks", "0"], "num_blocks must be positive"),
     (["--port", "70000"], "port must be in [0, 65535]"),
     (["--speculative", "draft"], "speculative=draft needs spec_draft_model"),
+    (["--served-model-name", "foo"], "--served-model-name configure the HTTP API: they need --http-port"),
+    (["--colocated", "1", "--activations", "fp8"], "--activations configures prefill workers"),
+    (["--redis-url", "garbage"], "redis_url must be a URL starting with redis://"),
 ])
 def test_up_refuses_bad_settings_at_once_before_ray_starts(redis_url, model_dir, flags, words):
     """Settings the router or a worker would refuse fail `pdserve up` before Redis, Ray and the pools start:
