@@ -50,19 +50,26 @@ def lone_surrogate(data: Any) -> str | None:
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
+            if not _is_text(value):
                 return path or "body"
         elif isinstance(value, dict):
             for key, item in value.items():
                 at = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and lone_surrogate(key) is not None:
-                    return at.encode("utf-8", "backslashreplace").decode()
+                if isinstance(key, str) and not _is_text(key):
+                    return at.encode("utf-8", "backslashreplace").decode()   # a path that can be printed
                 stack.append((item, at))
         elif isinstance(value, list):
             stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value))
     return None
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` is Unicode text (UTF-8 can encode it: no lone surrogate)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(_Strict):
