@@ -109,7 +109,6 @@ class PrefillEngine:
     # ---- engine thread ---------------------------------------------------------------
     def run_forever(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set."""
-        self.sender.start()
         while not stop.is_set():
             with self._lock:
                 if not self._queue and not self._running:

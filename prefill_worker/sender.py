@@ -68,9 +68,6 @@ class KVSendLoop:
         self._lock = threading.Lock()       # the lanes map; held while a job is queued or a lane retires
         self._num_bytes: dict[str, int] = {}
 
-    def start(self) -> None:
-        """Nothing to start: lanes start with their destination's first job."""
-
     def submit(self, job: SendPages | Finish | Release) -> None:
         """Queue ``job`` on its destination's lane (every job of a request has the same destination)."""
         dst = job.req.dst_kv_address
@@ -90,12 +87,6 @@ class KVSendLoop:
         deadline = time.monotonic() + timeout_s
         for lane in lanes:
             lane.join(timeout=max(0.0, deadline - time.monotonic()))
-
-    @property
-    def num_lanes(self) -> int:
-        """Destinations with a running lane."""
-        with self._lock:
-            return len(self._lanes)
 
     def _retire(self, lane: _Lane) -> bool:
         """Whether idle ``lane`` may end: no job came since its wait timed out (then it is unlisted)."""
