@@ -106,6 +106,15 @@ def entry_mac(secret: bytes, cluster: str, worker_id: str, info_bytes: bytes) ->
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
+def _signed(raw: bytes) -> bool:
+    """Whether a stored registry value is a signed envelope (:func:`encode_entry` with a secret)."""
+    try:
+        outer = msgpack.unpackb(raw)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return False
+    return isinstance(outer, dict) and set(outer) == {"info", "mac"}
+
+
 def encode_entry(info: WorkerInfo, cluster: str, secret: bytes | None) -> bytes:
     """The stored value of ``info``: plain msgpack without a secret, a signed envelope with one."""
     info_bytes = msgpack.packb(asdict(info))
@@ -177,10 +186,12 @@ class _EntryParser:
         self.cluster, self.secret, self.max_clock_skew_s = cluster, secret, max_clock_skew_s
         self.prefix = _key(cluster, "")
         self._warned: set[str] = set()  # worker ids whose bad entry was already logged
+        self.signed_unchecked = False  # a signed entry was read without the secret to check it (last parse)
 
     def parse(self, keys: list, values: list) -> list[WorkerInfo]:
         now = time.time()
         workers = []
+        self.signed_unchecked = False
         for key, raw in zip(keys, values):
             if raw is None:  # expired between SCAN and MGET
                 continue
@@ -189,6 +200,8 @@ class _EntryParser:
                 info = decode_entry(raw, self.cluster, worker_id, self.secret)
                 if self.secret is not None:
                     check_fresh(info, now, self.max_clock_skew_s)
+                elif not self.signed_unchecked:
+                    self.signed_unchecked = _signed(raw)
                 workers.append(info)
             except ValueError as e:
                 if worker_id not in self._warned:
@@ -281,6 +294,12 @@ class RegistryReader:
         keys = [k async for k in self._redis.scan_iter(match=self._parser.prefix + "*", count=500)]
         values = await self._redis.mget(keys) if keys else []
         return self._parser.parse(keys, values)
+
+    @property
+    def signed_unchecked(self) -> bool:
+        """Whether the last :meth:`list_workers` read signed entries this reader, without the secret, could
+        not check: their workers demand the cluster secret's token on every call."""
+        return self._parser.signed_unchecked
 
     async def close(self) -> None:
         """Close the Redis client."""

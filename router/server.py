@@ -81,6 +81,7 @@ class Router:
         self.registry = RegistryReader(cfg.redis_url, cfg.cluster, secret=secret)
         self.workers: list[WorkerInfo] = []
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
+        self._warned_unsigned = False  # the error that signed registry entries need the secret: logged once
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
         self.kv = KVAwareness(cfg.redis_url, cfg.cluster, secret=secret)
@@ -212,6 +213,12 @@ class Router:
             self._registry_memory.read_failed()
             log.warning("registry read failed: %s", exc)
             return
+        if self.registry.signed_unchecked and not self._warned_unsigned:
+            self._warned_unsigned = True
+            log.error("the workers of cluster %r sign their registry entries with a cluster secret, and this "
+                      "router has none (PDSERVE_CLUSTER_SECRET_FILE or PDSERVE_CLUSTER_SECRET): they will refuse "
+                      "its calls (UNAUTHENTICATED, \"missing 'authorization: Bearer <token>'\"); start the router "
+                      "with the cluster's secret", self.cfg.cluster)
         # Redis restarted empty: keep the workers it does not list yet until they re-register
         self.workers = self._registry_memory.merge(self.workers, fresh)
         for w in self.workers:

@@ -221,3 +221,19 @@ def test_plaintext_router_with_token_in_process(tmp_path, redis_url, model_dir):
 
     unauth, unavailable = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE
     assert asyncio.run(go()) == [0, unavailable, unauth, unauth, unauth, unauth]
+
+
+def test_a_router_without_the_secret_says_why_the_workers_refuse_it(secure_cluster, redis_url, model_dir):
+    """A router started without the cluster's secret reads the workers' signed registry entries (a reader
+    without the secret cannot check them) and the workers refuse its calls; it says why, once, in an error
+    line, where the only sign had been each request's "missing bearer token"."""
+    env = {SECRET_ENV: "", SECRET_FILE_ENV: "", "PDSERVE_ROUTER_TOKEN": ""}
+    router = spawn_role("router", dict(model_dir=model_dir, cluster=secure_cluster["cluster"], redis_url=redis_url,
+                                       registry_poll_s=0.1), "bare router", env=env)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError):
+            call(router.address, lambda ch: client.complete(ch, client.make_request("Hi", max_tokens=2), timeout_s=10))
+    finally:
+        router.stop()
+    errors = router.proc.stderr.read()
+    assert errors.count("sign their registry entries with a cluster secret, and this router has none") == 1, errors
