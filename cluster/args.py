@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -73,9 +74,9 @@ def check_seconds(name: str, value: float, low: float = 0.0, high: float = MAX_T
         ValueError: naming ``name`` and the range.
     """
     inside = (low <= value if zero_ok else low < value) and value <= high
-    if not (value == value and value not in (float("inf"), float("-inf")) and inside):
+    if not (math.isfinite(value) and inside):
         bounds = f"{'[' if zero_ok else '('}{low:g}, {high:g}]"
-        raise ValueError(f"{name} must be a finite number of seconds in {bounds}, got {value}")
+        raise ValueError(f"{name} must be a finite number of seconds in {bounds}, got {value!r}")
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

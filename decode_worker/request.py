@@ -18,7 +18,6 @@ the ``request_id`` of the router's Generate call, which names one attempt of a c
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from pdserve.cluster.args import check_seconds
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.model.sampling import SamplingParams, TokenLogprobs, token_logprobs
@@ -139,7 +139,5 @@ def check_kv_timeout(kv_timeout_s: float) -> float:
         ValueError: anything else (NaN, infinite, zero, negative, above the maximum); the message names
             the range.
     """
-    if not (math.isfinite(kv_timeout_s) and 0 < kv_timeout_s <= MAX_KV_TIMEOUT_S):
-        raise ValueError(f"kv_timeout_s must be a finite number of seconds in (0, {MAX_KV_TIMEOUT_S:g}], "
-                         f"got {kv_timeout_s!r}")
+    check_seconds("kv_timeout_s", kv_timeout_s, high=MAX_KV_TIMEOUT_S)   # the router's config checks the same
     return float(kv_timeout_s)
