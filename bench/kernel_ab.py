@@ -13,8 +13,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
   evicted before each pass; ``gemm_bf16_amx`` (AMX tiles) the same at 1, 8 and 32 rows, ``gemv_bf16`` at
   1 and 2 (both in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these three);
-  ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows, with the L3 evicted
-  and without (its 45 MiB fit many L3s).
+  ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
+  the L3 evicted and without (its 45 MiB fit many L3s).
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -163,13 +163,13 @@ def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     return rows
 
 
-def int4_cases(builds: dict, reps: int, group: int = 128) -> list[dict]:
+def int4_cases(builds: dict, reps: int, row_counts: tuple[int, ...] = (1, 4), group: int = 128) -> list[dict]:
     g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
     weights = [pack_int4_weight(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
                                 torch.rand(n, k // group, generator=g) * 0.01,
                                 torch.randn(n, k // group, generator=g) * 0.01, group) for n, k in BENCH_80M]
     weights = [tuple(copies_in_huge_pages(list(w))) for w in weights]
-    for m in (1, 4):
+    for m in row_counts:
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in BENCH_80M}
 
         def run(fn) -> torch.Tensor:
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--base", required=True, help="git revision of A")
     ap.add_argument("--head", default=None, help="git revision of B (default: the working tree)")
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--rows", default=None, help="activation row counts of the gemm kernels' cases, e.g. 3,4 "
+    ap.add_argument("--rows", default=None, help="activation row counts of the gemm and gemv kernels' cases, e.g. 3,4 "
                                                  "(default: the kernel's own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -213,8 +213,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"A": build(args.kernel, args.base, Path(tmp)), "B": build(args.kernel, args.head, Path(tmp))}
         cases = CASES[args.kernel]
-        if args.rows and args.kernel.startswith(("gemm", "gemv_bf16")):
-            cases = functools.partial(gemm_cases, row_counts=tuple(int(r) for r in args.rows.split(",")))
+        if args.rows and args.kernel.startswith(("gemm", "gemv")):
+            cases = functools.partial(int4_cases if args.kernel == "gemv_int4" else gemm_cases,
+                                      row_counts=tuple(int(r) for r in args.rows.split(",")))
         for row in cases(builds, args.reps):
             print(f"{row['case']}: A {row['A'] * 1e3:.2f} ms, B {row['B'] * 1e3:.2f} ms "
                   f"(B/A {row['B'] / row['A']:.3f}), max |A - B| {row['max_abs_diff']:.2e}", flush=True)

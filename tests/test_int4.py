@@ -100,7 +100,7 @@ def _default_reference(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """What the default CPU path computes: with the VNNI kernel, activations quantized to int8 per row
     and group (``round(x * 127 / max|x|)``, scale ``max|x| / 127``), fp32 products, output in ``x.dtype``;
     otherwise :func:`_reference` in bf16."""
-    if m.kernel_for(x.numel() // m.in_features) != "int4-vnni":
+    if m.kernel_for(x.numel() // m.in_features) not in ("int4-vnni", "int4-amx"):     # the same bits
         return _reference(m, x, torch.bfloat16)
     g, kp = m.group_size, m.qweight.shape[1] * 2
     xg = F.pad(x.float().reshape(-1, m.in_features), (0, kp - m.in_features)).view(-1, kp // g, g)

@@ -15,8 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.cpu import available
-from pdserve.kernels.cpu.int4 import gemv_int4, int4_available, pack_int4_weight, quantize_activations
+from pdserve.kernels.cpu import KernelUnavailable, available, library
+from pdserve.kernels.cpu.int4 import (
+    AMX_MIN_ROWS,
+    gemm_int4_amx,
+    gemv_int4,
+    int4_amx_available,
+    int4_available,
+    int4_path,
+    pack_int4_weight,
+    quantize_activations,
+)
 from pdserve.model.hugepages import move_to_huge_pages
 from pdserve.model.quant.int4 import Int4Linear, convert_for_runtime
 from pdserve.model.quant.int4_format import dequantize_weight, padded_in_features, quantize_weight
@@ -159,7 +168,8 @@ def test_int4_linear_runs_the_kernel_with_layout_in_non_persistent_buffers():
     assert set(state) == {"qweight", "scales", "zeros", "bias"}                 # the portable format only
     assert all(torch.equal(state[name], t) for name, t in before.items())
     assert {name for name, _ in mod.named_buffers()} >= {"vnni_wq", "vnni_scales", "vnni_zc"}
-    assert mod.kernel_for(1) == mod.kernel_for(mod.dequant_min_rows_vnni - 1) == "int4-vnni"
+    assert mod.kernel_for(1) == "int4-vnni"
+    assert mod.kernel_for(mod.dequant_min_rows_vnni - 1) == ("int4-amx" if int4_amx_available() else "int4-vnni")
     assert mod.kernel_for(mod.dequant_min_rows_vnni) == "int4-dequant-F.linear"
     x = torch.randn(2, 3, 200)
     with torch.inference_mode():
@@ -254,7 +264,7 @@ def test_tinystories_through_the_kernel_tracks_exact_activations(model_dir):
     ids = list(range(3, 259))
     out = {}
     for name, m in (("vnni", model), ("exact", exact)):
-        assert m.layers[0].mlp.down_proj.kernel_for(4) == ("int4-vnni" if name == "vnni" else "int4-dequant-F.linear")
+        assert m.layers[0].mlp.down_proj.kernel_for(4) == (int4_path(4) if name == "vnni" else "int4-dequant-F.linear")
         runner = ModelRunner(m, KVCacheSpec(17, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
         with torch.inference_mode():
             out[name] = torch.cat([runner.run([StepInput(ids[i:i + 4], i, list(range(17)))], all_logits=True)
@@ -281,3 +291,38 @@ def test_avx2_and_vnni_int4_kernels_are_bit_identical(monkeypatch, m, n, k, g):
         avx2 = gemv_int4(x.to(dtype), *packed, n, g, dtype)
         monkeypatch.undo()
         assert torch.equal(vnni, avx2)
+
+
+@pytest.mark.skipif(not int4_amx_available(), reason="no AMX-INT8 here")
+@pytest.mark.parametrize("n,k,g", [(100, 200, 32), (48, 768, 128), (40, 512, 256), (17, 90, 32), (96, 384, 64)])
+def test_amx_int4_kernel_is_bit_identical_to_the_vector_kernel(n, k, g):
+    """The AMX-INT8 path (tdpbsud on nibbles unpacked in L1, then the VNNI kernel's float steps) equals the
+    vector kernel bit for bit at every row count: one tile's rows and fewer, a partial second tile, beyond 32
+    rows (xq padded to whole 32-row chunks), N not a multiple of the two blocks it takes at a time, K short of
+    a group, fp32 and bf16; NaN and zero rows stay in their rows."""
+    qw, s, z = _weight(n, k, g, seed=n)
+    packed = pack_int4_weight(qw, s, z, g)
+    for m in (1, 3, 4, 16, 17, 32, 33, 70):
+        x = torch.randn(m, k) * torch.logspace(-2, 1, m)[:, None]
+        x[m // 2] = 0.0
+        if m > 2:
+            x[1, 3] = float("nan")
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            vector = torch.cat([gemv_int4(xd[i:i + 1], *packed, n, g, dtype) for i in range(m)])  # one row: VNNI
+            amx = gemm_int4_amx(xd, *packed, n, g, dtype)
+            assert torch.equal(amx.view(torch.uint8), vector.view(torch.uint8)), (m, dtype)
+            assert torch.equal(gemv_int4(xd, *packed, n, g, dtype).view(torch.uint8), amx.view(torch.uint8))
+    assert int4_path(AMX_MIN_ROWS - 1) == "int4-vnni" and int4_path(AMX_MIN_ROWS) == "int4-amx"
+    assert library("gemv_int4").pd_int4_amx_min_rows() == AMX_MIN_ROWS          # the name follows the C dispatch
+
+
+def test_amx_int4_path_is_refused_or_named_where_it_cannot_run():
+    """Without AMX-INT8 the forced path raises KernelUnavailable and every row count is named int4-vnni."""
+    if int4_amx_available():
+        pytest.skip("AMX-INT8 is here: the bit-identity test covers it")
+    qw, s, z = _weight(16, 64, 32)
+    packed = pack_int4_weight(qw, s, z, 32)
+    with pytest.raises(KernelUnavailable):
+        gemm_int4_amx(torch.randn(8, 64), *packed, 16, 32)
+    assert int4_path(64) == "int4-vnni"

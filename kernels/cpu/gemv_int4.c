@@ -193,12 +193,18 @@ TARGET INLINE void store16(void *y, int is_bf16, int64_t off, __mmask16 mask, __
     }
 }
 
+#include "gemm_int4_amx.h"   /* int4_gemm_amx_q, pd_int4_amx_available */
+
 /* y[m, n] (row stride ldy; bf16 if y_bf16 else fp32) for m < M, n < n_valid, from activations
  * quantized by pd_int4_quantize_rows (xq [M, Kp], sx, sxs [M, Kp/G]) and the packed weight
- * (wq [Np/16][Kp/8][16][4], sc / zc [Np/16][Kp/G][16]). G % 16 == 0, Kp % G == 0, Np % 16 == 0. */
+ * (wq [Np/16][Kp/8][16][4], sc / zc [Np/16][Kp/G][16]). G % 16 == 0, Kp % G == 0, Np % 16 == 0.
+ * From AMX_INT4_MIN_ROWS rows on a CPU with AMX-INT8 the products run on tiles (gemm_int4_amx.h),
+ * bit-identical. */
 TARGET void pd_int4_gemv_q(const int8_t *xq, const float *sx, const float *sxs, int64_t M, int64_t Kp, int64_t G,
                            const uint8_t *wq, const float *sc, const float *zc, int64_t Np, int64_t n_valid,
                            void *y, int y_bf16, int64_t ldy) {
+    if (M >= AMX_INT4_MIN_ROWS && int4_gemm_amx_q(xq, sx, sxs, M, Kp, G, wq, sc, zc, Np, n_valid, y, y_bf16, ldy) == 0)
+        return;                                  /* else (no AMX-INT8, or no memory for its scratch) the vectors */
     const int64_t Gs = Kp / G;
     const int pair = M == 1 && int4_pairs();
     const int64_t pf = int4_lead();
@@ -228,3 +234,16 @@ TARGET void pd_int4_gemv_q(const int8_t *xq, const float *sx, const float *sxs, 
 }
 
 #include "int4_gemv.h"
+
+/* As pd_int4_gemv, always on AMX-INT8 tiles at any row count (tests and benchmarks compare it with the VNNI
+ * kernel; pd_int4_gemv takes it from AMX_INT4_MIN_ROWS rows). Returns 0, -1 if out of memory, -2 if AMX-INT8
+ * is not usable here. */
+int pd_int4_gemm_amx(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, int64_t Kp, int64_t G,
+                     const uint8_t *wq, const float *sc, const float *zc, int64_t Np, int64_t n_valid,
+                     void *y, int y_bf16, int64_t ldy) {
+    if (!int4_amx_granted()) return -2;
+    int8_t *xq;
+    float *sx, *sxs;
+    if (int4_quantized(x, x_bf16, M, K, ldx, Kp, G, &xq, &sx, &sxs)) return -1;
+    return int4_gemm_amx_q(xq, sx, sxs, M, Kp, G, wq, sc, zc, Np, n_valid, y, y_bf16, ldy);
+}

@@ -15,6 +15,9 @@ round half to even), then computes per group ``sx (s dot(q, xq) + zc sum(xq))`` 
 dot products (``vpdpbusd``), the scheme of llama.cpp's ``ggml_vec_dot_q4_0_q8_0`` adapted to an
 asymmetric weight format and a 16-row layout. One 64-byte load feeds 16 output rows x 8 columns,
 and the weight is streamed once per call at any row count (rows inside the weight-block loop).
+From ``AMX_MIN_ROWS`` rows on a CPU with AMX-INT8 the same integer dot products run on tiles
+(``gemm_int4_amx.h``: ``tdpbsud`` on nibbles unpacked in L1, then the same float steps), so the
+result is bit-identical whichever path a row count takes.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.cpu import available, library
+from pdserve.kernels.cpu import KernelUnavailable, available, library
 
 _i64, _int, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-KERNEL = "int4-vnni"      # the path name benchmarks record
+KERNEL, AMX_KERNEL = "int4-vnni", "int4-amx"      # the path names benchmarks record
+AMX_MIN_ROWS = 8          # gemm_int4_amx.h's AMX_INT4_MIN_ROWS: from this many rows pd_int4_gemv runs on tiles
 
 
 @functools.cache
@@ -42,6 +46,18 @@ def int4_library() -> str | None:
 def int4_available() -> bool:
     """Whether :func:`gemv_int4` can run here (a C compiler and AVX512-VNNI or AVX2)."""
     return int4_library() is not None
+
+
+@functools.cache
+def int4_amx_available() -> bool:
+    """Whether this CPU and process can run the AMX-INT8 path (AMX-INT8 present, tile data granted)."""
+    return int4_library() == "gemv_int4" and bool(library("gemv_int4").pd_int4_amx_available())
+
+
+def int4_path(rows: int) -> str:
+    """The C path :func:`gemv_int4` takes for ``rows`` activation rows: ``"int4-amx"`` or ``"int4-vnni"``
+    (the AVX2 library's bit-identical kernel is named ``"int4-vnni"`` too)."""
+    return AMX_KERNEL if rows >= AMX_MIN_ROWS and int4_amx_available() else KERNEL
 
 
 def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -100,6 +116,13 @@ def gemv_int4(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch
     Raises:
         ValueError: wrong dtype, shape or memory layout of an argument.
     """
+    out_dtype = _checked(x, wq, scales, zc, out_features, group_size, out_dtype)
+    return run_unchecked(x, wq, scales, zc, out_features, group_size, out_dtype)
+
+
+def _checked(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch.Tensor, out_features: int,
+             group_size: int, out_dtype: torch.dtype | None) -> torch.dtype:
+    """:func:`gemv_int4`'s argument checks; returns the output dtype."""
     out_dtype = out_dtype or x.dtype
     kp = wq.shape[1] * 8
     if wq.dtype != torch.uint8 or wq.dim() != 4 or wq.shape[2:] != (16, 4) or not wq.is_contiguous():
@@ -114,21 +137,38 @@ def gemv_int4(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"gemv_int4: out_dtype must be float32 or bfloat16, got {out_dtype}")
     _check_x(x, kp)
-    return run_unchecked(x, wq, scales, zc, out_features, group_size, out_dtype)
+    return out_dtype
 
 
 def run_unchecked(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch.Tensor, out_features: int,
-                  group_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+                  group_size: int, out_dtype: torch.dtype, symbol: str = "pd_int4_gemv") -> torch.Tensor:
     """:func:`gemv_int4` without the checks, for a caller that packed the weight itself and passes
-    a CPU fp32/bf16 ``x`` with unit column stride and at most ``Kp`` columns."""
+    a CPU fp32/bf16 ``x`` with unit column stride and at most ``Kp`` columns (``symbol``
+    ``"pd_int4_gemm_amx"``: :func:`gemm_int4_amx`'s path)."""
     y = torch.empty(x.shape[0], out_features, dtype=out_dtype)
-    rc = _fn("pd_int4_gemv")(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.stride(0),
-                             wq.shape[1] * 8, group_size, wq.data_ptr(), scales.data_ptr(), zc.data_ptr(),
-                             wq.shape[0] * 16, out_features, y.data_ptr(), int(out_dtype == torch.bfloat16),
-                             out_features)
+    rc = _fn(symbol)(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.stride(0),
+                     wq.shape[1] * 8, group_size, wq.data_ptr(), scales.data_ptr(), zc.data_ptr(),
+                     wq.shape[0] * 16, out_features, y.data_ptr(), int(out_dtype == torch.bfloat16), out_features)
+    if rc == -2:
+        raise KernelUnavailable("gemm_int4_amx: this CPU or process cannot use AMX-INT8 tiles")
     if rc:
         raise MemoryError("gemv_int4: out of memory for the quantized activations")
     return y
+
+
+def gemm_int4_amx(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: torch.Tensor, out_features: int,
+                  group_size: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """As :func:`gemv_int4`, always on AMX-INT8 tiles, at any row count (:func:`gemv_int4` takes them from
+    ``AMX_MIN_ROWS`` rows); bit-identical to the vector kernel. For tests and benchmarks.
+
+    Raises:
+        KernelUnavailable: no AMX-INT8 here (see :func:`int4_amx_available`).
+        ValueError: as :func:`gemv_int4`.
+    """
+    if not int4_amx_available():
+        raise KernelUnavailable("gemm_int4_amx: this CPU or process cannot use AMX-INT8 tiles")
+    out_dtype = _checked(x, wq, scales, zc, out_features, group_size, out_dtype)
+    return run_unchecked(x, wq, scales, zc, out_features, group_size, out_dtype, "pd_int4_gemm_amx")
 
 
 def _check_x(x: torch.Tensor, kp: int) -> None:
@@ -142,10 +182,11 @@ _SIGS = {
     "pd_int4_quantize_rows": [_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p],
     "pd_int4_gemv": [_p, _int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _int, _i64],
 }
+_SIGS["pd_int4_gemm_amx"] = _SIGS["pd_int4_gemv"]
 
 
 def _fn(name: str):
     fn = getattr(library(int4_library()), name)
     if fn.argtypes is None:
-        fn.argtypes, fn.restype = _SIGS[name], ctypes.c_int if name == "pd_int4_gemv" else None
+        fn.argtypes, fn.restype = _SIGS[name], None if name == "pd_int4_quantize_rows" else ctypes.c_int
     return fn

@@ -6,11 +6,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Both steps with per-thread scratch: quantize x [M, K] (bf16 if x_bf16 else fp32, row stride
- * ldx) then multiply. Returns 0, or -1 if the scratch could not be allocated. */
-int pd_int4_gemv(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, int64_t Kp, int64_t G,
-                 const uint8_t *wq, const float *sc, const float *zc, int64_t Np, int64_t n_valid,
-                 void *y, int y_bf16, int64_t ldy) {
+/* x [M, K] (bf16 if x_bf16 else fp32, row stride ldx) quantized by pd_int4_quantize_rows into per-thread
+ * scratch (grown, kept): *xq [M, Kp], *sx and *sxs [M, Kp / G]. Returns 0, or -1 if it could not be allocated. */
+static int int4_quantized(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, int64_t Kp, int64_t G,
+                          int8_t **xq, float **sx, float **sxs) {
     static __thread char *scratch;
     static __thread size_t cap;
     const int64_t Gs = Kp / G;
@@ -20,9 +19,21 @@ int pd_int4_gemv(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, i
         if (!p) return -1;
         scratch = p; cap = need;
     }
-    float *sx = (float *)scratch, *sxs = sx + M * Gs;
-    int8_t *xq = (int8_t *)(sxs + M * Gs);
-    pd_int4_quantize_rows(x, x_bf16, M, K, ldx, G, Kp, xq, sx, sxs);
+    *sx = (float *)scratch;
+    *sxs = *sx + M * Gs;
+    *xq = (int8_t *)(*sxs + M * Gs);
+    pd_int4_quantize_rows(x, x_bf16, M, K, ldx, G, Kp, *xq, *sx, *sxs);
+    return 0;
+}
+
+/* Both steps: quantize x [M, K] (bf16 if x_bf16 else fp32, row stride ldx) then multiply. Returns 0, or -1
+ * if the scratch could not be allocated. */
+int pd_int4_gemv(const void *x, int x_bf16, int64_t M, int64_t K, int64_t ldx, int64_t Kp, int64_t G,
+                 const uint8_t *wq, const float *sc, const float *zc, int64_t Np, int64_t n_valid,
+                 void *y, int y_bf16, int64_t ldy) {
+    int8_t *xq;
+    float *sx, *sxs;
+    if (int4_quantized(x, x_bf16, M, K, ldx, Kp, G, &xq, &sx, &sxs)) return -1;
     pd_int4_gemv_q(xq, sx, sxs, M, Kp, G, wq, sc, zc, Np, n_valid, y, y_bf16, ldy);
     return 0;
 }

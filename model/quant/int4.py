@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.cpu.int4 import int4_available, pack_int4_weight, run_unchecked
+from pdserve.kernels.cpu.int4 import AMX_KERNEL, int4_available, int4_path, pack_int4_weight, run_unchecked
 from pdserve.model.quant.gptq import gptq_quantize_model
 from pdserve.model.quant.int4_format import (
     CALIBRATED,
@@ -60,6 +60,9 @@ class Int4Linear(nn.Module):
       in the activation dtype (fp32 or bf16; fp16 runs in fp32). Streams the weight once per call.
       Accuracy cost of the int8 activations on TinyStories-656K (mse, G 128, 1280 positions): mean
       KL to the float model 0.0825 vs 0.0815 with exact activations, top-1 agreement 0.788 vs 0.780.
+    * ``"int4-amx"``: the same layout, call and bits as ``"int4-vnni"``, from
+      :data:`kernels.cpu.int4.AMX_MIN_ROWS` rows on a CPU with AMX-INT8 (the C library takes the
+      integer dot products to tiles itself; :func:`kernels.cpu.int4.int4_path`).
     * ``"int4-torch"``, CPU without the C kernel (or ``exact_cpu = True``): torch's tinygemm,
       ``aten._weight_int4pack_mm_for_cpu`` over ``aten._convert_weight_to_int4pack_for_cpu``'s layout
       (N padded to 16) with ``sz [Kp // G, Np, 2]`` in the activation dtype. Only bf16 is fast there
@@ -171,11 +174,14 @@ class Int4Linear(nn.Module):
 
     def kernel_for(self, rows: int) -> str:
         """The path ``forward`` takes for ``rows`` activation rows on the buffers' device:
-        ``"int4-vnni"``, ``"int4-torch"``, ``"int4-dequant-F.linear"`` or ``"int4-triton"`` (class docstring)."""
+        ``"int4-vnni"``, ``"int4-amx"``, ``"int4-torch"``, ``"int4-dequant-F.linear"`` or ``"int4-triton"``
+        (class docstring)."""
         want = self._wanted_layout()
         if want == TRITON:
             return TRITON
-        return DEQUANT if rows >= (self.dequant_min_rows_vnni if want == VNNI else self.dequant_min_rows) else want
+        if rows >= (self.dequant_min_rows_vnni if want == VNNI else self.dequant_min_rows):
+            return DEQUANT
+        return int4_path(rows) if want == VNNI else want
 
     def triton_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(qweight_t uint8 [Kp // 2, N], sz float32 [Kp // G, N, 2])`` for :func:`w4a16_matmul`."""
@@ -210,7 +216,7 @@ class Int4Linear(nn.Module):
 
     def _forward_cpu(self, x2: torch.Tensor) -> torch.Tensor:
         path = self.kernel_for(x2.shape[0])
-        if path == VNNI:
+        if path in (VNNI, AMX_KERNEL):
             xk = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
             if xk.shape[1] > 1 and xk.stride(1) != 1:
                 xk = xk.contiguous()
