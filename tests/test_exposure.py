@@ -42,9 +42,9 @@ def test_insecure_reminder_warns_at_start_and_every_period(caplog):
         for dt in (1.0, 30.0, 59.9):
             reminder.tick(start + dt)
         assert reminder.num_warnings == 1
-        reminder.tick(start + 60.0)
+        reminder.tick(start + 60.5)      # not 60.0: (start + 60.0) - start can round below 60 at some uptimes
         reminder.tick(start + 61.0)
-        reminder.tick(start + 120.0)
+        reminder.tick(start + 121.0)
     assert reminder.num_warnings == 3
     assert [r.getMessage() for r in caplog.records].count(
         "INSECURE: worker d0 listens on 0.0.0.0 without authentication (--insecure): anyone who reaches this "
