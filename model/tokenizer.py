@@ -60,6 +60,13 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     @functools.cached_property
+    def max_token_id(self) -> int:
+        """The largest token id this tokenizer can produce, added tokens included (-1 for an empty vocabulary).
+        A checkpoint whose tokenizer reaches past its model's ``vocab_size`` cannot serve text that tokenizes
+        to those ids: the router warns at start and refuses such prompts by name."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """Characters of the longest token string in the vocabulary (added tokens included).
 

@@ -74,6 +74,10 @@ class Router:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
         self.tokenizer = Tokenizer(cfg.model_dir, self.model_cfg.bos_token_id)
+        if self.tokenizer.max_token_id >= self.model_cfg.vocab_size:  # served, but some texts cannot be
+            log.warning("the checkpoint's tokenizer has token ids up to %d but its model's vocabulary is [0, %d): "
+                        "text prompts that tokenize to ids past it are refused (INVALID_ARGUMENT, naming them)",
+                        self.tokenizer.max_token_id, self.model_cfg.vocab_size)
         secret = cluster_secret()  # resolved once: signed registry entries, and a token on calls to workers
         client_auth = cfg.bearer_token() is not None or cfg.tls_key_pair() is not None
         exposed = check_exposure("the router", cfg.host, secret, cfg.insecure, client_auth)

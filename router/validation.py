@@ -78,6 +78,20 @@ def printable_id(request_id: str) -> str:
                    for c in request_id)
 
 
+def check_tokenized(ids: list[int], vocab_size: int, tokenizer: Tokenizer) -> None:
+    """Refuses ids that the router's own tokenizing of a text (a prompt, a chat template's rendering)
+    produced past the model's vocabulary: not the client's ids but a checkpoint whose tokenizer reaches
+    past its model (the router warns of it at start).
+
+    Raises:
+        ValueError: naming the ids, the vocabulary and the tokenizer's largest id.
+    """
+    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        raise ValueError(f"the prompt text tokenizes to ids {bad[:8]} outside the model's vocabulary "
+                         f"[0, {vocab_size}): this checkpoint's tokenizer has ids up to {tokenizer.max_token_id}")
+
+
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
              default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1),
              max_tokens_limit: int | None = None) -> ValidRequest:
@@ -121,6 +135,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     if len(ids) >= context:
         raise ValueError(f"prompt ({len(ids)} tokens) exceeds the model's context of {context} tokens "
                          f"(at most {context - 1} prompt tokens leave room for one output token)")
+    if kind == "text":
+        check_tokenized(ids, cfg.vocab_size, tokenizer)
     bad = sorted({t for t in ids if not 0 <= t < cfg.vocab_size})
     if bad:
         raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")

@@ -6,9 +6,13 @@ worker whose Generate never answers, so that streams stay open as long as a test
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import shutil
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,6 +27,7 @@ from pdserve.router.config import RPC_HEADROOM, RouterConfig
 from pdserve.router.limits import StreamLimitExceeded, StreamSlots
 from pdserve.router.server import Router
 from pdserve.router.validation import validate
+from tests.http_helpers import raw
 
 TOKENS = ("token-one-0123456789abcdef", "token-two-0123456789abcdef")
 
@@ -318,3 +323,49 @@ def test_cluster_state_does_not_read_redis_per_call(model_dir, private_redis):
     commands = sum(v for k, v in delta.items() if k != "info")
     assert commands <= 8 * bound, (elapsed, delta)  # every read of a poll round together, not per call
     assert commands < 200, delta
+
+
+# ---- a tokenizer larger than its model ----------------------------------------------------------------------
+
+def test_a_tokenizer_past_the_models_vocabulary_is_named_at_start_and_per_prompt(chat_model_dir, redis_url, tmp_path,
+                                                                                caplog):
+    """A checkpoint whose tokenizer has ids at or past its model's vocab_size: the router starts (most texts
+    still serve), warns once naming both sizes, and a text that tokenizes past the vocabulary is refused as
+    the checkpoint's doing (INVALID_ARGUMENT naming the tokenizer), where token ids from a client keep their
+    own message; a chat whose rendered template tokenizes past it is a 400 naming the same."""
+    small = tmp_path / "small-vocab"
+    small.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        shutil.copy(Path(chat_model_dir) / name, small / name)
+    tok = Tokenizer(str(small), 1)
+    top = tok.max_token_id
+    config_json = json.loads((small / "config.json").read_text())
+    config_json["vocab_size"] = top                                  # the tokenizer's last id is one past it
+    (small / "config.json").write_text(json.dumps(config_json))
+    cfg = ModelConfig.from_hf_dir(str(small))
+    text = tok.decode([top]) * 2
+    assert top in Tokenizer(str(small), cfg.bos_token_id).encode(text)
+    with pytest.raises(ValueError, match=rf"tokenizes to ids \[{top}\] outside the model's vocabulary "
+                                         rf"\[0, {top}\): this checkpoint's tokenizer has ids up to {top}"):
+        validate(client.make_request(text), cfg, tok, 16)
+    with pytest.raises(ValueError, match=rf"token ids \[{top}\] are outside the vocabulary"):
+        validate(client.make_request([1, top]), cfg, tok, 16)
+
+    async def go():
+        async with running_router(config(str(small), redis_url, http_port=0)) as router:
+            async with grpc.aio.insecure_channel(router.address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.complete(channel, client.make_request(text), timeout_s=10)
+            chat = {"model": "small-vocab", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+            return err.value, await asyncio.to_thread(raw, router.http_address, "/v1/chat/completions", chat)
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.server"):
+        exc, (status, _, body) = asyncio.run(go())
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "checkpoint's tokenizer" in exc.details()
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "messages" and "checkpoint's tokenizer has ids up to" in error["message"]
+    warned = [r.getMessage() for r in caplog.records if "tokenizer has token ids up to" in r.getMessage()]
+    assert warned == [f"the checkpoint's tokenizer has token ids up to {top} but its model's vocabulary is "
+                      f"[0, {top}): text prompts that tokenize to ids past it are refused (INVALID_ARGUMENT, "
+                      f"naming them)"]

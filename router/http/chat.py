@@ -12,6 +12,7 @@ from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.http.errors import ApiError
 from pdserve.router.http.schemas import ChatMessage
+from pdserve.router.validation import check_tokenized
 
 LONG_TEXT_CHARS = 4096  # rendered prompts longer than this are tokenized on a worker thread
 
@@ -54,7 +55,7 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
 
     Raises:
         ApiError: 400, the template refused the conversation, or its text cannot fit the context (the
-            gRPC API's message for a text prompt that long).
+            gRPC API's message for a text prompt that long), or it tokenizes past the model's vocabulary.
     """
     try:
         text = template.render(template_messages(messages))
@@ -66,4 +67,8 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
         raise ApiError(400, f"prompt text of {len(text)} characters exceeds the model's context of {context} "
                             f"tokens (no text over {limit} characters fits)", param="messages")
     ids = await asyncio.to_thread(template.encode, text) if len(text) > LONG_TEXT_CHARS else template.encode(text)
+    try:
+        check_tokenized(ids, model.model_cfg.vocab_size, model.tokenizer)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
     return ids, max(1, min(context - len(ids), model.cfg.max_tokens_limit))
