@@ -162,6 +162,21 @@ def add_no_warmup_flag(parser) -> None:
                         help="register without warming up first (tests that need a fast start)")
 
 
+def check_kv_memory(cfg: WorkerConfig, who: str) -> None:
+    """Refuse at start, before the model loads, a KV pool (``cfg.num_blocks`` blocks of the checkpoint's
+    layers and heads) larger than the memory left on this machine (:meth:`model.kv_cache.KVCacheSpec.check_fits`):
+    it would otherwise fail in the middle of allocating, or be killed, after the weights had loaded.
+
+    Raises:
+        MemoryError: naming ``who``, the pool's bytes and the memory available.
+        FileNotFoundError, ValueError: the checkpoint's ``config.json`` (:meth:`model.config.ModelConfig.from_hf_dir`).
+    """
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.kv_cache import KVCacheSpec
+    model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
+    KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype).check_fits(who)
+
+
 def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:
     """The worker process's cluster secret (:func:`cluster.secret.cluster_secret`), resolved once at
     start, before anything binds.

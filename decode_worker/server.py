@@ -26,7 +26,7 @@ from pdserve.cluster.rpc_fields import (
     lenient_parser,
 )
 from pdserve.cluster.warmup import WarmupReport
-from pdserve.cluster.worker_process import WorkerProcess, worker_secret
+from pdserve.cluster.worker_process import WorkerProcess, check_kv_memory, worker_secret
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent, check_kv_timeout
@@ -204,6 +204,7 @@ class DecodeWorker(WorkerProcess):
 
     def __init__(self, cfg: DecodeWorkerConfig) -> None:
         secret = worker_secret(cfg, f"decode worker {cfg.worker_id}")  # refuse an unguarded bind first
+        check_kv_memory(cfg, f"decode worker {cfg.worker_id}")  # before the weights load, not after
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_decode_model(cfg)
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)

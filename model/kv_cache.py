@@ -27,6 +27,26 @@ import torch
 from pdserve.model.hugepages import empty_huge
 
 
+def available_memory_bytes() -> int | None:
+    """Bytes of memory this process can still take: ``MemAvailable`` of ``/proc/meminfo``, or less where a
+    cgroup v2 limit (``memory.max`` less ``memory.current`` of ``/sys/fs/cgroup``) leaves less; None where
+    neither can be read (not Linux)."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append(max(int(limit) - int(g.read().strip()), 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 class NoFreeBlocks(RuntimeError):
     """Raised by :meth:`BlockPool.allocate` when the pool cannot satisfy a request."""
 
@@ -81,6 +101,25 @@ class KVCacheSpec:
     def block_nbytes(self) -> int:
         """Bytes of one block (all layers)."""
         return self.page_nbytes(self.num_layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole cache."""
+        return self.num_blocks * self.block_nbytes
+
+    def check_fits(self, who: str, available: int | None = None) -> None:
+        """Refuse, before anything is loaded, a cache larger than the memory left (``available`` bytes, by
+        default :func:`available_memory_bytes`): it would fail in the middle of allocating, or be killed,
+        after the model had loaded. Nothing is checked where the memory cannot be read.
+
+        Raises:
+            MemoryError: naming ``who``, the blocks, the bytes each and in all, and the memory available.
+        """
+        available = available_memory_bytes() if available is None else available
+        if available is not None and self.nbytes > available:
+            raise MemoryError(f"{who}: a KV cache of {self.num_blocks} blocks x {self.block_nbytes} bytes "
+                              f"({self.nbytes / 2**30:.1f} GiB) does not fit the {available / 2**30:.1f} GiB of "
+                              f"memory available here; lower --num-blocks")
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` token positions."""

@@ -31,7 +31,7 @@ from pdserve.cluster.rpc_fields import (
     lenient_parser,
 )
 from pdserve.cluster.warmup import WarmupReport
-from pdserve.cluster.worker_process import WorkerProcess, worker_secret
+from pdserve.cluster.worker_process import WorkerProcess, check_kv_memory, worker_secret
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.select import backend_of_address
 from pdserve.kvtransfer.wire.channel import parse_address
@@ -206,6 +206,7 @@ class PrefillWorker(WorkerProcess):
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         secret = worker_secret(cfg, f"prefill worker {cfg.worker_id}")  # refuse an unguarded bind first
+        check_kv_memory(cfg, f"prefill worker {cfg.worker_id}")  # before the weights load, not after
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_prefill_model(cfg.model_dir, cfg.torch_dtype, cfg.activations,
                                               cfg.max_num_batched_tokens)

@@ -12,9 +12,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.deploy.config import ClusterConfig
+from pdserve.model.kv_cache import KVCacheSpec, available_memory_bytes
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.router.config import RouterConfig
 
@@ -71,3 +73,23 @@ def test_a_role_process_refuses_a_bad_flag_as_argparse_does(module, flags, words
     """Usage and the config's message, exit status 2: no traceback."""
     run = subprocess.run([sys.executable, "-m", module, *flags], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("module, role", [("pdserve.decode_worker", "decode"), ("pdserve.prefill_worker", "prefill")])
+def test_a_kv_pool_larger_than_the_memory_left_is_refused_at_start(model_dir, module, role):
+    """--num-blocks past the machine's memory: the worker exits at once naming the pool's size and the memory
+    available (it had loaded the model, then died inside the allocation, or been killed)."""
+    run = subprocess.run([sys.executable, "-m", module, "--model-dir", model_dir, "--worker-id", "w",
+                          "--num-blocks", str(10**9), "--no-warmup"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "ready" not in run.stdout
+    assert f"MemoryError: {role} worker w: a KV cache of 1000000000 blocks x 16384 bytes" in run.stderr, run.stderr
+    assert "GiB of memory available here; lower --num-blocks" in run.stderr
+
+
+def test_kv_spec_check_fits_counts_every_block():
+    spec = KVCacheSpec(num_blocks=10, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype=torch.bfloat16)
+    assert spec.nbytes == 10 * 2 * 2 * 16 * 4 * 8 * 2
+    spec.check_fits("w", available=spec.nbytes)                     # exactly fits
+    with pytest.raises(MemoryError, match=r"w: a KV cache of 10 blocks x 4096 bytes \(0\.0 GiB\)"):
+        spec.check_fits("w", available=spec.nbytes - 1)
+    assert available_memory_bytes() is None or available_memory_bytes() > 0
