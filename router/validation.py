@@ -137,8 +137,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
                          f"(at most {context - 1} prompt tokens leave room for one output token)")
     if kind == "text":
         check_tokenized(ids, cfg.vocab_size, tokenizer)
-    bad = sorted({t for t in ids if not 0 <= t < cfg.vocab_size})
-    if bad:
+    elif bad := sorted({t for t in ids if not 0 <= t < cfg.vocab_size}):
         raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
     s = req.sampling
     sampling = SamplingParams(

@@ -144,7 +144,7 @@ def run_unchecked(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: t
                   group_size: int, out_dtype: torch.dtype, symbol: str = "pd_int4_gemv") -> torch.Tensor:
     """:func:`gemv_int4` without the checks, for a caller that packed the weight itself and passes
     a CPU fp32/bf16 ``x`` with unit column stride and at most ``Kp`` columns (``symbol``
-    ``"pd_int4_gemm_amx"``: :func:`gemm_int4_amx`'s path)."""
+    ``"pd_int4_gemm_amx"``: :func:`gemm_int4_amx`'s path, in the AVX512-VNNI library only)."""
     y = torch.empty(x.shape[0], out_features, dtype=out_dtype)
     rc = _fn(symbol)(x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.stride(0),
                      wq.shape[1] * 8, group_size, wq.data_ptr(), scales.data_ptr(), zc.data_ptr(),
@@ -165,7 +165,7 @@ def gemm_int4_amx(x: torch.Tensor, wq: torch.Tensor, scales: torch.Tensor, zc: t
         KernelUnavailable: no AMX-INT8 here (see :func:`int4_amx_available`).
         ValueError: as :func:`gemv_int4`.
     """
-    if not int4_amx_available():
+    if not int4_amx_available():          # also where the library is the AVX2 one, which has no such symbol
         raise KernelUnavailable("gemm_int4_amx: this CPU or process cannot use AMX-INT8 tiles")
     out_dtype = _checked(x, wq, scales, zc, out_features, group_size, out_dtype)
     return run_unchecked(x, wq, scales, zc, out_features, group_size, out_dtype, "pd_int4_gemm_amx")
