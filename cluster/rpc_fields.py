@@ -53,6 +53,11 @@ def check_attempt_id(attempt_id: str) -> str:
     return attempt_id
 
 
+def outside_vocabulary(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The distinct ids of ``ids`` outside ``[0, vocab_size)``, ascending (empty when every id is in it)."""
+    return sorted({t for t in ids if not 0 <= t < vocab_size})
+
+
 def check_token_ids(name: str, ids: Sequence[int], vocab_size: int, max_len: int, allow_empty: bool = False,
                     bound: str = "the model's context") -> list[int]:
     """Return ``ids`` as a list if there are at most ``max_len`` of them (checked first, so a huge list
@@ -66,8 +71,7 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: int, max_len: int
         raise ValueError(f"{name} is empty")
     if len(ids) > max_len:
         raise ValueError(f"{name} holds {len(ids)} tokens; at most {max_len} are allowed ({bound})")
-    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
-    if bad:
+    if bad := outside_vocabulary(ids, vocab_size):
         raise ValueError(f"{name} {bad[:8]} are outside the vocabulary [0, {vocab_size})")
     return list(ids)
 

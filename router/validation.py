@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from google.protobuf import message as pb_message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from pdserve.cluster.rpc_fields import UNSAFE_CATEGORIES
+from pdserve.cluster.rpc_fields import UNSAFE_CATEGORIES, outside_vocabulary
 from pdserve.model.config import ModelConfig
 from pdserve.model.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
@@ -86,8 +86,7 @@ def check_tokenized(ids: list[int], vocab_size: int, tokenizer: Tokenizer) -> No
     Raises:
         ValueError: naming the ids, the vocabulary and the tokenizer's largest id.
     """
-    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
-    if bad:
+    if bad := outside_vocabulary(ids, vocab_size):
         raise ValueError(f"the prompt text tokenizes to ids {bad[:8]} outside the model's vocabulary "
                          f"[0, {vocab_size}): this checkpoint's tokenizer has ids up to {tokenizer.max_token_id}")
 
@@ -137,7 +136,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
                          f"(at most {context - 1} prompt tokens leave room for one output token)")
     if kind == "text":
         check_tokenized(ids, cfg.vocab_size, tokenizer)
-    elif bad := sorted({t for t in ids if not 0 <= t < cfg.vocab_size}):
+    elif bad := outside_vocabulary(ids, cfg.vocab_size):
         raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})")
     s = req.sampling
     sampling = SamplingParams(

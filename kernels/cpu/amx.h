@@ -14,11 +14,16 @@
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileConfig;
 
+/* 1 if the kernel lets this process use tile data (asks for it; on an AMX CPU). */
+static inline int amx_tile_data_granted(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
 /* 1 if AMX-BF16 (and AVX512-BF16) is present and the kernel lets this process use tile data. */
 static inline int amx_bf16_granted(void) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_tile_data_granted();
 }
 
 /* Loads the tile configuration: every tile 64 bytes wide, rows[t] rows in tile t. */

@@ -38,8 +38,7 @@ static int int4_amx_granted(void) {
     static int granted = -1;
     if (granted < 0) {
         __builtin_cpu_init();
-        granted = __builtin_cpu_supports("amx-int8")
-            && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        granted = __builtin_cpu_supports("amx-int8") && amx_tile_data_granted();
     }
     return granted;
 }
