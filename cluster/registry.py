@@ -52,9 +52,10 @@ class WorkerInfo:
         address: gRPC ``host:port``.
         kv_address: KV receiver address (decode workers; empty otherwise): ``host:port`` for TCP,
             ``nccl://host:port`` for NCCL (see :mod:`kvtransfer.select`).
-        kv_backends: KV transports the worker's cache can use (``("tcp",)`` for a CPU cache, ``("nccl",)``
-            for a CUDA cache); the router pairs a prefill and a decode worker only when they share one.
-            Empty: read as ``("tcp",)``.
+        kv_backends: KV transports the worker takes part in: a prefill worker's senders (``("tcp",)`` for a
+            CPU cache, ``("nccl", "tcp")`` for a CUDA cache where NCCL loads), a decode worker's receiver
+            (the one its ``kv_address`` names); the router pairs a prefill and a decode worker only when
+            they share one (:mod:`kvtransfer.select`). Empty: read as ``("tcp",)``.
         num_total_blocks / num_free_blocks: KV block pool size and free blocks.
         num_running: requests decoding (decode) or being prefilled (prefill).
         num_waiting: requests waiting (for KV pages on decode, in the queue on prefill).

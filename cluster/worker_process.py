@@ -4,85 +4,35 @@ the Redis lease heartbeat, and the engine thread."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.args import check_port, check_redis_url, check_seconds
+from pdserve.cluster.compute import (
+    AUTO_DTYPE,
+    DTYPES,
+    KV_TRANSPORTS,
+    check_device_name,
+    device_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+)
 from pdserve.cluster.grpc_auth import BearerTokenInterceptor
 from pdserve.cluster.metrics import start_metrics_server
 from pdserve.cluster.registry import WorkerInfo, WorkerLease
 from pdserve.cluster.secret import InsecureReminder, check_exposure, cluster_secret, worker_rpc_token
 from pdserve.cluster.service import start_grpc_server
 from pdserve.cluster.warmup import WarmupReport
-from pdserve.kernels.cpu.gemv import packed_bf16_available
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO_DTYPE = "auto"  # resolved by resolve_dtype() in the worker process, from the checkpoint and this CPU
-
-
-def cpu_serves_bf16() -> bool:
-    """Whether bf16 weights run on this CPU's packed bf16 kernels
-    (:func:`kernels.cpu.gemv.packed_bf16_available`: AVX512-BF16, or the float32-FMA GEMM on any AVX-512
-    CPU, or its AVX2 form elsewhere, given a C compiler). Elsewhere bf16 runs through torch's ``F.linear``,
-    which on a CPU without AVX512-BF16 ran 4-9x slower than those kernels (`bench/cpu_kernels.py` on a
-    Xeon model 207 that hides it)."""
-    return packed_bf16_available()
-
-
-def checkpoint_dtype(model_dir: str | Path) -> str:
-    """The dtype a checkpoint's ``config.json`` stores its weights in (``torch_dtype``, or ``dtype`` as
-    newer transformers write it; ``float32`` when absent, as transformers reads it).
-
-    Raises:
-        ValueError: the field names a dtype other than float32, bfloat16 or float16; the message names it.
-    """
-    path = Path(model_dir)
-    if not path.is_dir():  # a hub repository id: its snapshot in the local cache
-        from pdserve.model.checkpoint import resolve_model_dir
-
-        path = resolve_model_dir(model_dir)
-    cfg = json.loads((path / "config.json").read_text())
-    field_name = "torch_dtype" if "torch_dtype" in cfg else "dtype"
-    stored = cfg.get(field_name) or "float32"
-    if stored not in DTYPES:
-        raise ValueError(f"{path / 'config.json'}: {field_name} {stored!r} is not one of {sorted(DTYPES)}; "
-                         f"pass an explicit dtype (--dtype float32, bfloat16 or float16)")
-    return stored
-
-
-def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
-    """The dtype a worker serves in, with ``auto`` resolved (the only place it is).
-
-    ``auto`` follows vLLM's ``--dtype auto``: the checkpoint's ``torch_dtype``, except that an fp32
-    checkpoint is served in 16 bits (vLLM does so on GPUs). Our workers compute on the CPU, where bf16 pays
-    only where the packed bf16 kernels run (:func:`cpu_serves_bf16`: any AVX-512 or AVX2 CPU with a C compiler),
-    so an fp32 checkpoint becomes ``bfloat16`` there and stays ``float32`` elsewhere. Resolve it in the
-    worker process: the CPU asked is the one the worker runs on. An explicit dtype is returned unchanged.
-
-    Raises:
-        ValueError: ``dtype`` is neither ``auto`` nor a known dtype, or (``auto``) as :func:`checkpoint_dtype`.
-    """
-    if dtype != AUTO_DTYPE:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPES)}, got {dtype!r}")
-        return dtype
-    stored = checkpoint_dtype(model_dir)
-    if stored == "float32":
-        return "bfloat16" if cpu_serves_bf16() else "float32"
-    return stored
-
 
 def default_redis_url() -> str:
     """``PDSERVE_REDIS_URL`` or the local Redis."""
@@ -116,6 +66,11 @@ class WorkerConfig:
             classes, decode batch buckets, kernel and sampling paths: :meth:`WorkerProcess.warm_up`), so
             the first requests do not pay first-use costs (kernel builds, oneDNN primitives). False
             (``--warmup false``, ``--no-warmup``): register at once, for tests that need a fast start.
+        device: ``auto`` (the first CUDA GPU the process sees, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``:
+            where the weights, the KV cache and the steps live (:func:`cluster.compute.resolve_device`).
+        kv_transport: ``auto`` (every transport the KV cache's memory allows: NCCL first for a CUDA cache, then
+            TCP), ``tcp`` or ``nccl`` (:mod:`kvtransfer.select`). Two workers that share one GPU need ``tcp``:
+            NCCL cannot join two ranks on one device.
     """
 
     model_dir: str
@@ -132,10 +87,15 @@ class WorkerConfig:
     insecure: bool = False
     metrics_port: int = 0
     warmup: bool = True
+    device: str = "auto"
+    kv_transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
             raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        check_device_name(self.device)
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
         for name in ("block_size", "num_blocks", "num_threads"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -145,10 +105,15 @@ class WorkerConfig:
         check_port("metrics_port", self.metrics_port)
 
     @property
+    def resolved_device(self) -> torch.device:
+        """``device`` resolved in this process (:func:`cluster.compute.resolve_device`; not cached: a config
+        pickled to another node resolves there). Raises RuntimeError for a CUDA device this process lacks."""
+        return resolve_device(self.device)
+
+    @property
     def resolved_dtype(self) -> str:
-        """``dtype`` with ``auto`` resolved for this machine's CPU (not cached: a config pickled to
-        another node resolves there)."""
-        return resolve_dtype(self.dtype, self.model_dir)
+        """``dtype`` with ``auto`` resolved for this machine and :attr:`resolved_device` (not cached)."""
+        return resolve_dtype(self.dtype, self.model_dir, self.resolved_device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -164,8 +129,9 @@ def add_no_warmup_flag(parser) -> None:
 
 def check_kv_memory(cfg: WorkerConfig, who: str) -> None:
     """Refuse at start, before the model loads, a KV pool (``cfg.num_blocks`` blocks of the checkpoint's
-    layers and heads) larger than the memory left on this machine (:meth:`model.kv_cache.KVCacheSpec.check_fits`):
-    it would otherwise fail in the middle of allocating, or be killed, after the weights had loaded.
+    layers and heads) larger than the memory left on this machine, or on the worker's GPU
+    (:meth:`model.kv_cache.KVCacheSpec.check_fits`): it would otherwise fail in the middle of allocating,
+    or be killed, after the weights had loaded.
 
     Raises:
         MemoryError: naming ``who``, the pool's bytes and the memory available.
@@ -174,7 +140,8 @@ def check_kv_memory(cfg: WorkerConfig, who: str) -> None:
     from pdserve.model.config import ModelConfig
     from pdserve.model.kv_cache import KVCacheSpec
     model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
-    KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype).check_fits(who)
+    spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
+    spec.check_fits(who, device_memory_bytes(cfg.resolved_device))
 
 
 def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:

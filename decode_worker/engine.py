@@ -44,7 +44,7 @@ from pdserve.decode_worker.request import (
     rows_logprobs,
 )
 from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer, verify
-from pdserve.kvtransfer.select import local_backends, make_receiver
+from pdserve.kvtransfer.select import backend_of_address, make_receiver
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec
 from pdserve.model.llama import LlamaForCausalLM
@@ -72,8 +72,9 @@ class DecodeEngine:
                                  [b for b in DEFAULT_BUCKETS if b < cfg.max_batch_size] + [cfg.max_batch_size]
                                  ) if cfg.graph else None
         self.receiver = make_receiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
-                                      io_timeout_s=cfg.kv_io_timeout_s, secret=secret)
-        self.kv_backends = local_backends(self.runner.kv_cache)  # advertised in the registry entry
+                                      io_timeout_s=cfg.kv_io_timeout_s, secret=secret, transport=cfg.kv_transport)
+        # advertised in the registry entry: the receiver's own backend (the routers match P's against it)
+        self.kv_backends = (backend_of_address(self.receiver.address),)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._interrupt = ctypes.c_int32(0)   # set with every inbox message: ends a multi-step run early
         self._requests: dict[str, DecodeRequest] = {}   # every unfinished request (engine thread)
@@ -215,7 +216,8 @@ class DecodeEngine:
         steps = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
         started = time.monotonic()
         vocab = self.model_cfg.vocab_size
-        if multi and self.graph is not None and (k := plan_steps(self.cfg, batch, self.last_step, vocab)) > 1:
+        if multi and self.graph is not None and not self.graph.capture \
+                and (k := plan_steps(self.cfg, batch, self.last_step, vocab)) > 1:   # C steps: CPUs only
             temps, noise, top_ks = sampling_inputs(batch, k, vocab)
             rows = self.graph.run_steps(steps, k, temps, noise, stop_union(batch), self._interrupt, top_ks)
             if rows is not None:

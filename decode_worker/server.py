@@ -180,16 +180,19 @@ def _coalesce(events: list) -> list:
 
 def load_decode_model(cfg: DecodeWorkerConfig):
     """The model as ``cfg.weights`` asks: a pre-quantized INT4 checkpoint as stored, a float one
-    quantized at load (gpt-fast's ``convert_for_runtime``), or the weights as they are (bf16
-    projections on a CPU packed for :mod:`kernels.cpu.gemv`; with INT4, the bf16 LM head is); then
-    moved into huge pages, kernel layouts included (INT4 builds its layout at load, in buffers that
-    move with the module)."""
+    quantized at load (gpt-fast's ``convert_for_runtime``; on the CPU, so that it equals a pre-quantized
+    checkpoint on every device), or the weights as they are; then on a GPU moved to it (INT4 rebuilds its
+    kernel layout there at first use), on a CPU with the bf16 projections packed for :mod:`kernels.cpu.gemv`
+    (with INT4, the bf16 LM head is) and moved into huge pages, kernel layouts included."""
     if cfg.weights == "int4" and int4_checkpoint.is_int4_checkpoint(cfg.model_dir):
         model, model_cfg = int4_checkpoint.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
     else:
         model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
         if cfg.weights == "int4":
             int4.convert_for_runtime(model, group_size=cfg.int4_group_size, method=cfg.int4_method)
+    device = cfg.resolved_device
+    if device.type != "cpu":
+        return model.to(device), model_cfg
     # bf16 on CPU: the float linears left, for the C kernels; a colocated worker keeps dense copies for its
     # prefill chunks only where F.linear beats the packed gemm at their sizes (AMX CPUs)
     pack_for_cpu_decode(model, keep_dense=cfg.colocated and dense_beats_packed_for_prefill())

@@ -83,7 +83,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, out
                 return out
             continue
         p = filtered_probs(logits[j], params)
-        q = proposal.probs[j] if proposal.probs else torch.nn.functional.one_hot(torch.tensor(d), p.shape[0]).float()
+        q = proposal.probs[j] if proposal.probs else \
+            torch.nn.functional.one_hot(torch.tensor(d, device=p.device), p.shape[0]).float()
         u = torch.rand((), generator=request_generator(params.seed, index, ACCEPT_STREAM))
         if u * q[d] < p[d]:  # u < min(1, p(d)/q(d)), without dividing by a tiny q
             out.append(d)

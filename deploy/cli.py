@@ -78,6 +78,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="workers on GPUs (cuda: one each; waits --gpu-wait seconds for the GPU nodes the pools "
                         "need to join), on CPUs, or auto: CUDA when the Ray cluster has a GPU at start")
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "nccl", "tcp"],
+                   help="KV pages between workers: auto (NCCL between GPU caches where it loads, else TCP), "
+                        "tcp (GPU caches through host staging buffers too), or nccl")
     p.add_argument("--gpu-wait", type=float, default=600.0,
                    help="--device cuda: seconds to wait for GPU nodes to join the Ray cluster")
     p.add_argument("--router-node", default=None, metavar="IP",
@@ -88,7 +91,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/KV dtype; auto (the default here, while WorkerConfig keeps float32 for the exactness "
                         "tests): the checkpoint's torch_dtype, an fp32 checkpoint in bfloat16 on an AVX-512 or AVX2 "
-                        "CPU, where the packed bf16 kernels run (cluster.worker_process.resolve_dtype)")
+                        "CPU, where the packed bf16 kernels run (cluster.compute.resolve_dtype)")
     p.add_argument("--max-batch-size", type=int, default=64, help="decode: requests per step at most")
     p.add_argument("--multi-step", type=int, default=8,
                    help="decode: steps run in one C call at most for batches without top-p or logprobs requests "
@@ -169,7 +172,7 @@ def _start_cluster(args: argparse.Namespace):
                             "weights": args.weights, "max_num_batched_tokens": args.max_num_batched_tokens,
                             "graph": not args.no_graph, "multi_step": args.multi_step,
                             "multi_step_window_s": args.multi_step_window},
-            worker_options={**({"insecure": True} if args.insecure else {}),
+            worker_options={"kv_transport": args.kv_transport, **({"insecure": True} if args.insecure else {}),
                             **({"warmup": False} if args.no_warmup else {})},
             router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
                             **{name: getattr(args, name) for name in ROUTER_LIMIT_FLAGS

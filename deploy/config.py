@@ -161,14 +161,15 @@ class ClusterConfig:
         return RouterConfig(model_dir=self.model_dir, cluster=self.cluster, redis_url=self.redis_url, host=self.host,
                             port=self.port, **{"http_host": self.host, **self.router_options})
 
-    def worker_config(self, role: str, worker_id: str):
-        """The config of a ``role`` worker (``prefill``, ``decode`` or ``both``) named ``worker_id``."""
+    def worker_config(self, role: str, worker_id: str, device: str = "auto"):
+        """The config of a ``role`` worker (``prefill``, ``decode`` or ``both``) named ``worker_id``, computing
+        on ``device`` (the controller passes ``cuda`` where its placement gave the worker a GPU, else ``cpu``)."""
         from pdserve.decode_worker.config import DecodeWorkerConfig
         from pdserve.prefill_worker.config import PrefillWorkerConfig
 
         common = dict(model_dir=self.model_dir, worker_id=worker_id, cluster=self.cluster, redis_url=self.redis_url,
                       host=self.host, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
-                      num_threads=self.num_threads, **self.worker_options)
+                      num_threads=self.num_threads, device=device, **self.worker_options)
         if role == "prefill":
             return PrefillWorkerConfig(**common, **self.prefill_options)
         return DecodeWorkerConfig(**common, colocated=role == "both", **self.decode_options)

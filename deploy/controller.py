@@ -208,7 +208,7 @@ class PoolController:
                     **self.placement.actor_options(role), max_restarts=self.cfg.max_restarts,
                     runtime_env={"env_vars": self._env},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
-                ).remote(role, self.cfg.worker_config(role, ids[-1])))
+                ).remote(role, self.cfg.worker_config(role, ids[-1], "cuda" if self.placement.cuda else "cpu")))
             await asyncio.wait_for(asyncio.gather(*(a.address.remote() for a in actors)), self.cfg.start_timeout_s)
         except BaseException as exc:
             for a in actors:

@@ -31,6 +31,10 @@ PRESETS: dict[str, dict] = {
     "bench-80m-qwen3": dict(model_type="qwen3", hidden_size=768, intermediate_size=2048, num_hidden_layers=11,
                             num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=2048,
                             max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=1e6),
+    # ~1.24B parameters, Llama-3.2-1B's shape (tied head, 128,256 vocabulary): the GPU benchmark model.
+    "bench-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                     tie_word_embeddings=True, rope_theta=500000.0),
     # ~8.9M parameters: quick checks of the benchmark scripts.
     "bench-9m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096),

@@ -1,12 +1,15 @@
 """Which KV transport a prefill/decode pair uses, and factories that build the right sender and receiver.
 
 Rule: NCCL when both ends hold their KV cache in CUDA memory and the NCCL library loads on both;
-TCP when both caches are in CPU memory. Each worker advertises the backends its cache can use
-(:func:`local_backends`: a CPU cache -> ``("tcp",)``, a CUDA cache -> ``("nccl",)`` when
-``libnccl.so.2`` loads), and :func:`choose_backend` takes the first of :data:`BACKEND_PREFERENCE`
-both sides list. The receiver's address names its backend (``nccl://host:port``; a bare
-``host:port`` is TCP), so the sender built by :func:`make_sender` picks the transport per request
-from the address it is handed, with no extra field on the wire::
+TCP otherwise (a CUDA cache's pages through host staging buffers, :mod:`kvtransfer.tcp.pages`). Each
+worker advertises the backends its cache can use (:func:`local_backends`: a CPU cache -> ``("tcp",)``, a
+CUDA cache -> ``("nccl", "tcp")`` when ``libnccl.so.2`` loads, else ``("tcp",)``), narrowed by its
+``--kv-transport`` (``tcp`` for two workers sharing one GPU, which NCCL cannot join), and
+:func:`choose_backend` takes the first of :data:`BACKEND_PREFERENCE` both sides list. A receiver
+listens on its first backend; a sender offers all of its own. The receiver's address names its
+backend (``nccl://host:port``; a bare ``host:port`` is TCP), so the sender built by
+:func:`make_sender` picks the transport per request from the address it is handed, with no extra
+field on the wire::
 
     decode D: make_receiver(cache)  -> receiver.address "nccl://10.0.0.7:9000" | "10.0.0.7:9000"
               registry entry: kv_address + kv_backends (what the router matches against P's)
@@ -19,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from pdserve.cluster.compute import KV_TRANSPORTS
 from pdserve.kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS
@@ -52,22 +56,34 @@ def nccl_status(library_path: str | None = None) -> str | None:
     return None
 
 
-def local_backends(kv_cache: torch.Tensor, nccl_library_path: str | None = None) -> tuple[str, ...]:
-    """Backends that can move pages in and out of ``kv_cache``: ``("tcp",)`` for a CPU tensor, ``("nccl",)``
-    for a CUDA tensor when NCCL loads, ``()`` otherwise (see :func:`explain_no_backend`)."""
-    if kv_cache.device.type == "cpu":
-        return ("tcp",)
-    if kv_cache.device.type == "cuda" and nccl_status(nccl_library_path) is None:
-        return ("nccl",)
-    return ()
+def local_backends(kv_cache: torch.Tensor, nccl_library_path: str | None = None,
+                   transport: str = "auto") -> tuple[str, ...]:
+    """Backends that can move pages in and out of ``kv_cache``, best first, among those ``transport``
+    (``auto``, ``nccl`` or ``tcp``) allows: TCP for a CPU or CUDA cache (a CUDA cache's pages staged through
+    host memory), NCCL first for a CUDA cache when NCCL loads; ``()`` when none is left (see
+    :func:`explain_no_backend`).
+
+    Raises:
+        ValueError: an unknown ``transport``.
+    """
+    if transport not in KV_TRANSPORTS:
+        raise ValueError(f"kv transport must be one of {KV_TRANSPORTS}, got {transport!r}")
+    if kv_cache.device.type not in ("cpu", "cuda"):
+        return ()
+    found = ["tcp"]
+    if kv_cache.device.type == "cuda" and transport != "tcp" and nccl_status(nccl_library_path) is None:
+        found.insert(0, "nccl")
+    return tuple(b for b in found if transport in ("auto", b))
 
 
-def explain_no_backend(kv_cache: torch.Tensor, nccl_library_path: str | None = None) -> str:
-    """Why :func:`local_backends` is empty for ``kv_cache``."""
-    if kv_cache.device.type == "cuda":
-        return (f"a CUDA KV cache ({kv_cache.device}) moves over NCCL only, and NCCL is unavailable: "
-                f"{nccl_status(nccl_library_path)}")
-    return f"no KV transport handles a {kv_cache.device.type} KV cache (TCP needs CPU memory, NCCL CUDA memory)"
+def explain_no_backend(kv_cache: torch.Tensor, nccl_library_path: str | None = None, transport: str = "auto") -> str:
+    """Why :func:`local_backends` is empty for ``kv_cache`` and ``transport``."""
+    if kv_cache.device.type not in ("cpu", "cuda"):
+        return f"no KV transport handles a {kv_cache.device.type} KV cache (TCP and NCCL need CPU or CUDA memory)"
+    if kv_cache.device.type != "cuda":
+        return (f"--kv-transport {transport}: NCCL moves CUDA memory only, and this KV cache is on "
+                f"{kv_cache.device}; use tcp or auto")
+    return f"--kv-transport {transport}: NCCL is unavailable: {nccl_status(nccl_library_path)}; use tcp or auto"
 
 
 def choose_backend(sender_backends: Sequence[str], receiver_backends: Sequence[str]) -> str:
@@ -84,33 +100,36 @@ def choose_backend(sender_backends: Sequence[str], receiver_backends: Sequence[s
         if backend in sender_backends and backend in receiver_backends:
             return backend
     raise ValueError(f"no common KV transport: the sender offers {list(sender_backends)}, the receiver "
-                     f"accepts {list(receiver_backends)} (NCCL needs CUDA caches and libnccl on both ends, "
-                     "TCP CPU caches on both)")
+                     f"accepts {list(receiver_backends)} (NCCL needs CUDA caches and libnccl on both ends; "
+                     "TCP takes any cache unless --kv-transport nccl excludes it)")
 
 
-def _only_backend(kv_cache: torch.Tensor, nccl_library_path: str | None) -> str:
-    backends = local_backends(kv_cache, nccl_library_path)
+def _backends(kv_cache: torch.Tensor, nccl_library_path: str | None, transport: str) -> tuple[str, ...]:
+    backends = local_backends(kv_cache, nccl_library_path, transport)
     if not backends:
-        raise RuntimeError(explain_no_backend(kv_cache, nccl_library_path))
-    return backends[0]
+        raise RuntimeError(explain_no_backend(kv_cache, nccl_library_path, transport))
+    return backends
 
 
 def make_receiver(kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
                   io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
-                  secret: bytes | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> KVReceiver:
-    """The receiver for ``kv_cache``'s memory: :class:`~kvtransfer.nccl.NcclKVReceiver` for a CUDA cache,
-    :class:`~kvtransfer.tcp.TcpKVReceiver` for a CPU cache. Its ``address`` names the backend; its
-    ``alive`` says whether it still accepts transfers, its ``stats`` counts refused and dropped connections.
+                  secret: bytes | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                  transport: str = "auto") -> KVReceiver:
+    """The receiver of the first backend :func:`local_backends` gives for ``kv_cache`` and ``transport``:
+    :class:`~kvtransfer.nccl.NcclKVReceiver` (a CUDA cache, NCCL loads) or :class:`~kvtransfer.tcp.TcpKVReceiver`.
+    Its ``address`` names the backend; its ``alive`` says whether it still accepts transfers, its
+    ``stats`` counts refused and dropped connections.
 
     Args:
         max_connections: connections served at once (:mod:`kvtransfer.wire.listener`).
+        transport: ``auto``, ``nccl`` or ``tcp`` (a worker's ``--kv-transport``).
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
         ValueError: ``kv_cache`` does not match ``spec``; ``secret`` (the cluster secret senders must
-            prove; None: no authentication) is shorter than 16 bytes; ``max_connections < 1``.
+            prove; None: no authentication) is shorter than 16 bytes; ``max_connections < 1``; unknown transport.
         OSError: the address cannot be bound.
     """
-    if _only_backend(kv_cache, nccl_library_path) == "nccl":
+    if _backends(kv_cache, nccl_library_path, transport)[0] == "nccl":
         from pdserve.kvtransfer.nccl import NcclKVReceiver, load_library
 
         return NcclKVReceiver(kv_cache, spec, host, port, io_timeout_s, library=load_library(nccl_library_path),
@@ -173,24 +192,29 @@ class SelectingKVSender(KVSender):
 
 def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                 io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
-                secret: bytes | None = None, sender_id: str | None = None) -> SelectingKVSender:
-    """The sender for ``kv_cache``'s memory (NCCL for a CUDA cache, TCP for a CPU cache), wrapped so that
-    opening a channel to a receiver of another backend fails with a clear :class:`TransferError`.
-    ``sender_id`` (the worker id) names this sender to NCCL receivers, which then drop its communicators
-    once it leaves the registry; None: a random id.
+                secret: bytes | None = None, sender_id: str | None = None,
+                transport: str = "auto") -> SelectingKVSender:
+    """A sender of every backend :func:`local_backends` gives for ``kv_cache`` and ``transport`` (a CUDA
+    cache: NCCL and TCP; a CPU cache: TCP), picking per receiver address; opening a channel to a receiver
+    of another backend fails with a clear :class:`TransferError`. ``sender_id`` (the worker id) names this
+    sender to NCCL receivers, which then drop its communicators once it leaves the registry; None: a
+    random id.
 
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
         ValueError: ``kv_cache`` does not match ``spec``; ``secret`` (the cluster secret receivers must
-            prove; None: no authentication) is shorter than 16 bytes.
+            prove; None: no authentication) is shorter than 16 bytes; unknown transport.
     """
-    if _only_backend(kv_cache, nccl_library_path) == "nccl":
-        from pdserve.kvtransfer.nccl import NcclKVSender, load_library
+    senders: dict[str, KVSender] = {}
+    for backend in _backends(kv_cache, nccl_library_path, transport):
+        if backend == "nccl":
+            from pdserve.kvtransfer.nccl import NcclKVSender, load_library
 
-        sender: KVSender = NcclKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s,
-                                        library=load_library(nccl_library_path), secret=secret,
-                                        sender_id=sender_id)
-        return SelectingKVSender({"nccl": sender})
-    from pdserve.kvtransfer.tcp import TcpKVSender
+            senders["nccl"] = NcclKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s,
+                                           library=load_library(nccl_library_path), secret=secret,
+                                           sender_id=sender_id)
+        else:
+            from pdserve.kvtransfer.tcp import TcpKVSender
 
-    return SelectingKVSender({"tcp": TcpKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s, secret=secret)})
+            senders["tcp"] = TcpKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s, secret=secret)
+    return SelectingKVSender(senders)

@@ -27,9 +27,12 @@ class StepInput:
 
 
 class ModelRunner:
-    """Owns the KV cache tensor and runs batched forward steps on it."""
+    """Owns the KV cache tensor and runs batched forward steps on it, on ``device`` (default: the
+    device of the model's weights)."""
 
-    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, device: torch.device | str | None = None) -> None:
+        if device is None:
+            device = next(model.parameters()).device
         self.model, self.spec, self.device = model, spec, device
         self.kv_cache = spec.allocate(device)
 

@@ -107,9 +107,11 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from ``probs`` (``[vocab]``, need not sum to 1) by the exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    """One token from ``probs`` (``[vocab]``, need not sum to 1) by the exponential race. The noise is drawn
+    by ``generator`` on the CPU whatever the device of ``probs`` (a request's seeded draws are the same on
+    a GPU worker as on a CPU one)."""
+    noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
+    return int((probs / noise.to(probs.device)).argmax())
 
 
 def log_space(p: SamplingParams) -> bool:
@@ -136,7 +138,7 @@ def temperature_draw(logits: torch.Tensor, temperature: float, noise: torch.Tens
     if 0 < top_k < scaled.shape[0]:
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    return int((scaled - noise).argmax())
+    return int((scaled - noise.to(scaled.device)).argmax())
 
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
@@ -198,7 +200,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     if not tokens:
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    picked = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
     top_k = max(ks)
     if top_k:
         values, ids = logp.topk(top_k, dim=-1)

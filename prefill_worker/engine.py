@@ -57,7 +57,7 @@ class PrefillEngine:
         self.blocks: BlockSource = (PrefixCache(self.pool, cfg.block_size, on_kv_event) if cfg.prefix_cache
                                     else PlainBlocks(self.pool))
         self.kv_sender = make_sender(self.runner.kv_cache, self.spec, cfg.kv_connect_timeout_s, cfg.kv_io_timeout_s,
-                                     secret=secret, sender_id=cfg.worker_id)
+                                     secret=secret, sender_id=cfg.worker_id, transport=cfg.kv_transport)
         self.sender = KVSendLoop(self.kv_sender, self.blocks, model_cfg.num_layers, self._finished,
                                  cfg.fault_hold_transfer_s)
         self._lock = threading.Condition()

@@ -182,18 +182,22 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                           else logprobs_to_wire(req.first_logprobs))
 
 
-def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "native", chunk_tokens: int = 512):
-    """The model as a prefill worker runs it: FP8 activation matmuls where ``activations`` is ``"fp8"``;
-    otherwise, on a CPU without AMX, bf16 projections packed for the AVX512-BF16 gemm without their dense
-    copies (:func:`model.cpu_linear.dense_beats_packed_for_prefill`), and with AMX on oneDNN weights reordered
-    once for chunks of ``chunk_tokens`` rows (:mod:`model.onednn_linear`); then weights in huge pages.
+def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "native", chunk_tokens: int = 512,
+                       device: torch.device | str = "cpu"):
+    """The model as a prefill worker runs it: FP8 activation matmuls where ``activations`` is ``"fp8"``
+    (weights quantized on the CPU, bit-identical to the GPU's quantization); then on a GPU ``device`` moved
+    to it; on the CPU, without FP8 and without AMX, bf16 projections packed for the AVX512-BF16 gemm without
+    their dense copies (:func:`model.cpu_linear.dense_beats_packed_for_prefill`), and with AMX on oneDNN weights
+    reordered once for chunks of ``chunk_tokens`` rows (:mod:`model.onednn_linear`); then weights in huge pages.
     Returns ``(model, ModelConfig)``. Raises as :func:`model.loader.load_model`."""
     model, model_cfg = load_model(model_dir, dtype)
     if activations == "fp8":
         fp8.convert_for_runtime(model)
-    elif not dense_beats_packed_for_prefill():
+    if torch.device(device).type != "cpu":
+        return model.to(device), model_cfg
+    if activations != "fp8" and not dense_beats_packed_for_prefill():
         pack_for_cpu_decode(model, keep_dense=False)
-    else:
+    elif activations != "fp8":
         prepack_for_cpu_prefill(model, chunk_tokens)
     move_to_huge_pages(model)
     return model, model_cfg
@@ -209,7 +213,7 @@ class PrefillWorker(WorkerProcess):
         check_kv_memory(cfg, f"prefill worker {cfg.worker_id}")  # before the weights load, not after
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_prefill_model(cfg.model_dir, cfg.torch_dtype, cfg.activations,
-                                              cfg.max_num_batched_tokens)
+                                              cfg.max_num_batched_tokens, cfg.resolved_device)
         self.events = None
         if cfg.prefix_cache and cfg.kv_events:
             self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, secret=secret)

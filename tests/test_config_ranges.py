@@ -50,6 +50,8 @@ def cluster(**kw):
     (decode, "kv_io_timeout_s", NAN), (decode, "max_num_batched_tokens", 0),
     (cluster, "cpus_per_worker", NAN), (cluster, "drain_timeout_s", NAN), (cluster, "unroute_s", INF),
     (router, "redis_url", "garbage"), (prefill, "redis_url", "http://127.0.0.1:6379"), (cluster, "redis_url", ""),
+    (prefill, "device", "gpu"), (decode, "device", "cuda:x"), (decode, "device", ""),
+    (prefill, "kv_transport", "rdma"), (decode, "kv_transport", "TCP"),
 ])
 def test_out_of_range_flags_are_refused_naming_them(make, field, value):
     with pytest.raises(ValueError, match=field):
@@ -62,6 +64,20 @@ def test_the_edges_of_each_range_are_accepted():
     decode(kv_port=65535, lease_s=3600.0, max_num_batched_tokens=1)
     cluster(port=0, unroute_s=0.0, gpu_wait_s=0.0, redis_url="unix:///tmp/redis.sock")
     router(redis_url="rediss://example:6380/0")
+    for device in ("auto", "cpu", "cuda", "cuda:7"):  # named, not resolved: a GPU name is fine on a CPU box
+        decode(device=device, kv_transport="tcp")
+        prefill(device=device, kv_transport="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the errors of a machine without CUDA")
+def test_a_cuda_device_without_a_gpu_is_refused_at_start(model_dir):
+    """--device cuda where torch sees no GPU: the worker exits before loading anything, saying so (and
+    ``auto`` is the CPU here)."""
+    assert decode().resolved_device == torch.device("cpu")
+    run = subprocess.run([sys.executable, "-m", "pdserve.decode_worker", "--model-dir", model_dir, "--worker-id", "w",
+                          "--device", "cuda", "--no-warmup"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "ready" not in run.stdout
+    assert "--device cuda: torch sees no CUDA GPU here" in run.stderr and "use --device cpu" in run.stderr, run.stderr
 
 
 @pytest.mark.parametrize("module, flags, words", [

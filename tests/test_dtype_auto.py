@@ -1,4 +1,4 @@
-"""``--dtype auto``: resolved once, in the worker, from the checkpoint's ``torch_dtype`` and the CPU."""
+"""``--dtype auto``: resolved once, in the worker, from the checkpoint's ``torch_dtype``, the device and the CPU."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.cluster import worker_process
-from pdserve.cluster.worker_process import WorkerConfig, checkpoint_dtype, resolve_dtype
+from pdserve.cluster import compute
+from pdserve.cluster.compute import checkpoint_dtype, resolve_dtype
+from pdserve.cluster.worker_process import WorkerConfig
 from pdserve.deploy import cli
 from pdserve.kernels.cpu import available
 
@@ -24,7 +25,7 @@ def _checkpoint(tmp_path: Path, torch_dtype: str | None, key: str = "torch_dtype
 
 @pytest.fixture(params=[True, False], ids=["bf16_kernels", "no_bf16_kernels"])
 def bf16_cpu(request, monkeypatch) -> bool:
-    monkeypatch.setattr(worker_process, "cpu_serves_bf16", lambda: request.param)
+    monkeypatch.setattr(compute, "cpu_serves_bf16", lambda: request.param)
     return request.param
 
 
@@ -94,4 +95,13 @@ def test_every_avx2_or_avx512_cpu_with_a_compiler_serves_bf16():
     fma_gemm = {"avx512f", "avx512bw"} <= isa or {"avx2", "fma"} <= isa
     if fma_gemm and not (available("gemm_bf16_fma") or available("gemm_bf16_avx2")):
         pytest.skip("no C compiler, or the C kernels turned off (PDSERVE_CPU_KERNELS=torch)")
-    assert worker_process.cpu_serves_bf16() == fma_gemm
+    assert compute.cpu_serves_bf16() == fma_gemm
+
+
+def test_auto_serves_an_fp32_checkpoint_in_bf16_on_a_gpu(tmp_path, bf16_cpu):
+    """vLLM's ``--dtype auto`` on GPUs: fp32 checkpoints in bf16, whatever the CPU has (the device is
+    named, not asked: no GPU is needed to resolve it)."""
+    model = _checkpoint(tmp_path, "float32")
+    assert resolve_dtype("auto", model, torch.device("cuda", 0)) == "bfloat16"
+    assert resolve_dtype("auto", model, "cpu") == ("bfloat16" if bf16_cpu else "float32")
+    assert resolve_dtype("float32", model, "cuda") == "float32"

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pdserve.kvtransfer.tcp import TcpKVReceiver, TcpKVSender
-from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.tcp import pages as pages_module
+from pdserve.kvtransfer.tcp.pages import PageMemory, StagedPageMemory, page_memory
 from pdserve.kvtransfer.wire.frames import MAX_HEADER_BYTES, Ack, read_frame
 from pdserve.model.kv_cache import KVCacheSpec
 from tests.kv_helpers import Outcome, make_spec
@@ -95,6 +96,51 @@ def test_page_memory_views_share_the_cache_memory():
         PageMemory(cache.transpose(3, 4).contiguous().transpose(3, 4), spec)
     with pytest.raises(ValueError, match="spec wants"):
         PageMemory(cache.float(), spec)
+
+
+def test_staged_pages_read_and_write_in_groups_of_the_stage_size():
+    """A GPU cache's pages go through a host buffer (forced here on a CPU cache, the same code): reads
+    give the pages' bytes in order, a group per view; writes land once a group's last page is in."""
+    spec = make_spec(torch.bfloat16)
+    cache = torch.randn(spec.shape).to(torch.bfloat16)
+    staged = StagedPageMemory(cache, spec, stage_bytes=2 * spec.page_nbytes(1))  # two one-layer pages a copy
+    views = [bytes(v) for v in staged.read([5, 1, 6], 1, 2)]
+    assert [len(v) for v in views] == [2 * spec.page_nbytes(1), spec.page_nbytes(1)]
+    plain = PageMemory(cache, spec)
+    assert b"".join(views) == b"".join(bytes(plain.page(b, 1, 2)) for b in (5, 1, 6))
+    dst = spec.allocate()
+    writes = staged_dst = StagedPageMemory(dst, spec, stage_bytes=2 * spec.page_nbytes(1))
+    pages = iter(writes.write([2, 7, 0], 1, 2))
+    for i, want in enumerate((5, 1)):
+        next(pages)[:] = bytes(plain.page(want, 1, 2))
+        assert not dst.any(), "nothing lands before its group is complete"
+    next(pages)[:] = bytes(plain.page(6, 1, 2))  # group 1 landed when the third view was asked for
+    assert torch.equal(dst[2, 1], cache[5, 1]) and torch.equal(dst[7, 1], cache[1, 1]) and not dst[0].any()
+    assert next(pages, None) is None             # exhausted: the last group is in
+    assert torch.equal(dst[0, 1], cache[6, 1]) and not dst[:, 0].any()
+    assert staged_dst is writes and isinstance(page_memory(cache, spec), PageMemory)
+
+
+def test_a_transfer_through_staged_pages_is_exact(monkeypatch):
+    """The TCP sender and receiver drive the staged path (a CUDA cache's) as they drive the zero-copy one:
+    forced on CPU caches with a stage of one page, every page arrives bit-exact."""
+    monkeypatch.setattr("pdserve.kvtransfer.tcp.sender.page_memory",
+                        lambda cache, spec: StagedPageMemory(cache, spec, stage_bytes=1))
+    monkeypatch.setattr("pdserve.kvtransfer.tcp.receiver.page_memory",
+                        lambda cache, spec: StagedPageMemory(cache, spec, stage_bytes=spec.page_nbytes(2) * 2))
+    p = make_pair(torch.bfloat16)
+    try:
+        assert isinstance(p.tx._pages, StagedPageMemory) and isinstance(p.rx._pages, StagedPageMemory)
+        out = p.expect("r1")
+        stats = p.transfer("r1")
+        assert out.wait() == ("complete", "r1", 7) and stats.num_pages == 3
+        for s, d in zip(SRC, DST):
+            assert torch.equal(p.dst[d], p.src[s])
+        assert not p.dst[[b for b in range(p.spec.num_blocks) if b not in DST]].any()
+    finally:
+        p.tx.close()
+        p.rx.close()
+    assert pages_module.STAGE_BYTES >= p.spec.page_nbytes(p.spec.num_layers)
 
 
 # -- refusals ----------------------------------------------------------------------------------

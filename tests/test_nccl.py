@@ -261,6 +261,21 @@ def test_cache_memory_decides_the_local_backend():
         make_receiver(meta, SPEC)
 
 
+def test_kv_transport_setting_narrows_the_backends():
+    """``--kv-transport``: ``tcp`` keeps a CUDA cache off NCCL (two workers on one GPU), ``nccl`` on a CPU
+    cache leaves nothing and says why before anything binds; an unknown name is refused."""
+    cache = SPEC.allocate()
+    assert local_backends(cache, transport="tcp") == ("tcp",) == local_backends(cache, transport="auto")
+    assert local_backends(cache, transport="nccl") == ()
+    assert "NCCL moves CUDA memory only" in explain_no_backend(cache, transport="nccl")
+    with pytest.raises(RuntimeError, match="--kv-transport nccl: NCCL moves CUDA memory only"):
+        make_receiver(cache, SPEC, transport="nccl")
+    with pytest.raises(RuntimeError, match="--kv-transport nccl"):
+        make_sender(cache, SPEC, transport="nccl")
+    with pytest.raises(ValueError, match="kv transport must be one of"):
+        local_backends(cache, transport="rdma")
+
+
 def test_cpu_sender_refuses_an_nccl_receiver_before_connecting():
     tx = make_sender(SPEC.allocate(), SPEC, connect_timeout_s=0.5)
     try:

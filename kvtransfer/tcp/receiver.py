@@ -15,7 +15,7 @@ import time
 import torch
 
 from pdserve.cluster.secret import check_secret
-from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.tcp.pages import page_memory
 from pdserve.kvtransfer.wire.conn import Conn
 from pdserve.kvtransfer.wire.frames import (
     Ack,
@@ -43,8 +43,8 @@ class TcpKVReceiver(ListeningReceiver):
     more bytes are written into that request's blocks.
 
     Args:
-        kv_cache: contiguous CPU tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
-            head_dim]`` of ``spec.dtype``; written in place.
+        kv_cache: contiguous tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+            head_dim]`` of ``spec.dtype``; written in place on the CPU, through host staging on a GPU.
         spec: cache layout; incoming ``dtype``/``shape`` must match it.
         host: interface to bind.
         port: TCP port; 0 picks a free one (see :attr:`address`).
@@ -66,7 +66,7 @@ class TcpKVReceiver(ListeningReceiver):
                  io_timeout_s: float = 10.0, secret: bytes | None = None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         secret = check_secret(secret, "the KV receiver's secret")
-        self._pages = PageMemory(kv_cache, spec)
+        self._pages = page_memory(kv_cache, spec)
         self._spec = spec
         self._listen(host, port, io_timeout_s, secret, PendingTransfers(spec.num_blocks, spec.num_layers),
                      max_connections=max_connections)
@@ -118,9 +118,9 @@ class TcpKVReceiver(ListeningReceiver):
         self._check_pages(transfer, frame)
         with transfer.write_lock:
             self._check_live(transfer)
-            for block in frame.block_ids:  # payload lands straight in the destination pages, each page in time
-                recv_exact_into(conn.sock, self._pages.page(block, frame.layer_start, frame.layer_end),
-                                time.monotonic() + self._io_timeout_s)
+            # each page in time, straight into the destination pages (a GPU cache's: through a staging buffer)
+            for view in self._pages.write(frame.block_ids, frame.layer_start, frame.layer_end):
+                recv_exact_into(conn.sock, view, time.monotonic() + self._io_timeout_s)
             self._pending.mark(transfer, frame.block_ids, frame.layer_start, frame.layer_end)
 
     def _end(self, conn: Conn, why: str, linger: bool = False) -> None:

@@ -1,4 +1,5 @@
-"""Prefill side of the TCP KV transport: streams KV pages from the local cache, zero-copy.
+"""Prefill side of the TCP KV transport: streams KV pages from the local cache, zero-copy from a CPU
+cache, through a host staging buffer from a GPU's (:mod:`kvtransfer.tcp.pages`).
 
 With a cluster secret, every connection first runs the mutual handshake of
 :mod:`kvtransfer.wire.handshake`, and :meth:`TcpKVSender.open` fails unless the receiver
@@ -17,7 +18,7 @@ import torch
 
 from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.base import TransferError, TransferStats
-from pdserve.kvtransfer.tcp.pages import PageMemory
+from pdserve.kvtransfer.tcp.pages import PageMemory, StagedPageMemory, page_memory
 from pdserve.kvtransfer.wire.channel import (
     MAX_BLOCKS_PER_FRAME,
     SocketChannel,
@@ -41,7 +42,7 @@ class TcpKVChannel(SocketChannel):
 
     _read_reply = staticmethod(read_frame)
 
-    def __init__(self, sock: socket.socket, request_id: str, address: str, pages: PageMemory,
+    def __init__(self, sock: socket.socket, request_id: str, address: str, pages: PageMemory | StagedPageMemory,
                  io_timeout_s: float, started: float, on_close: Callable[[TcpKVChannel], None]) -> None:
         super().__init__(sock, request_id, address, pages.spec, io_timeout_s, started, on_close)
         self._pages = pages
@@ -67,8 +68,8 @@ class TcpKVChannel(SocketChannel):
                               (len(dst_part), *self._spec.page_shape(le - ls)), len(dst_part) * page_nbytes)
                 try:
                     self._sock.sendall(encode(frame))
-                    for block in src_part:  # straight from the cache memory
-                        self._sock.sendall(self._pages.page(block, ls, le))
+                    for view in self._pages.read(src_part, ls, le):  # the cache's memory, or a staged copy
+                        self._sock.sendall(view)
                 except OSError as e:
                     raise self._error(f"sending pages failed: {e!r}", self._read_refusal()) from e
                 self._num_pages += len(src_part)
@@ -117,8 +118,8 @@ class TcpKVSender(SocketSender):
     """Opens one TCP connection per request to a :class:`TcpKVReceiver` and sends pages of ``kv_cache``.
 
     Args:
-        kv_cache: contiguous CPU tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
-            head_dim]`` of ``spec.dtype``; only read, never copied.
+        kv_cache: contiguous tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads,
+            head_dim]`` of ``spec.dtype``; only read: in place on the CPU, staged through host memory on a GPU.
         spec: cache layout.
         connect_timeout_s: seconds :meth:`open` may take: the TCP connect, then (with a
             secret) the authentication handshake, each within this bound.
@@ -133,7 +134,7 @@ class TcpKVSender(SocketSender):
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 10.0, secret: bytes | None = None) -> None:
         secret = check_secret(secret, "the KV sender's secret")
-        self._pages = PageMemory(kv_cache, spec)
+        self._pages = page_memory(kv_cache, spec)
         self._init_channels(connect_timeout_s, io_timeout_s, secret)
 
     @property
