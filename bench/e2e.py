@@ -92,7 +92,7 @@ def bench_engine(model: str, prompt: list[int], decode_tokens: int, repeats: int
     ``decode_tokens`` steps, loaded as the decode worker loads it (``dtype`` resolved as the worker does,
     the same multi-step window)."""
     from pdserve.bench.decode import _engine, run_decode, tokens_budget
-    from pdserve.cluster.worker_process import resolve_dtype
+    from pdserve.cluster.compute import resolve_dtype
 
     short = {"float32": "fp32", "bfloat16": "bf16"}[resolve_dtype(dtype, model)]
     budget = tokens_budget(DecodeWorkerConfig(model_dir=model, worker_id="bench"), decode_tokens)
