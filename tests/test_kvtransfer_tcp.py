@@ -121,6 +121,22 @@ def test_staged_pages_read_and_write_in_groups_of_the_stage_size():
     assert staged_dst is writes and isinstance(page_memory(cache, spec), PageMemory)
 
 
+def test_staging_buffers_are_pooled_across_transfers_and_threads():
+    """Each transfer holds one buffer while it runs (two at once: two buffers); finished transfers give
+    theirs back, so later ones, on any thread, allocate (pin) nothing new."""
+    spec = make_spec(torch.bfloat16)
+    staged = StagedPageMemory(torch.randn(spec.shape).to(torch.bfloat16), spec)
+    first, second = staged.read([1, 2], 0, 2), staged.read([3], 0, 2)
+    next(first), next(second)
+    assert staged._pool == []
+    list(first), list(second)
+    held = {id(b) for b in staged._pool}
+    assert len(held) == 2
+    for _ in range(3):
+        list(staged.read([4, 5, 6], 0, 2))
+    assert {id(b) for b in staged._pool} == held
+
+
 def test_a_transfer_through_staged_pages_is_exact(monkeypatch):
     """The TCP sender and receiver drive the staged path (a CUDA cache's) as they drive the zero-copy one:
     forced on CPU caches with a stage of one page, every page arrives bit-exact."""

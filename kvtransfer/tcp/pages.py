@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -82,10 +83,11 @@ class PageMemory:
 
 class StagedPageMemory:
     """The pages of a KV cache in device memory (or, for tests, any cache), moved through a host
-    staging buffer: up to :data:`STAGE_BYTES` of pages per copy, one buffer per thread (pinned where CUDA
-    is present, so the copies run at the bus's rate). Copies run on the device's current stream, so a read
-    follows the steps that wrote the pages, and a write is complete (synchronized) before the generator
-    ends, so the engine's next step sees it.
+    staging buffer: up to :data:`STAGE_BYTES` of pages per copy, a buffer per transfer in progress taken
+    from a pool that keeps them (pinned for a CUDA cache, so the copies run at the bus's rate; pinning is
+    slow, and the receiver serves each connection on a new thread, so buffers outlive threads). Copies run
+    on the device's current stream, so a read follows the steps that wrote the pages, and a write is
+    complete (synchronized) before the generator ends, so the engine's next step sees it.
 
     Args:
         kv_cache: contiguous tensor of ``spec.shape`` and ``spec.dtype`` on any device.
@@ -98,45 +100,58 @@ class StagedPageMemory:
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, stage_bytes: int = STAGE_BYTES) -> None:
         _check_cache(kv_cache, spec)
         self.spec, self._cache, self._stage_bytes = spec, kv_cache, stage_bytes
-        self._local = threading.local()
+        self._pool: list[torch.Tensor] = []   # idle staging buffers (as many as transfers ran at once)
+        self._lock = threading.Lock()
 
     def _group(self, layers: int) -> int:
         return max(1, self._stage_bytes // self.spec.page_nbytes(layers))
 
-    def _staging(self, num_pages: int, layers: int) -> tuple[torch.Tensor, memoryview]:
-        """This thread's host buffer as ``[num_pages, *page_shape]`` of the cache's dtype, and its bytes."""
-        nbytes = num_pages * self.spec.page_nbytes(layers)
-        buf = getattr(self._local, "buf", None)
+    @contextmanager
+    def _buffer(self, layers: int) -> Iterator[torch.Tensor]:
+        """A staging buffer for groups of ``layers``-layer pages, taken from the pool and given back."""
+        nbytes = self._group(layers) * self.spec.page_nbytes(layers)
+        with self._lock:
+            buf = self._pool.pop() if self._pool else None
         if buf is None or buf.numel() < nbytes:
-            pin = self._cache.device.type == "cuda"
-            buf = self._local.buf = torch.empty(max(nbytes, self._stage_bytes), dtype=torch.uint8, pin_memory=pin)
-        flat = buf[:nbytes]
+            buf = torch.empty(max(nbytes, self._stage_bytes), dtype=torch.uint8,
+                              pin_memory=self._cache.device.type == "cuda")
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                self._pool.append(buf)
+
+    def _staging(self, buf: torch.Tensor, num_pages: int, layers: int) -> tuple[torch.Tensor, memoryview]:
+        """``buf`` as ``[num_pages, *page_shape]`` of the cache's dtype, and its bytes."""
+        flat = buf[:num_pages * self.spec.page_nbytes(layers)]
         return flat.view(self.spec.dtype).view(num_pages, *self.spec.page_shape(layers)), memoryview(flat.numpy())
 
     def read(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> Iterator[memoryview]:
         """The pages of ``block_ids`` (layers ``[layer_start, layer_end)``) in order, a staged group per view."""
         layers, group = layer_end - layer_start, self._group(layer_end - layer_start)
-        for i in range(0, len(block_ids), group):
-            part = block_ids[i:i + group]
-            index = torch.tensor(part, dtype=torch.long, device=self._cache.device)
-            staged, view = self._staging(len(part), layers)
-            staged.copy_(self._cache[:, layer_start:layer_end].index_select(0, index))  # waits for the device
-            yield view
+        with self._buffer(layers) as buf:
+            for i in range(0, len(block_ids), group):
+                part = block_ids[i:i + group]
+                index = torch.tensor(part, dtype=torch.long, device=self._cache.device)
+                staged, view = self._staging(buf, len(part), layers)
+                staged.copy_(self._cache[:, layer_start:layer_end].index_select(0, index))  # waits for the device
+                yield view
 
     def write(self, block_ids: Sequence[int], layer_start: int, layer_end: int) -> Iterator[memoryview]:
         """One writable view per page of ``block_ids``, in order, into the staging buffer; each group goes
         into the cache once its last page has been received, the last one before the generator ends."""
         layers, group = layer_end - layer_start, self._group(layer_end - layer_start)
         page_nbytes = self.spec.page_nbytes(layers)
-        for i in range(0, len(block_ids), group):
-            part = block_ids[i:i + group]
-            staged, view = self._staging(len(part), layers)
-            for j in range(len(part)):
-                yield view[j * page_nbytes:(j + 1) * page_nbytes]
-            index = torch.tensor(part, dtype=torch.long, device=self._cache.device)
-            self._cache[:, layer_start:layer_end].index_copy_(0, index, staged.to(self._cache.device))
-            if self._cache.device.type == "cuda":
-                torch.cuda.current_stream(self._cache.device).synchronize()
+        with self._buffer(layers) as buf:
+            for i in range(0, len(block_ids), group):
+                part = block_ids[i:i + group]
+                staged, view = self._staging(buf, len(part), layers)
+                for j in range(len(part)):
+                    yield view[j * page_nbytes:(j + 1) * page_nbytes]
+                index = torch.tensor(part, dtype=torch.long, device=self._cache.device)
+                self._cache[:, layer_start:layer_end].index_copy_(0, index, staged.to(self._cache.device))
+                if self._cache.device.type == "cuda":
+                    torch.cuda.current_stream(self._cache.device).synchronize()
 
 
 def page_memory(kv_cache: torch.Tensor, spec: KVCacheSpec) -> PageMemory | StagedPageMemory:
