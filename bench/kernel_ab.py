@@ -11,7 +11,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
 * ``prefill_attention`` / ``prefill_attention_fma`` / ``prefill_attention_amx``: one layer's causal attention
   over a 512- and a 2,048-token prompt;
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
-  evicted before each pass; ``gemm_bf16_amx`` (AMX tiles) the same at 1, 8 and 32 rows, ``gemv_bf16`` at
+  evicted before each pass (``gemm_bf16_avx2`` at 8, 32 and 512 rows); ``gemm_bf16_amx`` (AMX tiles)
+  the same at 1, 8 and 32 rows, ``gemv_bf16`` at
   1 and 2 (both in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these three);
   ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
   the L3 evicted and without (its 45 MiB fit many L3s).
@@ -54,6 +55,7 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "prefill_attention": ("pd_prefill_attention", [_p, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _i64,
                                                    _i64, _p, _i64, _i64, _f]),
     "gemm_bf16_fma": ("pd_gemm_bf16_fma", _GEMM),
+    "gemm_bf16_avx2": ("pd_gemm_bf16_avx2", _GEMM),
     "gemm_bf16_amx": ("pd_gemm_bf16_amx", _GEMM, "gemv_bf16"),
     "gemv_bf16": ("pd_gemv_bf16", _GEMM),
     "gemv_int4": ("pd_int4_gemv", [_p, ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p,
@@ -189,7 +191,7 @@ def int4_cases(builds: dict, reps: int, row_counts: tuple[int, ...] = (1, 4), gr
 
 CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill_attention_cases,
          "prefill_attention_fma": prefill_attention_cases, "prefill_attention_amx": prefill_attention_cases,
-         "gemm_bf16_fma": gemm_cases,
+         "gemm_bf16_fma": gemm_cases, "gemm_bf16_avx2": lambda builds, reps: gemm_cases(builds, reps, (8, 32, 512)),
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
          "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases}
 

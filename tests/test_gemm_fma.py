@@ -32,7 +32,8 @@ FMA_GEMMS = [pytest.param(gemm_bf16_fma, marks=needs_fma, id="avx512"),
 
 @pytest.mark.parametrize("gemm", FMA_GEMMS)
 @pytest.mark.parametrize("n,k,m", [(37, 770, 5), (100, 34, 33), (16, 2, 64), (49, 66, 7), (1280, 768, 1),
-                                   (50, 40, 15), (33, 100, 6), (17, 1026, 9), (33, 100, 1), (17, 1026, 1)])
+                                   (50, 40, 15), (33, 100, 6), (17, 1026, 9), (33, 100, 1), (17, 1026, 1),
+                                   (48, 514, 32), (16, 130, 8)])
 def test_fma_gemm_rounds_the_exact_product_once(gemm, n, k, m):
     """Small integers: every float32 partial sum is exact, so each output is the exact product rounded
     once to bf16, bit for bit, at every tail of the tiles (8 rows x 48 outputs on AVX-512, 4 x 16 on
