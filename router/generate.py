@@ -35,8 +35,8 @@ from pdserve.proto.convert import FINISH_REASONS, sampling_to_wire
 from pdserve.router.admission import Admission
 from pdserve.router.choose import Chosen, ClusterView, choose_workers, open_decode
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import PrefillStats
-from pdserve.router.recovery import NOT_RETRIABLE, GenerateError, Progress, WorkerFailure
+from pdserve.router.prefill_answer import prefill_or_decode_end
+from pdserve.router.recovery import Progress, WorkerFailure
 from pdserve.router.request import RequestTimes
 from pdserve.router.stall import StallWatch, decode_events
 from pdserve.router.stop_strings import StopMatcher
@@ -231,7 +231,7 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
     """
     state = RequestState.PREFILLING
     prefill, decode = chosen.prefill, chosen.decode
-    prefill_call = None
+    prefill_call = decode_read = None
     try:
         if progress.num_attempts == 1:
             times.dispatched = time.monotonic()
@@ -243,7 +243,8 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
                                       first_output_index=len(progress.generated)),
             timeout=cfg.prefill_timeout_s)
         view.on_routed(prefill.worker_id, chosen.context, chosen.block_size)
-        answer = await _prefill_answer(view, chosen, prefill_call)
+        decode_read = asyncio.ensure_future(decode.call.read())  # D giving up is noticed while P works
+        answer = await prefill_or_decode_end(view, chosen, prefill_call, decode_read)
         state = RequestState.DECODING
         if progress.cached_tokens is None:
             progress.cached_tokens = answer.num_cached_tokens
@@ -254,7 +255,7 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
             logprobs=_logprobs_of([answer.first_token], [answer.first_logprobs])
             if req.sampling.logprobs is not None else ())
         watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s)  # D has the KV now
-        async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch):
+        async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch, decode_read):
             yield msg
         state = RequestState.FINISHED
     finally:
@@ -262,32 +263,8 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
             decode.call.cancel()
             if prefill_call is not None and not prefill_call.done():
                 prefill_call.cancel()
-
-
-async def _prefill_answer(view: ClusterView, chosen: Chosen, call: grpc.aio.UnaryUnaryCall,
-                          ) -> worker_pb2.PrefillResponse:
-    """P's answer once the KV and the first token reached D. However the call returns, P's queued
-    work, its in-flight count and its admission reservation are given back at once.
-
-    Raises:
-        GenerateError: P refused the request (not retriable).
-        WorkerFailure: P failed (D is blamed too when its stream ended meanwhile).
-    """
-    prefill, decode = chosen.prefill, chosen.decode
-    stats = view.stats.setdefault(prefill.worker_id, PrefillStats())
-    stats.queued_blocks += chosen.work_blocks
-    try:
-        return await call
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() in NOT_RETRIABLE:
-            raise GenerateError(exc.code(), f"prefill worker {prefill.worker_id}: {exc.details()}") from None
-        blamed = {prefill.worker_id} | ({decode.worker.worker_id} if decode.call.done() else set())  # D ended too
-        raise WorkerFailure(blamed, f"prefill worker {prefill.worker_id} failed: {exc.details()}") from None
-    finally:
-        stats.queued_blocks -= chosen.work_blocks
-        chosen.prefill_count.release()
-        if chosen.reservation is not None:
-            await chosen.reservation.release_prefill()
+            if decode_read is not None and not decode_read.done():
+                decode_read.cancel()
 
 
 async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times: RequestTimes,
@@ -355,15 +332,16 @@ def _final(req: ValidRequest, times: RequestTimes, progress: Progress, finish_re
 
 async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: IncrementalDetokenizer,
                  times: RequestTimes, req: ValidRequest, progress: Progress, watch: StallWatch,
-                 ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                 pending: asyncio.Future | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """Turn the decode stream's events into client messages, ending with ``final``; every token
-    relayed is recorded in ``progress.generated`` before it is yielded.
+    relayed is recorded in ``progress.generated`` before it is yielded. ``pending``: a read of the
+    stream already issued (:func:`router.stall.decode_events`).
 
     Raises:
         WorkerFailure: the stream failed, ended without ``finished``, or its worker stalled (``watch``).
         GenerateError: the worker refused the request (not retriable).
     """
-    async for event in decode_events(stream, decode, watch):
+    async for event in decode_events(stream, decode, watch, pending):
         if event.WhichOneof("event") == "tokens":
             ids = list(event.tokens.token_ids)
             for _ in ids:

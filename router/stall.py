@@ -35,14 +35,16 @@ from pdserve.proto import worker_pb2
 from pdserve.router.recovery import NOT_RETRIABLE, GenerateError, WorkerFailure
 
 
-async def decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, watch: StallWatch):
+async def decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, watch: StallWatch,
+                        pending: asyncio.Future | None = None):
     """The stream's events until EOF. A read that outlasts ``watch``'s bound fails the stream; one
     that merely outlasts T while the worker is heard elsewhere goes on (the same read: cancelling a
-    grpc.aio read would cancel the call)."""
+    grpc.aio read would cancel the call). ``pending``: a ``stream.read()`` already issued (done or not),
+    taken as the first read."""
     read: asyncio.Future | None = None
     try:  # read() only: grpc.aio forbids mixing it with async iteration on one call
         while True:
-            read = asyncio.ensure_future(stream.read())
+            read, pending = (pending, None) if pending is not None else (asyncio.ensure_future(stream.read()), None)
             while not read.done():
                 left = watch.seconds_left()
                 if left <= 0:

@@ -77,8 +77,8 @@ class Cluster:
         by_name = worker_flags_by_name or {}
         specs = [("decode_worker", f"d{i}", decode_flags) for i in range(num_decode)]
         specs += [("prefill_worker", f"p{i}", prefill_flags) for i in range(num_prefill)]
-        self.router_flags = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, kv_timeout_s=10.0,
-                                 **(router_flags or {}))
+        self.router_flags = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, kv_timeout_s=10.0
+                                 ) | (router_flags or {})
         self.workers: list[RoleProcess] = []
         with ThreadPoolExecutor(max_workers=len(specs) + 1) as pool:
             futures = [pool.submit(spawn_role, module, dict(worker_id=name, **common, **(flags or {}),
