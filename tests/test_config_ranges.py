@@ -109,3 +109,23 @@ def test_kv_spec_check_fits_counts_every_block():
     with pytest.raises(MemoryError, match=r"w: a KV cache of 10 blocks x 4096 bytes \(0\.0 GiB\)"):
         spec.check_fits("w", available=spec.nbytes - 1)
     assert available_memory_bytes() is None or available_memory_bytes() > 0
+
+
+def test_pdserve_up_hands_its_gpu_placement_and_kv_transport_to_the_workers():
+    """The controller passes ``cuda`` where its placement gave each worker a GPU (the workers had computed
+    on the CPU whatever Ray reserved), and ``--kv-transport`` reaches every worker's config."""
+    from pdserve.deploy import cli
+
+    cfg = cluster(worker_options={"kv_transport": "tcp"})
+    for role in ("prefill", "decode", "both"):
+        worker = cfg.worker_config(role, "w", "cuda")
+        assert (worker.device, worker.kv_transport) == ("cuda", "tcp")
+    assert cluster().worker_config("decode", "w").device == "auto"
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    cli._cluster_args(parser)
+    assert parser.parse_args([]).kv_transport == "auto"
+    assert parser.parse_args(["--kv-transport", "tcp"]).kv_transport == "tcp"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transport", "rdma"])
