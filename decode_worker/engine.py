@@ -68,8 +68,14 @@ class DecodeEngine:
         self.adaptive = AdaptiveSpeculation(cfg.spec_min_acceptance, cfg.spec_ewma_weight, cfg.spec_probe_interval,
                                             cfg.spec_max_probe_interval, shadow=isinstance(self.proposer, NgramProposer)
                                             ) if self.proposer is not None and cfg.spec_adaptive else None
+        # a decoding request holds a block at least: no batch outgrows the usable pool, nor need the buckets
+        # and their static buffers (a --max-batch-size of 200,000 had warmed buckets to it, 2.4 GB of them)
+        self.max_batch_size = min(cfg.max_batch_size, cfg.num_blocks - cfg.graph)
+        if self.max_batch_size < cfg.max_batch_size:
+            log.info("max_batch_size %d is more than the %d usable KV blocks hold: batches stop at %d",
+                     cfg.max_batch_size, self.max_batch_size, self.max_batch_size)
         self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_position_embeddings),
-                                 [b for b in DEFAULT_BUCKETS if b < cfg.max_batch_size] + [cfg.max_batch_size]
+                                 [b for b in DEFAULT_BUCKETS if b < self.max_batch_size] + [self.max_batch_size]
                                  ) if cfg.graph else None
         self.receiver = make_receiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
                                       io_timeout_s=cfg.kv_io_timeout_s, secret=secret, transport=cfg.kv_transport)
@@ -195,7 +201,7 @@ class DecodeEngine:
         """One engine iteration: inbox, schedule, run, postprocess."""
         self._interrupt.value = 0      # before draining: a message posted after the drain ends a multi-step run
         self._drain_inbox()
-        batch = [r for r in self._requests.values() if r.state is RequestState.DECODING][: self.cfg.max_batch_size]
+        batch = [r for r in self._requests.values() if r.state is RequestState.DECODING][: self.max_batch_size]
         chunks = self._prefill_chunks(self.cfg.max_num_batched_tokens - len(batch))
         if chunks:
             self._mixed_run(batch, chunks)

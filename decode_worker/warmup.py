@@ -105,7 +105,7 @@ def warm_up_decode(engine: DecodeEngine) -> WarmupReport:
     report_prefill, report_buckets = 0, 0
 
     # decode buckets: with the graph runner, the smallest batch each bucket pads to; else the classes
-    buckets = e.graph.buckets if e.graph is not None else tuple(row_classes(cfg.max_batch_size))
+    buckets = e.graph.buckets if e.graph is not None else tuple(row_classes(e.max_batch_size))
     per_req = driver.blocks_per_request(2, 2)
     prev = 0
     for bucket in buckets:
@@ -142,7 +142,7 @@ def _warm_speculation(driver: _Driver) -> int:
         return 0
     free = e.pool.num_free
     runs = 0
-    for n in row_classes(min(cfg.spec_max_batch_size, cfg.max_batch_size)):
+    for n in row_classes(min(cfg.spec_max_batch_size, e.max_batch_size)):
         if n * driver.blocks_per_request(prompt_len, max_tokens + k_max) > free:
             break
         pattern = driver.tokens(3)

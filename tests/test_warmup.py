@@ -215,3 +215,26 @@ def test_workers_register_only_after_warmup_and_count_no_request(redis_url, mode
         log = p.proc.stderr.read()
         warmed = [line for line in log.splitlines() if "warmed up in" in line]
         assert len(warmed) == 1 and " prefill shapes, " in warmed[0] and " decode buckets" in warmed[0], log[-2000:]
+
+
+def test_a_batch_bound_past_the_pool_is_held_to_the_usable_blocks(model_dir):
+    """Every decoding request holds a block, so no batch outgrows the usable pool: a --max-batch-size
+    beyond it (200,000 had warmed graph buckets up to itself, 2.4 GB of static buffers) stops there, and
+    warm-up runs the buckets up to it."""
+    cfg = DecodeWorkerConfig(model_dir=model_dir, worker_id="w", num_blocks=24, block_size=16,
+                             max_batch_size=200_000)
+    model, model_cfg = load_model(model_dir)
+    engine = DecodeEngine(cfg, model, model_cfg)
+    try:
+        assert engine.max_batch_size == 23 == engine.graph.max_batch_size   # 24 blocks less the padding block
+        assert engine.graph.buckets == (1, 2, 4, 8, 16, 23)
+        report = warm_up_decode(engine)
+        assert report.num_decode_buckets == 6 and engine.pool.num_free == 23
+    finally:
+        engine.receiver.close()
+    small = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="w", num_blocks=24, max_batch_size=8,
+                                            graph=False), model, model_cfg)
+    try:
+        assert small.max_batch_size == 8
+    finally:
+        small.receiver.close()
