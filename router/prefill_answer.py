@@ -13,7 +13,7 @@ import grpc
 from pdserve.proto import worker_pb2
 from pdserve.router.choose import Chosen, ClusterView
 from pdserve.router.dispatch import PrefillStats
-from pdserve.router.recovery import NOT_RETRIABLE, GenerateError, WorkerFailure
+from pdserve.router.recovery import WorkerFailure, rpc_failure
 
 
 async def prefill_or_decode_end(view: ClusterView, chosen: Chosen, prefill_call: grpc.aio.UnaryUnaryCall,
@@ -36,11 +36,11 @@ async def prefill_or_decode_end(view: ClusterView, chosen: Chosen, prefill_call:
     await asyncio.gather(answer, return_exceptions=True)   # its bookkeeping runs; its error is P's cancel
     worker = chosen.decode.worker.worker_id
     exc = None if decode_read.cancelled() else decode_read.exception()
-    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in NOT_RETRIABLE:
-        raise GenerateError(exc.code(), f"decode worker {worker}: {exc.details()}")
-    why = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "its stream ended"
-    raise WorkerFailure({worker}, f"decode worker {worker} gave the request up before the prefill "
-                                  f"worker {chosen.prefill.worker_id} answered: {why}")
+    failure = (f"decode worker {worker} gave the request up before the prefill worker "
+               f"{chosen.prefill.worker_id} answered")
+    if isinstance(exc, grpc.aio.AioRpcError):
+        raise rpc_failure(exc, f"decode worker {worker}", failure, {worker})
+    raise WorkerFailure({worker}, f"{failure}: its stream ended")
 
 
 def _ended(read: asyncio.Future) -> bool:
@@ -64,10 +64,9 @@ async def _prefill_answer(view: ClusterView, chosen: Chosen, call: grpc.aio.Unar
     try:
         return await call
     except grpc.aio.AioRpcError as exc:
-        if exc.code() in NOT_RETRIABLE:
-            raise GenerateError(exc.code(), f"prefill worker {prefill.worker_id}: {exc.details()}") from None
         blamed = {prefill.worker_id} | ({decode.worker.worker_id} if decode.call.done() else set())  # D ended too
-        raise WorkerFailure(blamed, f"prefill worker {prefill.worker_id} failed: {exc.details()}") from None
+        who = f"prefill worker {prefill.worker_id}"
+        raise rpc_failure(exc, who, f"{who} failed", blamed) from None
     finally:
         stats.queued_blocks -= chosen.work_blocks
         chosen.prefill_count.release()

@@ -68,6 +68,16 @@ class WorkerFailure(Exception):
         self.worker_ids, self.message = frozenset(worker_ids), message
 
 
+def rpc_failure(exc: grpc.aio.AioRpcError, who: str, failure: str,
+                blamed: Iterable[str]) -> GenerateError | WorkerFailure:
+    """How a worker's call error ends an attempt: a refusal of the request itself (:data:`NOT_RETRIABLE`)
+    as the client's error, ``"{who}: {details}"`` (``who``: e.g. ``"decode worker d0"``); anything else as a
+    :class:`WorkerFailure` blaming ``blamed``, ``"{failure}: {details}"``."""
+    if exc.code() in NOT_RETRIABLE:
+        return GenerateError(exc.code(), f"{who}: {exc.details()}")
+    return WorkerFailure(blamed, f"{failure}: {exc.details()}")
+
+
 @dataclass
 class Progress:
     """What survives from one attempt to the next.

@@ -32,7 +32,7 @@ import grpc
 
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.proto import worker_pb2
-from pdserve.router.recovery import NOT_RETRIABLE, GenerateError, WorkerFailure
+from pdserve.router.recovery import WorkerFailure, rpc_failure
 
 
 async def decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, watch: StallWatch,
@@ -57,10 +57,8 @@ async def decode_events(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, wa
             yield event
             watch.on_resume()  # a slow client held the relay: that time is not the worker's
     except grpc.aio.AioRpcError as exc:
-        if exc.code() in NOT_RETRIABLE:
-            raise GenerateError(exc.code(), f"decode worker {decode.worker_id}: {exc.details()}") from None
-        raise WorkerFailure({decode.worker_id},
-                            f"decode worker {decode.worker_id} failed mid-stream: {exc.details()}") from None
+        who = f"decode worker {decode.worker_id}"
+        raise rpc_failure(exc, who, f"{who} failed mid-stream", {decode.worker_id}) from None
     finally:
         if read is not None and not read.done():  # stalled, or the client left: the caller cancels the call
             read.cancel()

@@ -26,7 +26,7 @@ import torch
 from pdserve.model.kv_cache import KVCacheSpec
 
 STAGE_BYTES = 16 << 20
-"""Bytes a staged copy moves at most (at least one page): bounds each thread's host buffer."""
+"""Bytes a staged copy moves at most (at least one page): bounds each pooled host buffer."""
 
 
 def _check_cache(kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
