@@ -127,21 +127,25 @@ def add_no_warmup_flag(parser) -> None:
                         help="register without warming up first (tests that need a fast start)")
 
 
-def check_kv_memory(cfg: WorkerConfig, who: str) -> None:
+def check_kv_memory(cfg: WorkerConfig, who: str, projection_bytes: float | None = None) -> None:
     """Refuse at start, before the model loads, a KV pool (``cfg.num_blocks`` blocks of the checkpoint's
-    layers and heads) larger than the memory left on this machine, or on the worker's GPU
-    (:meth:`model.kv_cache.KVCacheSpec.check_fits`): it would otherwise fail in the middle of allocating,
-    or be killed, after the weights had loaded.
+    layers and heads) that does not fit the memory left on this machine, or on the worker's GPU, beside the
+    weights (:func:`model.checkpoint.weights_nbytes`, at least; ``projection_bytes``: bytes a parameter of
+    the quantized projections, 0.5 for INT4, 1 for FP8; :meth:`model.kv_cache.KVCacheSpec.check_fits`):
+    it would otherwise fail in the middle of allocating, or be killed, after the weights had loaded.
 
     Raises:
-        MemoryError: naming ``who``, the pool's bytes and the memory available.
-        FileNotFoundError, ValueError: the checkpoint's ``config.json`` (:meth:`model.config.ModelConfig.from_hf_dir`).
+        MemoryError: naming ``who``, the pool's bytes, the weights' and the memory available.
+        FileNotFoundError, ValueError: the checkpoint's ``config.json`` (:meth:`model.config.ModelConfig.from_hf_dir`)
+            or weight files (:func:`model.checkpoint.weights_nbytes`).
     """
+    from pdserve.model.checkpoint import weights_nbytes
     from pdserve.model.config import ModelConfig
     from pdserve.model.kv_cache import KVCacheSpec
     model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
     spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
-    spec.check_fits(who, device_memory_bytes(cfg.resolved_device))
+    weights = weights_nbytes(cfg.model_dir, cfg.torch_dtype, projection_bytes)
+    spec.check_fits(who, device_memory_bytes(cfg.resolved_device), beside=weights)
 
 
 def worker_secret(cfg: WorkerConfig, who: str) -> bytes | None:

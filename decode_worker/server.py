@@ -207,7 +207,8 @@ class DecodeWorker(WorkerProcess):
 
     def __init__(self, cfg: DecodeWorkerConfig) -> None:
         secret = worker_secret(cfg, f"decode worker {cfg.worker_id}")  # refuse an unguarded bind first
-        check_kv_memory(cfg, f"decode worker {cfg.worker_id}")  # before the weights load, not after
+        check_kv_memory(cfg, f"decode worker {cfg.worker_id}",   # before the weights load, not after
+                        0.5 if cfg.weights == "int4" else None)
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_decode_model(cfg)
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)

@@ -144,6 +144,45 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ValueError(f"{model_dir / INDEX_FILE}: lists tensors no shard holds: {sorted(weight_map.keys() - seen)}")
 
 
+_PROJECTION = re.compile(r"\.layers\.\d+\..*_proj\.weight$")   # a decoder layer's linear weight
+
+
+def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, projection_bytes: float | None = None) -> int:
+    """Bytes the checkpoint's weights take at least once loaded, read from the safetensors headers alone
+    (nothing is loaded): floating tensors at ``dtype``'s element size, except the decoder layers'
+    2-D ``*_proj.weight`` at ``projection_bytes`` a parameter where the worker quantizes them (0.5 for
+    INT4, 1 for FP8; their scales not counted); integer tensors (a pre-quantized checkpoint's packed
+    weights) at their stored size. A lower bound: the packed layouts the CPU kernels add, and a
+    loader's transient copies, come on top.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`safetensors_files` and :func:`open_safetensors`.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    total = 0.0
+    for path in safetensors_files(model_dir):
+        with open_safetensors(path) as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                numel = 1
+                for d in piece.get_shape():
+                    numel *= d
+                stored = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                if stored is None or not stored.is_floating_point:
+                    total += numel * (stored.itemsize if stored is not None else 1)
+                elif projection_bytes is not None and len(piece.get_shape()) == 2 and _PROJECTION.search(name):
+                    total += numel * projection_bytes
+                else:
+                    total += numel * size
+    return int(total)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
 def open_safetensors(path: Path):
     """``safe_open(path)``.
 

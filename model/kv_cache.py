@@ -107,19 +107,22 @@ class KVCacheSpec:
         """Bytes of the whole cache."""
         return self.num_blocks * self.block_nbytes
 
-    def check_fits(self, who: str, available: int | None = None) -> None:
+    def check_fits(self, who: str, available: int | None = None, beside: int = 0) -> None:
         """Refuse, before anything is loaded, a cache larger than the memory left (``available`` bytes, by
-        default :func:`available_memory_bytes`): it would fail in the middle of allocating, or be killed,
-        after the model had loaded. Nothing is checked where the memory cannot be read.
+        default :func:`available_memory_bytes`) once ``beside`` bytes (the weights that load next to it)
+        are taken: it would fail in the middle of allocating, or be killed, after the model had loaded.
+        Nothing is checked where the memory cannot be read.
 
         Raises:
-            MemoryError: naming ``who``, the blocks, the bytes each and in all, and the memory available.
+            MemoryError: naming ``who``, the blocks, the bytes each and in all, the bytes beside, and the
+                memory available.
         """
         available = available_memory_bytes() if available is None else available
-        if available is not None and self.nbytes > available:
+        if available is not None and self.nbytes + beside > available:
+            weights = f" beside {beside / 2**30:.1f} GiB of weights" if beside else ""
             raise MemoryError(f"{who}: a KV cache of {self.num_blocks} blocks x {self.block_nbytes} bytes "
-                              f"({self.nbytes / 2**30:.1f} GiB) does not fit the {available / 2**30:.1f} GiB of "
-                              f"memory available here; lower --num-blocks")
+                              f"({self.nbytes / 2**30:.1f} GiB){weights} does not fit the {available / 2**30:.1f} "
+                              f"GiB of memory available here; lower --num-blocks")
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` token positions."""

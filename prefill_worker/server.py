@@ -210,7 +210,8 @@ class PrefillWorker(WorkerProcess):
 
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         secret = worker_secret(cfg, f"prefill worker {cfg.worker_id}")  # refuse an unguarded bind first
-        check_kv_memory(cfg, f"prefill worker {cfg.worker_id}")  # before the weights load, not after
+        check_kv_memory(cfg, f"prefill worker {cfg.worker_id}",   # before the weights load, not after
+                        1.0 if cfg.activations == "fp8" else None)
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_prefill_model(cfg.model_dir, cfg.torch_dtype, cfg.activations,
                                               cfg.max_num_batched_tokens, cfg.resolved_device)

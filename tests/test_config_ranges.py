@@ -111,6 +111,33 @@ def test_kv_spec_check_fits_counts_every_block():
     assert available_memory_bytes() is None or available_memory_bytes() > 0
 
 
+def test_kv_spec_check_fits_counts_the_weights_beside_the_pool():
+    """A pool that fits alone is refused when the weights that load beside it leave too little."""
+    spec = KVCacheSpec(num_blocks=10, num_layers=2, block_size=16, num_kv_heads=4, head_dim=8, dtype=torch.bfloat16)
+    spec.check_fits("w", available=spec.nbytes + 3 * 2**30, beside=3 * 2**30)
+    with pytest.raises(MemoryError, match=r"w: a KV cache of 10 blocks x 4096 bytes \(0\.0 GiB\) beside 3\.0 GiB "
+                                          r"of weights does not fit the 3\.0 GiB of memory available here"):
+        spec.check_fits("w", available=spec.nbytes + 3 * 2**30 - 1, beside=3 * 2**30)
+
+
+def test_weights_nbytes_reads_every_parameter_from_the_headers(awkward_model_dir):
+    """The checkpoint's parameters as transformers counts them, at the serving dtype; the decoder layers'
+    projections at the quantized size where a worker quantizes them."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from pdserve.model.checkpoint import weights_nbytes
+    hf = LlamaForCausalLM.from_pretrained(awkward_model_dir)
+    params = sum(p.numel() for p in hf.parameters())
+    c = AutoConfig.from_pretrained(awkward_model_dir)
+    head_dim = c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    projections = c.num_hidden_layers * (c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+                                         + 3 * c.hidden_size * c.intermediate_size)
+    assert weights_nbytes(awkward_model_dir, torch.float32) == 4 * params
+    assert weights_nbytes(awkward_model_dir, torch.bfloat16) == 2 * params
+    assert weights_nbytes(awkward_model_dir, torch.bfloat16, 0.5) == 2 * (params - projections) + projections // 2
+
+
 def test_pdserve_up_hands_its_gpu_placement_and_kv_transport_to_the_workers():
     """The controller passes ``cuda`` where its placement gave each worker a GPU (the workers had computed
     on the CPU whatever Ray reserved), and ``--kv-transport`` reaches every worker's config."""
