@@ -12,8 +12,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   over a 512- and a 2,048-token prompt;
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
   evicted before each pass (``gemm_bf16_avx2`` at 8, 32 and 512 rows); ``gemm_bf16_amx`` (AMX tiles)
-  the same at 1, 8 and 32 rows, ``gemv_bf16`` at
-  1 and 2 (both in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these three);
+  the same at 1, 8 and 32 rows, ``gemm_bf16_avx512`` (``vdpbf16ps``) at 32 and 512, ``gemv_bf16`` at
+  1 and 2 (all three in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these four);
   ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
   the L3 evicted and without (its 45 MiB fit many L3s).
 
@@ -42,7 +42,7 @@ from pdserve.bench.common import ROOT
 from pdserve.bench.cpu_facts import cpu_facts
 from pdserve.bench.cpu_kernels import BENCH_80M, l3_evictor, scattered_decode_cache
 from pdserve.kernels.cpu import available, compile_library
-from pdserve.kernels.cpu.gemv import gemm_amx_available, pack_weight
+from pdserve.kernels.cpu.gemv import gemm_amx_available, gemv_available, pack_weight
 from pdserve.kernels.cpu.int4 import pack_int4_weight
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.hugepages import copies_in_huge_pages
@@ -57,6 +57,7 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "gemm_bf16_fma": ("pd_gemm_bf16_fma", _GEMM),
     "gemm_bf16_avx2": ("pd_gemm_bf16_avx2", _GEMM),
     "gemm_bf16_amx": ("pd_gemm_bf16_amx", _GEMM, "gemv_bf16"),
+    "gemm_bf16_avx512": ("pd_gemm_bf16_avx512", _GEMM, "gemv_bf16"),
     "gemv_bf16": ("pd_gemv_bf16", _GEMM),
     "gemv_int4": ("pd_int4_gemv", [_p, ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p,
                                    ctypes.c_int, _i64]),
@@ -151,15 +152,16 @@ def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
     for m in row_counts:
         xs = {k: torch.randn(m, k, generator=g).bfloat16() for _, k in BENCH_80M}
+        outs = {name: torch.zeros(m * sum(n for n, _ in BENCH_80M), dtype=torch.bfloat16) for name in builds}
+        owner = {id(fn): name for name, fn in builds.items()}
 
-        def run(fn) -> torch.Tensor:
-            ys = []
+        def run(fn) -> torch.Tensor:       # into a buffer of each build's own, allocated and touched once
+            flat, at = outs[owner[id(fn)]], 0
             for (n, k), w in zip(BENCH_80M, packed):
-                y = torch.empty(m, n, dtype=torch.bfloat16)
-                if fn(xs[k].data_ptr(), m, k, k, w.data_ptr(), w.shape[0] * 16, n, y.data_ptr(), n):
+                if fn(xs[k].data_ptr(), m, k, k, w.data_ptr(), w.shape[0] * 16, n, flat[at:].data_ptr(), n):
                     raise RuntimeError("the kernel refused its input (out of memory or no AMX)")
-                ys.append(y.flatten())
-            return torch.cat(ys)
+                at += m * n
+            return flat
         rows.append({"case": f"bench-80m's 48 projections, {m} rows, L3 evicted", **interleaved(builds, run, reps,
                                                                                                  evict)})
     return rows
@@ -193,6 +195,7 @@ CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill
          "prefill_attention_fma": prefill_attention_cases, "prefill_attention_amx": prefill_attention_cases,
          "gemm_bf16_fma": gemm_cases, "gemm_bf16_avx2": lambda builds, reps: gemm_cases(builds, reps, (8, 32, 512)),
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
+         "gemm_bf16_avx512": lambda builds, reps: gemm_cases(builds, reps, (32, 512)),
          "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases}
 
 
@@ -206,7 +209,8 @@ def main() -> None:
                                                  "(default: the kernel's own)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if not (gemm_amx_available() if args.kernel == "gemm_bf16_amx" else available(args.kernel)):
+    runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available}.get(args.kernel)
+    if not (runs() if runs else available(args.kernel)):
         raise SystemExit(f"{args.kernel} does not run on this CPU (kernels.cpu.available)")
     facts = cpu_facts()
     print(f"CPU: {facts['model_name']} (family {facts['family']}, model {facts['model']}; "
