@@ -152,7 +152,7 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                       * projections on Zen 4 (bench/cpu_kernels.py) reach 97% of their floor at 32 rows and
                       * 92% at 512 (74% and 89% before both) */
 #define GPF 1024                                   /* elements of prefetch lead per weight stream */
-/* ahead_lead: with 8 row tiles or more to a chunk (32 rows and up), each tile issues its share of the next
+/* lead_eighth: with 8 row tiles or more to a chunk (32 rows and up), each tile issues its share of the next
  * chunk's lines over the first eighth of its k steps rather than over all of them (half of them: two pairs
  * a step). bench-80m's 48 projections from DRAM at 32 rows, Zen 4, interleaved: 0.970x, 0.969x, 0.968x the
  * time in three runs (bench/kernel_ab.py --kernel gemm_bf16_avx512), the batch-32 decode step 0.952x and
@@ -160,7 +160,13 @@ TARGET int pd_gemv_bf16(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
  * next chunk but one in place of the next: 1.00x; the lines walked in the order the next chunk's first
  * tile reads them (all blocks' pair p before pair p + 1) in place of block by block: 1.12x at 8 rows, 1.01x
  * at 32; into the L3 (T2) in place of L2: 1.00x. Fewer tiles keep the spread: at 8 rows (two tiles) a
- * quarter's lead took 1.40x the time. */
+ * quarter's lead took 1.40x the time. On Zen 4 (AMD family 19h), where it was measured; elsewhere the spread
+ * stays. */
+static int lead_eighth(void) {
+    static int on = -1;                                 /* read once: a benign race between threads */
+    if (on < 0) { __builtin_cpu_init(); on = __builtin_cpu_is("amdfam19h"); }
+    return on;
+}
 #define LMR 8        /* up to this many rows (more than GMR) take one lone tile over one block at a time, */
 #define LMR_ZEN4 5   /* on Zen 4 up to this many (lone_rows) */
 #define LPF 4096     /* its prefetch lead (elements, 8 KiB): 2 KiB covered too little of the memory latency at
@@ -234,7 +240,7 @@ TARGET static void gemm_chunk(const int nr, const uint16_t *x, int64_t M, int64_
                                                * 9 rows 8.26 -> 7.63, 7 and 33 rows unchanged) */
     for (int64_t m0 = 0; m0 < M; m0 += GMR) {
         const int mr = M - m0 < GMR ? (int)(M - m0) : GMR;
-        const Ahead ahead = ahead_share(next, m0 / GMR, tiles, tiles >= 8 ? kn / 8 : kn / 2);   /* ahead_lead */
+        const Ahead ahead = ahead_share(next, m0 / GMR, tiles, tiles >= 8 && lead_eighth() ? kn / 8 : kn / 2);
         float *cb = cbuf + m0 * GNR * 32;
         if (nr == GNR && mr == GMR) {
             if (tiles == 1) GEMM_TILE(GMR, GNR, GPF); else GEMM_TILE(GMR, GNR, 0);
