@@ -98,7 +98,8 @@ def fp8_case(dev: torch.device, rows: int, k: int, n: int) -> dict:
     Triton FP8 GEMM per-channel and with 128-blocks, each against the exact float32 math of its
     scales (:func:`fp8_gemm_reference`) and against the bf16 ``F.linear``; TFLOP/s of each."""
     from pdserve.kernels.fp8_gemm_triton import fp8_gemm_reference, fp8_gemm_triton
-    from pdserve.model.quant.fp8 import Fp8Linear, quantize_e4m3, quantize_e4m3_groups
+    from pdserve.model.quant.fp8 import Fp8Linear
+    from pdserve.model.quant.fp8_format import quantize_e4m3, quantize_e4m3_groups
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
     torch.nn.init.normal_(lin.weight, std=0.02)

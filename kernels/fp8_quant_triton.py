@@ -6,7 +6,7 @@ For ``x`` ``[M, K]`` (bf16, fp16 or fp32) it writes, per row ``m``::
     q[m, k]  = e4m3(clamp(x[m, k] / scale[m], -448, 448))  for k < K  (round to nearest even)
     q[m, k]  = 0                                           for K <= k < K_pad
 
-which is :func:`model.quant.fp8.quantize_e4m3` bit for bit (the division is IEEE round-to-nearest,
+which is :func:`model.quant.fp8_format.quantize_e4m3` bit for bit (the division is IEEE round-to-nearest,
 ``tl.math.div_rn``, as torch's; NaN propagates through the max as through ``amax``), with the
 columns zero-padded to the multiple of 16 that ``torch._scaled_mm`` requires. The torch version
 is eight kernels over float32 copies (cast, abs, amax, clamp, two divisions, clamp, cast, then a
@@ -92,7 +92,7 @@ def quantize_e4m3_rows(x: torch.Tensor, pad_to: int = 16) -> tuple[torch.Tensor,
             0x00 (+0.0); ``torch._scaled_mm`` needs 16.
     Returns:
         ``(q, scale)``: ``q`` ``[M, K_pad]`` ``float8_e4m3fn`` contiguous, ``scale`` ``[M]`` fp32, equal
-        bit for bit to :func:`model.quant.fp8.quantize_e4m3` of ``x`` (then zero-padded).
+        bit for bit to :func:`model.quant.fp8_format.quantize_e4m3` of ``x`` (then zero-padded).
     Raises:
         ValueError: ``x`` not 2-D, of another dtype, with a non-unit K stride, or ``pad_to`` < 1.
     """

@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent("""
     from pdserve.model import llama
     from pdserve.model.kv_cache import KVCacheSpec
     from pdserve.model.loader import load_model
-    from pdserve.model.quant import fp8, int4
+    from pdserve.model.quant import fp8, fp8_format, int4
 
     def triton_attention(q, k, v, kv_cache, layer, meta, scale):       # the CUDA branch of pa.paged_attention
         if meta.decode_only and not meta.fresh_prefill:
@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent("""
 
     def fp8_triton(self, x):                                            # Fp8Linear's non-sm89 CUDA branch
         x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = fp8.quantize_e4m3(x2)
+        xq, sx = fp8_format.quantize_e4m3(x2)
         y = fp8_gemm_triton(xq, sx, self.weight.t(), self.weight_scale, out_dtype=x.dtype, bias=self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.model.quant.fp8 import (
+from pdserve.model.quant.fp8 import Fp8Linear, convert_for_runtime
+from pdserve.model.quant.fp8_format import (
     E4M3_MAX,
-    Fp8Linear,
-    convert_for_runtime,
     dequantize_e4m3,
     dequantize_e4m3_blocks,
     dequantize_e4m3_groups,
@@ -233,7 +232,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
     from pdserve.kernels.fp8_gemm_triton import fp8_gemm_reference, fp8_gemm_triton
-    from pdserve.model.quant.fp8 import Fp8Linear, quantize_e4m3
+    from pdserve.model.quant.fp8 import Fp8Linear
+    from pdserve.model.quant.fp8_format import quantize_e4m3
     out = {}
     # every finite e4m3 code through the in-kernel bit decoding: column of codes times 1.0
     codes = torch.arange(256, dtype=torch.uint8)
@@ -262,7 +262,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     got = fp8_gemm_triton(xq, sx, f.weight.t(), f.weight_scale, torch.float32, bias=f.bias)
     out["fp8linear_max_abs"] = (got - f(x)).abs().max().item()
     # per-group scales inside the K loop: K and N not multiples of G; K tile = G or smaller than G
-    from pdserve.model.quant.fp8 import quantize_e4m3_blocks, quantize_e4m3_groups
+    from pdserve.model.quant.fp8_format import quantize_e4m3_blocks, quantize_e4m3_groups
     grouped = {}
     for m, n, k, g, bk in [(1, 17, 33, 16, None), (37, 45, 70, 32, None), (37, 45, 70, 32, 16),
                            (70, 19, 129, 64, 32), (20, 130, 96, 128, None)]:

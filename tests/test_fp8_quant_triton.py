@@ -15,7 +15,7 @@ _SCRIPT = textwrap.dedent("""
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
     from pdserve.kernels.fp8_quant_triton import quantize_e4m3_rows
-    from pdserve.model.quant.fp8 import quantize_e4m3
+    from pdserve.model.quant.fp8_format import quantize_e4m3
 
     def same(x):
         q, s = quantize_e4m3_rows(x)
