@@ -148,7 +148,8 @@ _PROJECTION = re.compile(r"\.layers\.\d+\..*_proj\.weight$")   # a decoder layer
 
 
 def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, projection_bytes: float | None = None) -> int:
-    """Bytes the checkpoint's weights take at least once loaded, read from the safetensors headers alone
+    """Bytes the weights of a checkpoint (a directory or a hub repository id in the local cache,
+    :func:`resolve_model_dir`) take at least once loaded, read from the safetensors headers alone
     (nothing is loaded): floating tensors at ``dtype``'s element size, except the decoder layers'
     2-D ``*_proj.weight`` at ``projection_bytes`` a parameter where the worker quantizes them (0.5 for
     INT4, 1 for FP8; their scales not counted); integer tensors (a pre-quantized checkpoint's packed
@@ -156,11 +157,12 @@ def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, projection_bytes: 
     loader's transient copies, come on top.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`safetensors_files` and :func:`open_safetensors`.
+        FileNotFoundError, ValueError: as :func:`resolve_model_dir`, :func:`safetensors_files` and
+            :func:`open_safetensors`.
     """
     size = torch.empty((), dtype=dtype).element_size()
     total = 0.0
-    for path in safetensors_files(model_dir):
+    for path in safetensors_files(resolve_model_dir(model_dir)):
         with open_safetensors(path) as f:
             for name in f.keys():
                 piece = f.get_slice(name)

@@ -19,7 +19,9 @@
  *         reference max, so a row is rescaled only when its max grows by e^SLACK, as FlashAttention-4
  *         rescales conditionally; P stays below e^SLACK. 2,048 tokens: 53.9 -> 48.6 ms a layer on Zen 4)
  *       out = O / l, rounded to bf16
- *   (l kept as a vector per row and reduced once at the end, as the AMX build keeps it: 0.96x the time on Zen 4)
+ *   (l kept as a vector per row and reduced once at the end, as the AMX build keeps it: 0.96x the time on Zen 4;
+ *   a degree-3 2^x, 0.97x more, flipped a near-tied greedy token of a decode row that a mixed colocated step
+ *   sends through this kernel (tests/test_multi_step.py), and was not kept)
  *
  * Scores, the softmax and its sum are float32; P is rounded to bf16 for the value sums (as
  * FlashAttention rounds P to the input type) in the vdpbf16ps build and kept in float32 in the FMA

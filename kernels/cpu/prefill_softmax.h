@@ -16,22 +16,21 @@
 
 #define LOG2E 1.44269504088896341f
 
-/* 2^x on 16 lanes for x <= ~64: n = round(x), 2^(x - n) by a degree-3 polynomial (relative error 1.0e-4 over
- * [-1/2, 1/2] in float32; minimax fit of the relative error with p(0) = 1, made for this kernel), times 2^n by
- * vscalefps (exact); exactly 0 below x = -125, for -inf and NaN, and where `keep` is clear, so that no lane
- * makes a subnormal (see exp16.h: a microcode assist on Intel cores). P goes to the value sums rounded to
- * bf16 (relative error up to 2^-9, 20 times this polynomial's) and the output to bf16 too, so degree 3 is
- * as good as the degree 5 (1.9e-7) used until 2026-11-28: two FMAs fewer per 16 scores, one layer's
- * attention about 0.97x / 0.95x the time at 512 / 2,048 tokens on Zen 4 (bench/kernel_ab.py). 10 instructions against
- * exp16's 17 with the scaling and the max subtraction it needed in front: the softmax's vector work is
- * what bounds the AMX build. */
+/* 2^x on 16 lanes for x <= ~64: n = round(x), 2^(x - n) by a degree-5 polynomial (relative error 1.9e-7 over
+ * [-1/2, 1/2] in float32; least-squares fit of the relative error with p(0) = 1, made for this kernel),
+ * times 2^n by vscalefps (exact); exactly 0 below x = -125, for -inf and NaN, and where `keep` is clear,
+ * so that no lane makes a subnormal (see exp16.h: a microcode assist on Intel cores). 12 instructions
+ * against exp16's 17 with the scaling and the max subtraction it needed in front: the softmax's vector
+ * work is what bounds the AMX build (P is rounded to bf16, 2^-9, for the value sums anyway). */
 __attribute__((target("avx512f"), always_inline)) static inline __m512 pow2_16(__m512 x, __mmask16 keep) {
     keep &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
     const __m512 n = _mm512_roundscale_ps(x, 0x08);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(5.5008582771e-02f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4221037328e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9328290224e-01f));
+    __m512 p = _mm512_set1_ps(1.3264693457e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6715157143e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507338622e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022242023e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314697751e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
