@@ -21,8 +21,9 @@
  * update is a compare in the common case; exponentials inline, exp16.h) and the chunk's V
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
  * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
- * The cache is read ahead of the arithmetic: the next page (through the block table, into the next
- * sequence) is prefetched into L2 a row at a time while this page is computed. See sequence_avx512.
+ * Each group of pairs walks all its pages with its state in registers (head-major); the cache is read ahead
+ * of the arithmetic: the page PF_AHEAD pages on in the walk (through the block table, into the next kv head
+ * and sequence) is prefetched into L2 a row at a time while this page is computed. See sequence_avx512.
  * AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass softmax below
  * on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into L2 while the
  * one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
@@ -114,10 +115,34 @@ typedef struct {
     const float *qrow[MAX_R]; float *orow[MAX_R]; int64_t lim[MAX_R], lmax, kvh; int R;
 } Group;
 
-/* Page p of group g (tokens up to g->lmax); next (or NULL): the page computed after this one (its
- * token 0, kv head 0), whose rows of g's kv head are prefetched meanwhile. Inlined with constant R, NV. */
-AVX512 static inline __attribute__((always_inline)) void page_avx512(
-        const Ctx *c, Group *g, int64_t p, __m512 vscale, const char *next, const int R, const int NV) {
+/* Where a sequence's walk sits in the batch's (for the prefetches that run on into the next kv head's and the next
+ * sequence's pages): sequences [0, B), their lengths and block tables, kv heads per sequence. */
+typedef struct { const int32_t *seq_lens, *tables; int64_t max_blocks, B, Hkv, b; } Walk;
+
+#ifndef PF_AHEAD
+#define PF_AHEAD 2                                      /* pages of lead of the L2 prefetch in a group's walk */
+#endif
+
+/* Token 0 of the rows of the page `ahead` pages past page p of (sequence w->b, kv head kvh) in the walk's order
+ * (a kv head's pages, then the next kv head's, then the next sequence's), with that page's kv head; NULL past
+ * the batch's last. */
+static inline const char *rows_ahead(const Ctx *c, const Walk *w, int64_t kvh, int64_t p, int64_t ahead) {
+    const int64_t esz = c->bf16 ? 2 : 4, bs = c->block_size;
+    for (int64_t b = w->b, left = p + ahead; b < w->B;) {
+        const int64_t npages = (w->seq_lens[b] + bs - 1) / bs;
+        if (left < npages)
+            return (const char *)c->cache + ((int64_t)w->tables[b * w->max_blocks + left] * c->s_block + kvh * c->s_head) * esz;
+        left -= npages;
+        if (++kvh == w->Hkv) kvh = 0, b++;
+    }
+    return NULL;
+}
+
+/* Every page of group g (tokens 0 .. g->lmax), its online-softmax state in registers from the first page to
+ * the last. pf (the first group of its kv head): while page p is computed, the rows of the page PF_AHEAD pages
+ * on in the walk (rows_ahead) are prefetched into L2, a K and a V row per token. Inlined with constant R, NV. */
+AVX512 static inline __attribute__((always_inline)) void group_avx512(
+        const Ctx *c, Group *g, __m512 vscale, int pf, const Walk *w, const int R, const int NV) {
     State st;
     for (int r = 0; r < R; r++) {
         st.m[r] = g->m[r];
@@ -130,14 +155,16 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
     if (c->bf16 && !(NV & 1))                          /* queries in the order load_row_vecs gives K */
         for (int r = 0; r < R; r++)
             for (int j = 0; j < NV; j += 2) pair_order(&st.qv[r * NV + j], &st.qv[r * NV + j + 1]);
-    const int64_t bs = c->block_size, t0 = p * bs;
-    const int64_t base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
-    const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
-    const int64_t esz = c->bf16 ? 2 : 4;
-    for (int64_t o = 0; o < np; o += 16) {
-        const char *pf = next ? next + (o * c->s_tok + g->kvh * c->s_head) * esz : NULL;
-        if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, pf, R, NV, 1);
-        else chunk_avx512(c, &st, base + o * c->s_tok, (int)(np - o), t0 + o, g->lim, vscale, pf, R, NV, 0);
+    const int64_t bs = c->block_size, esz = c->bf16 ? 2 : 4, npages = g->lmax / bs + 1;
+    for (int64_t p = 0; p < npages; p++) {
+        const int64_t t0 = p * bs, base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
+        const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
+        const char *next = pf ? rows_ahead(c, w, g->kvh, p, PF_AHEAD) : NULL;
+        for (int64_t o = 0; o < np; o += 16) {
+            const char *pfo = next ? next + o * c->s_tok * esz : NULL;
+            if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, pfo, R, NV, 1);
+            else chunk_avx512(c, &st, base + o * c->s_tok, (int)(np - o), t0 + o, g->lim, vscale, pfo, R, NV, 0);
+        }
     }
     for (int r = 0; r < R; r++) {
         g->m[r] = st.m[r];
@@ -146,7 +173,7 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
     }
 }
 
-#define G_(F, R_, NV_) case R_: F(c, g, p, vscale, next, R_, NV_); return;
+#define G_(F, R_, NV_) case R_: F(c, g, vscale, pf, w, R_, NV_); return;
 #define UPTO2(F, NV_) G_(F, 1, NV_) G_(F, 2, NV_)
 #define UPTO4(F, NV_) UPTO2(F, NV_) G_(F, 3, NV_) G_(F, 4, NV_)
 #define UPTO8(F, NV_) UPTO4(F, NV_) G_(F, 5, NV_) G_(F, 6, NV_) G_(F, 7, NV_) G_(F, 8, NV_)
@@ -154,34 +181,31 @@ AVX512 static inline __attribute__((always_inline)) void page_avx512(
 /* Pairs per group for NV vectors per row: queries and accumulators fill at most 2 x MAX_VECS registers. */
 static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
 
-/* page_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
-AVX512 static void page_dispatch(const Ctx *c, Group *g, int64_t p, __m512 vscale, const char *next) {
+/* group_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
+AVX512 static void group_dispatch(const Ctx *c, Group *g, __m512 vscale, int pf, const Walk *w) {
     switch (c->D / 16) {
-    case 1: switch (g->R) { UPTO8(page_avx512, 1) } break;
-    case 2: switch (g->R) { UPTO8(page_avx512, 2) } break;
-    case 3: switch (g->R) { UPTO4(page_avx512, 3) G_(page_avx512, 5, 3) } break;
-    case 4: switch (g->R) { UPTO4(page_avx512, 4) } break;
-    case 8: switch (g->R) { UPTO2(page_avx512, 8) } break;
-    case 16: switch (g->R) { G_(page_avx512, 1, 16) } break;
+    case 1: switch (g->R) { UPTO8(group_avx512, 1) } break;
+    case 2: switch (g->R) { UPTO8(group_avx512, 2) } break;
+    case 3: switch (g->R) { UPTO4(group_avx512, 3) G_(group_avx512, 5, 3) } break;
+    case 4: switch (g->R) { UPTO4(group_avx512, 4) } break;
+    case 8: switch (g->R) { UPTO2(group_avx512, 8) } break;
+    case 16: switch (g->R) { G_(group_avx512, 1, 16) } break;
     }
-    page_avx512(c, g, p, vscale, next, g->R, (int)(c->D / 16));
+    group_avx512(c, g, vscale, pf, w, g->R, (int)(c->D / 16));
 }
 
-/* Address of the K row of token 0, kv head 0 in page `ahead` pages past page p of sequence b, running
- * on into sequence b + 1; NULL past the last. */
-static const char *page_ahead(const Ctx *c, const int32_t *seq_lens, const int32_t *tables, int64_t max_blocks,
-                              int64_t B, int64_t b, int64_t p, int64_t ahead) {
-    const int64_t esz = c->bf16 ? 2 : 4;
-    for (p += ahead; b < B; b++) {
-        const int64_t npages = (seq_lens[b] + c->block_size - 1) / c->block_size;
-        if (p < npages) return (const char *)c->cache + (int64_t)tables[b * max_blocks + p] * c->s_block * esz;
-        p -= npages;
-    }
-    return NULL;
-}
-
-/* All query rows of sequence b: groups of its (row, head) pairs walked page-major, so the heads of one
- * page are read together; groups: room for Hkv * ceil(nq * G / R_max).
+/* All query rows of sequence b: groups of its (row, head) pairs, each walking all its pages with its state in
+ * registers (group_avx512); groups: room for Hkv * ceil(nq * G / R_max).
+ *
+ * The walk is head-major since 2026-11-28: a group's queries, accumulators and softmax state had gone to
+ * memory and back at every page when the heads of one page were computed together (page-major), about a
+ * fifth of the kernel's time on Zen 4 at 16-token pages (bench-80m, 32 x 141 tokens, all in L1/L2: 3.14 ms,
+ * 2.85 with 32-token pages, 2.70 with 64; head-major 2.55-2.57 whatever the page). With the cache in DRAM the
+ * shorter prefetch lead of one head's walk (a page ahead now holds one kv head's rows, not all of them) needs
+ * two pages (PF_AHEAD; one: 4.22 ms, two: 3.84, four 4.05, eight 4.06 cold at 32 x 141). bench/kernel_ab.py
+ * against page-major, Zen 4, two runs, cold / warm: 32 x 141 0.876-0.916 / 0.862-0.902, 32 x 1,025
+ * 0.795-0.873 / 0.798-0.857, 4 x 513 0.802-0.896 / 0.812-0.832, 1 x 141 0.869-0.904 / 0.839-0.941;
+ * bit-identical. The batch-32 step 0.977x, batch 1 1.008x (bench/step_ab.py). Zen 4 only measured.
  *
  * How the cache gets ahead of the arithmetic. A page's misses, taken as the arithmetic meets them,
  * stall it. Loaded all at once before the page is computed (a load_page step, kept until 2026-11-28)
@@ -223,19 +247,12 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
                 for (int64_t j = 0; j < NV; j++) g->acc[r * NV + j] = _mm512_setzero_ps();
             }
         }
-    if (b == 0)                                         /* later sequences' first pages: prefetched ahead */
-        for (int64_t a = 0; a < PF_PAGES; a++)
-            prefetch_page(c, page_ahead(c, seq_lens, tables, max_blocks, B, b, 0, a), Hkv);
+    const Walk w = {seq_lens, tables, max_blocks, B, Hkv, b};
+    if (b == 0)                                         /* the walk's first pages, before the prefetch runs ahead */
+        for (int64_t a = 0; a < PF_AHEAD; a++) prefetch_head_rows(c, rows_ahead(c, &w, 0, 0, a));
     const __m512 vscale = _mm512_set1_ps(scale);
-    const int64_t npages = (L + c->block_size - 1) / c->block_size;
-    for (int64_t p = 0; p < npages; p++) {
-        const char *next = page_ahead(c, seq_lens, tables, max_blocks, B, b, p, 1);
-        for (int64_t k = 0; k < n; k++) {               /* the first group of each kv head prefetches */
-            Group *g = groups + k;
-            if (p * c->block_size > g->lmax) continue;
-            page_dispatch(c, g, p, vscale, k == 0 || g->kvh != groups[k - 1].kvh ? next : NULL);
-        }
-    }
+    for (int64_t k = 0; k < n; k++)                     /* the first group of each kv head prefetches */
+        group_dispatch(c, groups + k, vscale, k == 0 || groups[k].kvh != groups[k - 1].kvh, &w);
     for (int64_t k = 0; k < n; k++)
         for (int r = 0; r < groups[k].R; r++) {
             if (c->bf16 && !(NV & 1))

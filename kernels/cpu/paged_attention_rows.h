@@ -8,7 +8,6 @@
 
 #include "paged_attention_portable.h"
 
-#define PF_PAGES 2                           /* pages prefetched before the batch's first sequence */
 
 AVX512 static inline __m512 load16(const Ctx *c, int64_t off) {
     if (c->bf16) {
@@ -89,14 +88,13 @@ PREFETCH void prefetch_row_l2(const char *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
-/* Every K and V row of all Hkv heads of the page at `page` (its token 0, kv head 0; NULL: none). */
-PREFETCH void prefetch_page(const Ctx *c, const char *page, int64_t Hkv) {
+/* The K and V rows of one kv head in a page (`rows`: its token 0; NULL: none). */
+PREFETCH void prefetch_head_rows(const Ctx *c, const char *rows) {
     const int64_t esz = c->bf16 ? 2 : 4, rowb = c->D * esz;
-    for (int64_t o = 0; page && o < c->block_size; o++)
-        for (int64_t h = 0; h < Hkv; h++) {
-            prefetch_row(page + (o * c->s_tok + h * c->s_head) * esz, rowb);
-            prefetch_row(page + (o * c->s_tok + h * c->s_head + c->s_v) * esz, rowb);
-        }
+    for (int64_t o = 0; rows && o < c->block_size; o++) {
+        prefetch_row(rows + o * c->s_tok * esz, rowb);
+        prefetch_row(rows + (o * c->s_tok + c->s_v) * esz, rowb);
+    }
 }
 
 #endif
