@@ -139,10 +139,12 @@ static inline const char *rows_ahead(const Ctx *c, const Walk *w, int64_t kvh, i
 }
 
 /* Every page of group g (tokens 0 .. g->lmax), its online-softmax state in registers from the first page to
- * the last. pf (the first group of its kv head): while page p is computed, the rows of the page PF_AHEAD pages
- * on in the walk (rows_ahead) are prefetched into L2, a K and a V row per token. Inlined with constant R, NV. */
+ * the last. While page p is computed, the rows of the page PF_AHEAD pages on in the walk (rows_ahead) are
+ * prefetched into L2, a K and a V row per token: by every group, so that the later groups of a kv head with
+ * several (query blocks of many rows) find a long context's rows again, which one head's walk can push out of
+ * L2 (decode rows have one group a kv head). Inlined with constant R, NV. */
 AVX512 static inline __attribute__((always_inline)) void group_avx512(
-        const Ctx *c, Group *g, __m512 vscale, int pf, const Walk *w, const int R, const int NV) {
+        const Ctx *c, Group *g, __m512 vscale, const Walk *w, const int R, const int NV) {
     State st;
     for (int r = 0; r < R; r++) {
         st.m[r] = g->m[r];
@@ -159,7 +161,7 @@ AVX512 static inline __attribute__((always_inline)) void group_avx512(
     for (int64_t p = 0; p < npages; p++) {
         const int64_t t0 = p * bs, base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
         const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
-        const char *next = pf ? rows_ahead(c, w, g->kvh, p, PF_AHEAD) : NULL;
+        const char *next = rows_ahead(c, w, g->kvh, p, PF_AHEAD);
         for (int64_t o = 0; o < np; o += 16) {
             const char *pfo = next ? next + o * c->s_tok * esz : NULL;
             if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, pfo, R, NV, 1);
@@ -173,7 +175,7 @@ AVX512 static inline __attribute__((always_inline)) void group_avx512(
     }
 }
 
-#define G_(F, R_, NV_) case R_: F(c, g, vscale, pf, w, R_, NV_); return;
+#define G_(F, R_, NV_) case R_: F(c, g, vscale, w, R_, NV_); return;
 #define UPTO2(F, NV_) G_(F, 1, NV_) G_(F, 2, NV_)
 #define UPTO4(F, NV_) UPTO2(F, NV_) G_(F, 3, NV_) G_(F, 4, NV_)
 #define UPTO8(F, NV_) UPTO4(F, NV_) G_(F, 5, NV_) G_(F, 6, NV_) G_(F, 7, NV_) G_(F, 8, NV_)
@@ -182,7 +184,7 @@ AVX512 static inline __attribute__((always_inline)) void group_avx512(
 static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
 
 /* group_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
-AVX512 static void group_dispatch(const Ctx *c, Group *g, __m512 vscale, int pf, const Walk *w) {
+AVX512 static void group_dispatch(const Ctx *c, Group *g, __m512 vscale, const Walk *w) {
     switch (c->D / 16) {
     case 1: switch (g->R) { UPTO8(group_avx512, 1) } break;
     case 2: switch (g->R) { UPTO8(group_avx512, 2) } break;
@@ -191,7 +193,7 @@ AVX512 static void group_dispatch(const Ctx *c, Group *g, __m512 vscale, int pf,
     case 8: switch (g->R) { UPTO2(group_avx512, 8) } break;
     case 16: switch (g->R) { G_(group_avx512, 1, 16) } break;
     }
-    group_avx512(c, g, vscale, pf, w, g->R, (int)(c->D / 16));
+    group_avx512(c, g, vscale, w, g->R, (int)(c->D / 16));
 }
 
 /* All query rows of sequence b: groups of its (row, head) pairs, each walking all its pages with its state in
@@ -251,8 +253,7 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
     if (b == 0)                                         /* the walk's first pages, before the prefetch runs ahead */
         for (int64_t a = 0; a < PF_AHEAD; a++) prefetch_head_rows(c, rows_ahead(c, &w, 0, 0, a));
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t k = 0; k < n; k++)                     /* the first group of each kv head prefetches */
-        group_dispatch(c, groups + k, vscale, k == 0 || groups[k].kvh != groups[k - 1].kvh, &w);
+    for (int64_t k = 0; k < n; k++) group_dispatch(c, groups + k, vscale, &w);
     for (int64_t k = 0; k < n; k++)
         for (int r = 0; r < groups[k].R; r++) {
             if (c->bf16 && !(NV & 1))
