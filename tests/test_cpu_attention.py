@@ -26,13 +26,16 @@ from pdserve.kernels.paged_attention import build_attention_metadata, paged_atte
 from tests.disassembly import count_instruction, needs_objdump
 
 needs_attention = pytest.mark.skipif(not attention_available(), reason="no C compiler")
-_DECODE_PATHS = {"cpu": 0, "avx2": 1, "portable": 2}     # pd_attention_force's paths
+# pd_attention_force's paths
+_DECODE_PATHS = {"cpu": 0, "avx2": 1, "portable": 2, "avx512-page-major": 3, "avx512-head-major": 4}
 
 
 @pytest.fixture(params=list(_DECODE_PATHS))
 def decode_path(request):
     """The decode kernel's paths this CPU can run: the one it chooses (AVX-512 where it has it), the AVX2
-    path (what a CPU without AVX-512 takes) and the portable C path, forced through the library."""
+    path (what a CPU without AVX-512 takes), the portable C path and, on an AVX-512 CPU, both walks of the
+    AVX-512 path (page-major, head-major: Zen 4 takes the second, other CPUs the first), forced through the
+    library."""
     force = library("paged_attention").pd_attention_force
     if force(_DECODE_PATHS[request.param]) != 0:
         pytest.skip(f"no {request.param} path here")
@@ -164,6 +167,29 @@ def test_each_row_is_independent_of_the_rest_of_the_batch(dtype, decode_path):
         one = paged_attention_cpu(q[i:i + 1], cache, 1, qsl, meta.seq_lens[i:i + 1].contiguous(),
                                   meta.block_tables[i:i + 1].contiguous(), 0.2)
         assert torch.equal(one, full[i:i + 1])
+
+
+@needs_attention
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_two_avx512_walks_give_the_same_bits(dtype):
+    """Page-major and head-major walks of the AVX-512 path run each pair through the same instructions in the
+    same order (only the state's trips to memory and the prefetches differ): bit-identical, for decode rows and
+    for query blocks whose kv heads have several groups."""
+    force = library("paged_attention").pd_attention_force
+    if force(3) != 0:
+        pytest.skip("no AVX-512 here")
+    try:
+        for query_lens, seq_lens in (([1, 1, 1, 1], [300, 17, 64, 1]), ([5, 3], [200, 40])):
+            cache, meta, q = _case(12, 4, 64, 16, query_lens, seq_lens, dtype)
+            outs = []
+            for path in (3, 4):
+                assert force(path) == 0
+                outs.append(paged_attention_cpu(q, cache, 1, meta.query_start_loc, meta.seq_lens,
+                                                meta.block_tables, 0.2))
+            assert torch.equal(outs[0], outs[1])
+            _check(cache, meta, q)
+    finally:
+        assert force(0) == 0
 
 
 def _context_kv(cache, meta, layer=1):

@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "cpu_family.h"
 #include "exp16.h"
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
@@ -117,14 +118,15 @@ typedef struct {
 
 /* Where a sequence's walk sits in the batch's (for the prefetches that run on into the next kv head's and the next
  * sequence's pages): sequences [0, B), their lengths and block tables, kv heads per sequence. */
-typedef struct { const int32_t *seq_lens, *tables; int64_t max_blocks, B, Hkv, b; } Walk;
+typedef struct { const int32_t *seq_lens, *tables; int64_t max_blocks, B, Hkv, b; int head_major; } Walk;
 
 #ifndef PF_AHEAD
 #define PF_AHEAD 2                                      /* pages of lead of the L2 prefetch in a group's walk */
 #endif
 
-/* Token 0 of the rows of the page `ahead` pages past page p of (sequence w->b, kv head kvh) in the walk's order
- * (a kv head's pages, then the next kv head's, then the next sequence's), with that page's kv head; NULL past
+/* Token 0 of the rows of the page `ahead` pages past page p of (sequence w->b, kv head kvh), with that page's
+ * kv head: in a head-major walk's order (a kv head's pages, then the next kv head's, then the next
+ * sequence's), else in a page-major one's, where a kv head's pages run on into the next sequence's; NULL past
  * the batch's last. */
 static inline const char *rows_ahead(const Ctx *c, const Walk *w, int64_t kvh, int64_t p, int64_t ahead) {
     const int64_t esz = c->bf16 ? 2 : 4, bs = c->block_size;
@@ -133,18 +135,18 @@ static inline const char *rows_ahead(const Ctx *c, const Walk *w, int64_t kvh, i
         if (left < npages)
             return (const char *)c->cache + ((int64_t)w->tables[b * w->max_blocks + left] * c->s_block + kvh * c->s_head) * esz;
         left -= npages;
-        if (++kvh == w->Hkv) kvh = 0, b++;
+        if (!w->head_major) b++;
+        else if (++kvh == w->Hkv) kvh = 0, b++;
     }
     return NULL;
 }
 
-/* Every page of group g (tokens 0 .. g->lmax), its online-softmax state in registers from the first page to
- * the last. While page p is computed, the rows of the page PF_AHEAD pages on in the walk (rows_ahead) are
- * prefetched into L2, a K and a V row per token: by every group, so that the later groups of a kv head with
- * several (query blocks of many rows) find a long context's rows again, which one head's walk can push out of
- * L2 (decode rows have one group a kv head). Inlined with constant R, NV. */
+/* Pages [p0, p1) of group g (p1 < 0: to its last, the page of token g->lmax), its online-softmax state in
+ * registers from the first to the last. pf: while page p is computed, the rows of the page `ahead` pages on in
+ * the walk (rows_ahead) are prefetched into L2, a K and a V row per token. Inlined with constant R, NV. */
 AVX512 static inline __attribute__((always_inline)) void group_avx512(
-        const Ctx *c, Group *g, __m512 vscale, const Walk *w, const int R, const int NV) {
+        const Ctx *c, Group *g, __m512 vscale, const Walk *w, int64_t p0, int64_t p1, int pf, int64_t ahead,
+        const int R, const int NV) {
     State st;
     for (int r = 0; r < R; r++) {
         st.m[r] = g->m[r];
@@ -157,11 +159,11 @@ AVX512 static inline __attribute__((always_inline)) void group_avx512(
     if (c->bf16 && !(NV & 1))                          /* queries in the order load_row_vecs gives K */
         for (int r = 0; r < R; r++)
             for (int j = 0; j < NV; j += 2) pair_order(&st.qv[r * NV + j], &st.qv[r * NV + j + 1]);
-    const int64_t bs = c->block_size, esz = c->bf16 ? 2 : 4, npages = g->lmax / bs + 1;
-    for (int64_t p = 0; p < npages; p++) {
+    const int64_t bs = c->block_size, esz = c->bf16 ? 2 : 4, npages = p1 < 0 ? g->lmax / bs + 1 : p1;
+    for (int64_t p = p0; p < npages; p++) {
         const int64_t t0 = p * bs, base = (int64_t)c->table[p] * c->s_block + g->kvh * c->s_head;
         const int64_t np = g->lmax + 1 - t0 < bs ? g->lmax + 1 - t0 : bs;
-        const char *next = rows_ahead(c, w, g->kvh, p, PF_AHEAD);
+        const char *next = pf ? rows_ahead(c, w, g->kvh, p, ahead) : NULL;
         for (int64_t o = 0; o < np; o += 16) {
             const char *pfo = next ? next + o * c->s_tok * esz : NULL;
             if (np - o >= 16) chunk_avx512(c, &st, base + o * c->s_tok, 16, t0 + o, g->lim, vscale, pfo, R, NV, 1);
@@ -175,25 +177,50 @@ AVX512 static inline __attribute__((always_inline)) void group_avx512(
     }
 }
 
-#define G_(F, R_, NV_) case R_: F(c, g, vscale, w, R_, NV_); return;
+#define G_(F, R_, NV_) case R_: F(c, g, vscale, w, W_P0, W_P1, W_PF, W_AHEAD, R_, NV_); return;
 #define UPTO2(F, NV_) G_(F, 1, NV_) G_(F, 2, NV_)
 #define UPTO4(F, NV_) UPTO2(F, NV_) G_(F, 3, NV_) G_(F, 4, NV_)
 #define UPTO8(F, NV_) UPTO4(F, NV_) G_(F, 5, NV_) G_(F, 6, NV_) G_(F, 7, NV_) G_(F, 8, NV_)
+#define DISPATCH                                                                          \
+    switch (c->D / 16) {                                                                  \
+    case 1: switch (g->R) { UPTO8(group_avx512, 1) } break;                               \
+    case 2: switch (g->R) { UPTO8(group_avx512, 2) } break;                               \
+    case 3: switch (g->R) { UPTO4(group_avx512, 3) G_(group_avx512, 5, 3) } break;        \
+    case 4: switch (g->R) { UPTO4(group_avx512, 4) } break;                               \
+    case 8: switch (g->R) { UPTO2(group_avx512, 8) } break;                               \
+    case 16: switch (g->R) { G_(group_avx512, 1, 16) } break;                             \
+    }                                                                                     \
+    group_avx512(c, g, vscale, w, W_P0, W_P1, W_PF, W_AHEAD, g->R, (int)(c->D / 16));
 
 /* Pairs per group for NV vectors per row: queries and accumulators fill at most 2 x MAX_VECS registers. */
 static inline int group_max(int64_t NV) { return (int)(MAX_VECS / NV < MAX_R ? MAX_VECS / NV : MAX_R); }
 
-/* group_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one. */
+/* group_avx512 with R and NV = D/16 as constants for the common head sizes, else a generic one, over all of
+ * a group's pages, every group prefetching PF_AHEAD pages ahead (head-major). The walk's settings are
+ * compiled into each dispatcher: passed as variables they had cost the head-major walk 5-13% on Zen 4. */
 AVX512 static void group_dispatch(const Ctx *c, Group *g, __m512 vscale, const Walk *w) {
-    switch (c->D / 16) {
-    case 1: switch (g->R) { UPTO8(group_avx512, 1) } break;
-    case 2: switch (g->R) { UPTO8(group_avx512, 2) } break;
-    case 3: switch (g->R) { UPTO4(group_avx512, 3) G_(group_avx512, 5, 3) } break;
-    case 4: switch (g->R) { UPTO4(group_avx512, 4) } break;
-    case 8: switch (g->R) { UPTO2(group_avx512, 8) } break;
-    case 16: switch (g->R) { G_(group_avx512, 1, 16) } break;
-    }
-    group_avx512(c, g, vscale, w, g->R, (int)(c->D / 16));
+#define W_P0 0
+#define W_P1 -1
+#define W_PF 1
+#define W_AHEAD PF_AHEAD
+    DISPATCH
+#undef W_P0
+#undef W_P1
+#undef W_PF
+#undef W_AHEAD
+}
+
+/* The same over page p only, the first group of each kv head (pf) prefetching a page ahead (page-major). */
+AVX512 static void page_dispatch(const Ctx *c, Group *g, __m512 vscale, const Walk *w, int64_t p, int pf) {
+#define W_P0 p
+#define W_P1 (p + 1)
+#define W_PF pf
+#define W_AHEAD 1
+    DISPATCH
+#undef W_P0
+#undef W_P1
+#undef W_PF
+#undef W_AHEAD
 }
 
 /* All query rows of sequence b: groups of its (row, head) pairs, each walking all its pages with its state in
@@ -249,11 +276,22 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
                 for (int64_t j = 0; j < NV; j++) g->acc[r * NV + j] = _mm512_setzero_ps();
             }
         }
-    const Walk w = {seq_lens, tables, max_blocks, B, Hkv, b};
-    if (b == 0)                                         /* the walk's first pages, before the prefetch runs ahead */
-        for (int64_t a = 0; a < PF_AHEAD; a++) prefetch_head_rows(c, rows_ahead(c, &w, 0, 0, a));
+    const Walk w = {seq_lens, tables, max_blocks, B, Hkv, b, c->head_major};
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t k = 0; k < n; k++) group_dispatch(c, groups + k, vscale, &w);
+    if (w.head_major) {        /* every group prefetches: a kv head with several walks its pages once per group */
+        if (b == 0)                                     /* the walk's first pages, before the prefetch runs ahead */
+            for (int64_t a = 0; a < PF_AHEAD; a++) prefetch_head_rows(c, rows_ahead(c, &w, 0, 0, a));
+        for (int64_t k = 0; k < n; k++) group_dispatch(c, groups + k, vscale, &w);
+    } else {
+        if (b == 0)
+            for (int64_t a = 0; a < 2; a++)
+                for (int64_t h = 0; h < Hkv; h++) prefetch_head_rows(c, rows_ahead(c, &w, h, 0, a));
+        const int64_t npages = (L + c->block_size - 1) / c->block_size;
+        for (int64_t p = 0; p < npages; p++)            /* the first group of each kv head prefetches, a page ahead */
+            for (int64_t k = 0; k < n; k++)
+                if (p * c->block_size <= groups[k].lmax)
+                    page_dispatch(c, groups + k, vscale, &w, p, k == 0 || groups[k].kvh != groups[k - 1].kvh);
+    }
     for (int64_t k = 0; k < n; k++)
         for (int r = 0; r < groups[k].R; r++) {
             if (c->bf16 && !(NV & 1))
@@ -264,16 +302,29 @@ AVX512 static void sequence_avx512(const Ctx *c, Group *groups, const float *q, 
         }
 }
 
-static int forced_path;                                 /* pd_attention_force: 0 by the CPU, 1 AVX2, 2 portable */
+static int forced_path;  /* pd_attention_force: 0 by the CPU, 1 AVX2, 2 portable, 3 / 4 AVX-512 page- / head-major */
 
-/* Tests' way to reach the AVX2 and portable paths on a CPU that would take another: path 0 restores the
- * CPU's choice. Returns 0, or -1 for a path this CPU cannot run (AVX2 without AVX2 and FMA) or out of range. */
+/* Tests' way to reach every path on a CPU that would take another: path 0 restores the CPU's choice.
+ * Returns 0, or -1 for a path this CPU cannot run (AVX2 without AVX2 and FMA, 3 and 4 without AVX-512) or
+ * out of range. */
 int pd_attention_force(int path) {
     __builtin_cpu_init();
-    if (path < 0 || path > 2 || (path == 1 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))))
+    const int avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (path < 0 || path > 4 || (path == 1 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        || (path >= 3 && !avx512))
         return -1;
     forced_path = path;
     return 0;
+}
+
+/* The AVX-512 path's walk: head-major on Zen 4 (AMD family 19h), where it was measured faster (see
+ * sequence_avx512); page-major elsewhere, where a group-major walk with a page of prefetch lead had measured
+ * 1.24-1.32x slower on Zen 5 (docs/benchmarks.md) and the two-page lead has not been measured. */
+static int head_major_walk(void) {
+    if (forced_path >= 3) return forced_path == 4;
+    static int family = -1;                             /* CPUID leaves a VM: read once */
+    if (family < 0) family = amd_family();
+    return family == 0x19;
 }
 
 /* q, out: float32 [num_tokens, H, D] contiguous. qs: int32 [B+1] row offsets. seq_lens: int32 [B].
@@ -283,8 +334,8 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
                        const void *cache, int bf16, int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,
                        const int32_t *tables, int64_t max_blocks, int64_t block_size, float scale) {
     __builtin_cpu_init();
-    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL };
-    const int fast = !forced_path && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, head_major_walk() };
+    const int fast = (!forced_path || forced_path >= 3) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                      && D % 16 == 0 && D / 16 <= MAX_VECS;
     const int avx2 = !fast && forced_path != 2 && avx2_takes(&c);
     const int64_t G = H / Hkv, R_max = fast ? group_max(D / 16) : avx2 ? RA : 8;

@@ -15,6 +15,7 @@ extern float expf(float);                                /* glibc's vector varia
 typedef struct {
     const void *cache; int bf16; int64_t s_block, s_tok, s_head, s_v, block_size, D;
     const int32_t *table;
+    int head_major;                                      /* the AVX-512 path's walk (paged_attention.c) */
 } Ctx;
 
 static inline int64_t kv_offset(const Ctx *c, int64_t t, int64_t kvh) {
