@@ -18,6 +18,7 @@ read one tensor at a time (:func:`iter_tensors`) so that a loader never holds th
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -166,9 +167,7 @@ def weights_nbytes(model_dir: str | Path, dtype: torch.dtype, projection_bytes: 
         with open_safetensors(path) as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                numel = 1
-                for d in piece.get_shape():
-                    numel *= d
+                numel = math.prod(piece.get_shape())
                 stored = _SAFETENSORS_DTYPES.get(piece.get_dtype())
                 if stored is None or not stored.is_floating_point:
                     total += numel * (stored.itemsize if stored is not None else 1)

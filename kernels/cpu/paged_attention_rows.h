@@ -8,7 +8,6 @@
 
 #include "paged_attention_portable.h"
 
-
 AVX512 static inline __m512 load16(const Ctx *c, int64_t off) {
     if (c->bf16) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)c->cache + off));
