@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import grpc
 import msgpack
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy import client
 from tests.conftest import Cluster, PrivateRedis
@@ -121,6 +123,22 @@ def _worker(c: Cluster, worker_id: str):
         return None
 
 
+def _decoding_now(c: Cluster, worker_id: str) -> bool:
+    """Whether the decode worker decodes a request at this moment, as its own ``/metrics`` says (read at scrape
+    time). The router's view lags by up to a heartbeat and a registry poll (~0.75 s), as long as a whole
+    160-token stream of the test's model: a kill timed on it alone once landed after every stream had ended."""
+    w = _worker(c, worker_id)
+    if w is None or w.num_router_inflight < 1 or not w.metrics_address:
+        return False
+    try:
+        with urllib.request.urlopen(f"http://{w.metrics_address}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return False
+    return any(s.value >= 1 for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "pdserve:num_requests_running")
+
+
 @pytest.fixture
 def chaos_cluster(model_dir):
     r = PrivateRedis()
@@ -157,8 +175,7 @@ def test_faults_under_load_lose_nothing(chaos_cluster):
 
         # 1. kill -9 a decode worker while it decodes requests of this router
         load.phase, mark = "kill decode", len(load.outcomes)
-        _wait(lambda: (w := _worker(c, "d0")) is not None and w.num_router_inflight >= 1 and w.num_running >= 1,
-              60, "d0 to decode")
+        _wait(lambda: _decoding_now(c, "d0"), 60, "d0 to decode")
         c.kill("d0")
         faults.append(("kill -9 decode worker d0 mid-stream", time.monotonic() - started))
         settle(mark, {"d1", "p0", "p1"})
