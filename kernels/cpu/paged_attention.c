@@ -21,9 +21,10 @@
  * update is a compare in the common case; exponentials inline, exp16.h) and the chunk's V
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
  * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
- * Each group of pairs walks all its pages with its state in registers (head-major); the cache is read ahead
- * of the arithmetic: the page PF_AHEAD pages on in the walk (through the block table, into the next kv head
- * and sequence) is prefetched into L2 a row at a time while this page is computed. See sequence_avx512.
+ * On Zen 4 each group of pairs walks all its pages with its state in registers (head-major), elsewhere the
+ * groups take one page at a time (page-major). The cache is read ahead of the arithmetic: a page further on in
+ * the walk (through the block table, into the next kv head or sequence) is prefetched into L2 a row at a time
+ * while this page is computed. See sequence_avx512.
  * AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass softmax below
  * on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into L2 while the
  * one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
@@ -223,10 +224,11 @@ AVX512 static void page_dispatch(const Ctx *c, Group *g, __m512 vscale, const Wa
 #undef W_AHEAD
 }
 
-/* All query rows of sequence b: groups of its (row, head) pairs, each walking all its pages with its state in
- * registers (group_avx512); groups: room for Hkv * ceil(nq * G / R_max).
+/* All query rows of sequence b: groups of its (row, head) pairs (group_avx512), walked head-major (each group
+ * all its pages, its state in registers) where head_major_walk says so, else page-major (the groups of one page,
+ * then the next page); groups: room for Hkv * ceil(nq * G / R_max).
  *
- * The walk is head-major since 2026-11-28: a group's queries, accumulators and softmax state had gone to
+ * On Zen 4 the walk is head-major since 2026-11-28: a group's queries, accumulators and softmax state had gone to
  * memory and back at every page when the heads of one page were computed together (page-major), about a
  * fifth of the kernel's time on Zen 4 at 16-token pages (bench-80m, 32 x 141 tokens, all in L1/L2: 3.14 ms,
  * 2.85 with 32-token pages, 2.70 with 64; head-major 2.55-2.57 whatever the page). With the cache in DRAM the
