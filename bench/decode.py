@@ -16,6 +16,8 @@ One run prints and records, in one process tree on this machine:
     python bench/decode.py --out docs/results/decode        # makes bench-80m if needed
     python bench/decode.py --model .bench-models/bench-9m --steps 4 --batches 1,8 \
         --skip-transformers --skip-speculative --out /tmp/decode-quick   # a quick check of the script
+    taskset -c 1 python bench/decode.py --kinds bf16 --batches 1,32 --steps 48 --reps 5 \
+        --skip-transformers --skip-speculative --out /tmp/decode-b32      # the batch-32 roofline, median of 5
 """
 
 from __future__ import annotations
@@ -127,13 +129,20 @@ def run_decode(engine: DecodeEngine, prompts: list[list[int]], steps: int, warmu
             "engine_step_s": seconds / engine_steps, "acceptance": accepted / drafted if drafted else None}
 
 
+KINDS = {"fp32": ("fp32", "native"), "bf16": ("bf16", "native"), "int4": ("bf16", "int4")}   # --kinds: dtype, weights
+
+
 def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: float, prompt_len: int,
-                     limits: dict | None = None, multi_step: int = DecodeWorkerConfig.multi_step) -> list[dict]:
-    """Decode rows for fp32, bf16 and int4 weights, graph off/on, at each batch. ``bandwidth`` (bytes/s):
-    the DRAM figure; with ``limits`` (:func:`bench.limits.measure_limits`) the speed of light uses the
-    bandwidth measured at each step's working-set size, and MFU / roofline the GEMM rate at its batch."""
+                     limits: dict | None = None, multi_step: int = DecodeWorkerConfig.multi_step,
+                     reps: int = 1, kinds: tuple[str, ...] = tuple(KINDS)) -> list[dict]:
+    """Decode rows for fp32, bf16 and int4 weights (``kinds``, keys of :data:`KINDS`), graph off/on, at each
+    batch. ``bandwidth`` (bytes/s): the DRAM figure; with ``limits`` (:func:`bench.limits.measure_limits`) the
+    speed of light uses the bandwidth measured at each step's working-set size, and MFU / roofline the GEMM
+    rate at its batch. Each row is the median of ``reps`` timed passes by step time (``step_s_runs``: all
+    of them, seconds), the same engine and prompts each time, so that one slow pass on a drifting host
+    does not make the figure."""
     rows = []
-    for dtype, weights in (("fp32", "native"), ("bf16", "native"), ("bf16", "int4")):
+    for dtype, weights in (KINDS[k] for k in kinds):
         for graph in (False, True):
             engine, model = _engine(model_dir, dtype, weights, graph, max(batches), 64 * max(batches) + 8,
                                     multi_step=multi_step)
@@ -141,7 +150,8 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
             for b in batches:
                 prompts = [[1] + torch.randint(3, 2000, (prompt_len - 1,),
                                                generator=torch.Generator().manual_seed(i)).tolist() for i in range(b)]
-                res = run_decode(engine, prompts, steps)
+                runs = sorted((run_decode(engine, prompts, steps) for _ in range(reps)), key=lambda r: r["step_s"])
+                res = {**runs[len(runs) // 2], "step_s_runs": [r["step_s"] for r in runs]}
                 kv_bytes = b * (prompt_len + steps) * engine.spec.block_nbytes // engine.spec.block_size
                 row = {"dtype": dtype, "weights": weights, "graph": graph, "batch": b, "multi_step": multi_step, **res,
                        "weight_bytes": wbytes,
@@ -177,9 +187,14 @@ def _floors(row: dict, model, limits: dict | None, dram: float, context: int) ->
     return out
 
 
+def _spread(r: dict) -> str:
+    runs = r.get("step_s_runs", [])
+    return f" (median of {len(runs)}: {runs[0] * 1e3:.2f}-{runs[-1] * 1e3:.2f})" if len(runs) > 1 else ""
+
+
 def _row_line(r: dict) -> str:
     line = (f"{r['dtype']:5s} {r['weights']:6s} graph={r['graph']!s:5s} batch {r['batch']:3d}: "
-            f"{r['tokens_per_s']:8.1f} tok/s, step {r['step_s'] * 1e3:7.2f} ms, speed of light "
+            f"{r['tokens_per_s']:8.1f} tok/s, step {r['step_s'] * 1e3:7.2f} ms{_spread(r)}, speed of light "
             f"{r['sol_step_s'] * 1e3:6.2f} ms ({r['sol_fraction']:.0%} at {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s "
             f"for {r['working_set_bytes'] / 2**20:.0f} MiB; at DRAM bandwidth "
             f"{r['sol_dram_step_s'] * 1e3:.2f} ms, {r['sol_dram_fraction']:.0%})")
@@ -263,6 +278,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--multi-step", type=int, default=DecodeWorkerConfig.multi_step,
                     help="greedy steps per engine step at most (the decode worker's multi_step; 1: off)")
+    ap.add_argument("--reps", type=int, default=1, help="timed passes per row; the row is their median")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"weight kinds to run, of {', '.join(KINDS)}")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-speculative", action="store_true", help="leave out the speculative decoding part")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "decode"))
@@ -277,8 +294,11 @@ def main() -> None:
     result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "limits": limits,
               "bandwidths": {"c_read": bandwidth, "torch_sum": limits["torch_sum_bytes_per_s"]},
               "threads": args.threads, "prompt_tokens": args.prompt_tokens}
+    kinds = tuple(args.kinds.split(","))
+    if args.reps < 1 or not set(kinds) <= set(KINDS):
+        ap.error(f"--reps must be >= 1 and --kinds of {', '.join(KINDS)}")
     result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens, limits,
-                                        args.multi_step)
+                                        args.multi_step, args.reps, kinds)
     if not args.skip_transformers:
         result["transformers"] = bench_transformers(args.model, [b for b in batches if b <= 8], 24,
                                                     args.prompt_tokens)
