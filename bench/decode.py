@@ -284,6 +284,9 @@ def main() -> None:
     ap.add_argument("--skip-speculative", action="store_true", help="leave out the speculative decoding part")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "decode"))
     args = ap.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if args.reps < 1 or not set(kinds) <= set(KINDS):
+        ap.error(f"--reps must be >= 1 and --kinds of {', '.join(KINDS)}")
     torch.set_num_threads(args.threads)
     if not Path(args.model, "config.json").exists():
         make_model("bench-80m", args.model)
@@ -294,9 +297,6 @@ def main() -> None:
     result = {"model": args.model, "bandwidth_bytes_per_s": bandwidth, "limits": limits,
               "bandwidths": {"c_read": bandwidth, "torch_sum": limits["torch_sum_bytes_per_s"]},
               "threads": args.threads, "prompt_tokens": args.prompt_tokens}
-    kinds = tuple(args.kinds.split(","))
-    if args.reps < 1 or not set(kinds) <= set(KINDS):
-        ap.error(f"--reps must be >= 1 and --kinds of {', '.join(KINDS)}")
     result["engine"] = bench_throughput(args.model, batches, args.steps, bandwidth, args.prompt_tokens, limits,
                                         args.multi_step, args.reps, kinds)
     if not args.skip_transformers:
