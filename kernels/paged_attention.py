@@ -34,6 +34,35 @@ CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel b
 
 
 @dataclass(frozen=True)
+class SequenceGroup:
+    """Some of a step's sequences, as the CPU kernels take them.
+
+    Attributes:
+        rows: ``[num_rows]`` int64, the group's rows of the step's flat batch, sequence by sequence.
+        query_start_loc: ``[G + 1]`` int32 over those rows; ``seq_lens``: ``[G]`` int32;
+        block_tables: ``[G, max_blocks]`` int32.
+    """
+
+    rows: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A CPU step that mixes decode-sized sequences (at most :data:`CPU_KERNEL_MAX_QUERY` new tokens) with
+    prefill chunks: the first go to the decode kernel, the others to the prefill kernel, as vLLM's CPU
+    attention backend runs a batch's decodes and prefills apart. Given the whole step, the prefill kernel
+    packs every sequence's context into its tile layouts, one decode row included: a step of a 512-token
+    chunk and 32 decode rows at 2,048 tokens of context took 1.9x its two halves run apart
+    (``bench/mixed_step.py``)."""
+
+    decode: SequenceGroup
+    prefill: SequenceGroup
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Per-step attention inputs for a flat token batch.
 
@@ -44,7 +73,8 @@ class AttentionMetadata:
             padding points at row 0 and is masked out of the result by ``query_valid``.
         query_valid: ``[B, max_q]`` bool.
         ctx_block: ``[B, max_ctx]`` int64, block id of each context position (0 where padded);
-            empty (``[1, 0]``) for a fresh prefill, which never gathers.
+            empty (``[1, 0]``) for a fresh prefill, which never gathers; None (with ``ctx_offset`` and
+            ``attn_mask``) where the step's attention runs on the C kernels, which read the block tables.
         ctx_offset: ``[B, max_ctx]`` int64, offset inside the block (empty for a fresh prefill).
         attn_mask: ``[B, 1, max_q, max_ctx]`` bool, True where the query may attend to the key
             (empty for a fresh prefill, which runs causally).
@@ -56,21 +86,24 @@ class AttentionMetadata:
         query_start_loc: ``[B + 1]`` int32, sequence ``b``'s new tokens are rows ``[qsl[b], qsl[b+1])``.
         cpu_kernels: the step is CPU-side and decode-sized (:func:`cpu_kernels_apply`): attention,
             RMSNorm, RoPE and SiLU may run as the C kernels of :mod:`kernels.cpu`.
+        split: a CPU step mixing decode-sized sequences and prefill chunks, its two groups
+            (:func:`split_step`); None otherwise.
     """
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     query_index: torch.Tensor
     query_valid: torch.Tensor
-    ctx_block: torch.Tensor
-    ctx_offset: torch.Tensor
-    attn_mask: torch.Tensor
+    ctx_block: torch.Tensor | None
+    ctx_offset: torch.Tensor | None
+    attn_mask: torch.Tensor | None
     fresh_prefill: bool
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     decode_only: bool
     query_start_loc: torch.Tensor
     cpu_kernels: bool = False
+    split: StepSplit | None = None
 
     @property
     def max_query_len(self) -> int:
@@ -83,7 +116,7 @@ class AttentionMetadata:
 
 def build_attention_metadata(
     query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
 ) -> AttentionMetadata:
     """Build the metadata of a step over ``B`` sequences.
 
@@ -95,17 +128,18 @@ def build_attention_metadata(
         device: where the step runs.
         kv_dtype: the KV cache's dtype; the CPU kernels are considered only when it is given
             (:func:`cpu_kernels_apply`).
+        head_dim: given by a caller whose queries have the cache's dtype, so that a bf16 step whose
+            attention runs on the C prefill kernel skips the torch path's gather indices and mask
+            (``[B, 1, max_q, max_ctx]``: 40 ms for a 512-token chunk beside 32 rows at 2,048 tokens of context).
     Raises:
         ValueError: inconsistent lengths or a block table too short.
     """
     if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
         raise ValueError("query_lens, seq_lens and block_tables must be non-empty and of equal length")
-    num_seqs, max_q, max_ctx = len(query_lens), max(query_lens), max(seq_lens)
+    num_seqs, max_q = len(query_lens), max(query_lens)
     fresh = num_seqs == 1 and query_lens[0] == seq_lens[0]
-    gather = not fresh                  # a fresh prompt attends causally to its own K/V: no gather, no mask
     positions, slots = [], []
     query_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
-    ctx_block = torch.zeros(num_seqs, max_ctx if gather else 0, dtype=torch.long)
     row = 0
     for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
         if not 1 <= q_len <= s_len:
@@ -117,38 +151,77 @@ def build_attention_metadata(
         slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
         query_index[i, :q_len] = torch.arange(row, row + q_len)
         row += q_len
-        if gather:
-            blocks = torch.tensor(table[: -(-s_len // block_size)], dtype=torch.long)
-            ctx_block[i, :s_len] = blocks.repeat_interleave(block_size)[:s_len]
     q_lens = torch.tensor(query_lens)
     s_lens = torch.tensor(seq_lens)
     query_valid = torch.arange(max_q)[None, :] < q_lens[:, None]
-    if gather:
-        q_pos = (s_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]    # [B, max_q] absolute positions
-        k_pos = torch.arange(max_ctx)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s_lens[:, None, None])
-        mask[:, :, 0] |= ~query_valid                                        # padded rows see key 0: no NaN
-        ctx_offset = (k_pos % block_size).expand(num_seqs, max_ctx).contiguous()
-    else:
-        mask = torch.zeros(1, 0, 0, dtype=torch.bool)
-        ctx_offset = torch.zeros(1, 0, dtype=torch.long)
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
+    dev = torch.device(device)
+    cpu_kernels = kv_dtype is not None and cpu_kernels_apply(dev, max_q, len(positions), kv_dtype)
+    split = None if cpu_kernels or kv_dtype is None else split_step(query_lens, s_lens, tables, dev, kv_dtype)
+    c_prefill = dev.type == "cpu" and kv_dtype == torch.bfloat16 and head_dim is not None \
+        and prefill_attention_available(head_dim)
+    if fresh:                           # a fresh prompt attends causally to its own K/V: no gather, no mask
+        ctx_block, ctx_offset, mask = (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long),
+                                       torch.zeros(1, 1, 0, 0, dtype=torch.bool))
+    elif cpu_kernels or c_prefill:      # the C kernels read the block tables
+        ctx_block = ctx_offset = mask = None
+    else:
+        ctx_block, ctx_offset, mask = _torch_gather(q_lens, s_lens, tables, query_valid, block_size)
     return AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         query_index=query_index.to(device),
         query_valid=query_valid.to(device),
-        ctx_block=ctx_block.to(device),
-        ctx_offset=ctx_offset.to(device),
-        attn_mask=mask[:, None].to(device),
+        ctx_block=None if ctx_block is None else ctx_block.to(device),
+        ctx_offset=None if ctx_offset is None else ctx_offset.to(device),
+        attn_mask=None if mask is None else mask.to(device),
         fresh_prefill=fresh,
         block_tables=tables.to(device),
         seq_lens=s_lens.to(torch.int32).to(device),
         decode_only=max_q == 1,
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)]).to(device),
-        cpu_kernels=kv_dtype is not None and cpu_kernels_apply(torch.device(device), max_q, len(positions), kv_dtype),
+        cpu_kernels=cpu_kernels,
+        split=split,
     )
+
+
+def _torch_gather(q_lens: torch.Tensor, s_lens: torch.Tensor, tables: torch.Tensor, query_valid: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch path's ``ctx_block``, ``ctx_offset`` (``[B, max_ctx]`` int64) and ``attn_mask``
+    (``[B, 1, max_q, max_ctx]`` bool) of a step that reads earlier context."""
+    num_seqs, max_q, max_ctx = q_lens.shape[0], query_valid.shape[1], int(s_lens.max())
+    k_pos = torch.arange(max_ctx)
+    ctx_block = tables[:, k_pos // block_size].long() * (k_pos[None, :] < s_lens[:, None])   # 0 where padded
+    q_pos = (s_lens - q_lens)[:, None] + torch.arange(max_q)[None, :]    # [B, max_q] absolute positions
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < s_lens[:, None, None])
+    mask[:, :, 0] |= ~query_valid                                        # padded rows see key 0: no NaN
+    ctx_offset = (k_pos % block_size).expand(num_seqs, max_ctx).contiguous()
+    return ctx_block, ctx_offset, mask[:, None]
+
+
+def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor, device: torch.device,
+               kv_dtype: torch.dtype) -> StepSplit | None:
+    """The :class:`StepSplit` of a step on the CPU with a float32 or bf16 cache whose sequences are some
+    decode-sized (at most :data:`CPU_KERNEL_MAX_QUERY` new tokens) and some longer, where the decode kernel
+    builds; else None. ``seq_lens``: ``[B]`` int64; ``block_tables``: ``[B, max_blocks]`` int32."""
+    short = [q <= CPU_KERNEL_MAX_QUERY for q in query_lens]
+    if device.type != "cpu" or kv_dtype not in DTYPES or all(short) or not any(short) or not attention_available():
+        return None
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+
+    def group(members: list[int]) -> SequenceGroup:
+        lens = [query_lens[i] for i in members]
+        return SequenceGroup(
+            rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]),
+            query_start_loc=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            seq_lens=seq_lens[members].to(torch.int32),
+            block_tables=block_tables[members].contiguous())
+
+    return StepSplit(decode=group([i for i, s in enumerate(short) if s]),
+                     prefill=group([i for i, s in enumerate(short) if not s]))
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -177,6 +250,9 @@ def paged_attention_torch(
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
     """
+    if meta.attn_mask is None:
+        raise ValueError("paged_attention_torch: this step's metadata was built for the C attention kernels "
+                         "(no gather indices); build it without head_dim")
     if meta.fresh_prefill:  # one prompt, no earlier context: plain causal attention
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -208,8 +284,25 @@ def paged_attention(
         return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     if q.dtype == kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu" \
             and prefill_attention_available(q.shape[-1]):
+        if meta.split is not None:
+            return split_attention(q, kv_cache, layer, meta.split, scale)
         return prefill_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)
+
+
+def split_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: StepSplit,
+                    scale: float) -> torch.Tensor:
+    """A mixed step's attention in two kernel calls: the decode-sized sequences' rows on
+    :func:`~kernels.cpu.attention.paged_attention_cpu`, the prefill chunks' on
+    :func:`~kernels.cpu.attention.prefill_attention_cpu`. Each row's result is the one its kernel gives it
+    with the other group absent. ``q``: ``[num_tokens, num_heads, head_dim]`` bf16 (the cache bf16 too);
+    returns the same shape and dtype."""
+    out = torch.empty_like(q)
+    d, p = split.decode, split.prefill
+    out[d.rows] = paged_attention_cpu(q[d.rows], kv_cache, layer, d.query_start_loc, d.seq_lens, d.block_tables, scale)
+    out[p.rows] = prefill_attention_cpu(q[p.rows], kv_cache, layer, p.query_start_loc, p.seq_lens, p.block_tables,
+                                        scale)
+    return out
 
 
 def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int, kv_dtype: torch.dtype) -> bool:

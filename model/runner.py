@@ -35,6 +35,8 @@ class ModelRunner:
             device = next(model.parameters()).device
         self.model, self.spec, self.device = model, spec, device
         self.kv_cache = spec.allocate(device)
+        # queries in the cache's dtype: a step's metadata may skip the torch attention path's gather indices
+        self._head_dim = spec.head_dim if model.embed_tokens.weight.dtype == spec.dtype else None
 
     def run(self, batch: list[StepInput], all_logits: bool = False, num_layers: int | None = None) -> torch.Tensor:
         """Run the step and return float32 logits: ``[len(batch), vocab]`` of each sequence's last
@@ -49,7 +51,7 @@ class ModelRunner:
         query_lens = [len(s.token_ids) for s in batch]
         meta = build_attention_metadata(
             query_lens, [s.num_computed + q for s, q in zip(batch, query_lens)],
-            [s.block_table for s in batch], self.spec.block_size, self.device, self.kv_cache.dtype)
+            [s.block_table for s in batch], self.spec.block_size, self.device, self.kv_cache.dtype, self._head_dim)
         input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_cache, num_layers)
         if all_logits:

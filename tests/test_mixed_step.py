@@ -1,0 +1,126 @@
+"""CPU steps that mix decode rows with prefill chunks (a colocated worker's chunked prefill): the metadata's
+split into the two groups, each group on its own kernel, and the torch path's gather indices left unbuilt
+where the C kernels read the block tables."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pdserve.kernels.paged_attention as pa
+from pdserve.kernels.cpu.attention import (
+    attention_available,
+    paged_attention_cpu,
+    prefill_attention_available,
+    prefill_attention_cpu,
+)
+from pdserve.kernels.paged_attention import build_attention_metadata, paged_attention, paged_attention_torch
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.runner import ModelRunner, StepInput
+
+needs_kernels = pytest.mark.skipif(not (attention_available() and prefill_attention_available(64)),
+                                   reason="no C compiler or no AVX2")
+
+# a 40-token chunk after 20 tokens, a decode row, a 3-token verification block, a fresh 9-token prompt
+QUERY_LENS, SEQ_LENS = [40, 1, 3, 9], [60, 33, 17, 9]
+
+
+def _tables(block_size: int) -> list[list[int]]:
+    tables, at = [], 0
+    for s in SEQ_LENS:
+        n = -(-s // block_size)
+        tables.append(list(range(at + n - 1, at - 1, -1)))      # each sequence's blocks in reverse order
+        at += n
+    return tables
+
+
+@needs_kernels
+def test_a_mixed_step_is_split_into_its_decode_sized_and_its_prefill_sequences():
+    meta = build_attention_metadata(QUERY_LENS, SEQ_LENS, _tables(16), 16, "cpu", torch.bfloat16)
+    d, p = meta.split.decode, meta.split.prefill
+    assert d.rows.tolist() == [40, 41, 42, 43] and p.rows.tolist() == list(range(40)) + list(range(44, 53))
+    assert d.query_start_loc.tolist() == [0, 1, 4] and p.query_start_loc.tolist() == [0, 40, 49]
+    assert d.seq_lens.tolist() == [33, 17] and p.seq_lens.tolist() == [60, 9]
+    assert d.block_tables.tolist() == [[6, 5, 4, 0], [8, 7, 0, 0]]
+    assert p.block_tables.tolist() == [[3, 2, 1, 0], [9, 0, 0, 0]]
+    assert all(t.dtype == torch.int32 for t in (d.query_start_loc, d.seq_lens, d.block_tables))
+
+
+@pytest.mark.parametrize("query_lens, seq_lens, kv_dtype", [
+    ([1, 1, 8], [5, 9, 20], torch.bfloat16),        # decode-sized only: the decode kernel takes the whole step
+    ([40, 9], [60, 9], torch.bfloat16),             # prefill chunks only
+    ([40, 1], [60, 9], None),                       # no cache dtype: no CPU kernels considered
+    ([40, 1], [60, 9], torch.float16),              # a cache the C kernels do not read
+])
+def test_steps_that_are_not_mixed_or_not_for_the_c_kernels_are_not_split(query_lens, seq_lens, kv_dtype):
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(query_lens))]
+    assert build_attention_metadata(query_lens, seq_lens, tables, 16, "cpu", kv_dtype).split is None
+
+
+def _cache_and_queries(block_size: int = 16, heads: int = 12, kv_heads: int = 4, head_dim: int = 64):
+    torch.manual_seed(0)
+    num_blocks = sum(len(t) for t in _tables(block_size))
+    cache = torch.randn(num_blocks, 2, 2, block_size, kv_heads, head_dim).bfloat16()
+    q = (torch.randn(sum(QUERY_LENS), heads, head_dim) * 2).bfloat16()
+    return cache, q
+
+
+@needs_kernels
+def test_each_group_of_a_mixed_step_gets_its_own_kernels_result_and_torchs_within_bf16():
+    cache, q = _cache_and_queries()
+    meta = build_attention_metadata(QUERY_LENS, SEQ_LENS, _tables(16), 16, "cpu", torch.bfloat16, head_dim=64)
+    out = paged_attention(q, None, None, cache, 1, meta, 0.2)
+    d, p = meta.split.decode, meta.split.prefill
+    alone_d = paged_attention_cpu(q[d.rows], cache, 1, d.query_start_loc, d.seq_lens, d.block_tables, 0.2)
+    alone_p = prefill_attention_cpu(q[p.rows], cache, 1, p.query_start_loc, p.seq_lens, p.block_tables, 0.2)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[d.rows], alone_d) and torch.equal(out[p.rows], alone_p)
+    reference = build_attention_metadata(QUERY_LENS, SEQ_LENS, _tables(16), 16)     # the torch path's
+    ref = paged_attention_torch(q.float(), None, None, cache.float(), 1, reference, 0.2)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+
+
+@needs_kernels
+def test_metadata_for_the_c_kernels_skips_the_torch_gather_and_the_torch_path_says_so():
+    tables = _tables(16)
+    for_c = build_attention_metadata(QUERY_LENS, SEQ_LENS, tables, 16, "cpu", torch.bfloat16, head_dim=64)
+    assert for_c.ctx_block is None and for_c.ctx_offset is None and for_c.attn_mask is None
+    cache, q = _cache_and_queries()
+    with pytest.raises(ValueError, match="built for the C attention kernels"):
+        paged_attention_torch(q, None, None, cache, 1, for_c, 0.2)
+    full = build_attention_metadata(QUERY_LENS, SEQ_LENS, tables, 16, "cpu", torch.bfloat16)   # no head_dim
+    assert full.attn_mask.shape == (4, 1, 40, 60) and full.ctx_block.shape == full.ctx_offset.shape == (4, 60)
+    assert full.ctx_block[1].tolist() == [6] * 16 + [5] * 16 + [4] + [0] * 27     # 0 past the context
+    fp32 = build_attention_metadata(QUERY_LENS, SEQ_LENS, tables, 16, "cpu", torch.float32, head_dim=64)
+    assert fp32.attn_mask is not None                        # a float32 cache's chunks take the torch path
+
+
+@needs_kernels
+def test_a_mixed_bf16_step_sends_only_its_prefill_rows_to_the_prefill_kernel_and_keeps_every_rows_logits(
+        model_dir, monkeypatch):
+    model, cfg = load_model(model_dir, torch.bfloat16)
+    runner = ModelRunner(model, KVCacheSpec.for_model(cfg, 32, 16, torch.bfloat16))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (70, 30, 45)]
+    tables = [list(range(0, 6)), list(range(8, 12)), list(range(16, 20))]
+    alone = [runner.run([StepInput(prompts[0][:40], 0, tables[0])])]
+    alone.append(runner.run([StepInput(prompts[0][40:], 40, tables[0])]))          # the chunk after, alone
+    for p, t in zip(prompts[1:], tables[1:]):
+        runner.run([StepInput(p[:-1], 0, t)])
+    decode_alone = runner.run([StepInput(p[-1:], len(p) - 1, t) for p, t in zip(prompts[1:], tables[1:])])
+    seen = []
+
+    def spy(q, *args):
+        seen.append(q.shape[0])
+        return prefill_attention_cpu(q, *args)
+
+    monkeypatch.setattr(pa, "prefill_attention_cpu", spy)
+    mixed = runner.run([StepInput(prompts[1][-1:], len(prompts[1]) - 1, tables[1]),
+                        StepInput(prompts[0][40:], 40, tables[0]),
+                        StepInput(prompts[2][-1:], len(prompts[2]) - 1, tables[2])])
+    assert seen == [30] * cfg.num_layers                     # the chunk's rows only, at every layer
+    torch.testing.assert_close(mixed[1], alone[1][0], rtol=0, atol=0.05)
+    torch.testing.assert_close(mixed[[0, 2]], decode_alone, rtol=0, atol=0.05)
+    assert mixed.argmax(-1).tolist() == [decode_alone[0].argmax().item(), alone[1][0].argmax().item(),
+                                         decode_alone[1].argmax().item()]
