@@ -1,5 +1,5 @@
 """A colocated worker's mixed step against its two halves: a ``--chunk``-token prefill chunk of a new prompt
-beside ``--rows`` decode rows whose contexts are ``--contexts`` tokens long, on bench-80m bf16 loaded as a
+beside ``--rows`` decode rows whose contexts are ``--contexts`` tokens long, on bench-80m bf16 (``--model``, ``--dtype``) loaded as a
 colocated decode worker loads it (``decode_worker.server.load_decode_model``). Prints ms per step (median
 of ``--reps``) for the chunk alone, the decode rows alone (a step of the per-operation path, not the decode
 graph) and both in one step, and writes them as JSON with the machine's facts (``bench.common.write_result``).
@@ -28,12 +28,12 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def measure(model_dir: str, chunk: int, rows: int, context: int, reps: int) -> dict:
+def measure(model_dir: str, dtype: str, chunk: int, rows: int, context: int, reps: int) -> dict:
     """ms per step, medians of ``reps``, of the chunk alone, the decode rows alone and the mixed step."""
-    cfg = DecodeWorkerConfig(model_dir=model_dir, worker_id="bench", dtype="bfloat16", colocated=True)
+    cfg = DecodeWorkerConfig(model_dir=model_dir, worker_id="bench", dtype=dtype, colocated=True)
     model, model_cfg = load_decode_model(cfg)
     per_seq = (max(context, chunk) + 16) // 16 + 1
-    runner = ModelRunner(model, KVCacheSpec.for_model(model_cfg, per_seq * (rows + 1), 16, torch.bfloat16))
+    runner = ModelRunner(model, KVCacheSpec.for_model(model_cfg, per_seq * (rows + 1), 16, cfg.torch_dtype))
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(rows + 1)]
     for i in range(rows):                                   # the decode rows' contexts, prefilled in chunks
         ids = _prompt(context, 100 + i, model_cfg.vocab_size)
@@ -59,6 +59,7 @@ def measure(model_dir: str, chunk: int, rows: int, context: int, reps: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / ".bench-models" / "bench-80m"))
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--contexts", default="512,2048")
@@ -68,7 +69,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results = []
     for context in (int(c) for c in args.contexts.split(",")):
-        r = measure(args.model, args.chunk, args.rows, context, args.reps)
+        r = measure(args.model, args.dtype, args.chunk, args.rows, context, args.reps)
         results.append(r)
         print(f"{args.chunk}-token chunk + {args.rows} decode rows at {context} tokens of context: chunk alone "
               f"{r['chunk_alone_ms']:.1f} ms, rows alone {r['rows_alone_ms']:.1f} ms, mixed {r['mixed_ms']:.1f} ms "

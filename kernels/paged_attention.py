@@ -56,10 +56,14 @@ class StepSplit:
     attention backend runs a batch's decodes and prefills apart. Given the whole step, the prefill kernel
     packs every sequence's context into its tile layouts, one decode row included: a step of a 512-token
     chunk and 32 decode rows at 2,048 tokens of context took 1.9x its two halves run apart
-    (``bench/mixed_step.py``)."""
+    (``bench/mixed_step.py``, AMX Xeon); on the torch path (a float32 cache) every decode row was padded to the
+    chunk's length in one ``[B, max_q, max_ctx]`` batch: 12x and 39x the halves on bench-9m fp32 at 512 and
+    2,048 tokens of context (1,212 -> 106 ms, 3,961 -> 117 ms split). ``prefill_torch``: the prefill group's
+    own metadata where its chunks may take the torch path."""
 
     decode: SequenceGroup
     prefill: SequenceGroup
+    prefill_torch: AttentionMetadata | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,7 @@ class AttentionMetadata:
 def build_attention_metadata(
     query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
     device: torch.device | str = "cpu", kv_dtype: torch.dtype | None = None, head_dim: int | None = None,
+    gather_fresh: bool = False,
 ) -> AttentionMetadata:
     """Build the metadata of a step over ``B`` sequences.
 
@@ -131,13 +136,15 @@ def build_attention_metadata(
         head_dim: given by a caller whose queries have the cache's dtype, so that a bf16 step whose
             attention runs on the C prefill kernel skips the torch path's gather indices and mask
             (``[B, 1, max_q, max_ctx]``: 40 ms for a 512-token chunk beside 32 rows at 2,048 tokens of context).
+        gather_fresh: a fresh prompt reads its K/V from the cache like a later chunk (a :class:`StepSplit`'s
+            prefill group, whose attention is not given the step's K/V).
     Raises:
         ValueError: inconsistent lengths or a block table too short.
     """
     if not (len(query_lens) == len(seq_lens) == len(block_tables)) or not query_lens:
         raise ValueError("query_lens, seq_lens and block_tables must be non-empty and of equal length")
     num_seqs, max_q = len(query_lens), max(query_lens)
-    fresh = num_seqs == 1 and query_lens[0] == seq_lens[0]
+    fresh = num_seqs == 1 and query_lens[0] == seq_lens[0] and not gather_fresh
     positions, slots = [], []
     query_index = torch.zeros(num_seqs, max_q, dtype=torch.long)
     row = 0
@@ -158,13 +165,14 @@ def build_attention_metadata(
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
     dev = torch.device(device)
     cpu_kernels = kv_dtype is not None and cpu_kernels_apply(dev, max_q, len(positions), kv_dtype)
-    split = None if cpu_kernels or kv_dtype is None else split_step(query_lens, s_lens, tables, dev, kv_dtype)
     c_prefill = dev.type == "cpu" and kv_dtype == torch.bfloat16 and head_dim is not None \
         and prefill_attention_available(head_dim)
+    split = None if cpu_kernels or kv_dtype is None else \
+        split_step(query_lens, s_lens, tables, block_size, dev, kv_dtype, torch_path=not c_prefill)
     if fresh:                           # a fresh prompt attends causally to its own K/V: no gather, no mask
         ctx_block, ctx_offset, mask = (torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long),
                                        torch.zeros(1, 1, 0, 0, dtype=torch.bool))
-    elif cpu_kernels or c_prefill:      # the C kernels read the block tables
+    elif cpu_kernels or c_prefill or split is not None:   # the C kernels read the block tables; a split has its own
         ctx_block = ctx_offset = mask = None
     else:
         ctx_block, ctx_offset, mask = _torch_gather(q_lens, s_lens, tables, query_valid, block_size)
@@ -200,11 +208,12 @@ def _torch_gather(q_lens: torch.Tensor, s_lens: torch.Tensor, tables: torch.Tens
     return ctx_block, ctx_offset, mask[:, None]
 
 
-def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor, device: torch.device,
-               kv_dtype: torch.dtype) -> StepSplit | None:
+def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+               device: torch.device, kv_dtype: torch.dtype, torch_path: bool) -> StepSplit | None:
     """The :class:`StepSplit` of a step on the CPU with a float32 or bf16 cache whose sequences are some
     decode-sized (at most :data:`CPU_KERNEL_MAX_QUERY` new tokens) and some longer, where the decode kernel
-    builds; else None. ``seq_lens``: ``[B]`` int64; ``block_tables``: ``[B, max_blocks]`` int32."""
+    builds; else None. ``seq_lens``: ``[B]`` int64; ``block_tables``: ``[B, max_blocks]`` int32.
+    ``torch_path``: the prefill chunks may take the torch path, so their group carries its own metadata."""
     short = [q <= CPU_KERNEL_MAX_QUERY for q in query_lens]
     if device.type != "cpu" or kv_dtype not in DTYPES or all(short) or not any(short) or not attention_available():
         return None
@@ -220,8 +229,15 @@ def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torc
             seq_lens=seq_lens[members].to(torch.int32),
             block_tables=block_tables[members].contiguous())
 
-    return StepSplit(decode=group([i for i, s in enumerate(short) if s]),
-                     prefill=group([i for i, s in enumerate(short) if not s]))
+    long = [i for i, s in enumerate(short) if not s]
+    torch_meta = None
+    if torch_path:             # gathered: the fresh-prompt path would need the step's K/V, not the cache's
+        torch_meta = build_attention_metadata(
+            [query_lens[i] for i in long], [int(seq_lens[i]) for i in long],
+            [block_tables[i, :-(-int(seq_lens[i]) // block_size)].tolist() for i in long], block_size, device,
+            gather_fresh=True)
+    return StepSplit(decode=group([i for i, s in enumerate(short) if s]), prefill=group(long),
+                     prefill_torch=torch_meta)
 
 
 def write_kv(kv_cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -285,23 +301,29 @@ def paged_attention(
     if q.dtype == kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu" \
             and prefill_attention_available(q.shape[-1]):
         if meta.split is not None:
-            return split_attention(q, kv_cache, layer, meta.split, scale)
+            return split_attention(q, kv_cache, layer, meta.split, scale, c_prefill=True)
         return prefill_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    if meta.split is not None and meta.split.prefill_torch is not None:
+        return split_attention(q, kv_cache, layer, meta.split, scale, c_prefill=False)
     return paged_attention_torch(q, k, v, kv_cache, layer, meta, scale)
 
 
-def split_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: StepSplit,
-                    scale: float) -> torch.Tensor:
-    """A mixed step's attention in two kernel calls: the decode-sized sequences' rows on
+def split_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: StepSplit, scale: float,
+                    c_prefill: bool) -> torch.Tensor:
+    """A mixed step's attention in two calls: the decode-sized sequences' rows on
     :func:`~kernels.cpu.attention.paged_attention_cpu`, the prefill chunks' on
-    :func:`~kernels.cpu.attention.prefill_attention_cpu`. Each row's result is the one its kernel gives it
-    with the other group absent. ``q``: ``[num_tokens, num_heads, head_dim]`` bf16 (the cache bf16 too);
-    returns the same shape and dtype."""
+    :func:`~kernels.cpu.attention.prefill_attention_cpu` where ``c_prefill`` (bf16 ``q`` and cache), else on the
+    torch path over the group's own metadata (``split.prefill_torch``). Each row's result is the one its kernel
+    gives it with the other group absent. ``q``: ``[num_tokens, num_heads, head_dim]``; returns the same shape
+    and dtype."""
     out = torch.empty_like(q)
     d, p = split.decode, split.prefill
     out[d.rows] = paged_attention_cpu(q[d.rows], kv_cache, layer, d.query_start_loc, d.seq_lens, d.block_tables, scale)
-    out[p.rows] = prefill_attention_cpu(q[p.rows], kv_cache, layer, p.query_start_loc, p.seq_lens, p.block_tables,
-                                        scale)
+    if c_prefill:
+        out[p.rows] = prefill_attention_cpu(q[p.rows], kv_cache, layer, p.query_start_loc, p.seq_lens,
+                                            p.block_tables, scale)
+    else:
+        out[p.rows] = paged_attention_torch(q[p.rows], None, None, kv_cache, layer, split.prefill_torch, scale)
     return out
 
 

@@ -82,45 +82,67 @@ def test_each_group_of_a_mixed_step_gets_its_own_kernels_result_and_torchs_withi
 
 
 @needs_kernels
-def test_metadata_for_the_c_kernels_skips_the_torch_gather_and_the_torch_path_says_so():
+def test_only_the_attention_that_runs_gets_gather_indices_and_the_torch_path_refuses_metadata_without():
     tables = _tables(16)
     for_c = build_attention_metadata(QUERY_LENS, SEQ_LENS, tables, 16, "cpu", torch.bfloat16, head_dim=64)
     assert for_c.ctx_block is None and for_c.ctx_offset is None and for_c.attn_mask is None
+    assert for_c.split.prefill_torch is None                  # both groups on C kernels
     cache, q = _cache_and_queries()
     with pytest.raises(ValueError, match="built for the C attention kernels"):
         paged_attention_torch(q, None, None, cache, 1, for_c, 0.2)
-    full = build_attention_metadata(QUERY_LENS, SEQ_LENS, tables, 16, "cpu", torch.bfloat16)   # no head_dim
-    assert full.attn_mask.shape == (4, 1, 40, 60) and full.ctx_block.shape == full.ctx_offset.shape == (4, 60)
-    assert full.ctx_block[1].tolist() == [6] * 16 + [5] * 16 + [4] + [0] * 27     # 0 past the context
     fp32 = build_attention_metadata(QUERY_LENS, SEQ_LENS, tables, 16, "cpu", torch.float32, head_dim=64)
-    assert fp32.attn_mask is not None                        # a float32 cache's chunks take the torch path
+    group = fp32.split.prefill_torch                          # a float32 cache's chunks: the torch path, alone
+    assert fp32.attn_mask is None and group.attn_mask.shape == (2, 1, 40, 60) and not group.fresh_prefill
+    assert group.ctx_block[1].tolist() == [9] * 9 + [0] * 51                       # the fresh prompt gathers
+    chunk = build_attention_metadata([40], [60], tables[:1], 16, "cpu", torch.bfloat16)   # no split, no head_dim
+    assert chunk.split is None and chunk.attn_mask.shape == (1, 1, 40, 60)
+    assert chunk.ctx_block[0].tolist() == [3] * 16 + [2] * 16 + [1] * 16 + [0] * 12
+    assert build_attention_metadata([40], [60], tables[:1], 16, "cpu", torch.bfloat16, head_dim=64).attn_mask is None
 
 
 @needs_kernels
-def test_a_mixed_bf16_step_sends_only_its_prefill_rows_to_the_prefill_kernel_and_keeps_every_rows_logits(
-        model_dir, monkeypatch):
-    model, cfg = load_model(model_dir, torch.bfloat16)
-    runner = ModelRunner(model, KVCacheSpec.for_model(cfg, 32, 16, torch.bfloat16))
+def test_a_mixed_float32_step_pads_no_decode_row_to_the_chunk_and_matches_torch():
+    cache, q = _cache_and_queries()
+    cache, q = cache.float(), q.float()
+    meta = build_attention_metadata(QUERY_LENS, SEQ_LENS, _tables(16), 16, "cpu", torch.float32, head_dim=64)
+    out = paged_attention(q, None, None, cache, 1, meta, 0.2)
+    d = meta.split.decode
+    alone_d = paged_attention_cpu(q[d.rows], cache, 1, d.query_start_loc, d.seq_lens, d.block_tables, 0.2)
+    assert out.dtype == torch.float32 and torch.equal(out[d.rows], alone_d)
+    ref = paged_attention_torch(q, None, None, cache, 1, build_attention_metadata(QUERY_LENS, SEQ_LENS, _tables(16),
+                                                                                   16), 0.2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_mixed_step_sends_only_its_prefill_rows_to_the_prefill_attention_and_keeps_every_rows_logits(
+        model_dir, monkeypatch, dtype):
+    model, cfg = load_model(model_dir, dtype)
+    runner = ModelRunner(model, KVCacheSpec.for_model(cfg, 32, 16, dtype))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (70, 30, 45)]
     tables = [list(range(0, 6)), list(range(8, 12)), list(range(16, 20))]
-    alone = [runner.run([StepInput(prompts[0][:40], 0, tables[0])])]
-    alone.append(runner.run([StepInput(prompts[0][40:], 40, tables[0])]))          # the chunk after, alone
+    runner.run([StepInput(prompts[0][:40], 0, tables[0])])
+    alone = runner.run([StepInput(prompts[0][40:], 40, tables[0])])                # the chunk after, alone
     for p, t in zip(prompts[1:], tables[1:]):
         runner.run([StepInput(p[:-1], 0, t)])
     decode_alone = runner.run([StepInput(p[-1:], len(p) - 1, t) for p, t in zip(prompts[1:], tables[1:])])
     seen = []
+    name = "prefill_attention_cpu" if dtype == torch.bfloat16 else "paged_attention_torch"
+    kernel = getattr(pa, name)
 
     def spy(q, *args):
         seen.append(q.shape[0])
-        return prefill_attention_cpu(q, *args)
+        return kernel(q, *args)
 
-    monkeypatch.setattr(pa, "prefill_attention_cpu", spy)
+    monkeypatch.setattr(pa, name, spy)
     mixed = runner.run([StepInput(prompts[1][-1:], len(prompts[1]) - 1, tables[1]),
                         StepInput(prompts[0][40:], 40, tables[0]),
                         StepInput(prompts[2][-1:], len(prompts[2]) - 1, tables[2])])
     assert seen == [30] * cfg.num_layers                     # the chunk's rows only, at every layer
-    torch.testing.assert_close(mixed[1], alone[1][0], rtol=0, atol=0.05)
-    torch.testing.assert_close(mixed[[0, 2]], decode_alone, rtol=0, atol=0.05)
-    assert mixed.argmax(-1).tolist() == [decode_alone[0].argmax().item(), alone[1][0].argmax().item(),
+    atol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(mixed[1], alone[0], rtol=0, atol=atol)
+    torch.testing.assert_close(mixed[[0, 2]], decode_alone, rtol=0, atol=atol)
+    assert mixed.argmax(-1).tolist() == [decode_alone[0].argmax().item(), alone[0].argmax().item(),
                                          decode_alone[1].argmax().item()]
