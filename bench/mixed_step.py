@@ -1,11 +1,13 @@
 """A colocated worker's mixed step against its two halves: a ``--chunk``-token prefill chunk of a new prompt
 beside ``--rows`` decode rows whose contexts are ``--contexts`` tokens long, on bench-80m bf16 (``--model``,
-``--dtype``) loaded as a colocated decode worker loads it (``decode_worker.server.load_decode_model``). Prints ms per step (median
-of ``--reps``) for the chunk alone, the decode rows alone (a step of the per-operation path, not the decode
-graph) and both in one step, and writes them as JSON with the machine's facts (``bench.common.write_result``).
-Not run in CI.
+``--dtype``) loaded as a colocated decode worker loads it (``decode_worker.server.load_decode_model``).
+Prints ms per step (median of ``--reps``) for the chunk alone, the decode rows alone (a step of the
+per-operation path, not the decode graph) and both in one step, and writes them as JSON with the machine's
+facts (``bench.common.write_result``). Not run in CI.
 
     taskset -c 1 .venv/bin/python bench/mixed_step.py --out docs/results/mixed_step_xeon167_amx_1129
+    taskset -c 1 .venv/bin/python bench/mixed_step.py --model .bench-models/bench-9m --dtype float32 \
+        --out docs/results/mixed_step_9m_fp32_xeon167_amx_1129
 """
 
 from __future__ import annotations
