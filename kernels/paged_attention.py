@@ -217,15 +217,15 @@ def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torc
     short = [q <= CPU_KERNEL_MAX_QUERY for q in query_lens]
     if device.type != "cpu" or kv_dtype not in DTYPES or all(short) or not any(short) or not attention_available():
         return None
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
+    q_lens = torch.tensor(query_lens)
+    starts = q_lens.cumsum(0) - q_lens                     # each sequence's first row in the step
 
     def group(members: list[int]) -> SequenceGroup:
-        lens = [query_lens[i] for i in members]
+        lens = q_lens[members]
+        qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
         return SequenceGroup(
-            rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members]),
-            query_start_loc=torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            rows=torch.repeat_interleave(starts[members] - qsl[:-1], lens) + torch.arange(int(qsl[-1])),
+            query_start_loc=qsl.to(torch.int32),
             seq_lens=seq_lens[members].to(torch.int32),
             block_tables=block_tables[members].contiguous())
 
