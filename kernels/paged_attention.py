@@ -51,9 +51,9 @@ class SequenceGroup:
 
 @dataclass(frozen=True)
 class StepSplit:
-    """A CPU step that mixes decode-sized sequences (at most :data:`CPU_KERNEL_MAX_QUERY` new tokens) with
-    prefill chunks: the first go to the decode kernel, the others to the prefill kernel, as vLLM's CPU
-    attention backend runs a batch's decodes and prefills apart. Given the whole step, the prefill kernel
+    """A step that mixes decode-sized sequences (on a CPU at most :data:`CPU_KERNEL_MAX_QUERY` new tokens, on a
+    GPU one) with prefill chunks: the first go to the decode kernel, the others to the prefill kernel or the
+    torch path, as vLLM's attention backends run a batch's decodes and prefills apart. Given the whole step, the prefill kernel
     packs every sequence's context into its tile layouts, one decode row included: a step of a 512-token
     chunk and 32 decode rows at 2,048 tokens of context took 1.9x its two halves run apart
     (``bench/mixed_step.py``, AMX Xeon); on the torch path (a float32 cache) every decode row was padded to the
@@ -210,12 +210,24 @@ def _torch_gather(q_lens: torch.Tensor, s_lens: torch.Tensor, tables: torch.Tens
 
 def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                device: torch.device, kv_dtype: torch.dtype, torch_path: bool) -> StepSplit | None:
-    """The :class:`StepSplit` of a step on the CPU with a float32 or bf16 cache whose sequences are some
-    decode-sized (at most :data:`CPU_KERNEL_MAX_QUERY` new tokens) and some longer, where the decode kernel
-    builds; else None. ``seq_lens``: ``[B]`` int64; ``block_tables``: ``[B, max_blocks]`` int32.
-    ``torch_path``: the prefill chunks may take the torch path, so their group carries its own metadata."""
-    short = [q <= CPU_KERNEL_MAX_QUERY for q in query_lens]
-    if device.type != "cpu" or kv_dtype not in DTYPES or all(short) or not any(short) or not attention_available():
+    """The :class:`StepSplit` of a step whose sequences are some decode-sized and some longer: on the CPU with a
+    float32 or bf16 cache where the decode kernel builds, decode-sized meaning at most
+    :data:`CPU_KERNEL_MAX_QUERY` new tokens; on CUDA, one (the Triton decode kernel's case). Else None.
+    ``seq_lens``: ``[B]`` int64 and ``block_tables``: ``[B, max_blocks]`` int32, on the CPU. ``torch_path``: the
+    prefill chunks may take the torch path, so their group carries its own metadata (always on CUDA)."""
+    if device.type == "cpu" and kv_dtype in DTYPES and attention_available():
+        return split_groups(query_lens, seq_lens, block_tables, block_size, device, CPU_KERNEL_MAX_QUERY, torch_path)
+    if device.type == "cuda":
+        return split_groups(query_lens, seq_lens, block_tables, block_size, device, 1, True)
+    return None
+
+
+def split_groups(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 device: torch.device, decode_max_query: int, torch_path: bool) -> StepSplit | None:
+    """:func:`split_step`'s groups, on ``device``: sequences of at most ``decode_max_query`` new tokens and the
+    others; None when one group would be empty."""
+    short = [q <= decode_max_query for q in query_lens]
+    if all(short) or not any(short):
         return None
     q_lens = torch.tensor(query_lens)
     starts = q_lens.cumsum(0) - q_lens                     # each sequence's first row in the step
@@ -224,10 +236,10 @@ def split_step(query_lens: list[int], seq_lens: torch.Tensor, block_tables: torc
         lens = q_lens[members]
         qsl = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
         return SequenceGroup(
-            rows=torch.repeat_interleave(starts[members] - qsl[:-1], lens) + torch.arange(int(qsl[-1])),
-            query_start_loc=qsl.to(torch.int32),
-            seq_lens=seq_lens[members].to(torch.int32),
-            block_tables=block_tables[members].contiguous())
+            rows=(torch.repeat_interleave(starts[members] - qsl[:-1], lens) + torch.arange(int(qsl[-1]))).to(device),
+            query_start_loc=qsl.to(torch.int32).to(device),
+            seq_lens=seq_lens[members].to(torch.int32).to(device),
+            block_tables=block_tables[members].contiguous().to(device))
 
     long = [i for i, s in enumerate(short) if not s]
     torch_meta = None
@@ -296,6 +308,8 @@ def paged_attention(
     if q.is_cuda and meta.decode_only and not meta.fresh_prefill:
         from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
         return paged_attention_decode_triton(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale)
+    if q.is_cuda and meta.split is not None:
+        return split_attention_triton(q, kv_cache, layer, meta.split, scale)
     if meta.cpu_kernels:
         return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     if q.dtype == kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu" \
@@ -326,6 +340,21 @@ def split_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: 
         out[p.rows] = paged_attention_torch(q[p.rows], None, None, kv_cache, layer, split.prefill_torch, scale)
     return out
 
+
+
+def split_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: StepSplit,
+                           scale: float) -> torch.Tensor:
+    """A mixed step's attention on a GPU: the single-token rows on the Triton decode kernel
+    (:func:`~kernels.paged_attention_triton.paged_attention_decode_triton`), the prefill chunks on the torch path
+    over their own metadata (``split.prefill_torch``), rather than every row padded to the longest chunk.
+    Arguments and result as :func:`split_attention`."""
+    from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
+
+    out = torch.empty_like(q)
+    d, p = split.decode, split.prefill
+    out[d.rows] = paged_attention_decode_triton(q[d.rows], kv_cache, layer, d.block_tables, d.seq_lens, scale)
+    out[p.rows] = paged_attention_torch(q[p.rows], None, None, kv_cache, layer, split.prefill_torch, scale)
+    return out
 
 def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int, kv_dtype: torch.dtype) -> bool:
     """Whether a step runs the C kernels: on the CPU, a float32 or bf16 KV cache, at most

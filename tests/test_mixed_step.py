@@ -4,6 +4,8 @@ where the C kernels read the block tables."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from pdserve.kernels.paged_attention import build_attention_metadata, paged_atte
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.runner import ModelRunner, StepInput
+from tests.triton_subprocess import run_script
 
 needs_kernels = pytest.mark.skipif(not (attention_available() and prefill_attention_available(64)),
                                    reason="no C compiler or no AVX2")
@@ -146,3 +149,37 @@ def test_a_mixed_step_sends_only_its_prefill_rows_to_the_prefill_attention_and_k
     torch.testing.assert_close(mixed[[0, 2]], decode_alone, rtol=0, atol=atol)
     assert mixed.argmax(-1).tolist() == [decode_alone[0].argmax().item(), alone[0].argmax().item(),
                                          decode_alone[1].argmax().item()]
+
+
+_TRITON_SCRIPT = textwrap.dedent("""
+    import json, os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import torch
+    from pdserve.kernels import paged_attention as pa
+
+    torch.manual_seed(0)
+    query_lens, seq_lens, bs = [1, 20, 1, 9], [37, 50, 5, 9], 16
+    tables, at = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(list(range(at + n - 1, at - 1, -1)))
+        at += n
+    cache = torch.randn(at, 2, 2, bs, 2, 32)
+    q = torch.randn(sum(query_lens), 4, 32)
+    # the groups a CUDA step gets (decode-sized: one token), built here on the CPU for the interpreter
+    split = pa.split_groups(query_lens, torch.tensor(seq_lens), torch.tensor([t + [0] * (4 - len(t)) for t in tables],
+                            dtype=torch.int32), bs, torch.device("cpu"), 1, True)
+    out = pa.split_attention_triton(q, cache, 1, split, 0.3)
+    ref = pa.paged_attention_torch(q, None, None, cache, 1, pa.build_attention_metadata(query_lens, seq_lens, tables,
+                                                                                          bs), 0.3)
+    print(json.dumps({"decode_rows": split.decode.rows.tolist(), "max_err": (out - ref).abs().max().item()}))
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for machines without a GPU")
+def test_a_mixed_gpu_step_runs_its_single_token_rows_on_the_triton_decode_kernel():
+    """Under the Triton interpreter: a step's one-token rows on the decode kernel, its chunks on the torch path
+    over their own metadata, together torch's result for the whole step."""
+    result = run_script(_TRITON_SCRIPT, timeout=300)
+    assert result["decode_rows"] == [0, 21]
+    assert result["max_err"] < 1e-5
