@@ -53,13 +53,13 @@ class SequenceGroup:
 class StepSplit:
     """A step that mixes decode-sized sequences (on a CPU at most :data:`CPU_KERNEL_MAX_QUERY` new tokens, on a
     GPU one) with prefill chunks: the first go to the decode kernel, the others to the prefill kernel or the
-    torch path, as vLLM's attention backends run a batch's decodes and prefills apart. Given the whole step, the prefill kernel
-    packs every sequence's context into its tile layouts, one decode row included: a step of a 512-token
-    chunk and 32 decode rows at 2,048 tokens of context took 1.9x its two halves run apart
-    (``bench/mixed_step.py``, AMX Xeon); on the torch path (a float32 cache) every decode row was padded to the
-    chunk's length in one ``[B, max_q, max_ctx]`` batch: 12x and 39x the halves on bench-9m fp32 at 512 and
-    2,048 tokens of context (1,212 -> 106 ms, 3,961 -> 117 ms split). ``prefill_torch``: the prefill group's
-    own metadata where its chunks may take the torch path."""
+    torch path, as vLLM's attention backends run a batch's decodes and prefills apart. Given the whole step,
+    the prefill kernel packs every sequence's context into its tile layouts, one decode row included: a step
+    of a 512-token chunk and 32 decode rows at 2,048 tokens of context took 1.9x its two halves run apart
+    (``bench/mixed_step.py``, AMX Xeon); on the torch path (a float32 cache) every decode row was padded to
+    the chunk's length in one ``[B, max_q, max_ctx]`` batch: 12x and 39x the halves on bench-9m fp32 at 512
+    and 2,048 tokens of context (1,212 -> 106 ms, 3,961 -> 117 ms split). ``prefill_torch``: the prefill
+    group's own metadata where its chunks may take the torch path."""
 
     decode: SequenceGroup
     prefill: SequenceGroup
