@@ -35,7 +35,7 @@ CPU_KERNEL_MAX_QUERY = 8    # new tokens per sequence up to which the C kernel b
 
 @dataclass(frozen=True)
 class SequenceGroup:
-    """Some of a step's sequences, as the CPU kernels take them.
+    """Some of a step's sequences, as the attention kernels take them.
 
     Attributes:
         rows: ``[num_rows]`` int64, the group's rows of the step's flat batch, sequence by sequence.
@@ -90,7 +90,7 @@ class AttentionMetadata:
         query_start_loc: ``[B + 1]`` int32, sequence ``b``'s new tokens are rows ``[qsl[b], qsl[b+1])``.
         cpu_kernels: the step is CPU-side and decode-sized (:func:`cpu_kernels_apply`): attention,
             RMSNorm, RoPE and SiLU may run as the C kernels of :mod:`kernels.cpu`.
-        split: a CPU step mixing decode-sized sequences and prefill chunks, its two groups
+        split: a CPU or CUDA step mixing decode-sized sequences and prefill chunks, its two groups
             (:func:`split_step`); None otherwise.
     """
 
@@ -309,7 +309,7 @@ def paged_attention(
         from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
         return paged_attention_decode_triton(q, kv_cache, layer, meta.block_tables, meta.seq_lens, scale)
     if q.is_cuda and meta.split is not None:
-        return split_attention_triton(q, kv_cache, layer, meta.split, scale)
+        return split_attention(q, kv_cache, layer, meta.split, scale, c_prefill=False, triton=True)
     if meta.cpu_kernels:
         return paged_attention_cpu(q, kv_cache, layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
     if q.dtype == kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu" \
@@ -323,16 +323,22 @@ def paged_attention(
 
 
 def split_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: StepSplit, scale: float,
-                    c_prefill: bool) -> torch.Tensor:
+                    c_prefill: bool, triton: bool = False) -> torch.Tensor:
     """A mixed step's attention in two calls: the decode-sized sequences' rows on
-    :func:`~kernels.cpu.attention.paged_attention_cpu`, the prefill chunks' on
+    :func:`~kernels.cpu.attention.paged_attention_cpu` or, with ``triton`` (a GPU's one-token rows), on
+    :func:`~kernels.paged_attention_triton.paged_attention_decode_triton`; the prefill chunks' on
     :func:`~kernels.cpu.attention.prefill_attention_cpu` where ``c_prefill`` (bf16 ``q`` and cache), else on the
     torch path over the group's own metadata (``split.prefill_torch``). Each row's result is the one its kernel
     gives it with the other group absent. ``q``: ``[num_tokens, num_heads, head_dim]``; returns the same shape
     and dtype."""
     out = torch.empty_like(q)
     d, p = split.decode, split.prefill
-    out[d.rows] = paged_attention_cpu(q[d.rows], kv_cache, layer, d.query_start_loc, d.seq_lens, d.block_tables, scale)
+    if triton:
+        from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
+        out[d.rows] = paged_attention_decode_triton(q[d.rows], kv_cache, layer, d.block_tables, d.seq_lens, scale)
+    else:
+        out[d.rows] = paged_attention_cpu(q[d.rows], kv_cache, layer, d.query_start_loc, d.seq_lens,
+                                          d.block_tables, scale)
     if c_prefill:
         out[p.rows] = prefill_attention_cpu(q[p.rows], kv_cache, layer, p.query_start_loc, p.seq_lens,
                                             p.block_tables, scale)
@@ -340,21 +346,6 @@ def split_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: 
         out[p.rows] = paged_attention_torch(q[p.rows], None, None, kv_cache, layer, split.prefill_torch, scale)
     return out
 
-
-
-def split_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, split: StepSplit,
-                           scale: float) -> torch.Tensor:
-    """A mixed step's attention on a GPU: the single-token rows on the Triton decode kernel
-    (:func:`~kernels.paged_attention_triton.paged_attention_decode_triton`), the prefill chunks on the torch path
-    over their own metadata (``split.prefill_torch``), rather than every row padded to the longest chunk.
-    Arguments and result as :func:`split_attention`."""
-    from pdserve.kernels.paged_attention_triton import paged_attention_decode_triton
-
-    out = torch.empty_like(q)
-    d, p = split.decode, split.prefill
-    out[d.rows] = paged_attention_decode_triton(q[d.rows], kv_cache, layer, d.block_tables, d.seq_lens, scale)
-    out[p.rows] = paged_attention_torch(q[p.rows], None, None, kv_cache, layer, split.prefill_torch, scale)
-    return out
 
 def cpu_kernels_apply(device: torch.device, max_query_len: int, num_tokens: int, kv_dtype: torch.dtype) -> bool:
     """Whether a step runs the C kernels: on the CPU, a float32 or bf16 KV cache, at most

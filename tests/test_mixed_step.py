@@ -169,7 +169,7 @@ _TRITON_SCRIPT = textwrap.dedent("""
     # the groups a CUDA step gets (decode-sized: one token), built here on the CPU for the interpreter
     split = pa.split_groups(query_lens, torch.tensor(seq_lens), torch.tensor([t + [0] * (4 - len(t)) for t in tables],
                             dtype=torch.int32), bs, torch.device("cpu"), 1, True)
-    out = pa.split_attention_triton(q, cache, 1, split, 0.3)
+    out = pa.split_attention(q, cache, 1, split, 0.3, c_prefill=False, triton=True)
     ref = pa.paged_attention_torch(q, None, None, cache, 1, pa.build_attention_metadata(query_lens, seq_lens, tables,
                                                                                           bs), 0.3)
     print(json.dumps({"decode_rows": split.decode.rows.tolist(), "max_err": (out - ref).abs().max().item()}))
