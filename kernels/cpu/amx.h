@@ -31,6 +31,9 @@ AMX static inline void amx_config(const uint8_t rows[8]) {
     TileConfig cfg = {0};
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = rows[t]; }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes of cfg, so at -O2 the stores above
+     * can be dropped as dead (every tile then faults): the barrier makes them land first. */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 #endif
