@@ -24,6 +24,12 @@ Names follow vLLM's under the ``pdserve:`` prefix, so dashboards written for vLL
     num_requests_running / num_requests_waiting gauge                 x       x      the registry entry's load,
     kv_cache_usage_perc (a fraction, 0..1)      gauge                 x       x      read at scrape time
     warmup_seconds                              gauge                 x       x      WorkerInfo.warmup_s (0: none)
+    gc_frozen_objects                           gauge        x        x       x      gc.get_freeze_count()
+
+Each registry also carries prometheus-client's standard ``python_gc_*`` (collections and objects collected per
+generation) and ``process_*`` (CPU seconds, resident memory, open files) families, as a Python process's default
+registry would; ``gc_frozen_objects`` is how many start-up objects the process froze out of the collector's
+walks (:func:`cluster.service.freeze_startup_heap`; 0 before it has, and in a test's own process).
 
 Worker metrics carry ``worker_id`` and ``role`` labels, so one Prometheus job scraping every worker
 (their addresses are in the registry: ``WorkerInfo.metrics_address``, ``pdserve status``) sums or splits
@@ -33,12 +39,14 @@ prefill and decode pools' ``generation_tokens_total`` add up to the router's.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector,
+                               start_http_server)
 
 PREFIX = "pdserve:"
 
@@ -90,8 +98,18 @@ class RouterMetrics:
 REJECTION_REASONS = ("stream_limit", "no_kv_blocks", "admission", "other")
 
 
+def _process_metrics(registry: CollectorRegistry) -> None:
+    """The process's own families on ``registry``: prometheus-client's GC and process collectors and
+    ``gc_frozen_objects`` (read at scrape time)."""
+    GCCollector(registry=registry)
+    ProcessCollector(registry=registry)
+    Gauge(PREFIX + "gc_frozen_objects", "Objects frozen out of the garbage collector's walks at start",
+          registry=registry).set_function(gc.get_freeze_count)
+
+
 def router_metrics(registry: CollectorRegistry) -> RouterMetrics:
     """Build the router's metrics on ``registry`` (every label value exported from the start, at 0)."""
+    _process_metrics(registry)
     m = RouterMetrics(
         ttft=_histogram("time_to_first_token_seconds", "Arrival to first token sent, at the router",
                         registry, TTFT_BUCKETS),
@@ -205,6 +223,7 @@ class PrefillMetrics:
 def prefill_metrics(registry: CollectorRegistry, worker_id: str, load: Callable[[], object]) -> PrefillMetrics:
     """Build a prefill worker's metrics on ``registry``; ``load()`` returns its current registry entry."""
     labels = {"worker_id": worker_id, "role": "prefill"}
+    _process_metrics(registry)
     _load_gauges(registry, labels, load)
 
     def counter(name: str, doc: str) -> Counter:
@@ -260,6 +279,7 @@ def decode_metrics(registry: CollectorRegistry, worker_id: str, role: str, load:
     """Build a decode worker's metrics on ``registry`` (``role``: ``decode``, or ``both`` colocated);
     ``load()`` returns its current registry entry."""
     labels = {"worker_id": worker_id, "role": role}
+    _process_metrics(registry)
     _load_gauges(registry, labels, load)
 
     def counter(name: str, doc: str) -> Counter:

@@ -116,3 +116,16 @@ def test_the_dashboard_queries_only_exposed_metrics(served):
     exposed = {name for text in texts for name, _, _ in samples(text)}
     missing = dashboard_metric_names() - exposed
     assert not missing, f"the dashboard queries metrics no process exposes: {sorted(missing)}"
+
+
+def test_every_process_froze_its_start_up_heap_and_exports_its_runtime(served):
+    """Each process froze what it built at start out of the collector's walks (cluster.service.
+    freeze_startup_heap: torch, the model, the tokenizer and the servers are tens of thousands of
+    objects; 0 had it not), and exports prometheus-client's GC and process families beside."""
+    c, _ = served
+    workers = {w.worker_id: w for w in c.state().workers}
+    for address in (c.router.http_address, workers["p0"].metrics_address, workers["d0"].metrics_address):
+        text = scrape(address)
+        assert total(text, "pdserve:gc_frozen_objects") > 10_000, address
+        assert total(text, "python_gc_collections_total", generation="2") >= 0
+        assert total(text, "process_resident_memory_bytes") > 100e6   # torch and a model are loaded
