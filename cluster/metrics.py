@@ -45,8 +45,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector,
-                               start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 PREFIX = "pdserve:"
 

@@ -70,8 +70,8 @@ class Service(Protocol):
 
 def run_foreground(factory: Callable[[], Service], log_format: str = "text", log_level: str = "WARNING") -> None:
     """Build the service, start it, freeze its start-up heap (:func:`freeze_startup_heap`), print
-    ``ready <host:port>`` on stdout, serve until SIGINT/SIGTERM, then stop it cleanly. Logs go to stderr as ``log_format`` (``text``, or ``json``:
-    one object per line, :mod:`cluster.logs`)."""
+    ``ready <host:port>`` on stdout, serve until SIGINT/SIGTERM, then stop it cleanly. Logs go to stderr
+    as ``log_format`` (``text``, or ``json``: one object per line, :mod:`cluster.logs`)."""
     configure_logging(log_format, log_level)
 
     async def main() -> None:
