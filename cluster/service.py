@@ -61,6 +61,13 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+def unfreeze_heap() -> None:
+    """Undo :func:`freeze_startup_heap` once the service has stopped, so that the interpreter's last
+    collections reach the start-up objects again (frozen, extension objects still alive at exit made
+    nanobind, under Triton, print leak reports on stderr, breaking ``--log-format json``)."""
+    gc.unfreeze()
+
+
 class Service(Protocol):
     """A role's running object: ``start`` returns its gRPC ``host:port``."""
 
@@ -81,6 +88,7 @@ def run_foreground(factory: Callable[[], Service], log_format: str = "text", log
         print(f"ready {address}", flush=True)
         await wait_for_shutdown_signal()
         await service.stop()
+        unfreeze_heap()
 
     asyncio.run(main())
     sys.stdout.flush()
@@ -128,6 +136,7 @@ class ServiceThread:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout_s)
+            unfreeze_heap()
 
 
 async def start_grpc_server(host: str, port: int, add_services: Callable[[grpc.aio.Server], None],
