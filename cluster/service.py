@@ -49,15 +49,17 @@ def freeze_startup_heap() -> int:
     goes with it, and return how many were frozen (``gc.get_freeze_count()``).
 
     A collection of the oldest generation walks every tracked object and stops the process meanwhile:
-    on bench-80m a worker tracks ~320,000 objects after start and such a collection took 115-157 ms in
-    the workers and 209 ms in the router (2026-11-29, Xeon 207), a pause that lands on whichever step or
-    token is in flight when it fires. Frozen, those objects are skipped; objects allocated later are
-    collected as before. vLLM (its API server, engine core and GPU workers) and SGLang freeze their
-    serving processes' heaps the same way. Called once per process by :func:`run_foreground` and
-    :meth:`ServiceThread.start`, which each run one service; never by tests that start services in
-    their own process, whose heaps later services would otherwise keep alive."""
+    after 100 requests through a bench-80m cluster (~316,000 tracked objects in a worker, ~220,000 in
+    the router) one took 270 ms in the decode worker, 165 ms in the prefill worker and 109 ms in the
+    router (2026-11-29, Xeon 207; docs/operations.md), a pause that lands on whichever step or token is
+    in flight when it fires; frozen, 0.4-0.9 ms. Objects allocated later are collected as before. vLLM
+    (its API server, engine core and GPU workers) and SGLang freeze their serving processes' heaps the
+    same way. Called once per process by :func:`run_foreground` and :meth:`ServiceThread.start`, which
+    each run one service; never by tests that start services in their own process, whose heaps later
+    services would otherwise keep alive."""
     gc.collect()
     gc.freeze()
+    log.info("froze %d start-up objects out of the collector's walks", gc.get_freeze_count())
     return gc.get_freeze_count()
 
 
@@ -84,7 +86,7 @@ def run_foreground(factory: Callable[[], Service], log_format: str = "text", log
     async def main() -> None:
         service = factory()
         address = await service.start()
-        log.info("froze %d start-up objects out of the collector's reach", freeze_startup_heap())
+        freeze_startup_heap()
         print(f"ready {address}", flush=True)
         await wait_for_shutdown_signal()
         await service.stop()
@@ -115,7 +117,7 @@ class ServiceThread:
         self._thread.start()
         self._service = self._factory()
         address = asyncio.run_coroutine_threadsafe(self._service.start(), self._loop).result(timeout_s)
-        log.info("froze %d start-up objects out of the collector's reach", freeze_startup_heap())
+        freeze_startup_heap()
         return address
 
     def stop(self, timeout_s: float = 30.0) -> None:
