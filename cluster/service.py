@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -54,12 +55,16 @@ def freeze_startup_heap() -> int:
     router (2026-11-29, Xeon 207; docs/operations.md), a pause that lands on whichever step or token is
     in flight when it fires; frozen, 0.4-0.9 ms. Objects allocated later are collected as before. vLLM
     (its API server, engine core and GPU workers) and SGLang freeze their serving processes' heaps the
-    same way. Called once per process by :func:`run_foreground` and :meth:`ServiceThread.start`, which
-    each run one service; never by tests that start services in their own process, whose heaps later
-    services would otherwise keep alive."""
+    same way. Called by :func:`run_foreground` and :meth:`ServiceThread.start`, which each run one
+    service per process: once the service is built (its model and tokenizer loaded), so that the long
+    collection comes before the service registers and no request waits on it, and again once it has
+    started (warm-up, servers), which walks only what the start added. Never by tests that start
+    services in their own process, whose heaps later services would otherwise keep alive."""
+    started = time.perf_counter()
     gc.collect()
     gc.freeze()
-    log.info("froze %d start-up objects out of the collector's walks", gc.get_freeze_count())
+    log.info("froze %d objects out of the collector's walks (%.1f ms)", gc.get_freeze_count(),
+             (time.perf_counter() - started) * 1e3)
     return gc.get_freeze_count()
 
 
@@ -78,13 +83,15 @@ class Service(Protocol):
 
 
 def run_foreground(factory: Callable[[], Service], log_format: str = "text", log_level: str = "WARNING") -> None:
-    """Build the service, start it, freeze its start-up heap (:func:`freeze_startup_heap`), print
+    """Build the service, start it, freeze its start-up heap (:func:`freeze_startup_heap`, before and
+    after the start), print
     ``ready <host:port>`` on stdout, serve until SIGINT/SIGTERM, then stop it cleanly. Logs go to stderr
     as ``log_format`` (``text``, or ``json``: one object per line, :mod:`cluster.logs`)."""
     configure_logging(log_format, log_level)
 
     async def main() -> None:
         service = factory()
+        freeze_startup_heap()
         address = await service.start()
         freeze_startup_heap()
         print(f"ready {address}", flush=True)
@@ -108,14 +115,15 @@ class ServiceThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name="service-loop", daemon=True)
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Build and start the service, freeze the process's start-up heap (:func:`freeze_startup_heap`:
-        one service per Ray actor process); return its address.
+        """Build and start the service, freezing the process's start-up heap before and after the start
+        (:func:`freeze_startup_heap`: one service per Ray actor process); return its address.
 
         Raises:
             Exception: whatever the service raised while starting.
         """
         self._thread.start()
         self._service = self._factory()
+        freeze_startup_heap()
         address = asyncio.run_coroutine_threadsafe(self._service.start(), self._loop).result(timeout_s)
         freeze_startup_heap()
         return address
