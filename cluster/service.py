@@ -45,9 +45,9 @@ KEEPALIVE_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 def freeze_startup_heap() -> int:
-    """Move every object alive once a service has started (model, tokenizer, KV pool, servers, what the
-    warm-up left) to the collector's permanent generation, after a full collection so that no garbage
-    goes with it, and return how many were frozen (``gc.get_freeze_count()``).
+    """Move every object alive now (once a service is built: model, tokenizer, KV pool; once it has
+    started: servers, what the warm-up left) to the collector's permanent generation, after a full
+    collection so that no garbage goes with it, and return how many are frozen (``gc.get_freeze_count()``).
 
     A collection of the oldest generation walks every tracked object and stops the process meanwhile:
     after 100 requests through a bench-80m cluster (~316,000 tracked objects in a worker, ~220,000 in
@@ -55,17 +55,26 @@ def freeze_startup_heap() -> int:
     router (2026-11-29, Xeon 207; docs/operations.md), a pause that lands on whichever step or token is
     in flight when it fires; frozen, 0.4-0.9 ms. Objects allocated later are collected as before. vLLM
     (its API server, engine core and GPU workers) and SGLang freeze their serving processes' heaps the
-    same way. Called by :func:`run_foreground` and :meth:`ServiceThread.start`, which each run one
-    service per process: once the service is built (its model and tokenizer loaded), so that the long
-    collection comes before the service registers and no request waits on it, and again once it has
-    started (warm-up, servers), which walks only what the start added. Never by tests that start
-    services in their own process, whose heaps later services would otherwise keep alive."""
+    same way. Called by :func:`start_frozen` twice: before the service starts, so that the long
+    collection comes before it registers and no request waits on it, and after, which walks only what
+    the start added."""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
     log.info("froze %d objects out of the collector's walks (%.1f ms)", gc.get_freeze_count(),
              (time.perf_counter() - started) * 1e3)
     return gc.get_freeze_count()
+
+
+async def start_frozen(service: Service) -> str:
+    """Start ``service`` between two :func:`freeze_startup_heap` calls; return its address. For
+    :func:`run_foreground` and :class:`ServiceThread`, which each run one service per process; never for
+    tests that start services in their own process, whose heaps later services would otherwise keep
+    alive."""
+    freeze_startup_heap()
+    address = await service.start()
+    freeze_startup_heap()
+    return address
 
 
 def unfreeze_heap() -> None:
@@ -83,17 +92,14 @@ class Service(Protocol):
 
 
 def run_foreground(factory: Callable[[], Service], log_format: str = "text", log_level: str = "WARNING") -> None:
-    """Build the service, start it, freeze its start-up heap (:func:`freeze_startup_heap`, before and
-    after the start), print
+    """Build the service, start it with its start-up heap frozen (:func:`start_frozen`), print
     ``ready <host:port>`` on stdout, serve until SIGINT/SIGTERM, then stop it cleanly. Logs go to stderr
     as ``log_format`` (``text``, or ``json``: one object per line, :mod:`cluster.logs`)."""
     configure_logging(log_format, log_level)
 
     async def main() -> None:
         service = factory()
-        freeze_startup_heap()
-        address = await service.start()
-        freeze_startup_heap()
+        address = await start_frozen(service)
         print(f"ready {address}", flush=True)
         await wait_for_shutdown_signal()
         await service.stop()
@@ -115,18 +121,15 @@ class ServiceThread:
         self._thread = threading.Thread(target=self._loop.run_forever, name="service-loop", daemon=True)
 
     def start(self, timeout_s: float = 300.0) -> str:
-        """Build and start the service, freezing the process's start-up heap before and after the start
-        (:func:`freeze_startup_heap`: one service per Ray actor process); return its address.
+        """Build and start the service with its start-up heap frozen (:func:`start_frozen`: one service
+        per Ray actor process); return its address.
 
         Raises:
             Exception: whatever the service raised while starting.
         """
         self._thread.start()
         self._service = self._factory()
-        freeze_startup_heap()
-        address = asyncio.run_coroutine_threadsafe(self._service.start(), self._loop).result(timeout_s)
-        freeze_startup_heap()
-        return address
+        return asyncio.run_coroutine_threadsafe(start_frozen(self._service), self._loop).result(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the service and the loop."""

@@ -127,5 +127,5 @@ def test_every_process_froze_its_start_up_heap_and_exports_its_runtime(served):
     for address in (c.router.http_address, workers["p0"].metrics_address, workers["d0"].metrics_address):
         text = scrape(address)
         assert total(text, "pdserve:gc_frozen_objects") > 10_000, address
-        assert total(text, "python_gc_collections_total", generation="2") >= 0
+        assert total(text, "python_gc_collections_total", generation="0") > 0   # the load collected young objects
         assert total(text, "process_resident_memory_bytes") > 100e6   # torch and a model are loaded
