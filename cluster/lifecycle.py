@@ -66,7 +66,8 @@ class RequestState(enum.Enum):
       ``DECODING``, ``FINISHED``;
     - prefill worker: ``QUEUED``, ``PREFILLING``, ``TRANSFERRING``, ``FINISHED``;
     - decode worker: ``TRANSFERRING`` (blocks pre-allocated, waiting for the pages), ``PREFILLING``
-      (colocated only: it prefills the prompt itself), ``DECODING``, ``FINISHED``.
+      (colocated: it prefills the prompt itself; any mode: a preempted request prefilled again),
+      ``DECODING``, ``FINISHED``.
     """
 
     QUEUED = "queued"              # router: workers being chosen, admission; P: waiting for blocks

@@ -21,6 +21,7 @@ Names follow vLLM's under the ``pdserve:`` prefix, so dashboards written for vLL
     request_migrations_total                    counter      x                       Final.num_migrations
     spec_decode_num_draft_tokens_total          counter                       x      DecodeFinished
     spec_decode_num_accepted_tokens_total       counter                       x      DecodeFinished
+    num_preemptions_total                       counter                       x      the engine's preemptions
     num_requests_running / num_requests_waiting gauge                 x       x      the registry entry's load,
     kv_cache_usage_perc (a fraction, 0..1)      gauge                 x       x      read at scrape time
     warmup_seconds                              gauge                 x       x      WorkerInfo.warmup_s (0: none)
@@ -195,7 +196,8 @@ def _load_gauges(registry: CollectorRegistry, labels: dict[str, str], load: Call
     for name, doc, fn in (
             ("num_requests_running", "Requests decoding (decode) or being prefilled (prefill)",
              lambda: load().num_running),
-            ("num_requests_waiting", "Requests waiting: for KV pages (decode), in the queue (prefill)",
+            ("num_requests_waiting", "Requests waiting: for KV pages or, preempted, for blocks (decode), in the "
+             "queue (prefill)",
              lambda: load().num_waiting),
             ("kv_cache_usage_perc", "Fraction of the KV block pool in use (0..1)", usage),
             ("warmup_seconds", "Seconds the start-up warm-up took before the worker registered (0: none)",
@@ -261,12 +263,17 @@ class DecodeMetrics:
     spec_accepted: Counter
     multi_step_runs: Counter
     multi_step_steps: Counter
+    preemptions: Counter
     labels: dict[str, str]
 
     def on_multi_step(self, steps: int) -> None:
         """A multi-step run of ``steps`` decode steps in one call ended (any thread)."""
         self.multi_step_runs.inc()
         self.multi_step_steps.inc(steps)
+
+    def on_preemption(self) -> None:
+        """The engine preempted a request (its blocks freed, to be prefilled again)."""
+        self.preemptions.inc()
 
     def on_tokens(self, n: int) -> None:
         """``n`` output tokens sampled here were streamed."""
@@ -302,6 +309,8 @@ def decode_metrics(registry: CollectorRegistry, worker_id: str, role: str, load:
         multi_step_runs=counter("decode_multi_step_runs_total", "Runs of several decode steps in one call "
                                 "(multi-step decoding)"),
         multi_step_steps=counter("decode_multi_step_steps_total", "Decode steps run inside multi-step runs"),
+        preemptions=counter("num_preemptions_total", "Requests preempted when the KV pool ran short (their "
+                            "blocks freed; prefilled again)"),
         labels=labels)
     for reason in FINISH_REASON_NAMES.values():
         m.success.labels(**labels, finished_reason=reason)

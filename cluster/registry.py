@@ -58,7 +58,8 @@ class WorkerInfo:
             they share one (:mod:`kvtransfer.select`). Empty: read as ``("tcp",)``.
         num_total_blocks / num_free_blocks: KV block pool size and free blocks.
         num_running: requests decoding (decode) or being prefilled (prefill).
-        num_waiting: requests waiting (for KV pages on decode, in the queue on prefill).
+        num_waiting: requests waiting (for KV pages, or preempted for blocks, on decode; in the queue on
+            prefill).
         num_queued_tokens: prompt tokens queued for prefill.
         block_size: tokens per KV block.
         prefill_s_per_block: the prefill worker's measured seconds per computed block (0: not yet).

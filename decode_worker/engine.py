@@ -6,7 +6,9 @@ an inbox (its messages: :mod:`decode_worker.request`); the engine thread alone o
 Each :meth:`step`:
 
     1. drain the inbox   (KV arrived: TRANSFERRING -> DECODING; failures and aborts -> FINISHED)
-    2. schedule          (up to max_batch_size DECODING requests, oldest first)
+    2. schedule          (up to max_batch_size DECODING requests, oldest first, each given the block its
+                          next token needs; when the pool is short the most recently admitted running
+                          request is preempted, to be prefilled again: :mod:`decode_worker.blocks`)
     3. run               (one batched forward, one new token per request; or several steps in one C call,
                           ended early by new work: :mod:`decode_worker.multi_step`)
     4. postprocess       (sample, stream, retire finished requests, free their blocks)
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.cluster.lifecycle import RequestState
+from pdserve.decode_worker.blocks import BlockGrowth, covered, first_blocks, grow, last_position
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from pdserve.decode_worker.multi_step import plan_steps, sampling_inputs, stop_union
@@ -46,7 +49,7 @@ from pdserve.decode_worker.request import (
 from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer, verify
 from pdserve.kvtransfer.select import backend_of_address, make_receiver
 from pdserve.model.config import ModelConfig
-from pdserve.model.kv_cache import BlockPool, KVCacheSpec
+from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
@@ -54,7 +57,7 @@ from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_
 log = logging.getLogger(__name__)
 
 
-class DecodeEngine:
+class DecodeEngine(BlockGrowth):
     """Owns the decode worker's model, KV cache, block pool and KV receiver. ``secret``: the cluster
     secret KV senders must prove (None: none)."""
 
@@ -90,7 +93,10 @@ class DecodeEngine:
         self.num_prefilling = 0
         self.last_step: tuple[int, int, float] = (0, 0, 0.0)  # batch, context tokens, seconds
         self.multi_step_observer: Callable[[int], None] | None = None   # told the steps of each multi-step run
+        self.preemption_observer: Callable[[], None] | None = None      # told of each preemption
         self.num_decoding = 0
+        self.num_preempted = 0        # PREFILLING again after a preemption, waiting for blocks (engine thread)
+        self.num_preemptions = 0      # since start
 
     @property
     def num_usable_blocks(self) -> int:
@@ -103,8 +109,8 @@ class DecodeEngine:
         """Pre-allocate the request's blocks and wait for its KV pages (TRANSFERRING), received
         under ``attempt_id``.
 
-        Blocks cover ``len(prompt_ids) + max_tokens - 1`` positions (capped at the model's
-        context), so decoding never runs out of blocks midway. A migrated request brings the
+        Blocks cover the prompt (and prior output) and the next token's position; the engine adds
+        blocks as the request grows (:mod:`decode_worker.blocks`). A migrated request brings the
         output an earlier decode worker produced (``prior_output_ids``): its pages cover prompt
         plus those tokens, and output indexes, ``max_tokens`` and stop checks continue after them.
 
@@ -114,7 +120,8 @@ class DecodeEngine:
             ValueError: ``kv_timeout_s`` not finite in (0, :data:`MAX_KV_TIMEOUT_S`] (checked before anything
                 is allocated), duplicate attempt id, prompt and max_tokens beyond the context, or prior
                 output that already ends the request.
-            model.kv_cache.NoFreeBlocks: the pool cannot hold the request now.
+            model.kv_cache.NoFreeBlocks: the pool cannot hold the request now (or, for prompt + max_tokens,
+                ever), or preempted requests are waiting for blocks.
             RuntimeError: the KV receiver is closed (the worker is shutting down).
         If registering the transfer with the receiver fails, the allocation is rolled back (the engine
         frees the blocks) before the error propagates.
@@ -160,8 +167,14 @@ class DecodeEngine:
             if attempt_id in self._live_ids:
                 raise ValueError(f"request id {attempt_id!r} is already in use on this worker")
             self._live_ids.add(attempt_id)
+        positions = last_position(len(prompt_ids), sampling.max_tokens, max_ctx)
         try:
-            table = self.pool.allocate(self.spec.num_blocks_for(len(prompt_ids) + sampling.max_tokens - 1))
+            if self.spec.num_blocks_for(positions) > self.num_usable_blocks:
+                raise NoFreeBlocks(f"prompt + max_tokens need {self.spec.num_blocks_for(positions)} KV blocks, "
+                                   f"more than this worker's {self.num_usable_blocks}")
+            if self.num_preempted:   # preempted requests come first; the router tries another worker
+                raise NoFreeBlocks(f"{self.num_preempted} preempted requests are waiting for KV blocks")
+            table = self.pool.allocate(first_blocks(self.spec, len(prompt_ids) + len(prior_output_ids), positions))
         except Exception:
             self._release_id(attempt_id)
             raise
@@ -181,7 +194,7 @@ class DecodeEngine:
     def run_forever(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set; idle waits block on the inbox."""
         while not stop.is_set():
-            if not self.num_decoding and not self.num_prefilling:
+            if not self._runnable():
                 try:
                     self._handle(self._inbox.get(timeout=0.05))
                 except queue.Empty:
@@ -201,7 +214,9 @@ class DecodeEngine:
         """One engine iteration: inbox, schedule, run, postprocess."""
         self._interrupt.value = 0      # before draining: a message posted after the drain ends a multi-step run
         self._drain_inbox()
-        batch = [r for r in self._requests.values() if r.state is RequestState.DECODING][: self.max_batch_size]
+        batch = self._make_room([r for r in self._requests.values()
+                                 if r.state is RequestState.DECODING][: self.max_batch_size])
+        self._readmit_preempted()
         chunks = self._prefill_chunks(self.cfg.max_num_batched_tokens - len(batch))
         if chunks:
             self._mixed_run(batch, chunks)
@@ -223,7 +238,8 @@ class DecodeEngine:
         started = time.monotonic()
         vocab = self.model_cfg.vocab_size
         if multi and self.graph is not None and not self.graph.capture \
-                and (k := plan_steps(self.cfg, batch, self.last_step, vocab)) > 1:   # C steps: CPUs only
+                and (k := plan_steps(self.cfg, batch, self.last_step, vocab)) > 1 \
+                and all(grow(self.pool, self.spec, r, r.num_tokens + k - 1) for r in batch):   # C steps: CPUs only
             temps, noise, top_ks = sampling_inputs(batch, k, vocab)
             rows = self.graph.run_steps(steps, k, temps, noise, stop_union(batch), self._interrupt, top_ks)
             if rows is not None:
@@ -242,7 +258,7 @@ class DecodeEngine:
         chunks = []
         budget = max(budget, 1)
         for req in self._requests.values():
-            if req.state is RequestState.PREFILLING and budget > 0:
+            if req.state is RequestState.PREFILLING and req.block_table and budget > 0:
                 n = min(req.num_tokens - req.num_computed, budget)
                 chunks.append((req, n))
                 budget -= n
@@ -272,8 +288,11 @@ class DecodeEngine:
         rejection or the bonus token: the same numbers non-speculative decoding reports. Requests that
         do not draft this step (:class:`AdaptiveSpeculation`) are plain rows; a step where none drafts
         is a plain step."""
+        for r in batch:   # blocks for k drafts where the pool has them; fewer drafts where not
+            grow(self.pool, self.spec, r, r.num_tokens + self.cfg.spec_k)
         ks = [max(0, min(self.cfg.spec_k, r.sampling.max_tokens - len(r.output_ids) - 1,
-                         r.max_context - r.num_tokens - 1)) for r in batch]  # never write past the blocks
+                         r.max_context - r.num_tokens - 1, covered(self.spec, r) - r.num_tokens))
+              for r in batch]  # never write past the blocks
         if self.adaptive is not None:
             ks = self.adaptive.plan(batch, ks, self.proposer)
         if not any(ks):
@@ -346,7 +365,7 @@ class DecodeEngine:
         else:
             self.num_transferring -= 1
         self.num_decoding += 1
-        req.state, req.kv_ready_at = RequestState.DECODING, time.monotonic()
+        req.state, req.kv_ready_at = RequestState.DECODING, req.kv_ready_at or time.monotonic()
         req.output_ids.append(first_token)
         self._finish_if_done(req)
 
@@ -363,6 +382,7 @@ class DecodeEngine:
             self.num_transferring -= 1
         elif req.state is RequestState.PREFILLING:
             self.num_prefilling -= 1
+            self.num_preempted -= not req.block_table
         else:
             self.num_decoding -= 1
         req.state = RequestState.FINISHED

@@ -10,7 +10,11 @@
         allocated)   │  (deadline: kv_timeout_s)                      │  per step
                      └──(transfer failed / timed out / aborted)───────┴──► FINISHED (error / abort)
 
-A locally prefilled request is never TRANSFERRING. Owner of the blocks in every state: the decode
+    DECODING ──(pool short: preempted, blocks freed)──► PREFILLING (no blocks until the pool has them; then
+                                                        prompt + output so far prefilled again, any mode)
+
+A locally prefilled request is never TRANSFERRING. Blocks: those of the context when allocated, more as
+it grows (:mod:`decode_worker.blocks`). Owner of the blocks in every state: the decode
 engine, which frees them on every path into FINISHED. A request is known by its ``attempt_id``:
 the ``request_id`` of the router's Generate call, which names one attempt of a client's request
 (:mod:`router.recovery`), and the request id of its KV transfer.

@@ -214,6 +214,7 @@ class DecodeWorker(WorkerProcess):
         super().__init__(cfg, DecodeEngine(cfg, model, model_cfg, secret), secret)
         self.stats = decode_metrics(self.metrics, cfg.worker_id, "both" if cfg.colocated else "decode", self.info)
         self.engine.multi_step_observer = self.stats.on_multi_step
+        self.engine.preemption_observer = self.stats.on_preemption
 
     def add_servicer(self, server: grpc.aio.Server) -> None:
         """Serve ``DecodeWorker`` on ``server``; undecodable request bytes reach the servicer (INVALID_ARGUMENT)."""
@@ -228,7 +229,7 @@ class DecodeWorker(WorkerProcess):
                           address=self.address,
                           kv_address=e.receiver.address, kv_backends=e.kv_backends, block_size=self.cfg.block_size,
                           num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
-                          num_running=e.num_decoding, num_waiting=e.num_transferring,
+                          num_running=e.num_decoding, num_waiting=e.num_transferring + e.num_preempted,
                           step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2],
                           metrics_address=self.metrics_address, warmup_s=self.warmup_s)
 
