@@ -173,16 +173,17 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     cached = view.cached_blocks(context, block_size)
     prefill = avoiding(rank_prefill(view.current(), prompt_blocks, cached, view.stats, view.inflight,
                                     cfg.spill_queue_s), progress.avoid)[0]
-    num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
+    num_tokens, lifetime = len(context) + 1, len(req.prompt_ids) + req.sampling.max_tokens - 1   # positions
     work = -(-len(context) // block_size) - min(cached.get(prefill.worker_id, 0), prompt_blocks)  # to compute
     gate = view.gate if progress.num_attempts == 1 else None  # admission counts a request once, at its first dispatch
     prefill_count = view.counting(prefill.worker_id)  # from the moment it is chosen, so concurrent arrivals spread out
     reservation = candidates = None
     try:
         if gate is not None:
-            candidates = [await _admit(view, req, attempt_id, prefill, work, num_tokens)]
+            candidates = [await _admit(view, req, attempt_id, prefill, work, num_tokens, lifetime)]
             reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
         decode = await open_decode(view, req, attempt_id, num_tokens, cfg, progress, candidates=candidates,
+                                   lifetime_tokens=lifetime,
                                    kv_backends=prefill.kv_backends)
     except BaseException:
         prefill_count.release()
@@ -194,9 +195,10 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
 
 async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int, cfg: RouterConfig,
                       progress: Progress, role: str = "decode", candidates: list[WorkerInfo] | None = None,
-                      kv_backends: tuple[str, ...] | None = None) -> DecodeStream:
-    """Open a decode stream on the best worker of ``role`` that has room for ``num_tokens`` positions
-    (or the first of ``candidates`` that takes it), workers that failed this request last. Each worker
+                      kv_backends: tuple[str, ...] | None = None, lifetime_tokens: int = 0) -> DecodeStream:
+    """Open a decode stream on the best worker of ``role`` that has room for ``num_tokens`` positions now
+    and a pool for ``lifetime_tokens`` (:func:`~router.dispatch.rank_decode`), or the first of ``candidates``
+    that takes it; workers that failed this request last. Each worker
     asked is counted while it answers; the returned one stays counted until the caller releases it.
     Colocated workers (role ``both``) are asked to prefill the prompt themselves. A migrated request's
     streamed tokens go along as ``prior_output_token_ids``.
@@ -207,7 +209,8 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
         WorkerFailure: a worker to try was unreachable (dead or stuck).
     """
     if candidates is None:
-        candidates = avoiding(rank_decode(view.current(), view.inflight, num_tokens, role, kv_backends),
+        candidates = avoiding(rank_decode(view.current(), view.inflight, num_tokens, role, kv_backends,
+                                          lifetime_tokens),
                               progress.avoid)
     if not candidates:
         if not any(w.role == role for w in view.current()):
@@ -275,7 +278,7 @@ async def _allocate(view: ClusterView, worker: WorkerInfo, req: ValidRequest, at
 
 
 async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo, work_blocks: int,
-                 num_tokens: int) -> WorkerInfo:
+                 num_tokens: int, lifetime_tokens: int) -> WorkerInfo:
     """SLO admission: the decode worker whose reservation was taken, waiting up to the request's
     ``queue_timeout_s`` for room.
 
@@ -285,7 +288,7 @@ async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill:
             reserved (``Admission.try_admit`` deletes what a failed script wrote).
     """
     try:
-        return await _admit_waiting(view, req, attempt_id, prefill, work_blocks, num_tokens)
+        return await _admit_waiting(view, req, attempt_id, prefill, work_blocks, num_tokens, lifetime_tokens)
     except RedisError as exc:
         log.warning("admission of %s failed: %s", attempt_id, type(exc).__name__)
         raise GenerateError(grpc.StatusCode.UNAVAILABLE, ADMISSION_UNAVAILABLE) from None
@@ -296,7 +299,7 @@ async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill:
 
 
 async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo,
-                         work_blocks: int, num_tokens: int) -> WorkerInfo:
+                         work_blocks: int, num_tokens: int, lifetime_tokens: int) -> WorkerInfo:
     """:func:`_admit` without the error mapping (raises ``redis.RedisError`` and ``ValueError`` as they come)."""
     stats = view.stats.get(prefill.worker_id)
     prefill_s = work_blocks * (stats.seconds_per_block if stats and stats.seconds_per_block
@@ -304,7 +307,8 @@ async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, 
     decode_ttl_s = req.slo.ttft_s + 2 * req.sampling.max_tokens * req.slo.tpot_s + 5
     deadline = time.monotonic() + req.queue_timeout_s
     while True:
-        decodes = rank_decode(view.current(), view.inflight, num_tokens, kv_backends=prefill.kv_backends)
+        decodes = rank_decode(view.current(), view.inflight, num_tokens, kv_backends=prefill.kv_backends,
+                              lifetime_tokens=lifetime_tokens)
         chosen, decision = await view.gate.admit(attempt_id, prefill.worker_id, prefill_s, decodes,
                                                  len(req.prompt_ids) + req.sampling.max_tokens // 2, req.slo,
                                                  decode_ttl_s)

@@ -100,11 +100,14 @@ def _shares_transport(prefill_backends: tuple[str, ...], decode_backends: tuple[
 
 
 def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, role: str = "decode",
-                kv_backends: tuple[str, ...] | None = None) -> list[WorkerInfo]:
+                kv_backends: tuple[str, ...] | None = None, lifetime_tokens: int = 0) -> list[WorkerInfo]:
     """Workers of ``role`` (``decode``, or ``both`` for colocated ones) whose last report had room
-    for ``num_tokens`` positions, best first: smallest running batch counting this router's
+    for ``num_tokens`` positions (the blocks a worker takes to admit a request: its context and the next
+    token's position) and whose pool can hold ``lifetime_tokens`` (prompt + max_tokens - 1; a worker
+    takes more blocks as the request grows), best first: smallest running batch counting this router's
     in-flight requests, then most free blocks. With ``kv_backends`` (the chosen prefill worker's),
     only workers sharing a KV transport with it (:func:`kvtransfer.select.choose_backend`)."""
     pool = [w for w in workers if w.role == role and w.num_free_blocks >= blocks_for(w, num_tokens)
+            and w.num_total_blocks >= blocks_for(w, lifetime_tokens)
             and (kv_backends is None or _shares_transport(kv_backends, w.kv_backends))]
     return sorted(pool, key=lambda w: (w.num_running + inflight[w.worker_id], -w.num_free_blocks, w.worker_id))

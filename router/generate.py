@@ -275,8 +275,8 @@ async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     Raises:
         GenerateError, WorkerFailure: as :func:`_run_disaggregated`.
     """
-    num_tokens = len(req.prompt_ids) + req.sampling.max_tokens - 1
-    decode = await open_decode(view, req, attempt_id, num_tokens, cfg, progress, role="both")
+    decode = await open_decode(view, req, attempt_id, len(req.prompt_ids) + 1, cfg, progress, role="both",
+                               lifetime_tokens=len(req.prompt_ids) + req.sampling.max_tokens - 1)
     if progress.num_attempts == 1:
         times.dispatched = time.monotonic()
     finished = False

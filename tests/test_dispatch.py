@@ -78,6 +78,16 @@ def test_decode_by_batch_then_free_blocks_and_room():
     assert ids(rank_decode(ws, Counter({"c": 5}), num_tokens=100)) == ["b", "a", "c"]
 
 
+def test_decode_needs_room_now_and_a_pool_for_the_whole_request():
+    """Workers take blocks as a request grows: free blocks for its context now, a pool for prompt + max_tokens."""
+    small = WorkerInfo(worker_id="small", role="decode", address="x", num_free_blocks=20, num_total_blocks=20,
+                       block_size=16)
+    ws = [D("a", free=10), small]
+    assert ids(rank_decode(ws, Counter(), num_tokens=100, lifetime_tokens=1600)) == ["a"]   # 100 blocks: "small" never
+    assert ids(rank_decode(ws, Counter(), num_tokens=100, lifetime_tokens=320)) == ["small", "a"]
+    assert ids(rank_decode(ws, Counter(), num_tokens=200, lifetime_tokens=320)) == ["small"]  # 13 blocks now
+
+
 def test_decode_workers_without_a_common_kv_transport_are_never_chosen():
     from dataclasses import replace
 
