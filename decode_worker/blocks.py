@@ -55,8 +55,22 @@ def covered(spec: KVCacheSpec, req: DecodeRequest) -> int:
 class BlockGrowth:
     """The decode engine's side of on-demand blocks (mixed into :class:`~decode_worker.engine.DecodeEngine`,
     engine thread only): rows given their next block, preemption, preempted requests readmitted. Uses the
-    engine's ``pool``, ``spec``, ``_requests`` (admission order), ``proposer``, its request counters and
-    ``preemption_observer``."""
+    engine's ``pool``, ``spec``, ``_requests`` (admission order), ``proposer``, its request counters,
+    ``_blocks_lock`` and ``preemption_observer``."""
+
+    def take_with_reserve(self, num: int) -> list[int]:
+        """``num`` blocks for a request joining (admitted, or readmitted after a preemption), leaving a block
+        free per DECODING request for its next block boundary, so that a newcomer does not preempt an older
+        request a few steps later. Call with ``_blocks_lock`` held (any thread).
+
+        Raises:
+            NoFreeBlocks: fewer than ``num`` blocks would be free beyond that reserve (nothing is taken).
+        """
+        reserve = self.num_decoding
+        if self.pool.num_free - num < reserve:
+            raise NoFreeBlocks(f"need {num} KV blocks beside {reserve} kept for the running requests' next "
+                               f"blocks, {self.pool.num_free} of {self.num_usable_blocks} free")
+        return self.pool.allocate(num)
 
     def _runnable(self) -> bool:
         """Work for a step: a DECODING request, or a PREFILLING one with blocks (preempted requests get
@@ -71,11 +85,24 @@ class BlockGrowth:
         kept = []
         for req in batch:
             while req.state is RequestState.DECODING and not grow(self.pool, self.spec, req, req.num_tokens):
-                self._preempt(next(r for r in reversed(self._requests.values()) if r.block_table
-                                   and r.state in (RequestState.DECODING, RequestState.PREFILLING)))
+                if not self._trim_lookahead():
+                    self._preempt(next(r for r in reversed(self._requests.values()) if r.block_table
+                                       and r.state in (RequestState.DECODING, RequestState.PREFILLING)))
             if req.state is RequestState.DECODING:
                 kept.append(req)
         return kept
+
+    def _trim_lookahead(self) -> int:
+        """Free the blocks DECODING requests took ahead of their next token (for a multi-step run or
+        speculative drafts) beyond the one it is written to. Returns how many were freed."""
+        freed = 0
+        for r in self._requests.values():
+            keep = self.spec.num_blocks_for(r.num_tokens)
+            if r.state is RequestState.DECODING and len(r.block_table) > keep:
+                self.pool.free(r.block_table[keep:])
+                freed += len(r.block_table) - keep
+                del r.block_table[keep:]
+        return freed
 
     def _preempt(self, req: DecodeRequest) -> None:
         """DECODING (or PREFILLING) -> PREFILLING with no blocks and nothing computed: its prompt and
@@ -83,11 +110,12 @@ class BlockGrowth:
         if req.state is RequestState.DECODING:
             self.num_decoding -= 1
             self.num_prefilling += 1
-        self.pool.free(req.block_table)
+        with self._blocks_lock:     # freed and counted at once: admission sees both or neither
+            self.pool.free(req.block_table)
+            self.num_preempted += 1
         req.block_table, req.num_computed, req.state = [], 0, RequestState.PREFILLING
         if self.proposer is not None:
             self.proposer.forget(req)   # a draft model's cache mirrors the blocks just freed
-        self.num_preempted += 1
         self.num_preemptions += 1
         if self.preemption_observer is not None:
             self.preemption_observer()
@@ -95,15 +123,19 @@ class BlockGrowth:
                  "when blocks free up", req.attempt_id, req.num_tokens, self.pool.num_free, self.num_usable_blocks)
 
     def _readmit_preempted(self) -> None:
-        """Blocks for preempted requests, oldest first, while the pool has them: they prefill again."""
+        """Blocks for preempted requests, oldest first, while the pool has them beside the running requests'
+        reserve (:meth:`take_with_reserve`): they prefill again."""
+        if not self.num_preempted:
+            return
         for req in self._requests.values():
-            if not self.num_preempted:
-                return
             if req.state is RequestState.PREFILLING and not req.block_table:
                 positions = last_position(len(req.prompt_ids), req.sampling.max_tokens, req.max_context)
-                try:
-                    req.block_table = self.pool.allocate(first_blocks(self.spec, req.num_tokens, positions))
-                except NoFreeBlocks:
+                with self._blocks_lock:
+                    try:
+                        req.block_table = self.take_with_reserve(first_blocks(self.spec, req.num_tokens, positions))
+                    except NoFreeBlocks:
+                        return
+                    self.num_preempted -= 1
+                if not self.num_preempted:
                     return
-                self.num_preempted -= 1
 

@@ -32,7 +32,8 @@ class DecodeWorkerConfig(WorkerConfig):
         colocated: also prefill prompts here (role ``both``): requests never leave the worker;
             prompt chunks of at most ``max_num_batched_tokens`` minus the decode batch share
             each step with the decodes.
-        max_num_batched_tokens: token budget of a step in colocated mode.
+        max_num_batched_tokens: token budget of a step that prefills (colocated mode; in any mode, a preempted
+            request prefilled again).
         weights: ``native`` (the checkpoint's dtype cast to ``dtype``) or ``int4`` (group-wise
             asymmetric 4-bit, quantized at load unless the checkpoint is pre-quantized).
         int4_group_size: input columns per INT4 scale group.

@@ -95,7 +95,8 @@ class DecodeEngine(BlockGrowth):
         self.multi_step_observer: Callable[[int], None] | None = None   # told the steps of each multi-step run
         self.preemption_observer: Callable[[], None] | None = None      # told of each preemption
         self.num_decoding = 0
-        self.num_preempted = 0        # PREFILLING again after a preemption, waiting for blocks (engine thread)
+        self.num_preempted = 0        # PREFILLING again after a preemption, waiting for blocks
+        self._blocks_lock = threading.Lock()   # admission's check and take against preemption's free (BlockGrowth)
         self.num_preemptions = 0      # since start
 
     @property
@@ -172,9 +173,11 @@ class DecodeEngine(BlockGrowth):
             if self.spec.num_blocks_for(positions) > self.num_usable_blocks:
                 raise NoFreeBlocks(f"prompt + max_tokens need {self.spec.num_blocks_for(positions)} KV blocks, "
                                    f"more than this worker's {self.num_usable_blocks}")
-            if self.num_preempted:   # preempted requests come first; the router tries another worker
-                raise NoFreeBlocks(f"{self.num_preempted} preempted requests are waiting for KV blocks")
-            table = self.pool.allocate(first_blocks(self.spec, len(prompt_ids) + len(prior_output_ids), positions))
+            with self._blocks_lock:
+                if self.num_preempted:   # preempted requests come first; the router tries another worker
+                    raise NoFreeBlocks(f"{self.num_preempted} preempted requests are waiting for KV blocks")
+                table = self.take_with_reserve(first_blocks(self.spec, len(prompt_ids) + len(prior_output_ids),
+                                                            positions))
         except Exception:
             self._release_id(attempt_id)
             raise
@@ -194,12 +197,13 @@ class DecodeEngine(BlockGrowth):
     def run_forever(self, stop: threading.Event) -> None:
         """Step until ``stop`` is set; idle waits block on the inbox."""
         while not stop.is_set():
-            if not self._runnable():
-                try:
-                    self._handle(self._inbox.get(timeout=0.05))
-                except queue.Empty:
-                    continue
             try:
+                if not self._runnable():
+                    try:
+                        msg = self._inbox.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    self._handle(msg)
                 self.step()
             except Exception:  # a bug or a bad state must not hang every stream: fail the batch
                 log.exception("decode step failed; failing the running requests")
@@ -288,13 +292,14 @@ class DecodeEngine(BlockGrowth):
         rejection or the bonus token: the same numbers non-speculative decoding reports. Requests that
         do not draft this step (:class:`AdaptiveSpeculation`) are plain rows; a step where none drafts
         is a plain step."""
-        for r in batch:   # blocks for k drafts where the pool has them; fewer drafts where not
-            grow(self.pool, self.spec, r, r.num_tokens + self.cfg.spec_k)
         ks = [max(0, min(self.cfg.spec_k, r.sampling.max_tokens - len(r.output_ids) - 1,
-                         r.max_context - r.num_tokens - 1, covered(self.spec, r) - r.num_tokens))
-              for r in batch]  # never write past the blocks
+                         r.max_context - r.num_tokens - 1)) for r in batch]
         if self.adaptive is not None:
             ks = self.adaptive.plan(batch, ks, self.proposer)
+        for r, k in zip(batch, ks):   # blocks for k drafts where the pool has them; fewer drafts where not
+            if k:
+                grow(self.pool, self.spec, r, r.num_tokens + k)
+        ks = [min(k, covered(self.spec, r) - r.num_tokens) for r, k in zip(batch, ks)]   # never past the blocks
         if not any(ks):
             return self._plain_run(batch)
         proposals = self.proposer.propose(batch, ks)
@@ -382,7 +387,9 @@ class DecodeEngine(BlockGrowth):
             self.num_transferring -= 1
         elif req.state is RequestState.PREFILLING:
             self.num_prefilling -= 1
-            self.num_preempted -= not req.block_table
+            if not req.block_table:
+                with self._blocks_lock:
+                    self.num_preempted -= 1
         else:
             self.num_decoding -= 1
         req.state = RequestState.FINISHED

@@ -65,6 +65,7 @@ class _Driver:
             self._errors.append(event)
 
     def blocks_per_request(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks a warm-up request holds at most (its whole life; the engine takes them as it grows)."""
         return self.engine.spec.num_blocks_for(prompt_len + max_tokens - 1)
 
     def round(self, requests: list[tuple[list[int], SamplingParams]]) -> None:

@@ -28,7 +28,7 @@ from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, rank_decode, rank_prefill
+from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, blocks_for, rank_decode, rank_prefill
 from pdserve.router.recovery import GenerateError, Progress, WorkerFailure, avoiding
 from pdserve.router.slo import SloGate
 from pdserve.router.validation import ValidRequest
@@ -205,7 +205,8 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
 
     Raises:
         GenerateError: UNAVAILABLE (no worker of ``role``, or none answered), RESOURCE_EXHAUSTED
-            (no room), INVALID_ARGUMENT (the worker refused the request).
+            (no room), INVALID_ARGUMENT (the worker refused the request, or no worker's pool could ever hold
+            prompt + max_tokens).
         WorkerFailure: a worker to try was unreachable (dead or stuck).
     """
     if candidates is None:
@@ -213,8 +214,13 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
                                           lifetime_tokens),
                               progress.avoid)
     if not candidates:
-        if not any(w.role == role for w in view.current()):
+        pool = [w for w in view.current() if w.role == role]
+        if not pool:
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no decode worker is available{progress.history()}")
+        if not any(w.num_total_blocks >= blocks_for(w, lifetime_tokens) for w in pool):   # not worth a retry
+            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt + max_tokens ({lifetime_tokens + 1} tokens) is more than any decode "
+                                f"worker's KV pool holds; lower max_tokens")
         raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
     last_error, unreachable = "", set()

@@ -275,7 +275,8 @@ async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     Raises:
         GenerateError, WorkerFailure: as :func:`_run_disaggregated`.
     """
-    decode = await open_decode(view, req, attempt_id, len(req.prompt_ids) + 1, cfg, progress, role="both",
+    decode = await open_decode(view, req, attempt_id, len(req.prompt_ids) + len(progress.generated) + 1, cfg,
+                               progress, role="both",
                                lifetime_tokens=len(req.prompt_ids) + req.sampling.max_tokens - 1)
     if progress.num_attempts == 1:
         times.dispatched = time.monotonic()

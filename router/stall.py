@@ -13,7 +13,8 @@ behind a connection that still acks. Which events of a decode stream can be far 
     P's answer or a token -> the     one engine step; or many while the request  T, from the worker's last
       next token or finished         waits for a batch slot (max_batch_size      event on ANY of this
                                      reached, or an older request whose KV       router's streams
-                                     arrived took its slot back)
+                                     arrived took its slot back), or while it
+                                     waits, preempted, for KV blocks
 
 So after the first token the stream fails (:class:`WorkerFailure`, as a crash: the request migrates)
 once T passed with no event from its worker on this stream nor on any other stream this router has

@@ -24,16 +24,17 @@ def _hf_greedy_through_eos(model, prompt_ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture
 def small_engine(model_dir, request):
-    """A colocated engine on the embedded model, 4-token blocks; ``request.param``: (num_blocks, multi_step)."""
+    """A colocated engine on the embedded model, 4-token blocks; ``request.param``: (num_blocks, multi_step) and
+    optionally a dict of more config fields."""
     from pdserve.decode_worker.config import DecodeWorkerConfig
     from pdserve.decode_worker.engine import DecodeEngine
     from pdserve.model.loader import load_model
 
-    num_blocks, multi_step = request.param
+    num_blocks, multi_step, *more = request.param
     model, cfg = load_model(model_dir)
     e = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=num_blocks, block_size=4,
                                         max_batch_size=4, colocated=True, max_num_batched_tokens=8,
-                                        multi_step=multi_step), model, cfg)
+                                        multi_step=multi_step, **(more[0] if more else {})), model, cfg)
     yield e
     e.receiver.close()
 
@@ -58,7 +59,9 @@ def test_a_request_holds_the_blocks_of_its_context_and_one_more_as_it_crosses_a_
     e = small_engine
     events = _add(e, {"a": [1, 400, 500, 600, 700]}, max_tokens=30)   # up front: 5 + 29 positions, 9 blocks
     held = []
-    while not _done(events):
+    for _ in range(100):
+        if _done(events):
+            break
         e.step()
         req = e._requests.get("a")
         if req is not None and req.state is RequestState.DECODING:
@@ -72,10 +75,12 @@ def test_a_request_holds_the_blocks_of_its_context_and_one_more_as_it_crosses_a_
     assert e.pool.num_free == e.num_usable_blocks
 
 
-@pytest.mark.parametrize("small_engine", [(12, 8), (12, 1)], indirect=True)
+@pytest.mark.parametrize("small_engine", [(12, 8), (12, 1), (12, 1, {"speculative": "ngram", "spec_max_batch_size": 4,
+                                                                   "spec_adaptive": False})], indirect=True)
 def test_requests_beyond_the_pool_are_preempted_and_recomputed_token_exact(small_engine, hf_model):
     """11 usable blocks of 4 tokens; three requests need 5 each at their end (6-token prompt, 14 new tokens),
-    so up front two would have been admitted; all three run, the latest is preempted and prefilled again."""
+    so up front two would have been admitted; all three run, the latest is preempted and prefilled again
+    (with multi-step runs, single steps, and n-gram drafts, whose blocks are taken ahead)."""
     e = small_engine
     prompts = {"a": [1, 400, 500, 600, 700, 800], "b": [1, 7, 8, 9, 10, 11], "c": [1, 300, 301, 302, 303, 304]}
     events = _add(e, prompts, max_tokens=14)
@@ -90,6 +95,7 @@ def test_requests_beyond_the_pool_are_preempted_and_recomputed_token_exact(small
         assert isinstance(events[rid][-1], FinishedEvent), (rid, events[rid][-1])
         assert _tokens(events[rid]) == hf_greedy(hf_model, prompt, 14), rid
     assert e.pool.num_free == e.num_usable_blocks and not e._requests
+    assert e.proposer is None or sum(evs[-1].num_draft_tokens for evs in events.values()) > 0
 
 
 @pytest.mark.parametrize("small_engine", [(12, 8)], indirect=True)
@@ -100,17 +106,28 @@ def test_a_request_that_can_never_fit_is_refused_and_new_ones_wait_for_the_preem
     assert e.pool.num_free == e.num_usable_blocks
     events = _add(e, {"a": [1, 400, 500, 600, 700, 800], "b": [1, 7, 8, 9, 10, 11],
                       "c": [1, 300, 301, 302, 303, 304]}, max_tokens=14)
-    while not e.num_preempted:
+    for _ in range(100):
+        if e.num_preempted:
+            break
         e.step()
-        assert not _done(events)
+    assert not _done(events)
+    preempted = e._requests["c"]                                       # the latest admitted
+    assert preempted.state is RequestState.PREFILLING and not preempted.block_table
     with pytest.raises(NoFreeBlocks, match="preempted requests are waiting"):
         _add(e, {"late": [1, 2]}, max_tokens=2)
-    free = e.pool.num_free
-    e.abort("c")                                                       # the preempted one (latest admitted)
+    e.abort("c")
     e.step()
-    assert e.num_preempted == 0 and e.pool.num_free >= free
-    while not _done({k: events[k] for k in ("a", "b")}):
+    assert e.num_preempted == 0 and "c" not in e._requests
+    for _ in range(100):
+        if _done({k: events[k] for k in ("a", "b")}):
+            break
         e.step()
+    late = _add(e, {"late": [1, 2]}, max_tokens=2)                    # admitted again
+    for _ in range(20):
+        if _done(late):
+            break
+        e.step()
+    assert isinstance(late["late"][-1], FinishedEvent) and len(_tokens(late["late"])) == 2
     assert e.pool.num_free == e.num_usable_blocks
 
 
@@ -162,5 +179,8 @@ def test_a_decode_worker_serves_more_than_its_pool_holds_up_front_through_the_cl
         preempted = sum(float(line.split()[-1]) for line in text.splitlines()
                         if line.startswith("pdserve:num_preemptions_total{"))
         assert preempted >= 1, (preempted, len(refused))
+        with pytest.raises(grpc.RpcError) as err:       # 8 + 200 tokens: no worker's pool could ever hold it
+            c.complete(prompts[0], max_tokens=200, temperature=0.0)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV pool" in err.value.details()
     finally:
         c.stop()
