@@ -3,8 +3,9 @@ per-connection lifecycle (authentication, error-to-reason mapping, cleanup) and 
 
 A backend subclasses :class:`ListeningReceiver`, calls :meth:`ListeningReceiver._listen` from its
 constructor and implements ``_serve_frames(conn)`` (read frames until the transfer ends) and
-``_end(conn, why, linger)`` (fail the connection's request and nack), and sets ``_spec`` (the cache layout
-announced pages are checked against). Errors raised by
+``_end(conn, why, linger)`` (fail the connection's request and nack) with the frame actions of
+:class:`~kvtransfer.wire.transfer_frames.TransferFrames`, and sets ``_spec`` (the cache layout announced pages
+are checked against). Errors raised by
 ``_serve_frames`` become the failure reason given to ``on_failed``, see :meth:`_failure_reason`.
 
 What a peer can make a receiver spend, and when it is dropped::
@@ -43,9 +44,10 @@ from pdserve.kvtransfer.wire.conn import (
     refuse_quietly,
     shutdown_quietly,
 )
-from pdserve.kvtransfer.wire.frames import Abort, Ack, Done, FrameError, Pages, busy_ack, check_pages, encode
+from pdserve.kvtransfer.wire.frames import FrameError, busy_ack, encode
 from pdserve.kvtransfer.wire.handshake import HandshakeError, authenticate_sender
 from pdserve.kvtransfer.wire.pending import PendingTransfer, PendingTransfers
+from pdserve.kvtransfer.wire.transfer_frames import TransferFrames
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,7 @@ class _Displaced(Exception):
     """Raised in a handler whose connection the accept loop closed to make room."""
 
 
-class ListeningReceiver(KVReceiver):
+class ListeningReceiver(TransferFrames, KVReceiver):
     """Base of the socket-listening KV receivers (see module doc). Not usable on its own.
 
     Class attributes name the backend in logs and failure reasons: ``_kind`` ("KV receiver"),
@@ -355,51 +357,6 @@ class ListeningReceiver(KVReceiver):
             return False
         conn.sock.settimeout(self._io_timeout_s)
         return True
-
-    def _take_failed(self, conn: Conn, why: str) -> str | None:
-        """Fail ``conn``'s request with ``why`` if this call takes it. Returns the nack's error text:
-        ``why``, or why the request is no longer registered; None when no request is bound."""
-        transfer = conn.transfer
-        if transfer is None:
-            return None
-        if self._pending.take(transfer, why):
-            call_quietly(transfer.on_failed, transfer.request_id, why)
-            return why
-        return f"request {transfer.request_id!r} is no longer registered: {transfer.ended}"  # ended elsewhere
-
-    def _check_pages(self, transfer: PendingTransfer, frame: Pages) -> None:
-        """Raise :class:`FrameError` unless ``frame`` matches the cache layout and names only ``transfer``'s blocks."""
-        check_pages(frame, self._spec)
-        foreign = [b for b in frame.block_ids if b not in transfer.block_set]
-        if foreign:
-            raise FrameError(f"request {transfer.request_id!r}: block ids {foreign[:16]} are not registered for it")
-
-    def _check_live(self, transfer: PendingTransfer) -> None:
-        """Raise :class:`FrameError` if ``transfer`` was ended (cancel, deadline, close). Call it holding
-        ``transfer.write_lock``."""
-        if not self._pending.is_live(transfer):
-            raise FrameError(f"request {transfer.request_id!r} is no longer registered: {transfer.ended}")
-
-    def _finish(self, transfer: PendingTransfer, frame: Done) -> Ack:
-        """``done`` arrived: end ``transfer``, run its callback and return the ack to send.
-
-        Raises:
-            FrameError: ``transfer`` was already ended elsewhere.
-        """
-        taken, complete = self._pending.finish(transfer)
-        if not taken:
-            raise FrameError(f"request {transfer.request_id!r} is no longer registered: {transfer.ended}")
-        if complete:
-            call_quietly(transfer.on_complete, transfer.request_id, frame.first_token)
-        else:
-            call_quietly(transfer.on_failed, transfer.request_id, transfer.ended)
-        return Ack(transfer.request_id, complete, "" if complete else transfer.ended or "")
-
-    def _on_abort(self, transfer: PendingTransfer, frame: Abort) -> None:
-        """The sender gave up: fail ``transfer`` with its reason (if it is still registered)."""
-        why = f"aborted by sender: {frame.reason}"
-        if self._pending.take(transfer, why):
-            call_quietly(transfer.on_failed, transfer.request_id, why)
 
     def _serve_frames(self, conn: Conn) -> None:
         raise NotImplementedError
