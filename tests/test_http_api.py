@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (router/http/) against live clusters of real processes, through the
 official ``openai`` client: completions and chat, streamed or not, greedy output equal to the gRPC
 API's; refusals as OpenAI errors (every parameter the router does not implement named in a 400, 401
-without the token, 404 for another model, 429 with Retry-After when KV blocks run out); a client
+without the token, 404 for another model, 429 with Retry-After when KV blocks run out, 400 when no
+KV pool could ever hold the request); a client
 that disconnects mid-stream frees its blocks; /v1/models, /health, /metrics."""
 
 from __future__ import annotations
@@ -248,13 +249,34 @@ def small_cluster(redis_url, model_dir):
 
 
 def test_no_kv_room_is_429_with_retry_after_and_no_template_is_400(small_cluster):
+    """7 usable blocks of 16 tokens: a request they can never hold is a 400; one that fits while another
+    request holds the pool (its prompt's blocks taken, its prefill worker stopped) is a 429 to retry."""
+    from concurrent.futures import ThreadPoolExecutor
+
     api = openai.OpenAI(base_url=f"http://{small_cluster.router.http_address}/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.RateLimitError) as info:
+    with pytest.raises(openai.BadRequestError) as info:   # prompt + 200 tokens: no pool holds it, ever
         api.completions.create(model="tinystories-656k", prompt="Once upon a time", max_tokens=200)
-    assert info.value.status_code == 429 and "free KV blocks" in info.value.message
-    assert int(info.value.response.headers["Retry-After"]) >= 1
-    with pytest.raises(openai.RateLimitError):  # streamed: refused before the stream starts
-        api.completions.create(model="tinystories-656k", prompt="Once upon a time", max_tokens=200, stream=True)
+    assert info.value.status_code == 400 and "KV pool" in info.value.message
+    prefill = small_cluster.worker("p0").proc
+    prefill.send_signal(signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        try:        # 90 tokens: 6 blocks held on the decode worker while the prompt waits for its prefill
+            holder = pool.submit(api.completions.create, model="tinystories-656k", max_tokens=10,
+                                 prompt=[1] + list(range(100, 189)))
+            deadline = time.monotonic() + 10
+            while not any(w.role == "decode" and w.num_waiting == 1 for w in small_cluster.state().workers):
+                assert time.monotonic() < deadline, "the holding request never reached the decode worker"
+                time.sleep(0.05)
+            with pytest.raises(openai.RateLimitError) as info:   # 20 tokens: 2 blocks, 1 is free
+                api.completions.create(model="tinystories-656k", prompt=[1] + list(range(300, 319)), max_tokens=10)
+            assert info.value.status_code == 429 and "KV blocks" in info.value.message
+            assert int(info.value.response.headers["Retry-After"]) >= 1
+            with pytest.raises(openai.RateLimitError):  # streamed: refused before the stream starts
+                api.completions.create(model="tinystories-656k", prompt=[1] + list(range(300, 319)), max_tokens=10,
+                                       stream=True)
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        assert holder.result(timeout=60).usage.completion_tokens >= 1
     assert api.completions.create(model="tinystories-656k", prompt="Once", max_tokens=100,
                                   extra_body={"ignore_eos": True}).usage.completion_tokens == 100  # fits: served
     with pytest.raises(openai.BadRequestError) as info:
