@@ -28,7 +28,7 @@ from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, blocks_for, rank_decode, rank_prefill
+from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, no_pool_holds, rank_decode, rank_prefill
 from pdserve.router.recovery import GenerateError, Progress, WorkerFailure, avoiding
 from pdserve.router.slo import SloGate
 from pdserve.router.validation import ValidRequest
@@ -214,13 +214,10 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
                                           lifetime_tokens),
                               progress.avoid)
     if not candidates:
-        pool = [w for w in view.current() if w.role == role]
-        if not pool:
+        if not any(w.role == role for w in view.current()):
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no decode worker is available{progress.history()}")
-        if not any(w.num_total_blocks >= blocks_for(w, lifetime_tokens) for w in pool):   # not worth a retry
-            raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt + max_tokens ({lifetime_tokens + 1} tokens) is more than any decode "
-                                f"worker's KV pool holds; lower max_tokens")
+        if no_pool_holds(view.current(), role, lifetime_tokens):   # not worth a retry
+            raise _too_long(lifetime_tokens)
         raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
     last_error, unreachable = "", set()
@@ -289,7 +286,8 @@ async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill:
     ``queue_timeout_s`` for room.
 
     Raises:
-        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint; UNAVAILABLE when Redis
+        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint; INVALID_ARGUMENT when no
+            decode worker's pool could ever hold prompt + max_tokens; UNAVAILABLE when Redis
             fails (:data:`ADMISSION_UNAVAILABLE`) or admission cannot evaluate the request: nothing stays
             reserved (``Admission.try_admit`` deletes what a failed script wrote).
     """
@@ -304,6 +302,12 @@ async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill:
                             "admission could not evaluate the request (see the router's log); retry later") from None
 
 
+def _too_long(lifetime_tokens: int) -> GenerateError:
+    """INVALID_ARGUMENT for a request no decode worker's KV pool could ever hold."""
+    return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt + max_tokens ({lifetime_tokens + 1} tokens) "
+                         "is more than any decode worker's KV pool holds; lower max_tokens")
+
+
 async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo,
                          work_blocks: int, num_tokens: int, lifetime_tokens: int) -> WorkerInfo:
     """:func:`_admit` without the error mapping (raises ``redis.RedisError`` and ``ValueError`` as they come)."""
@@ -312,6 +316,8 @@ async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, 
                                else DEFAULT_SECONDS_PER_BLOCK)
     decode_ttl_s = req.slo.ttft_s + 2 * req.sampling.max_tokens * req.slo.tpot_s + 5
     deadline = time.monotonic() + req.queue_timeout_s
+    if no_pool_holds(view.current(), "decode", lifetime_tokens):   # waiting cannot help
+        raise _too_long(lifetime_tokens)
     while True:
         decodes = rank_decode(view.current(), view.inflight, num_tokens, kv_backends=prefill.kv_backends,
                               lifetime_tokens=lifetime_tokens)

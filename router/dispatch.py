@@ -99,6 +99,13 @@ def _shares_transport(prefill_backends: tuple[str, ...], decode_backends: tuple[
     return True
 
 
+def no_pool_holds(workers: list[WorkerInfo], role: str, lifetime_tokens: int) -> bool:
+    """True when there are workers of ``role`` and none has a KV pool for ``lifetime_tokens`` positions (prompt +
+    max_tokens - 1): the request can never be served here, however long it waits."""
+    pool = [w for w in workers if w.role == role]
+    return bool(pool) and not any(w.num_total_blocks >= blocks_for(w, lifetime_tokens) for w in pool)
+
+
 def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, role: str = "decode",
                 kv_backends: tuple[str, ...] | None = None, lifetime_tokens: int = 0) -> list[WorkerInfo]:
     """Workers of ``role`` (``decode``, or ``both`` for colocated ones) whose last report had room

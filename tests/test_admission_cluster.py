@@ -3,6 +3,8 @@ RESOURCE_EXHAUSTED and a reason, what can is served, and attainment is counted i
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -13,8 +15,8 @@ from tests.conftest import Cluster
 
 @pytest.fixture(scope="module")
 def gated(redis_url, model_dir):
-    c = Cluster(model_dir, redis_url, router_flags={"admission": "true", "default_ttft_slo_s": 5.0,
-                                                     "default_tpot_slo_s": 1.0})
+    c = Cluster(model_dir, redis_url, decode_flags={"num_blocks": 16},       # 15 usable: 240 token positions
+                router_flags={"admission": "true", "default_ttft_slo_s": 5.0, "default_tpot_slo_s": 1.0})
     yield c
     c.stop()
 
@@ -45,6 +47,17 @@ def test_infeasible_slos_are_refused_with_a_reason(gated, ttft, tpot, reason):
     assert gated.state().slo.rejected >= 1
     gated.assert_pools_free()
     assert gated.run(lambda ch: client.complete(ch, _request(), timeout_s=30)).final is not None
+
+
+def test_a_request_no_kv_pool_could_hold_is_refused_at_once_not_queued(gated):
+    req = client.make_request("Once upon a time, there was a little dog", max_tokens=300, temperature=0)
+    req.queue_timeout_s = 30.0
+    start = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        gated.run(lambda ch: client.complete(ch, req, timeout_s=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV pool" in info.value.details()
+    assert time.monotonic() - start < 10          # not after waiting out its queue timeout
+    gated.assert_pools_free()
 
 
 def test_a_dead_decode_worker_admission_reserved_is_retried_around(redis_url, model_dir):

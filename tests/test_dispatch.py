@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.router.dispatch import PrefillStats, rank_decode, rank_prefill
+from pdserve.router.dispatch import PrefillStats, no_pool_holds, rank_decode, rank_prefill
 
 
 def P(wid: str, queued_tokens: int = 0, running: int = 0) -> WorkerInfo:
@@ -86,6 +86,8 @@ def test_decode_needs_room_now_and_a_pool_for_the_whole_request():
     assert ids(rank_decode(ws, Counter(), num_tokens=100, lifetime_tokens=1600)) == ["a"]   # 100 blocks: "small" never
     assert ids(rank_decode(ws, Counter(), num_tokens=100, lifetime_tokens=320)) == ["small", "a"]
     assert ids(rank_decode(ws, Counter(), num_tokens=200, lifetime_tokens=320)) == ["small"]  # 13 blocks now
+    assert no_pool_holds(ws, "decode", 1601) and not no_pool_holds(ws, "decode", 1600)
+    assert not no_pool_holds(ws, "both", 10**6)                                   # no such workers: not this
 
 
 def test_decode_workers_without_a_common_kv_transport_are_never_chosen():
