@@ -21,22 +21,22 @@ from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 log = logging.getLogger(__name__)
 
 
-def last_position(num_prompt: int, max_tokens: int, max_context: int) -> int:
+def max_positions(num_prompt: int, max_tokens: int, max_context: int) -> int:
     """Token positions a request can ever write KV at: its prompt and every output token but the last
     (which is streamed, never fed back), at most the context."""
     return min(num_prompt + max_tokens - 1, max_context)
 
 
-def first_blocks(spec: KVCacheSpec, num_context: int, positions_max: int) -> int:
+def first_blocks(spec: KVCacheSpec, num_context: int, limit: int) -> int:
     """Blocks a request takes when admitted with ``num_context`` tokens (prompt + prior output): those
-    tokens' positions and the next one's, at most ``positions_max`` (:func:`last_position`)."""
-    return spec.num_blocks_for(min(num_context + 1, positions_max))
+    tokens' positions and the next one's, at most ``limit`` (:func:`max_positions`)."""
+    return spec.num_blocks_for(min(num_context + 1, limit))
 
 
 def grow(pool: BlockPool, spec: KVCacheSpec, req: DecodeRequest, positions: int) -> bool:
     """Extend ``req.block_table`` to cover token positions ``[0, positions)`` (at most the request's
-    :func:`last_position`). Returns False, with nothing taken, when the pool has too few free blocks."""
-    cap = last_position(len(req.prompt_ids), req.sampling.max_tokens, req.max_context)
+    :func:`max_positions`). Returns False, with nothing taken, when the pool has too few free blocks."""
+    cap = max_positions(len(req.prompt_ids), req.sampling.max_tokens, req.max_context)
     need = spec.num_blocks_for(min(positions, cap)) - len(req.block_table)
     if need <= 0:
         return True
@@ -129,7 +129,7 @@ class BlockGrowth:
             return
         for req in self._requests.values():
             if req.state is RequestState.PREFILLING and not req.block_table:
-                positions = last_position(len(req.prompt_ids), req.sampling.max_tokens, req.max_context)
+                positions = max_positions(len(req.prompt_ids), req.sampling.max_tokens, req.max_context)
                 with self._blocks_lock:
                     try:
                         req.block_table = self.take_with_reserve(first_blocks(self.spec, req.num_tokens, positions))

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.decode_worker.blocks import BlockGrowth, covered, first_blocks, grow, last_position
+from pdserve.decode_worker.blocks import BlockGrowth, covered, first_blocks, grow, max_positions
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from pdserve.decode_worker.multi_step import plan_steps, sampling_inputs, stop_union
@@ -168,7 +168,7 @@ class DecodeEngine(BlockGrowth):
             if attempt_id in self._live_ids:
                 raise ValueError(f"request id {attempt_id!r} is already in use on this worker")
             self._live_ids.add(attempt_id)
-        positions = last_position(len(prompt_ids), sampling.max_tokens, max_ctx)
+        positions = max_positions(len(prompt_ids), sampling.max_tokens, max_ctx)
         try:
             if self.spec.num_blocks_for(positions) > self.num_usable_blocks:
                 raise NoFreeBlocks(f"prompt + max_tokens need {self.spec.num_blocks_for(positions)} KV blocks, "

@@ -99,11 +99,16 @@ def _shares_transport(prefill_backends: tuple[str, ...], decode_backends: tuple[
     return True
 
 
+def _pool_holds(worker: WorkerInfo, lifetime_tokens: int) -> bool:
+    """Whether ``worker``'s whole KV pool holds ``lifetime_tokens`` positions (prompt + max_tokens - 1)."""
+    return worker.num_total_blocks >= blocks_for(worker, lifetime_tokens)
+
+
 def no_pool_holds(workers: list[WorkerInfo], role: str, lifetime_tokens: int) -> bool:
     """True when there are workers of ``role`` and none has a KV pool for ``lifetime_tokens`` positions (prompt +
     max_tokens - 1): the request can never be served here, however long it waits."""
     pool = [w for w in workers if w.role == role]
-    return bool(pool) and not any(w.num_total_blocks >= blocks_for(w, lifetime_tokens) for w in pool)
+    return bool(pool) and not any(_pool_holds(w, lifetime_tokens) for w in pool)
 
 
 def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, role: str = "decode",
@@ -115,6 +120,6 @@ def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, r
     in-flight requests, then most free blocks. With ``kv_backends`` (the chosen prefill worker's),
     only workers sharing a KV transport with it (:func:`kvtransfer.select.choose_backend`)."""
     pool = [w for w in workers if w.role == role and w.num_free_blocks >= blocks_for(w, num_tokens)
-            and w.num_total_blocks >= blocks_for(w, lifetime_tokens)
+            and _pool_holds(w, lifetime_tokens)
             and (kv_backends is None or _shares_transport(kv_backends, w.kv_backends))]
     return sorted(pool, key=lambda w: (w.num_running + inflight[w.worker_id], -w.num_free_blocks, w.worker_id))
