@@ -77,6 +77,19 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "cpu": cpu_facts()}
 
 
+def worker_metric(metrics_address: str, name: str) -> float:
+    """The sum over labels of a worker's ``pdserve:<name>`` samples (a counter's name ends in ``_total``),
+    scraped from its ``GET /metrics`` at ``metrics_address`` (``host:port``) and parsed by prometheus-client."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == f"pdserve:{name}")
+
+
 class LocalCluster:
     """Router + prefill + decode workers as processes on a fresh registry namespace."""
 

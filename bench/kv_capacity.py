@@ -25,12 +25,11 @@ import json
 import random
 import statistics
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 
-from pdserve.bench.common import ROOT, LocalCluster, machine
+from pdserve.bench.common import ROOT, LocalCluster, machine, worker_metric
 from pdserve.bench.load import make_prompts, percentiles
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
@@ -71,13 +70,6 @@ async def _client(address: str, prompts: list, rng: random.Random, args, until: 
             out["requests"] += 1
 
 
-def _preemptions(metrics_address: str) -> float:
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pdserve:num_preemptions_total{"))
-
-
 async def _run(cluster: LocalCluster, args) -> dict:
     prompts, rng = make_prompts(64, 0), random.Random(1)
     out = {"requests": 0, "tokens": 0, "refused": 0, "errors": [], "ttft": [], "tpot": []}
@@ -102,7 +94,8 @@ async def _run(cluster: LocalCluster, args) -> dict:
             "requests": out["requests"], "refused": out["refused"], "errors": out["errors"][:10],
             "num_errors": len(out["errors"]), "ttft_s": percentiles(out["ttft"]), "tpot_s": percentiles(out["tpot"]),
             "mean_running": statistics.fmean(running) if running else 0.0,
-            "preemptions": _preemptions(decode.metrics_address) if decode.metrics_address else None}
+            "preemptions": worker_metric(decode.metrics_address, "num_preemptions_total")
+            if decode.metrics_address else None}
 
 
 def main() -> None:

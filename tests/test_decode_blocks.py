@@ -138,10 +138,10 @@ def test_a_decode_worker_serves_more_than_its_pool_holds_up_front_through_the_cl
     RESOURCE_EXHAUSTED, which the clients retry as a client of an overloaded server would."""
     import asyncio
     import threading
-    import urllib.request
 
     import grpc
 
+    from pdserve.bench.common import worker_metric
     from pdserve.deploy import client
     from tests.conftest import Cluster
 
@@ -174,10 +174,7 @@ def test_a_decode_worker_serves_more_than_its_pool_holds_up_front_through_the_cl
             assert results[i] == _hf_greedy_through_eos(hf_model, prompt, 60), i
         c.assert_pools_free()
         address = next(w for w in c.state().workers if w.role == "decode").metrics_address
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        preempted = sum(float(line.split()[-1]) for line in text.splitlines()
-                        if line.startswith("pdserve:num_preemptions_total{"))
+        preempted = worker_metric(address, "num_preemptions_total")
         assert preempted >= 1, (preempted, len(refused))
         with pytest.raises(grpc.RpcError) as err:       # 8 + 200 tokens: no worker's pool could ever hold it
             c.complete(prompts[0], max_tokens=200, temperature=0.0)

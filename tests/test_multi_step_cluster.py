@@ -5,10 +5,9 @@ every block comes back."""
 
 from __future__ import annotations
 
-import urllib.request
-
 import pytest
 
+from pdserve.bench.common import worker_metric
 from pdserve.kernels.cpu.decode_stack import stack_available
 from tests.conftest import Cluster
 
@@ -20,13 +19,6 @@ REQUESTS = [dict(max_tokens=40, temperature=0, ignore_eos=True), dict(max_tokens
             dict(max_tokens=25, temperature=0)]
 
 
-def _metric(address: str, name: str) -> float:
-    """The sum of a decode worker's ``pdserve:<name>`` samples, scraped from its metrics endpoint."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"pdserve:{name}{{"))
-
-
 def _outputs(redis_url: str, model_dir: str, multi_step: int) -> tuple[list[list[int]], float, float]:
     """Every request's tokens, then the decode worker's multi-step runs and the steps they ran."""
     c = Cluster(model_dir, redis_url, dtype="bfloat16", decode_flags={"multi_step": multi_step,
@@ -35,7 +27,8 @@ def _outputs(redis_url: str, model_dir: str, multi_step: int) -> tuple[list[list
         out = [c.complete(p, **kw).token_ids for p in PROMPTS for kw in REQUESTS]
         c.assert_pools_free()
         address = next(w for w in c.state().workers if w.role == "decode").metrics_address
-        return out, _metric(address, "decode_multi_step_runs_total"), _metric(address, "decode_multi_step_steps_total")
+        return (out, worker_metric(address, "decode_multi_step_runs_total"),
+                worker_metric(address, "decode_multi_step_steps_total"))
     finally:
         c.stop()
 
