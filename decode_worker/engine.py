@@ -33,6 +33,7 @@ from pdserve.cluster.lifecycle import RequestState
 from pdserve.decode_worker.blocks import BlockGrowth, covered, first_blocks, grow, max_positions
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
+from pdserve.decode_worker.local_prefill import LocalPrefill
 from pdserve.decode_worker.multi_step import plan_steps, sampling_inputs, stop_union
 from pdserve.decode_worker.request import (
     AbortRequest,
@@ -57,7 +58,7 @@ from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_
 log = logging.getLogger(__name__)
 
 
-class DecodeEngine(BlockGrowth):
+class DecodeEngine(BlockGrowth, LocalPrefill):
     """Owns the decode worker's model, KV cache, block pool and KV receiver. ``secret``: the cluster
     secret KV senders must prove (None: none)."""
 
@@ -256,34 +257,6 @@ class DecodeEngine(BlockGrowth):
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
         tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
         return [[t] for t in tokens], rows_logprobs(logits, batch, tokens)
-
-    def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
-        """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""
-        chunks = []
-        budget = max(budget, 1)
-        for req in self._requests.values():
-            if req.state is RequestState.PREFILLING and req.block_table and budget > 0:
-                n = min(req.num_tokens - req.num_computed, budget)
-                chunks.append((req, n))
-                budget -= n
-        return chunks
-
-    def _mixed_run(self, batch: list[DecodeRequest], chunks: list[tuple[DecodeRequest, int]]) -> None:
-        """One forward over decode tokens and prefill chunks together (Sarathi-Serve's
-        stall-free batching): decodes go on while long prompts are prefilled."""
-        inputs = [StepInput([r.output_ids[-1]], r.num_tokens - 1, r.block_table) for r in batch]
-        inputs += [StepInput((r.prompt_ids + r.output_ids)[r.num_computed:r.num_computed + n], r.num_computed,
-                             r.block_table) for r, n in chunks]  # output_ids: a migrated request's prior output
-        logits = self.runner.run(inputs)
-        tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch])
-        for req, token, logprobs in zip(batch, tokens, rows_logprobs(logits[:len(batch)], batch, tokens)):
-            self._append(req, [token], logprobs)
-        for row, (req, n) in enumerate(chunks, start=len(batch)):
-            req.num_computed += n
-            if req.num_computed == req.num_tokens:
-                first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)])[0]
-                req.emit(TokensEvent([first], rows_logprobs(logits[row:row + 1], [req], [first])[0]))
-                self._start_decoding(req, first)
 
     def _speculative_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Propose, verify all proposals in one forward, keep what the rejection rule accepts. The
