@@ -238,6 +238,17 @@ def test_prefill_kernel_rows_do_not_depend_on_the_batch_and_large_scores_stay_fi
 
 
 @needs_prefill
+def test_prefill_kernel_flushes_subnormals_only_inside_its_call(prefill_build):
+    """Each call runs with MXCSR's flush-to-zero and denormals-are-zero set (its exponentials' tiny results
+    are 0, not subnormals) and gives the caller's mode back: on this thread a float32 product below 2^-126
+    is still a subnormal after the call."""
+    tiny = torch.tensor([1e-38])
+    assert (tiny * 0.01).item() != 0.0                          # nothing flushes in this process
+    _check_prefill(*_case(12, 4, 64, 16, [40], [130], torch.bfloat16, seed=5), scale=40.0)
+    assert (tiny * 0.01).item() != 0.0
+
+
+@needs_prefill
 @pytest.mark.parametrize("rise", [0.01, 0.04, 0.2])
 def test_prefill_kernel_scores_rising_across_key_tiles_match_torch(rise, prefill_build):
     """Scores that climb along the keys (5 x rise per key: 1.6, 6.4 or 32 per 32-key tile): a row's

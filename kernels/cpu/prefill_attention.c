@@ -168,8 +168,8 @@ TARGET static void qk(int R, const qval (*q)[MAX_D], const uint16_t *kt, int64_t
  * [0, max pos], writing out rows or[r]. */
 TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                         const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
-    float Obuf[RMAX][MAX_D] __attribute__((aligned(64))), m[RMAX], l[RMAX], alpha[RMAX];
-    __m512 lv[RMAX];                                     /* each row's running sum, reduced once at the end */
+    float Obuf[RMAX][MAX_D] __attribute__((aligned(64))), l[RMAX], alpha[RMAX];
+    SoftRow rows[RMAX];                                  /* each row's running sum, reduced once at the end */
     pval P[RMAX][NK] __attribute__((aligned(64)));
     qval q[RMAX][MAX_D] __attribute__((aligned(64)));    /* the queries, copied (FMA build: widened) once */
     for (int r = 0; r < R; r++)
@@ -178,7 +178,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
     int64_t last = 0;
     for (int r = 0; r < R; r++) {
         O[r] = Obuf[r];
-        m[r] = -INFINITY; lv[r] = _mm512_setzero_ps();
+        soft_row_init(&rows[r]);
         memset(O[r], 0, sizeof(float) * (size_t)D);
         last = pos[r] > last ? pos[r] : last;
     }
@@ -192,8 +192,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             if (n <= 0) continue;
             keys = n > keys ? (n < NK ? (int)n : NK) : keys;
             __m512 p0, p1;
-            softmax_tile(acc[r][0], acc[r][1], n, sc, &m[r], &alpha[r], &p0, &p1);
-            lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
+            softmax_tile(acc[r][0], acc[r][1], n, sc, scale * LOG2E, &rows[r], &alpha[r], &p0, &p1);
 #if PD_DPBF16
             _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
 #else                          /* float32: nothing to round for (7% faster than rounding to bf16 first) */
@@ -203,7 +202,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
         }
         pv(R, O, alpha, (const pval (*)[NK])P, vp + t * NK * D, D, keys);
     }
-    for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(lv[r]);
+    for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(rows[r].lv);
     write_rows(R, O, l, orow, D);
 }
 

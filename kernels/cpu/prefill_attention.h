@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xmmintrin.h>
+
 #include "bf16.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -114,6 +116,11 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
     return 0;
 }
 
+/* MXCSR's flush-to-zero (bit 15) and denormals-are-zero (bit 6), set for the duration of each call and
+ * restored after it: the exponentials' results under 2^-126 are 0 rather than subnormals, which take a
+ * microcode assist on Intel cores (prefill_softmax.h; torch leaves both bits clear). */
+#define PD_MXCSR_FTZ_DAZ 0x8040u
+
 /* The exported entry of each build, over its tile function:
  * q, out: bf16 [num_tokens, H, D] contiguous. qs: int32 [B + 1] row offsets; seq_lens: int32 [B]
  * (the new tokens are each sequence's last qs[b+1] - qs[b] positions, their K/V already in the
@@ -125,8 +132,12 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
                              const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache, \
                              int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,                  \
                              const int32_t *tables, int64_t max_blocks, int64_t block_size, float scale) { \
-        return prefill_run(TILE, q, out, H, Hkv, D, qs, seq_lens, B, cache, s_block, s_tok, s_head, s_v,   \
-                           tables, max_blocks, block_size, scale);                                         \
+        const unsigned csr = _mm_getcsr();                                                                 \
+        _mm_setcsr(csr | PD_MXCSR_FTZ_DAZ);                                                                \
+        const int rc = prefill_run(TILE, q, out, H, Hkv, D, qs, seq_lens, B, cache, s_block, s_tok, s_head, \
+                                   s_v, tables, max_blocks, block_size, scale);                            \
+        _mm_setcsr(csr);                                                                                   \
+        return rc;                                                                                         \
     }
 
 #endif

@@ -59,18 +59,17 @@ AMX static void issue_scores(uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D
 }
 
 /* Each row's softmax step over key tile t's stored scores S (prefill_softmax.h): P (bf16), alpha, the
- * per-lane sums lv. Returns whether a row's alpha is not 1. */
-AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, float (*S)[NK], uint16_t (*P)[NK],
-                            float *m, float *alpha, __m512 *lv) {
+ * row's state. Returns whether a row's alpha is not 1. */
+AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, float s2, float (*S)[NK],
+                            uint16_t (*P)[NK], SoftRow *rows, float *alpha) {
     int rescale = 0;
     for (int r = 0; r < R; r++) {
         const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
         if (n <= 0) continue;
         __m512 p0, p1;
         const __m512 s0 = _mm512_load_ps(S[r]), s1 = _mm512_load_ps(S[r] + 16);
-        if (n >= NK) softmax_tile(s0, s1, NK, sc, &m[r], &alpha[r], &p0, &p1);   /* constant: no masks */
-        else softmax_tile(s0, s1, n, sc, &m[r], &alpha[r], &p0, &p1);
-        lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), _mm512_add_ps(p0, p1));
+        if (n >= NK) softmax_tile(s0, s1, NK, sc, s2, &rows[r], &alpha[r], &p0, &p1);   /* constant: no masks */
+        else softmax_tile(s0, s1, n, sc, s2, &rows[r], &alpha[r], &p0, &p1);
         _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));         /* keys 0..15, 16..31 */
         rescale |= alpha[r] != 1.f;
     }
@@ -97,8 +96,8 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
                      const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
     float S[RMAX][NK] __attribute__((aligned(64))), Ob[RMAX][MAX_D] __attribute__((aligned(64)));
-    float Ot[RMAX][16] __attribute__((aligned(64))), m[RMAX], l[RMAX], alpha[RMAX];
-    __m512 lv[RMAX];                                    /* per-lane running sums: reduced once at the end */
+    float Ot[RMAX][16] __attribute__((aligned(64))), l[RMAX], alpha[RMAX];
+    SoftRow rows[RMAX];                                 /* per-lane running sums: reduced once at the end */
     uint16_t P[RMAX][NK] __attribute__((aligned(64)));
     float *O[RMAX];
     int64_t last = 0;
@@ -107,7 +106,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         memcpy(Q[r], qr[r], sizeof(uint16_t) * (size_t)D);
         O[r] = Ob[r];
         memset(O[r], 0, sizeof(float) * (size_t)D);
-        m[r] = -INFINITY; lv[r] = _mm512_setzero_ps();
+        soft_row_init(&rows[r]);
         last = pos[r] > last ? pos[r] : last;
     }
     tile_config(R, d64);
@@ -121,7 +120,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         _tile_stored(1, S[0] + 16, NK * 4);
         if (d64 && t > 0) accumulate_pv64(P, vt - NK * D);    /* tile t - 1's values */
         if (t + 1 < tiles) issue_scores(Q, kp + (t + 1) * NK * D, D);
-        const int rescale = softmax_rows(R, t, pos, sc, S, P, m, alpha, lv);
+        const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S, P, rows, alpha);
         if (d64) {
             if (rescale) {                                    /* O through memory, each row scaled */
                 _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
@@ -151,7 +150,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4);
     }
     _tile_release();
-    for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(lv[r]);
+    for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(rows[r].lv);
     write_rows(R, O, l, orow, D);
 }
 

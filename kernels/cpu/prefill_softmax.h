@@ -21,14 +21,15 @@
  * where vrndscaleps is two uops on port 0 of Intel cores), 2^(x - n) by a degree-3 polynomial (relative
  * error 1.0e-4 over [-1/2, 1/2] in float32, a twentieth of the 2^-9 to which P is rounded for the value
  * sums; minimax of the relative error with p(0) = 1, fitted for this kernel by reweighted least
- * squares), times 2^n by vscalefps (exact); exactly 0 below x = -125, for -inf and NaN, and where `keep`
- * is clear, so that no lane makes a subnormal (see exp16.h: a microcode assist on Intel cores). The
- * softmax's vector work is what bounds the AMX build. Since 2026-11-29 (degree 5, vrndscaleps, and the
- * scores scaled before the max rather than fused into the subtraction): one layer's attention on AMX
- * tiles 0.93x / 0.92x at 512 / 2,048 tokens, then 0.96-1.03x / 0.91-0.96x for the rounding by adds
+ * squares), times 2^n by vscalefps (exact); 0 where `keep` is clear (masked keys). Results below 2^-126
+ * would be subnormals, a microcode assist on Intel cores (exp16.h): the kernels' entry (PD_FTZ_SCOPE,
+ * prefill_attention.h) runs them with MXCSR's flush-to-zero and denormals-are-zero set, so they are 0,
+ * as the compare with -125 that this function made until 2026-11-29 made them (one uop in nine of
+ * each exponential's). The softmax's vector work is what bounds the AMX build. Since 2026-11-29 (degree 5, vrndscaleps,
+ * and the scores scaled before the max rather than fused into the subtraction): one layer's attention on
+ * AMX tiles 0.93x / 0.92x at 512 / 2,048 tokens, then 0.96-1.03x / 0.91-0.96x for the rounding by adds
  * (bit-identical), the AVX512-BF16 build 0.99x (bench/kernel_ab.py, Xeon 207). */
 __attribute__((target("avx512f"), always_inline)) static inline __m512 pow2_16(__m512 x, __mmask16 keep) {
-    keep &= _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
     const __m512 magic = _mm512_set1_ps(12582912.f);          /* 1.5 x 2^23: x + magic rounds x to an integer */
     const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
     const __m512 f = _mm512_sub_ps(x, n);
@@ -50,21 +51,39 @@ static inline int64_t tile_keys(int64_t pos, int64_t t, float *alpha, void *p, s
     return n;
 }
 
+/* One row's state across key tiles: the per-lane running sums lv, the reference max m (base-2 units) and
+ * on every lane of mv (read as a memory operand: no broadcast uop a tile), the raw score past which m
+ * moves (thr = (m + SLACK log2 e) / scale2: the test takes no multiply). */
+typedef struct { __m512 lv, mv; float m, thr; } SoftRow;
+
+static inline void soft_row_init(SoftRow *row) {
+    row->lv = _mm512_setzero_ps();
+    row->m = row->thr = -INFINITY;
+    row->mv = _mm512_set1_ps(-INFINITY);
+}
+
+/* The step over raw scores a0 (keys 0-15), a1 (16-31) of which n >= 1 are visible; scale2 = scale x
+ * log2 e on every lane, s2 the same as a float (> 0). Writes the row's alpha and P, adds P to row->lv
+ * (rescaled first when alpha is not 1). */
 __attribute__((target("avx512f"), always_inline)) static inline void softmax_tile(
-        __m512 a0, __m512 a1, int64_t n, __m512 scale2, float *m, float *alpha, __m512 *p0, __m512 *p1) {
+        __m512 a0, __m512 a1, int64_t n, __m512 scale2, float s2, SoftRow *row, float *alpha, __m512 *p0,
+        __m512 *p1) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __mmask32 vis = n >= NK ? 0xffffffffu : (__mmask32)((1u << n) - 1);
-    const __m512 smax = _mm512_mul_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, (__mmask16)vis, a0),
-                                                    _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16), a1)), scale2);
-    float mt = *m;                                       /* the reference max: moved only past the slack */
+    const __m512 rmax = _mm512_max_ps(_mm512_mask_mov_ps(ninf, (__mmask16)vis, a0),
+                                      _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16), a1));
     *alpha = 1.f;
-    if (_mm512_cmp_ps_mask(smax, _mm512_set1_ps(*m + SLACK * LOG2E), _CMP_GT_OQ)) {   /* always on the first tile */
-        mt = _mm512_reduce_max_ps(smax);
-        *alpha = _mm512_cvtss_f32(pow2_16(_mm512_set1_ps(*m - mt), 0xffff));         /* 0 on the row's first tile */
+    if (_mm512_cmp_ps_mask(rmax, _mm512_set1_ps(row->thr), _CMP_GT_OQ)) {     /* always on the first tile, */
+        /* where alpha is 0 (2^-inf would be NaN here: no floor compare) */
+        const float mt = _mm512_reduce_max_ps(rmax) * s2;                     /* = the max of the scaled */
+        *alpha = row->m == -INFINITY ? 0.f : _mm512_cvtss_f32(pow2_16(_mm512_set1_ps(row->m - mt), 0xffff));
+        row->lv = _mm512_mul_ps(row->lv, _mm512_set1_ps(*alpha));
+        row->m = mt;
+        row->mv = _mm512_set1_ps(mt);
+        row->thr = (mt + SLACK * LOG2E) / s2;
     }
-    const __m512 mv = _mm512_set1_ps(mt);
-    *p0 = pow2_16(_mm512_fmsub_ps(a0, scale2, mv), (__mmask16)vis);
-    *p1 = pow2_16(_mm512_fmsub_ps(a1, scale2, mv), (__mmask16)(vis >> 16));
-    *m = mt;
+    *p0 = pow2_16(_mm512_fmsub_ps(a0, scale2, row->mv), (__mmask16)vis);
+    *p1 = pow2_16(_mm512_fmsub_ps(a1, scale2, row->mv), (__mmask16)(vis >> 16));
+    row->lv = _mm512_add_ps(row->lv, _mm512_add_ps(*p0, *p1));
 }
 #endif
