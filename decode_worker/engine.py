@@ -45,6 +45,7 @@ from pdserve.decode_worker.request import (
     KVFailed,
     TokensEvent,
     check_kv_timeout,
+    histories,
     rows_logprobs,
 )
 from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer, verify
@@ -255,7 +256,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
                 return rows, [None] * len(batch)
         logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
-        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch])
+        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch], histories(batch))
         return [[t] for t in tokens], rows_logprobs(logits, batch, tokens)
 
     def _speculative_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
@@ -283,7 +284,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         rows = logits.split([len(p.tokens) + 1 for p in proposals])
         out, out_logprobs = [], []
         for req, prop, req_rows in zip(batch, proposals, rows):
-            tokens = verify(req_rows, prop, req.sampling, len(req.output_ids))
+            tokens = verify(req_rows, prop, req.sampling, len(req.output_ids), (req.prompt_ids, req.output_ids))
             req.num_draft_tokens += len(prop.tokens)
             req.num_accepted_tokens += len(tokens) - 1
             if self.adaptive is not None:

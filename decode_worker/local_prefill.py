@@ -6,7 +6,7 @@ decode steps (Sarathi-Serve's stall-free batching: Agrawal et al., OSDI 2024).
 from __future__ import annotations
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.decode_worker.request import DecodeRequest, TokensEvent, rows_logprobs
+from pdserve.decode_worker.request import DecodeRequest, TokensEvent, histories, rows_logprobs
 from pdserve.model.runner import StepInput
 from pdserve.model.sampling import sample
 
@@ -34,12 +34,13 @@ class LocalPrefill:
         inputs += [StepInput((r.prompt_ids + r.output_ids)[r.num_computed:r.num_computed + n], r.num_computed,
                              r.block_table) for r, n in chunks]  # output_ids: a migrated request's prior output
         logits = self.runner.run(inputs)
-        tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch])
+        tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch],
+                        histories(batch))
         for req, token, logprobs in zip(batch, tokens, rows_logprobs(logits[:len(batch)], batch, tokens)):
             self._append(req, [token], logprobs)
         for row, (req, n) in enumerate(chunks, start=len(batch)):
             req.num_computed += n
             if req.num_computed == req.num_tokens:
-                first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)])[0]
+                first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)], histories([req]))[0]
                 req.emit(TokensEvent([first], rows_logprobs(logits[row:row + 1], [req], [first])[0]))
                 self._start_decoding(req, first)

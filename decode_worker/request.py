@@ -32,7 +32,7 @@ import torch
 from pdserve.cluster.args import check_seconds
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
-from pdserve.model.sampling import SamplingParams, TokenLogprobs, token_logprobs
+from pdserve.model.sampling import History, SamplingParams, TokenLogprobs, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,12 @@ def rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list
         for i, lp in zip(rows, lps):
             out[i] = [lp]
     return out
+
+
+def histories(batch: list[DecodeRequest]) -> list[History]:
+    """Each request's prompt and output so far (:func:`model.sampling.sample`'s ``histories``: read only
+    by the rows with a logit bias or penalties)."""
+    return [(r.prompt_ids, r.output_ids) for r in batch]
 
 
 # What other threads post to the engine's inbox (the engine thread alone changes request state).

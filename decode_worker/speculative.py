@@ -39,8 +39,9 @@ from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.request import DecodeRequest
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.penalties import penalize
 from pdserve.model.runner import ModelRunner, StepInput
-from pdserve.model.sampling import SamplingParams, draw, filtered_probs, request_generator, sample_one
+from pdserve.model.sampling import History, SamplingParams, draw, filtered_probs, request_generator, sample_one
 
 ACCEPT_STREAM, DRAFT_STREAM = 1, 2  # generator streams, apart from the token draws (stream 0)
 
@@ -62,7 +63,8 @@ class Proposer(Protocol):
         """The request finished (or its accepted length changed): drop per-request state."""
 
 
-def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, output_index: int) -> list[int]:
+def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, output_index: int,
+           history: History | None = None) -> list[int]:
     """Tokens to emit for one request after verification (accepted drafts + one more).
 
     Args:
@@ -70,9 +72,21 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, out
         proposal: the drafts.
         params: the request's sampling parameters (the target distribution is filtered by them).
         output_index: output index of the first token this step emits (seeds the draws).
+        history: the request's prompt and output before this step, needed when ``params`` is
+            :attr:`~model.sampling.SamplingParams.penalized`: position ``j``'s logits are penalized over
+            that output and drafts ``0 .. j - 1`` (all accepted, or ``j`` is not reached), so that the
+            target distribution is the one plain decoding samples.
     Returns:
         Between 1 and ``len(proposal.tokens) + 1`` tokens.
+    Raises:
+        ValueError: a penalized request without its history.
     """
+    if params.penalized:
+        if history is None:
+            raise ValueError("a request with logit_bias or penalties needs its token history to be verified")
+        prompt, output = history
+        logits = torch.stack([penalize(logits[j], params, prompt, [*output, *proposal.tokens[:j]])
+                              for j in range(len(proposal.tokens) + 1)])
     out: list[int] = []
     for j, d in enumerate(proposal.tokens):
         index = output_index + j

@@ -40,11 +40,14 @@ MAX_WARMUP_STEPS = 10_000  # a bound on engine steps per round: a bug must fail 
 
 
 def _sampling_variants(max_tokens: int) -> list[SamplingParams]:
-    """Greedy, top-k/top-p sampled, and greedy with log-probabilities: each path :func:`model.sampling.sample`
-    and :func:`model.sampling.token_logprobs` take. ``ignore_eos`` so every request lives ``max_tokens``."""
+    """Greedy, top-k/top-p sampled, greedy with log-probabilities, and greedy with a logit bias and penalties:
+    each path :func:`model.sampling.sample` and :func:`model.sampling.token_logprobs` take. ``ignore_eos`` so
+    every request lives ``max_tokens``."""
     return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
             SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1, max_tokens=max_tokens, ignore_eos=True),
-            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)]
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, presence_penalty=0.5,
+                           frequency_penalty=0.5, repetition_penalty=1.2, logit_bias=((0, 1.0),))]
 
 
 class _Driver:

@@ -10,11 +10,13 @@ exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws exactly from `
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.kernels.cpu.fused import argmax_rows, vectorized
+from pdserve.model.penalties import check_penalties, penalize
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
@@ -41,6 +43,12 @@ class SamplingParams:
         ignore_eos: do not stop at the model's EOS tokens.
         logprobs: None computes no log-probabilities; k >= 0 returns the sampled token's and the
             k most likely tokens' (:func:`token_logprobs`), at most :data:`MAX_LOGPROBS`.
+        presence_penalty, frequency_penalty: subtracted from the logit of each token the output holds, once
+            and per occurrence, in [-2, 2] (OpenAI's); 0 is off.
+        repetition_penalty: divides the positive logits of tokens in prompt or output and multiplies the
+            negative ones, > 0 (CTRL's, as ``transformers`` and vLLM take it); 1 is off.
+        logit_bias: ``(token id, bias)`` pairs, biases in [-100, 100] added to those logits; at most
+            :data:`model.penalties.MAX_LOGIT_BIAS`. All four: :mod:`model.penalties`.
     """
 
     temperature: float = 1.0
@@ -51,6 +59,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -73,6 +85,14 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        check_penalties(self, vocab_size)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a logit bias or a penalty changes the logits: picking a token then needs the request's
+        prompt and output so far (:func:`sample`'s ``histories``)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """Every token id that ends this request."""
@@ -164,21 +184,49 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int]) -> list[int]:
+History = tuple[Sequence[int], Sequence[int]]
+"""A request's prompt token ids and the output ids before the position being sampled."""
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int],
+           histories: Sequence[History | None] | None = None) -> list[int]:
     """Pick one token per row.
 
     Args:
         logits: ``[B, vocab]`` float32.
         params: each row's sampling parameters.
         output_indexes: each row's index among its request's output tokens (0 = first token).
+        histories: each row's :data:`History`, needed by the rows whose parameters are
+            :attr:`~SamplingParams.penalized` (their logits pass :func:`model.penalties.penalize` first).
     Returns:
         ``B`` token ids.
+    Raises:
+        ValueError: a penalized row without its history.
     """
+    if any(p.penalized for p in params):
+        logits = penalized_rows(logits, params, histories)
     tokens = greedy(logits).tolist()
     for row, (p, index) in enumerate(zip(params, output_indexes)):
         if p.temperature != 0:
             tokens[row] = sample_one(logits[row], p, index)
     return tokens
+
+
+def penalized_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   histories: Sequence[History | None] | None) -> torch.Tensor:
+    """``[B, vocab]`` logits with each :attr:`~SamplingParams.penalized` row passed through
+    :func:`model.penalties.penalize` (a copy; the others as they are).
+
+    Raises:
+        ValueError: a penalized row without its history.
+    """
+    out = logits.float().clone()
+    for row, p in enumerate(params):
+        if p.penalized:
+            if histories is None or histories[row] is None:
+                raise ValueError("a request with logit_bias or penalties needs its token history to be sampled")
+            out[row] = penalize(logits[row], p, *histories[row])
+    return out
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,12 @@ class PrefillRequest:
     first_page_at: float = 0.0
 
     @property
+    def history(self) -> tuple[list[int], list[int]]:
+        """The prompt and the prior output (a migrated request's), as the first token's penalties see them."""
+        cut = len(self.token_ids) - self.first_output_index
+        return self.token_ids[:cut], self.token_ids[cut:]
+
+    @property
     def num_remaining(self) -> int:
         """Prompt tokens still to compute."""
         return len(self.token_ids) - self.num_computed

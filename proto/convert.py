@@ -15,14 +15,19 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
     return worker_pb2.ResolvedSampling(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-        return_logprobs=p.logprobs is not None, num_top_logprobs=p.logprobs or 0)
+        return_logprobs=p.logprobs is not None, num_top_logprobs=p.logprobs or 0,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias))
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
     return SamplingParams(
         temperature=m.temperature, top_p=m.top_p, top_k=m.top_k, seed=m.seed, max_tokens=m.max_tokens,
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-        logprobs=m.num_top_logprobs if m.return_logprobs else None)
+        logprobs=m.num_top_logprobs if m.return_logprobs else None,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        repetition_penalty=m.repetition_penalty or 1.0,        # unset on the wire: off
+        logit_bias=tuple(sorted(m.logit_bias.items())))
 
 
 def logprobs_to_wire(lp: TokenLogprobs) -> worker_pb2.TokenLogprobs:

@@ -106,7 +106,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
             (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary or more than
             :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs outside
-            [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters); SLOs not
+            [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters,
+            penalties or logit_bias out of range: :func:`model.penalties.check_penalties`); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
@@ -148,6 +149,10 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
     )
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:

@@ -65,6 +65,8 @@ def assert_in_range(v: ValidRequest) -> None:
     assert 1 <= s.max_tokens and len(v.prompt_ids) + s.max_tokens <= CONTEXT
     assert math.isfinite(s.temperature) and s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0
     assert 0 <= s.seed < 2**64 and all(0 <= t < VOCAB for t in s.stop_token_ids)
+    assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2 and 0 < s.repetition_penalty < math.inf
+    assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in s.logit_bias)
     assert math.isfinite(v.slo.ttft_s) and v.slo.ttft_s > 0 and math.isfinite(v.slo.tpot_s) and v.slo.tpot_s > 0
     assert math.isfinite(v.queue_timeout_s) and v.queue_timeout_s >= 0
 
@@ -93,6 +95,13 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
         bad.add("max_tokens")
     if any(not 0 <= t < VOCAB for t in s.stop_token_ids) or len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         bad.add("stop_token_ids")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
+            bad.add(name)
+    if s.HasField("repetition_penalty") and not 0 < s.repetition_penalty < math.inf:
+        bad.add("repetition_penalty")
+    if any(not 0 <= t < VOCAB or not -100 <= b <= 100 for t, b in s.logit_bias.items()):
+        bad.add("logit_bias")
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if req.HasField(name) and not (math.isfinite(getattr(req, name)) and getattr(req, name) > 0):
             bad.add(name)
@@ -117,9 +126,12 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
     s = pdserve_pb2.SamplingParams(top_k=draw(st.integers(-3, 3) | I32), ignore_eos=draw(st.booleans()),
                                    stop_token_ids=draw(st.lists(st.integers(-3, VOCAB + 3) | I64, max_size=5)))
     for name, strategy in (("temperature", floats), ("top_p", floats), ("seed", st.integers(0, 2**64 - 1)),
-                           ("max_tokens", st.integers(-3, 40) | I32)):
+                           ("max_tokens", st.integers(-3, 40) | I32), ("presence_penalty", floats),
+                           ("frequency_penalty", floats), ("repetition_penalty", floats)):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
+    s.logit_bias.update(draw(st.dictionaries(st.integers(-3, VOCAB + 3) | I64, floats | st.floats(-100, 100, width=32),
+                                             max_size=4)))
     req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,
                                       request_id=draw(st.text(max_size=8) | st.text(min_size=250, max_size=300)),
                                       queue_timeout_s=draw(st.just(0.0) | doubles))

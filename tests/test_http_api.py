@@ -161,13 +161,12 @@ def test_disconnect_mid_stream_frees_every_block(http_cluster, api):
 
 REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("chat", "top_logprobs", 2),  # without `logprobs`: true
-    ("completions", "presence_penalty", 0.5), ("chat", "frequency_penalty", -1.0),
-    ("completions", "logit_bias", {"50": 10}), ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("chat", "tool_choice", "auto"), ("chat", "response_format", {"type": "json_object"}),
     ("chat", "parallel_tool_calls", False), ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
     ("completions", "best_of", 2), ("completions", "echo", True), ("completions", "suffix", "!"),
-    ("completions", "presence", 1), ("chat", "repetition_penalty", 1.1), ("completions", "stream_options",
-                                                                           {"include_usage": True}),
+    ("completions", "presence", 1), ("chat", "min_p", 0.1), ("completions", "stream_options",
+                                                             {"include_usage": True}),
 ]
 
 
@@ -200,6 +199,12 @@ BAD = [  # the gRPC API's bad inputs, through HTTP: the same message
     ({"prompt": [1] * 500, "max_tokens": 13}, client.make_request([1] * 500, max_tokens=13)),
     ({"prompt": "Hi", "top_k": -2}, client.make_request("Hi", top_k=-2)),
     ({"prompt": "Hi", "stop_token_ids": [5000]}, client.make_request("Hi", stop_token_ids=(5000,))),
+    ({"prompt": "Hi", "presence_penalty": 2.5},
+     pdserve_pb2.GenerateRequest(text="Hi", sampling=pdserve_pb2.SamplingParams(presence_penalty=2.5))),
+    ({"prompt": "Hi", "repetition_penalty": -1},
+     pdserve_pb2.GenerateRequest(text="Hi", sampling=pdserve_pb2.SamplingParams(repetition_penalty=-1))),
+    ({"prompt": "Hi", "logit_bias": {"5000": 1}},
+     pdserve_pb2.GenerateRequest(text="Hi", sampling=pdserve_pb2.SamplingParams(logit_bias={5000: 1}))),
 ]
 
 

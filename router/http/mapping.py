@@ -21,7 +21,7 @@ from typing import Any
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.errors import ApiError
-from pdserve.router.http.schemas import ChatCompletionRequest, SamplingBody
+from pdserve.router.http.schemas import INT64, ChatCompletionRequest, SamplingBody
 
 FINISH_REASON = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -29,9 +29,6 @@ FINISH_REASON = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REAS
 NOT_YET: dict[str, tuple[tuple, str]] = {}
 # not implemented by the router
 UNSUPPORTED = {
-    "presence_penalty": ((None, 0), "`presence_penalty` other than 0"),
-    "frequency_penalty": ((None, 0), "`frequency_penalty` other than 0"),
-    "logit_bias": ((None, {}), "`logit_bias`"),
     "best_of": ((None, 1), "`best_of` other than 1"),
     "echo": ((None, False), "`echo`"),
     "suffix": ((None, ""), "`suffix`"),
@@ -83,9 +80,11 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
     """
     s = pdserve_pb2.SamplingParams(top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM: -1 is off
                                    stop_token_ids=body.stop_token_ids or (), ignore_eos=bool(body.ignore_eos))
-    for name in ("temperature", "top_p", "seed", "n"):
+    for name in ("temperature", "top_p", "seed", "n", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
+    for token, bias in (body.logit_bias or {}).items():
+        s.logit_bias[_token_id(token)] = bias
     if body.stop:
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if isinstance(body, ChatCompletionRequest):
@@ -104,6 +103,22 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def _token_id(key: str) -> int:
+    """A ``logit_bias`` key: OpenAI's JSON object keys are token ids written as decimal strings.
+
+    Raises:
+        ApiError: 400 for a key that is not one.
+    """
+    try:
+        token = int(key, 10)
+    except ValueError:
+        raise ApiError(400, f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                       param="logit_bias") from None
+    if not INT64[0] <= token <= INT64[1]:
+        raise ApiError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+    return token
 
 
 def prompts_of(prompt: str | list) -> list[str | list[int]]:

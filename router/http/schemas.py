@@ -78,8 +78,8 @@ class StreamOptions(_Strict):
 
 class SamplingBody(_Strict):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
-    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos`` and
-    ``return_token_ids`` (token ids beside the text) are accepted too."""
+    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
+    ``repetition_penalty`` and ``return_token_ids`` (token ids beside the text) are accepted too."""
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -96,10 +96,11 @@ class SamplingBody(_Strict):
     # stop strings and n sequences per prompt (router/http/mapping.py)
     stop: Stop = None
     n: Int32 | None = None
-    # not implemented: refused by name unless given their neutral value
+    # logit bias and penalties (model/penalties.py); repetition_penalty is vLLM's extension
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
     @classmethod

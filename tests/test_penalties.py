@@ -1,0 +1,193 @@
+"""Logit bias and the repetition, frequency and presence penalties (model/penalties.py): the row function
+against a reference written here from the definitions; each bad value refused by name; greedy tokens through
+the decode engine (local prefill, the decode graph, multi-step decoding and n-gram speculation configured)
+equal to ``transformers`` generating with the same reference as its logits processor, beside a plain request
+in the same batches; and through a live cluster over HTTP (the first token picked by the prefill worker, the
+rest by the decode worker), with 400s for bad values."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.request import FinishedEvent, TokensEvent
+from pdserve.decode_worker.speculative import Proposal, verify
+from pdserve.model.loader import load_model
+from pdserve.model.penalties import MAX_LOGIT_BIAS, penalize
+from pdserve.model.sampling import SamplingParams, sample
+from pdserve.model.tokenizer import Tokenizer
+from tests.conftest import CHAT_MODEL
+
+PROMPT = [1, 415, 263, 931, 892, 727, 471, 263, 931]
+PENALIZED = dict(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.25,
+                 logit_bias=((263, 2.0), (13, -1.5)))   # values exact in float32: no rounding in either order
+
+
+def reference(logits: torch.Tensor, prompt: list[int], output: list[int], presence: float, frequency: float,
+              repetition: float, bias: dict[int, float]) -> torch.Tensor:
+    """The four adjustments token by token, in vLLM's order (bias; repetition; frequency; presence)."""
+    out = logits.float().clone()
+    for t, b in bias.items():
+        out[t] += b
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t in set(output):
+        out[t] -= frequency * output.count(t)
+        out[t] -= presence
+    return out
+
+
+class ReferenceProcessor(LogitsProcessor):
+    """:func:`reference` as a ``transformers`` logits processor (the output: what follows the prompt)."""
+
+    def __init__(self, prompt_len: int, **kw) -> None:
+        self.prompt_len, self.kw = prompt_len, kw
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        ids = input_ids[0].tolist()
+        return reference(scores[0], ids[:self.prompt_len], ids[self.prompt_len:], **self.kw).unsqueeze(0)
+
+
+def _reference_kw(p: dict) -> dict:
+    return dict(presence=p["presence_penalty"], frequency=p["frequency_penalty"],
+                repetition=p["repetition_penalty"], bias=dict(p["logit_bias"]))
+
+
+def hf_penalized(hf_model, prompt: list[int], n: int, **p) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                logits_processor=LogitsProcessorList([ReferenceProcessor(len(prompt),
+                                                                                         **_reference_kw(p))]),
+                                eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_penalize_equals_the_definition_and_leaves_its_input_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(500) * 4
+    before = logits.clone()
+    prompt, output = torch.randint(0, 500, (40,)).tolist(), torch.randint(0, 60, (70,)).tolist()   # repeats
+    p = SamplingParams(presence_penalty=-0.75, frequency_penalty=1.5, repetition_penalty=0.5,
+                       logit_bias=((3, 100.0), (499, -100.0), (7, 0.25)))
+    got = penalize(logits, p, prompt, output)
+    assert torch.equal(got, reference(logits, prompt, output, -0.75, 1.5, 0.5, {3: 100.0, 499: -100.0, 7: 0.25}))
+    assert torch.equal(logits, before) and not torch.equal(got, logits)
+    # neutral values change nothing, and the sampler leaves unpenalized rows' logits as they are
+    assert torch.equal(penalize(logits, SamplingParams(), prompt, output), logits)
+    rows = torch.stack([logits, logits])
+    plain, pen = SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias=((11, 100.0),))
+    assert sample(rows, [plain, pen], [0, 0], [None, (prompt, output)]) == [int(logits.argmax()), 11]
+    with pytest.raises(ValueError, match="token history"):
+        sample(rows, [plain, pen], [0, 0])
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("presence_penalty", 2.5, "presence_penalty must be in"),
+    ("frequency_penalty", float("nan"), "frequency_penalty must be in"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be"),
+    ("repetition_penalty", float("inf"), "repetition_penalty must be"),
+    ("logit_bias", ((5, 100.5),), "logit_bias values must be in"),
+    ("logit_bias", ((5, float("nan")),), "logit_bias values must be in"),
+    ("logit_bias", ((32000, 1.0),), "outside the vocabulary"),
+    ("logit_bias", ((5, 1.0), (5, 2.0)), "repeats a token id"),
+    ("logit_bias", tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1)), "at most"),
+])
+def test_each_bad_value_is_refused_by_name(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).validate(32000)
+
+
+def _run(engine: DecodeEngine, requests: dict[str, SamplingParams]) -> tuple[dict[str, list[int]], dict]:
+    """Each request's tokens, and its finish event."""
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    finished, errors = {}, []
+
+    def sink(rid):
+        def on(ev):
+            if isinstance(ev, TokensEvent):
+                out[rid].extend(ev.token_ids)
+            elif isinstance(ev, FinishedEvent):
+                finished[rid] = ev
+            else:
+                errors.append(ev)
+        return on
+    for rid, sampling in requests.items():
+        engine.add_local(rid, PROMPT, sampling, sink(rid))
+    for _ in range(2000):
+        engine.step()
+        if not (engine.num_decoding or engine.num_prefilling):
+            break
+    assert not errors and finished.keys() == requests.keys()
+    return out, finished
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_engine_greedy_tokens_with_penalties_equal_transformers(model_dir, hf_model, speculative):
+    model, cfg = load_model(model_dir)
+    engine = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
+                                             speculative=speculative, spec_adaptive=False, spec_k=3,
+                                             spec_max_batch_size=4), model, cfg)
+    n = 30
+    try:
+        # mild enough that the output still repeats: n-gram drafts are proposed and accepted under penalties
+        mild = dict(presence_penalty=0.0, frequency_penalty=0.0625, repetition_penalty=1.03125,
+                    logit_bias=((931, 1.0),))
+        got, finished = _run(engine, {
+            "penalized": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **PENALIZED),
+            "mild": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **mild),
+            "plain": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)})
+        assert got["penalized"] == hf_penalized(hf_model, PROMPT, n, **PENALIZED)
+        assert got["mild"] == hf_penalized(hf_model, PROMPT, n, **mild)
+        if speculative != "off":
+            assert finished["mild"].num_accepted_tokens > 0
+        plain = hf_penalized(hf_model, PROMPT, n, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                             logit_bias=())
+        assert got["plain"] == plain and got["penalized"] != plain           # the penalties changed the text
+        assert engine.pool.num_free == engine.num_usable_blocks
+    finally:
+        engine.receiver.close()
+
+
+def test_verification_penalizes_each_position_over_the_drafts_before_it():
+    """Position j of a verify step is sampled as plain decoding would sample it after drafts 0 .. j - 1:
+    draft A accepted at position 0 makes A pay the frequency penalty at position 1, where B then wins."""
+    a, b = 7, 9
+    logits = torch.zeros(3, 32)
+    logits[0, a] = 1.0
+    logits[1, a], logits[1, b] = 1.0, 0.9
+    greedy = SamplingParams(temperature=0, frequency_penalty=0.5)
+    assert verify(logits, Proposal([a, a]), greedy, 0, ([5], [])) == [a, b]
+    assert verify(logits, Proposal([a, a]), SamplingParams(temperature=0), 0) == [a, a, 0]   # unpenalized
+    with pytest.raises(ValueError, match="token history"):
+        verify(logits, Proposal([a, a]), greedy, 0)
+
+
+@pytest.fixture
+def cl(http_cluster):
+    yield http_cluster
+    http_cluster.assert_pools_free()
+
+
+def test_http_penalties_and_logit_bias_through_the_cluster(cl, hf_model, chat_model_dir):
+    api = openai.OpenAI(base_url=f"http://{cl.router.http_address}/v1", api_key="unused", max_retries=0)
+    text = "Once upon a time, there was a little dog"
+    prompt = Tokenizer(chat_model_dir, 1).encode(text)
+    got = api.completions.create(
+        model=CHAT_MODEL, prompt=text, max_tokens=20, temperature=0, presence_penalty=0.5, frequency_penalty=0.25,
+        logit_bias={"263": 2.0, "13": -1.5},
+        extra_body={"repetition_penalty": 1.25, "ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].token_ids == hf_penalized(hf_model, prompt, 20, **PENALIZED)
+    # a bias of 100 decides every token, the prefill worker's first one and the decode worker's after it
+    forced = api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=4, temperature=0.9, seed=3,
+                                    logit_bias={"500": 100}, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert forced.choices[0].token_ids == [500] * 4
+    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"dog": 1}}, "logit_bias"),
+                       ({"logit_bias": {"5": 101}}, "logit_bias"), ({"extra_body": {"repetition_penalty": 0}},
+                                                                    "repetition_penalty")):
+        with pytest.raises(openai.BadRequestError, match=param):
+            api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=2, **bad)
