@@ -16,6 +16,7 @@ One run, on this machine, prints and records:
     python bench/prefill.py --out docs/results/prefill          # makes bench-80m if needed
     python bench/prefill.py --model .bench-models/bench-9m --lengths 128,512 --mfu-only \
         --out /tmp/prefill-quick                                  # a quick check of the MFU part
+    python bench/prefill.py --mfu-only --lengths 2048 --profile 2048 --out /tmp/p   # where the time goes
 """
 
 from __future__ import annotations
@@ -94,6 +95,34 @@ def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int, limi
                          "kernels": kernel_paths(model, min(n, chunk), min(n, chunk))})
     return {"bf16_matmul_peak_flops": limits["best_gemm_flops_per_s"], "theoretical_peak_flops": paper,
             "threads": threads, "chunk_tokens": chunk, "rows": out_rows}
+
+
+def profile_prefill(model_dir: str, n: int, chunk: int, threads: int, repeats: int = 3, top: int = 8) -> list[dict]:
+    """Where one ``n``-token prefill's time goes, by function (``cProfile``'s own time, so each operation's
+    kernel shows under its Python entry: oneDNN's projections, the C attention, the fused elementwise
+    kernels): the ``top`` slowest, seconds per prefill averaged over ``repeats`` after a warm-up one."""
+    import cProfile
+    import pstats
+
+    torch.set_num_threads(threads)
+    model, cfg = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=chunk)
+    runner = ModelRunner(model, KVCacheSpec.for_model(cfg, n // 16 + 2, 16, torch.bfloat16))
+    ids, table = prompt(n, n), list(range(n // 16 + 1))
+
+    def run() -> None:
+        for start in range(0, n, chunk):
+            runner.run([StepInput(ids[start:start + chunk], start, table)])
+
+    run()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(repeats):
+        run()
+    prof.disable()
+    stats = pstats.Stats(prof).stats      # (file, line, name) -> (calls, primitive calls, own s, cumulative s, ..)
+    rows = sorted(((f"{Path(k[0]).name}:{k[2]}", v[2] / repeats) for k, v in stats.items()), key=lambda r: -r[1])
+    total = sum(t for _, t in rows)
+    return [{"function": f, "seconds": t, "share": t / total} for f, t in rows[:top]]
 
 
 async def _ttft(address: str, ids: list[int]) -> tuple[float, int]:
@@ -188,6 +217,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the in-process MFU run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mfu-only", action="store_true", help="only part 1 (no cluster, no FP8 accuracy)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile an N-token prefill by function (profile_prefill) after part 1")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "prefill"))
     args = ap.parse_args()
     if not Path(args.model, "config.json").exists():
@@ -200,6 +231,10 @@ def main() -> None:
     result = {"model": args.model, "limits": limits}
     result["mfu"] = bench_mfu(args.model, lengths, args.chunk, args.threads, limits)
     _print_mfu(result["mfu"])
+    if args.profile:
+        result["profile"] = profile_prefill(args.model, args.profile, args.chunk, args.threads)
+        for r in result["profile"]:
+            print(f"{r['function']:>48s} {r['seconds'] * 1e3:8.1f} ms a prefill {r['share']:6.1%}")
     if args.mfu_only:
         write_result(result, Path(args.out))
         return
