@@ -284,7 +284,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         rows = logits.split([len(p.tokens) + 1 for p in proposals])
         out, out_logprobs = [], []
         for req, prop, req_rows in zip(batch, proposals, rows):
-            tokens = verify(req_rows, prop, req.sampling, len(req.output_ids), (req.prompt_ids, req.output_ids))
+            tokens = verify(req_rows, prop, req.sampling, len(req.output_ids), histories([req])[0])
             req.num_draft_tokens += len(prop.tokens)
             req.num_accepted_tokens += len(tokens) - 1
             if self.adaptive is not None:

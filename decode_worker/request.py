@@ -113,9 +113,9 @@ def rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list
 
 
 def histories(batch: list[DecodeRequest]) -> list[History]:
-    """Each request's prompt and output so far (:func:`model.sampling.sample`'s ``histories``: read only
-    by the rows with a logit bias or penalties)."""
-    return [(r.prompt_ids, r.output_ids) for r in batch]
+    """Each request's prompt, output so far and stop tokens (:func:`model.sampling.sample`'s ``histories``:
+    read only by the rows with ``min_tokens``, a logit bias or penalties)."""
+    return [(r.prompt_ids, r.output_ids, r.stop_ids) for r in batch]
 
 
 # What other threads post to the engine's inbox (the engine thread alone changes request state).

@@ -72,7 +72,7 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, out
         proposal: the drafts.
         params: the request's sampling parameters (the target distribution is filtered by them).
         output_index: output index of the first token this step emits (seeds the draws).
-        history: the request's prompt and output before this step, needed when ``params`` is
+        history: the request's prompt, output before this step and stop tokens, needed when ``params`` is
             :attr:`~model.sampling.SamplingParams.penalized`: position ``j``'s logits are penalized over
             that output and drafts ``0 .. j - 1`` (all accepted, or ``j`` is not reached), so that the
             target distribution is the one plain decoding samples.
@@ -84,8 +84,8 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, out
     if params.penalized:
         if history is None:
             raise ValueError("a request with logit_bias or penalties needs its token history to be verified")
-        prompt, output = history
-        logits = torch.stack([penalize(logits[j], params, prompt, [*output, *proposal.tokens[:j]])
+        prompt, output, stops = history
+        logits = torch.stack([penalize(logits[j], params, prompt, [*output, *proposal.tokens[:j]], stops)
                               for j in range(len(proposal.tokens) + 1)])
     out: list[int] = []
     for j, d in enumerate(proposal.tokens):

@@ -1,8 +1,12 @@
-"""Logit bias and the repetition, frequency and presence penalties: one row of logits changed by what the
-request has seen, before any token is picked from it.
+"""``min_tokens``, logit bias and the repetition, frequency and presence penalties: one row of logits changed
+by what the request has seen, before any token is picked from it.
 
-In the order of vLLM's sampler (``vllm/v1/sample/sampler.py``): the bias first, then the penalties::
+In the order of vLLM's sampler (``vllm/v1/sample/sampler.py``): ``min_tokens`` and the bias first, then the
+penalties::
 
+    logits[t] = -inf                                             for each stop token t, while the output is
+                                                                 shorter than min_tokens (EOS unless ignored,
+                                                                 stop_token_ids)
     logits[t] += logit_bias[t]                                   for each biased token t
     logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r  for each t in prompt or output (r: repetition)
     logits -= frequency_penalty * count                          count[t]: times t occurs in the output so far
@@ -16,7 +20,7 @@ vLLM reports by default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +34,7 @@ MAX_LOGIT_BIAS = 1024          # biased tokens of one request: every message tha
 
 
 def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
-             ) -> torch.Tensor:
+             stop_ids: Collection[int] = ()) -> torch.Tensor:
     """``[vocab]`` logits of one row after ``p``'s logit bias and penalties (module docstring), as a new
     float32 tensor on the logits' device; ``logits`` is not changed.
 
@@ -38,10 +42,13 @@ def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
         logits: ``[vocab]`` float logits of the position being sampled.
         p: the request's parameters (its ``logit_bias`` token ids inside the vocabulary: validated).
         prompt_ids: the request's prompt (repetition penalty only).
-        output_ids: the tokens generated before this position (all three penalties).
+        output_ids: the tokens generated before this position (all three penalties, ``min_tokens``).
+        stop_ids: the tokens that end the request (``min_tokens``): :meth:`SamplingParams.stop_ids`.
     """
     out = logits.float().clone()
     device, vocab = out.device, out.shape[-1]
+    if len(output_ids) < p.min_tokens and stop_ids:
+        out[torch.tensor(sorted(stop_ids), device=device)] = -torch.inf
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias)
         out.index_add_(0, torch.tensor(ids, device=device), torch.tensor(bias, dtype=torch.float32, device=device))
@@ -59,10 +66,13 @@ def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
 
 
 def check_penalties(p: SamplingParams, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: presence and
+    """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: ``min_tokens``
+    outside [0, max_tokens]; presence and
     frequency penalties not finite in [-2, 2]; a repetition penalty not finite and positive; more than
     :data:`MAX_LOGIT_BIAS` biased tokens, one outside the vocabulary or repeated, or a bias not finite in
     [-100, 100]."""
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        raise ValueError(f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(p, name)
         if not -PENALTY_BOUND <= value <= PENALTY_BOUND:       # NaN fails too

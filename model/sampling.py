@@ -10,7 +10,7 @@ exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws exactly from `
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +48,9 @@ class SamplingParams:
         repetition_penalty: divides the positive logits of tokens in prompt or output and multiplies the
             negative ones, > 0 (CTRL's, as ``transformers`` and vLLM take it); 1 is off.
         logit_bias: ``(token id, bias)`` pairs, biases in [-100, 100] added to those logits; at most
-            :data:`model.penalties.MAX_LOGIT_BIAS`. All four: :mod:`model.penalties`.
+            :data:`model.penalties.MAX_LOGIT_BIAS`.
+        min_tokens: output tokens before any stop token (EOS unless ignored, ``stop_token_ids``) may be picked,
+            in [0, max_tokens] (vLLM's). All five: :mod:`model.penalties`.
     """
 
     temperature: float = 1.0
@@ -63,6 +65,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -89,10 +92,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether a logit bias or a penalty changes the logits: picking a token then needs the request's
-        prompt and output so far (:func:`sample`'s ``histories``)."""
+        """Whether ``min_tokens``, a logit bias or a penalty changes the logits: picking a token then needs the
+        request's :data:`History` (:func:`sample`'s ``histories``)."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1
+            or self.repetition_penalty != 1 or self.min_tokens > 0
 
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """Every token id that ends this request."""
@@ -184,8 +187,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-History = tuple[Sequence[int], Sequence[int]]
-"""A request's prompt token ids and the output ids before the position being sampled."""
+History = tuple[Sequence[int], Sequence[int], Collection[int]]
+"""A request's prompt token ids, the output ids before the position being sampled, and the token ids that
+end it (:meth:`SamplingParams.stop_ids`)."""
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int],

@@ -139,8 +139,9 @@ class PrefillEngine:
                                             r.block_table) for r, n in chunks])
         self._measure(time.monotonic() - started, sum(n for _, n in chunks))
         done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
+        eos = self.model_cfg.eos_token_ids
         firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done],
-                        [r.first_output_index for _, r in done], [r.history for _, r in done]) if done else []
+                        [r.first_output_index for _, r in done], [r.history(eos) for _, r in done]) if done else []
         wants = [(i, r, t) for (i, r), t in zip(done, firsts) if r.sampling.logprobs is not None]
         if wants:  # only requests that ask pay for the log-softmax
             for (_, r, _), lp in zip(wants, token_logprobs(logits[[i for i, _, _ in wants]], [t for _, _, t in wants],

@@ -82,11 +82,11 @@ class PrefillRequest:
     computed_at: float = 0.0
     first_page_at: float = 0.0
 
-    @property
-    def history(self) -> tuple[list[int], list[int]]:
-        """The prompt and the prior output (a migrated request's), as the first token's penalties see them."""
+    def history(self, eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[int], frozenset[int]]:
+        """The prompt, the prior output (a migrated request's) and the stop tokens (the model's EOS tokens
+        ``eos_token_ids`` unless ignored), as the first token's ``min_tokens`` and penalties see them."""
         cut = len(self.token_ids) - self.first_output_index
-        return self.token_ids[:cut], self.token_ids[cut:]
+        return self.token_ids[:cut], self.token_ids[cut:], self.sampling.stop_ids(eos_token_ids)
 
     @property
     def num_remaining(self) -> int:

@@ -36,7 +36,7 @@ from pdserve.prefill_worker.prefix_cache import PrefixCache
 
 SAMPLING_PATHS = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1),
                   SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
-                                 logit_bias=((0, 1.0),)))
+                                 logit_bias=((0, 1.0),), min_tokens=1))
 MULTI_SEQ_TOKENS = 16  # tokens per sequence of the several-sequence step (beyond the C kernels' 8)
 
 
@@ -131,7 +131,8 @@ def warm_up_prefill(engine: PrefillEngine) -> WarmupReport:
             p.several([MULTI_SEQ_TOKENS, MULTI_SEQ_TOKENS])
         if logits is not None:
             rows = logits.expand(len(SAMPLING_PATHS), -1)
-            tokens = sample(rows, list(SAMPLING_PATHS), [0] * len(SAMPLING_PATHS), [([0, 1], [])] * len(SAMPLING_PATHS))
+            history = ([0, 1], [], frozenset({0}))
+            tokens = sample(rows, list(SAMPLING_PATHS), [0] * len(SAMPLING_PATHS), [history] * len(SAMPLING_PATHS))
             token_logprobs(rows, tokens, [2] * len(tokens))
     finally:
         if isinstance(blocks, PrefixCache):

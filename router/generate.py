@@ -149,7 +149,8 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                         if msg.HasField("final"):
                             msg.text = matcher.flush() + msg.text
                         else:
-                            msg.text, matched = matcher.push(msg.text)
+                            msg.text, matched = matcher.push(msg.text,
+                                                             len(progress.generated) >= req.sampling.min_tokens)
                             if matched:  # leaving the loop closes the attempt: its calls are cancelled
                                 yield msg
                                 yield _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,

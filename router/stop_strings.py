@@ -48,8 +48,11 @@ class StopMatcher:
         self._held = ""
         self.matched = False
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add a text delta; return ``(released text, matched)``.
+    def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
+        """Add a text delta; return ``(released text, matched)``. While not ``armed`` (the request's
+        ``min_tokens`` not reached yet, as vLLM's stop checker skips stop strings then) nothing matches;
+        text that may begin a stop string is still held, so one that straddles the point where the matcher
+        is armed is found then.
 
         Raises:
             RuntimeError: called after a match.
@@ -60,7 +63,7 @@ class StopMatcher:
             return text, False
         buf = self._held + text
         # only the held text and the new delta can hold a match: released text was checked when pushed
-        found = [i for i in (buf.find(s) for s in self._stop) if i >= 0]
+        found = [i for i in (buf.find(s) for s in self._stop) if i >= 0] if armed else []
         if found:
             self.matched, self._held = True, ""
             return buf[:min(found)], True

@@ -153,6 +153,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted(s.logit_bias.items())),
+        min_tokens=s.min_tokens,
     )
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:

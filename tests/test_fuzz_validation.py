@@ -66,6 +66,7 @@ def assert_in_range(v: ValidRequest) -> None:
     assert math.isfinite(s.temperature) and s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0
     assert 0 <= s.seed < 2**64 and all(0 <= t < VOCAB for t in s.stop_token_ids)
     assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2 and 0 < s.repetition_penalty < math.inf
+    assert 0 <= s.min_tokens <= s.max_tokens
     assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in s.logit_bias)
     assert math.isfinite(v.slo.ttft_s) and v.slo.ttft_s > 0 and math.isfinite(v.slo.tpot_s) and v.slo.tpot_s > 0
     assert math.isfinite(v.queue_timeout_s) and v.queue_timeout_s >= 0
@@ -100,6 +101,8 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
             bad.add(name)
     if s.HasField("repetition_penalty") and not 0 < s.repetition_penalty < math.inf:
         bad.add("repetition_penalty")
+    if max_tokens >= 1 and not 0 <= s.min_tokens <= max_tokens:
+        bad.add("min_tokens")
     if any(not 0 <= t < VOCAB or not -100 <= b <= 100 for t, b in s.logit_bias.items()):
         bad.add("logit_bias")
     for name in ("ttft_slo_s", "tpot_slo_s"):
@@ -127,7 +130,8 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
                                    stop_token_ids=draw(st.lists(st.integers(-3, VOCAB + 3) | I64, max_size=5)))
     for name, strategy in (("temperature", floats), ("top_p", floats), ("seed", st.integers(0, 2**64 - 1)),
                            ("max_tokens", st.integers(-3, 40) | I32), ("presence_penalty", floats),
-                           ("frequency_penalty", floats), ("repetition_penalty", floats)):
+                           ("frequency_penalty", floats), ("repetition_penalty", floats),
+                           ("min_tokens", st.integers(-3, 45) | I32)):
         if draw(st.booleans()):
             setattr(s, name, draw(strategy))
     s.logit_bias.update(draw(st.dictionaries(st.integers(-3, VOCAB + 3) | I64, floats | st.floats(-100, 100, width=32),

@@ -1,9 +1,9 @@
-"""Logit bias and the repetition, frequency and presence penalties (model/penalties.py): the row function
-against a reference written here from the definitions; each bad value refused by name; greedy tokens through
-the decode engine (local prefill, the decode graph, multi-step decoding and n-gram speculation configured)
-equal to ``transformers`` generating with the same reference as its logits processor, beside a plain request
-in the same batches; and through a live cluster over HTTP (the first token picked by the prefill worker, the
-rest by the decode worker), with 400s for bad values."""
+"""``min_tokens``, logit bias and the repetition, frequency and presence penalties (model/penalties.py): the
+row function against a reference written here from the definitions; each bad value refused by name; greedy
+tokens through the decode engine (local prefill, the decode graph, multi-step decoding and n-gram speculation
+configured) equal to ``transformers`` generating with the same reference as its logits processor (and with its
+``min_new_tokens``), beside a plain request in the same batches; and through a live cluster over HTTP (the
+first token picked by the prefill worker, the rest by the decode worker), with 400s for bad values."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_penalize_equals_the_definition_and_leaves_its_input_alone():
     assert torch.equal(penalize(logits, SamplingParams(), prompt, output), logits)
     rows = torch.stack([logits, logits])
     plain, pen = SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias=((11, 100.0),))
-    assert sample(rows, [plain, pen], [0, 0], [None, (prompt, output)]) == [int(logits.argmax()), 11]
+    assert sample(rows, [plain, pen], [0, 0], [None, (prompt, output, ())]) == [int(logits.argmax()), 11]
     with pytest.raises(ValueError, match="token history"):
         sample(rows, [plain, pen], [0, 0])
 
@@ -96,6 +96,8 @@ def test_penalize_equals_the_definition_and_leaves_its_input_alone():
     ("logit_bias", ((32000, 1.0),), "outside the vocabulary"),
     ("logit_bias", ((5, 1.0), (5, 2.0)), "repeats a token id"),
     ("logit_bias", tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1)), "at most"),
+    ("min_tokens", 17, "min_tokens must be in"),                   # above max_tokens (16)
+    ("min_tokens", -1, "min_tokens must be in"),
 ])
 def test_each_bad_value_is_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -161,10 +163,41 @@ def test_verification_penalizes_each_position_over_the_drafts_before_it():
     logits[0, a] = 1.0
     logits[1, a], logits[1, b] = 1.0, 0.9
     greedy = SamplingParams(temperature=0, frequency_penalty=0.5)
-    assert verify(logits, Proposal([a, a]), greedy, 0, ([5], [])) == [a, b]
+    assert verify(logits, Proposal([a, a]), greedy, 0, ([5], [], frozenset())) == [a, b]
     assert verify(logits, Proposal([a, a]), SamplingParams(temperature=0), 0) == [a, a, 0]   # unpenalized
     with pytest.raises(ValueError, match="token history"):
         verify(logits, Proposal([a, a]), greedy, 0)
+
+
+def test_min_tokens_masks_the_stop_tokens_until_the_output_is_long_enough():
+    logits = torch.zeros(16)
+    logits[5] = 3.0
+    p = SamplingParams(temperature=0, min_tokens=2)
+    assert int(penalize(logits, p, [1], [], {5, 6}).argmax()) != 5
+    assert penalize(logits, p, [1], [9], {5, 6})[[5, 6]].tolist() == [-float("inf")] * 2
+    assert torch.equal(penalize(logits, p, [1], [9, 9], {5, 6}), logits)          # two output tokens: free
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_engine_min_tokens_equals_transformers_min_new_tokens(model_dir, hf_model, speculative):
+    """A stop token that greedy decoding reaches at its third token: with min_tokens 12 it is passed over until
+    12 tokens are out (transformers: ``min_new_tokens`` with that token as EOS), then ends the request."""
+    model, cfg = load_model(model_dir)
+    engine = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
+                                             speculative=speculative, spec_adaptive=False, spec_max_batch_size=4),
+                          model, cfg)
+    try:
+        plain, _ = _run(engine, {"p": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)})
+        stop = plain["p"][2]
+        got, _ = _run(engine, {"m": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=12,
+                                                   stop_token_ids=(stop,))})
+        with torch.no_grad():
+            want = hf_model.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False, min_new_tokens=12,
+                                     eos_token_id=[stop], pad_token_id=0,
+                                     attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))[0, len(PROMPT):]
+        assert got["m"] == want.tolist() and len(got["m"]) > 12 and stop not in got["m"][:12]
+    finally:
+        engine.receiver.close()
 
 
 @pytest.fixture
@@ -186,8 +219,19 @@ def test_http_penalties_and_logit_bias_through_the_cluster(cl, hf_model, chat_mo
     forced = api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=4, temperature=0.9, seed=3,
                                     logit_bias={"500": 100}, extra_body={"ignore_eos": True, "return_token_ids": True})
     assert forced.choices[0].token_ids == [500] * 4
+    # min_tokens passes over the stop token greedy decoding picks first (the prefill worker's token), and
+    # over the stop string of its text
+    first = api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=1, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    for stops in ({"stop_token_ids": first.token_ids}, {"stop": [first.text.strip()]}):
+        held = api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=6, temperature=0,
+                                      extra_body={"min_tokens": 6, "ignore_eos": True, "return_token_ids": True,
+                                                  **stops}).choices[0]
+        assert len(held.token_ids) == 6 and held.finish_reason == "length", stops
+        assert held.token_ids[0] != first.token_ids[0] or "stop" in stops
     for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"dog": 1}}, "logit_bias"),
                        ({"logit_bias": {"5": 101}}, "logit_bias"), ({"extra_body": {"repetition_penalty": 0}},
-                                                                    "repetition_penalty")):
+                                                                    "repetition_penalty"),
+                       ({"extra_body": {"min_tokens": 3}}, "min_tokens")):       # more than max_tokens (2)
         with pytest.raises(openai.BadRequestError, match=param):
             api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=2, **bad)

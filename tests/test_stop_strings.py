@@ -47,6 +47,17 @@ def test_concatenation_equals_whole_text_for_any_split():
     assert run(stop, list(text)) == want
 
 
+def test_nothing_matches_until_armed_and_a_straddling_match_is_found_then():
+    """``min_tokens``: while the matcher is not armed, stop strings pass (released, not held once they cannot
+    grow into one); a stop string begun before it is armed and ended after matches."""
+    m = StopMatcher(["time"])
+    assert m.push("a time, ", armed=False) == ("a time, ", False)
+    assert m.push("one ti", armed=False) == ("one ", False)        # "ti" may still become "time": held
+    assert m.push("me", armed=True) == ("", True)                    # the text ends before it
+    m = StopMatcher(["time"])
+    assert m.push("time", armed=False) == ("time", False) and m.push("s", armed=True) == ("s", False)
+
+
 def test_checks():
     assert check_stop_strings(["a"]) == ("a",)
     for bad in ([""], ["x"] * 9, ["y" * 257]):

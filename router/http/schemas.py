@@ -79,7 +79,7 @@ class StreamOptions(_Strict):
 class SamplingBody(_Strict):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
-    ``repetition_penalty`` and ``return_token_ids`` (token ids beside the text) are accepted too."""
+    ``repetition_penalty``, ``min_tokens`` and ``return_token_ids`` (token ids beside the text) are accepted too."""
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -96,11 +96,12 @@ class SamplingBody(_Strict):
     # stop strings and n sequences per prompt (router/http/mapping.py)
     stop: Stop = None
     n: Int32 | None = None
-    # logit bias and penalties (model/penalties.py); repetition_penalty is vLLM's extension
+    # logit bias, penalties and min_tokens (model/penalties.py); repetition_penalty and min_tokens are vLLM's
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: Int32 | None = None
 
     @model_validator(mode="before")
     @classmethod
