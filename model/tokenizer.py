@@ -48,8 +48,11 @@ class Tokenizer:
         self._add_bos = bool(tok_cfg.get("add_bos_token", has_bos)) and has_bos
         self.bos_token_id = bos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, starting with BOS when the checkpoint adds one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, starting with BOS when the checkpoint adds one (and ``add_special_tokens``:
+        without it, none of the tokenizer's special tokens is added)."""
+        if not add_special_tokens:
+            return self._tok.encode(text, add_special_tokens=False).ids
         ids = self._tok.encode(text, add_special_tokens=True).ids
         if self._add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
@@ -58,6 +61,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` with special tokens left out."""
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        """Each id's token string in the vocabulary (None for an id it does not have)."""
+        return [self._tok.id_to_token(i) for i in ids]
 
     @functools.cached_property
     def max_token_id(self) -> int:

@@ -302,7 +302,8 @@ def test_bearer_token_is_required_when_configured(http_cluster, tmp_path, redis_
             with pytest.raises(openai.AuthenticationError) as info:
                 openai.OpenAI(base_url=base, api_key=key, max_retries=0).completions.create(model=MODEL, prompt="Hi")
             assert info.value.status_code == 401 and info.value.response.headers["WWW-Authenticate"] == "Bearer"
-        for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "Hi"}), ("/v1/completions", b"{bad")):
+        for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "Hi"}), ("/v1/completions", b"{bad"),
+                           ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
             status, _, answer = raw(router.http_address, path, body)  # no token: refused before the body is read
             assert status == 401 and "missing" in json.loads(answer)["error"]["message"]
         assert raw(router.http_address, "/v1/models", headers={"Authorization": f"Basic {token}"})[0] == 401

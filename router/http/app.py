@@ -4,13 +4,15 @@
     POST /v1/chat/completions   messages, rendered by the chat template (model/chat_template.py)
     GET  /v1/models             the served model          GET /health    200 once workers of every role are listed
     GET  /metrics               the router's Prometheus registry
+    POST /tokenize              vLLM's: a prompt's or a conversation's token ids, their count, the context
+    POST /detokenize            vLLM's: the text of token ids
 
 A request takes the router's own path (:meth:`Backend.generate`, which the gRPC servicer calls too:
 the same stream slots, validation, messages and ``run_generate``), never a gRPC loopback. Streams are
 server-sent events (``sse-starlette``) in OpenAI's chunk format, ending with ``data: [DONE]``; an error
 after the first chunk is sent as an ``{"error": ...}`` event and the stream ends without ``[DONE]``.
-``/v1/*`` needs the router's bearer token when it has one (:class:`Guard`); ``/health`` and ``/metrics``
-stay open, as the gRPC health service does.
+``/v1/*``, ``/tokenize`` and ``/detokenize`` need the router's bearer token when it has one (:class:`Guard`);
+``/health`` and ``/metrics`` stay open, as the gRPC health service does.
 """
 
 from __future__ import annotations
@@ -30,19 +32,27 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.cluster.registry import WorkerInfo
+from pdserve.cluster.rpc_fields import outside_vocabulary
 from pdserve.model.chat_template import ChatTemplate
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
-from pdserve.router.http.chat import chat_prompt
+from pdserve.router.http.chat import chat_prompt, tokenize_body
 from pdserve.router.http.errors import ApiError, from_status, install_handlers
 from pdserve.router.http.mapping import Reply, check_supported, generate_request, prompts_of
-from pdserve.router.http.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
+from pdserve.router.http.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingBody,
+    TokenizeRequest,
+)
 from pdserve.router.http.streams import ChoiceStreams, ClientGone, collect
 from pdserve.router.recovery import GenerateError
 
 MAX_PROMPTS = 128  # prompts of one completions request (each is a stream of its own)
+GUARDED = ("/tokenize", "/detokenize")   # outside /v1/, behind the bearer token and the body limit too
 
 
 class Backend(Protocol):
@@ -67,7 +77,7 @@ class Guard:
         self.app, self._tokens, self._max = app, [t.encode() for t in tokens], max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
         error = self._check_token(headers.get("authorization"))
@@ -109,11 +119,12 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
     install_handlers(app)
     started = int(time.time())
 
-    def check_model(body: SamplingBody) -> None:
+    def check_model(body: SamplingBody | TokenizeRequest | DetokenizeRequest) -> None:
         if body.model is not None and body.model != model_name:
             raise ApiError(404, f"the model `{body.model}` does not exist (this router serves `{model_name}`)",
                            param="model", code="model_not_found")
-        check_supported(body)
+        if isinstance(body, SamplingBody):
+            check_supported(body)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -135,6 +146,20 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         ids, room = await chat_prompt(chat_template, body.messages, backend)
         reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs))
         return await _answer(backend, request, body, reply, [generate_request(body, ids, reply.id, room)])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body)
+        return await tokenize_body(body, backend, chat_template)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body)
+        bad = outside_vocabulary(body.tokens, backend.model_cfg.vocab_size)
+        if bad:
+            raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {backend.model_cfg.vocab_size})",
+                           param="tokens")
+        return {"prompt": backend.tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -76,7 +76,21 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class SamplingBody(_Strict):
+class _UnicodeBody(_Strict):
+    """A request body whose every string must be Unicode text."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        """Refuse a body with a lone surrogate anywhere (:func:`lone_surrogate`): a 400 naming where."""
+        where = lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError("invalid_unicode", "`{where}` holds a lone UTF-16 surrogate (a \\ud800-"
+                                      "\\udfff escape without its pair): not Unicode text", {"where": where})
+        return data
+
+
+class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
     ``repetition_penalty``, ``min_tokens`` and ``return_token_ids`` (token ids beside the text) are accepted too."""
@@ -102,16 +116,6 @@ class SamplingBody(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: Int32 | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode_text(cls, data: Any) -> Any:
-        """Refuse a body with a lone surrogate anywhere (:func:`lone_surrogate`): a 400 naming where."""
-        where = lone_surrogate(data)
-        if where is not None:
-            raise PydanticCustomError("invalid_unicode", "`{where}` holds a lone UTF-16 surrogate (a \\ud800-"
-                                      "\\udfff escape without its pair): not Unicode text", {"where": where})
-        return data
 
 
 class CompletionRequest(SamplingBody):
@@ -151,3 +155,29 @@ class ChatCompletionRequest(SamplingBody):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: Any = None
+
+
+class TokenizeRequest(_UnicodeBody):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (tokenized as a completions prompt is, BOS included unless
+    ``add_special_tokens`` is false) or chat ``messages`` (rendered by the chat template, the assistant's
+    turn opened unless ``add_generation_prompt`` is false), exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("one_prompt", "give exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``POST /detokenize``: the text of ``tokens``."""
+
+    model: str | None = None
+    tokens: list[TokenId]
