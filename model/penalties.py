@@ -21,12 +21,20 @@ vLLM reports by default.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from pdserve.model.sampling import SamplingParams
+
+class SamplingParams(Protocol):
+    """The fields of :class:`model.sampling.SamplingParams` read here (that module imports this one)."""
+
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    min_tokens: int
+    max_tokens: int
 
 PENALTY_BOUND = 2.0            # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 LOGIT_BIAS_BOUND = 100.0       # |bias| at most this (OpenAI's range)
