@@ -87,9 +87,18 @@ def samplings(draw, valid: bool = False, max_tokens: int | None = None) -> worke
         temperature, top_p = draw(floats32), draw(floats32)
         top_k, stops = draw(st.integers(-3, 3) | I32), draw(stop_lists)
         mt = draw(st.integers(-3, 40) | I32 | st.sampled_from([CONTEXT - 1, CONTEXT, CONTEXT + 1]))
+    if valid:   # off, or in range (the valid requests must be served, token-exactly where greedy and plain)
+        penalties = draw(st.sampled_from([{}, {"presence_penalty": 0.5, "frequency_penalty": -1.0,
+                                               "repetition_penalty": 1.25, "logit_bias": {3: 2.0}, "min_tokens": 1}]))
+    else:       # anything a peer might send: NaN, infinities, out of range, outside the vocabulary
+        penalties = {name: draw(floats32) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                     if draw(st.booleans())}
+        token_ids = st.integers(-3, VOCAB + 3) | st.integers(-2**63, 2**63 - 1)
+        penalties["logit_bias"] = draw(st.dictionaries(token_ids, floats32, max_size=3))
+        penalties["min_tokens"] = draw(st.integers(-3, 45) | I32)
     return worker_pb2.ResolvedSampling(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=mt,
                                        seed=draw(st.sampled_from([0, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1)),
-                                       stop_token_ids=stops, ignore_eos=draw(st.booleans()))
+                                       stop_token_ids=stops, ignore_eos=draw(st.booleans()), **penalties)
 
 
 @st.composite
@@ -195,6 +204,15 @@ def _sampling_problems(s: worker_pb2.ResolvedSampling) -> set[str]:
         bad.add("max_tokens")
     if any(not 0 <= t < VOCAB for t in s.stop_token_ids):
         bad.add("stop_token_ids")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(s, name) <= 2:
+            bad.add(name)
+    if not (s.repetition_penalty == 0 or 0 < s.repetition_penalty < math.inf):   # 0: unset, off
+        bad.add("repetition_penalty")
+    if any(not 0 <= t < VOCAB or not -100 <= b <= 100 for t, b in s.logit_bias.items()):
+        bad.add("logit_bias")
+    if s.max_tokens >= 1 and not 0 <= s.min_tokens <= s.max_tokens:
+        bad.add("min_tokens")
     return bad
 
 
