@@ -199,12 +199,10 @@ BAD = [  # the gRPC API's bad inputs, through HTTP: the same message
     ({"prompt": [1] * 500, "max_tokens": 13}, client.make_request([1] * 500, max_tokens=13)),
     ({"prompt": "Hi", "top_k": -2}, client.make_request("Hi", top_k=-2)),
     ({"prompt": "Hi", "stop_token_ids": [5000]}, client.make_request("Hi", stop_token_ids=(5000,))),
-    ({"prompt": "Hi", "presence_penalty": 2.5},
-     pdserve_pb2.GenerateRequest(text="Hi", sampling=pdserve_pb2.SamplingParams(presence_penalty=2.5))),
-    ({"prompt": "Hi", "repetition_penalty": -1},
-     pdserve_pb2.GenerateRequest(text="Hi", sampling=pdserve_pb2.SamplingParams(repetition_penalty=-1))),
-    ({"prompt": "Hi", "logit_bias": {"5000": 1}},
-     pdserve_pb2.GenerateRequest(text="Hi", sampling=pdserve_pb2.SamplingParams(logit_bias={5000: 1}))),
+    ({"prompt": "Hi", "presence_penalty": 2.5}, client.make_request("Hi", presence_penalty=2.5)),
+    ({"prompt": "Hi", "repetition_penalty": -1}, client.make_request("Hi", repetition_penalty=-1)),
+    ({"prompt": "Hi", "logit_bias": {"5000": 1}}, client.make_request("Hi", logit_bias={5000: 1})),
+    ({"prompt": "Hi", "max_tokens": 4, "min_tokens": 5}, client.make_request("Hi", max_tokens=4, min_tokens=5)),
 ]
 
 
