@@ -20,9 +20,11 @@ vLLM reports by default.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -43,8 +45,8 @@ MAX_LOGIT_BIAS = 1024          # biased tokens of one request: every message tha
 
 def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
              stop_ids: Collection[int] = ()) -> torch.Tensor:
-    """``[vocab]`` logits of one row after ``p``'s logit bias and penalties (module docstring), as a new
-    float32 tensor on the logits' device; ``logits`` is not changed.
+    """``[vocab]`` logits of one row after ``p``'s ``min_tokens``, logit bias and penalties (module docstring),
+    as a new float32 tensor on the logits' device; ``logits`` is not changed.
 
     Args:
         logits: ``[vocab]`` float logits of the position being sampled.
@@ -53,24 +55,50 @@ def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
         output_ids: the tokens generated before this position (all three penalties, ``min_tokens``).
         stop_ids: the tokens that end the request (``min_tokens``): :meth:`SamplingParams.stop_ids`.
     """
-    out = logits.float().clone()
-    device, vocab = out.device, out.shape[-1]
-    if len(output_ids) < p.min_tokens and stop_ids:
-        out[torch.tensor(sorted(stop_ids), device=device)] = -torch.inf
-    if p.logit_bias:
-        ids, bias = zip(*p.logit_bias)
-        out.index_add_(0, torch.tensor(ids, device=device), torch.tensor(bias, dtype=torch.float32, device=device))
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        for ids in (prompt_ids, output_ids):
-            if len(ids):
-                seen[torch.as_tensor(list(ids), device=device)] = True
-        out = torch.where(seen, torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty), out)
-    if (p.frequency_penalty or p.presence_penalty) and len(output_ids):
-        counts = torch.bincount(torch.as_tensor(list(output_ids), device=device), minlength=vocab).float()
-        out -= p.frequency_penalty * counts
-        out -= p.presence_penalty * (counts > 0).float()
+    return penalize_rows_(logits.float().clone().unsqueeze(0), [p], [(prompt_ids, output_ids, stop_ids)])[0]
+
+
+def penalize_rows_(out: torch.Tensor, params: Sequence[SamplingParams],
+                   histories: Sequence[tuple[Sequence[int], Sequence[int], Collection[int]]]) -> torch.Tensor:
+    """:func:`penalize` for ``R`` rows at once, in place: ``out`` ``[R, vocab]`` float32 contiguous logits,
+    each row's parameters and its ``(prompt ids, output ids, stop ids)``; returns ``out``. Each adjustment
+    gathers the entries it changes (the distinct ``(row, token)`` pairs of the ids concerned, counted once
+    for all rows), changes them and scatters them back: the work follows the histories' length, not the
+    vocabulary's. A row's result does not depend on the others."""
+    flat, vocab = out.view(-1), out.shape[1]
+    stops = [sorted(h[2]) if len(h[1]) < p.min_tokens else () for p, h in zip(params, histories)]
+    if any(stops):
+        flat[_keys(stops, vocab, out.device)] = -torch.inf
+    if any(p.logit_bias for p in params):                     # ids distinct within a row (validated)
+        keys = _keys([[t for t, _ in p.logit_bias] for p in params], vocab, out.device)
+        flat[keys] += torch.tensor([b for p in params for _, b in p.logit_bias], dtype=torch.float32,
+                                   device=out.device)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        keys = torch.unique(_keys([(*h[0], *h[1]) if p.repetition_penalty != 1.0 else ()
+                                   for p, h in zip(params, histories)], vocab, out.device))
+        r = _per_row([p.repetition_penalty for p in params], keys // vocab, out.device)
+        v = flat[keys]
+        flat[keys] = torch.where(v > 0, v / r, v * r)
+    outputs = [h[1] if p.frequency_penalty or p.presence_penalty else () for p, h in zip(params, histories)]
+    if any(outputs):
+        keys, counts = torch.unique(_keys(outputs, vocab, out.device), return_counts=True)
+        rows = keys // vocab
+        v = flat[keys] - _per_row([p.frequency_penalty for p in params], rows, out.device) * counts.float()
+        flat[keys] = v - _per_row([p.presence_penalty for p in params], rows, out.device)
     return out
+
+
+def _keys(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``row * vocab + token`` for each id of each row's list (int64, on ``device``)."""
+    lengths = [len(x) for x in ids]
+    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))  # torch.tensor: slower
+    return (rows * vocab + torch.from_numpy(tokens)).to(device)
+
+
+def _per_row(values: Sequence[float], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``values[row]`` for each entry of ``rows``, float32."""
+    return torch.tensor(values, dtype=torch.float32, device=device)[rows]
 
 
 def check_penalties(p: SamplingParams, vocab_size: int) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.cpu.fused import argmax_rows, vectorized
-from pdserve.model.penalties import check_penalties, penalize
+from pdserve.model.penalties import check_penalties, penalize_rows_
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
@@ -207,30 +207,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
     Raises:
         ValueError: a penalized row without its history.
     """
-    if any(p.penalized for p in params):
-        logits = penalized_rows(logits, params, histories)
     tokens = greedy(logits).tolist()
+    rows = [row for row, p in enumerate(params) if p.penalized]
+    changed: dict[int, torch.Tensor] = {}
+    if rows:        # only the penalized rows are copied and changed; their greedy picks are taken again
+        penalized = penalized_rows(logits, rows, params, histories)
+        for i, (row, token) in enumerate(zip(rows, greedy(penalized).tolist())):
+            tokens[row], changed[row] = token, penalized[i]
     for row, (p, index) in enumerate(zip(params, output_indexes)):
         if p.temperature != 0:
-            tokens[row] = sample_one(logits[row], p, index)
+            tokens[row] = sample_one(changed.get(row, logits[row]), p, index)
     return tokens
 
 
-def penalized_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+def penalized_rows(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
                    histories: Sequence[History | None] | None) -> torch.Tensor:
-    """``[B, vocab]`` logits with each :attr:`~SamplingParams.penalized` row passed through
-    :func:`model.penalties.penalize` (a copy; the others as they are).
+    """``[len(rows), vocab]`` float32: rows ``rows`` of ``[B, vocab]`` ``logits``, copied and passed through
+    :func:`model.penalties.penalize_rows_` together (``params`` and ``histories`` indexed by row of ``logits``).
 
     Raises:
-        ValueError: a penalized row without its history.
+        ValueError: one of those rows without its history.
     """
-    out = logits.float().clone()
-    for row, p in enumerate(params):
-        if p.penalized:
-            if histories is None or histories[row] is None:
-                raise ValueError("a request with logit_bias or penalties needs its token history to be sampled")
-            out[row] = penalize(logits[row], p, *histories[row])
-    return out
+    if histories is None or any(histories[row] is None for row in rows):
+        raise ValueError("a request with logit_bias or penalties needs its token history to be sampled")
+    return penalize_rows_(logits[rows].float(), [params[r] for r in rows], [histories[r] for r in rows])
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent
 from pdserve.decode_worker.speculative import Proposal, verify
 from pdserve.model.loader import load_model
-from pdserve.model.penalties import MAX_LOGIT_BIAS, penalize
+from pdserve.model.penalties import MAX_LOGIT_BIAS, penalize, penalize_rows_
 from pdserve.model.sampling import SamplingParams, sample
 from pdserve.model.tokenizer import Tokenizer
 from tests.conftest import CHAT_MODEL
@@ -84,6 +84,23 @@ def test_penalize_equals_the_definition_and_leaves_its_input_alone():
     assert sample(rows, [plain, pen], [0, 0], [None, (prompt, output, ())]) == [int(logits.argmax()), 11]
     with pytest.raises(ValueError, match="token history"):
         sample(rows, [plain, pen], [0, 0])
+
+
+def test_rows_penalized_together_equal_each_row_alone():
+    """The batched form (one gather and scatter per adjustment over all rows) gives each row exactly what
+    the row gets alone, whatever the other rows ask for."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, 300) * 3
+    params = [SamplingParams(frequency_penalty=0.5, logit_bias=((3, 1.0), (9, -2.0))),
+              SamplingParams(repetition_penalty=1.5, min_tokens=4, max_tokens=8),
+              SamplingParams(),                                                  # only in the batch
+              SamplingParams(presence_penalty=-1.0, repetition_penalty=0.75, logit_bias=((3, 5.0),))]
+    histories = [(torch.randint(0, 300, (n,)).tolist(), torch.randint(0, 40, (m,)).tolist(), {2, 7})
+                 for n, m in ((5, 30), (50, 2), (0, 0), (1, 60))]
+    together = penalize_rows_(logits.clone(), params, histories)
+    for row in range(4):
+        assert torch.equal(together[row], penalize(logits[row], params[row], *histories[row]))
+    assert torch.equal(together[2], logits[2]) and together[1, 7] == -torch.inf
 
 
 @pytest.mark.parametrize("field, value, message", [
