@@ -22,6 +22,7 @@ the ``request_id`` of the router's Generate call, which names one attempt of a c
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,6 +86,11 @@ class DecodeRequest:
     allocated_at: float = field(default_factory=time.monotonic)
     kv_ready_at: float = 0.0
 
+    @functools.cached_property
+    def prompt_distinct(self) -> torch.Tensor:
+        """The prompt's distinct token ids (int64), for the repetition penalty of every step."""
+        return torch.unique(torch.tensor(self.prompt_ids, dtype=torch.long))
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus output tokens so far."""
@@ -115,7 +121,8 @@ def rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list
 def histories(batch: list[DecodeRequest]) -> list[History]:
     """Each request's prompt, output so far and stop tokens (:func:`model.sampling.sample`'s ``histories``:
     read only by the rows with ``min_tokens``, a logit bias or penalties)."""
-    return [(r.prompt_ids, r.output_ids, r.stop_ids) for r in batch]
+    return [(r.prompt_distinct if r.sampling.repetition_penalty != 1.0 else r.prompt_ids, r.output_ids, r.stop_ids)
+            for r in batch]
 
 
 # What other threads post to the engine's inbox (the engine thread alone changes request state).

@@ -39,7 +39,7 @@ from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.request import DecodeRequest
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.penalties import penalize
+from pdserve.model.penalties import penalize_rows_
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import History, SamplingParams, draw, filtered_probs, request_generator, sample_one
 
@@ -85,8 +85,9 @@ def verify(logits: torch.Tensor, proposal: Proposal, params: SamplingParams, out
         if history is None:
             raise ValueError("a request with logit_bias or penalties needs its token history to be verified")
         prompt, output, stops = history
-        logits = torch.stack([penalize(logits[j], params, prompt, [*output, *proposal.tokens[:j]], stops)
-                              for j in range(len(proposal.tokens) + 1)])
+        positions = len(proposal.tokens) + 1
+        logits = penalize_rows_(logits.float().clone(), [params] * positions,
+                                [(prompt, [*output, *proposal.tokens[:j]], stops) for j in range(positions)])
     out: list[int] = []
     for j, d in enumerate(proposal.tokens):
         index = output_index + j

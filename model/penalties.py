@@ -41,6 +41,8 @@ class SamplingParams(Protocol):
 PENALTY_BOUND = 2.0            # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 LOGIT_BIAS_BOUND = 100.0       # |bias| at most this (OpenAI's range)
 MAX_LOGIT_BIAS = 1024          # biased tokens of one request: every message that forwards them stays small
+# a repetition penalty of 1e-40 turned positive logits into +inf; 0.01 as float32 rounds it (the wire's width)
+REPETITION_BOUNDS = (float(np.float32(0.01)), 100.0)
 
 
 def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -61,7 +63,8 @@ def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int],
 def penalize_rows_(out: torch.Tensor, params: Sequence[SamplingParams],
                    histories: Sequence[tuple[Sequence[int], Sequence[int], Collection[int]]]) -> torch.Tensor:
     """:func:`penalize` for ``R`` rows at once, in place: ``out`` ``[R, vocab]`` float32 contiguous logits,
-    each row's parameters and its ``(prompt ids, output ids, stop ids)``; returns ``out``. Each adjustment
+    each row's parameters and its ``(prompt ids, output ids, stop ids)`` (the prompt's may be given as an
+    int64 tensor of its distinct ids, computed once per request); returns ``out``. Each adjustment
     gathers the entries it changes (the distinct ``(row, token)`` pairs of the ids concerned, counted once
     for all rows), changes them and scatters them back: the work follows the histories' length, not the
     vocabulary's. A row's result does not depend on the others."""
@@ -74,8 +77,9 @@ def penalize_rows_(out: torch.Tensor, params: Sequence[SamplingParams],
         flat[keys] += torch.tensor([b for p in params for _, b in p.logit_bias], dtype=torch.float32,
                                    device=out.device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        keys = torch.unique(_keys([(*h[0], *h[1]) if p.repetition_penalty != 1.0 else ()
-                                   for p, h in zip(params, histories)], vocab, out.device))
+        seen = [(h[0], h[1]) if p.repetition_penalty != 1.0 else ((), ()) for p, h in zip(params, histories)]
+        keys = torch.unique(torch.cat([_keys([s[0] for s in seen], vocab, out.device),
+                                       _keys([s[1] for s in seen], vocab, out.device)]))
         r = _per_row([p.repetition_penalty for p in params], keys // vocab, out.device)
         v = flat[keys]
         flat[keys] = torch.where(v > 0, v / r, v * r)
@@ -88,12 +92,16 @@ def penalize_rows_(out: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
-def _keys(ids: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``row * vocab + token`` for each id of each row's list (int64, on ``device``)."""
+def _keys(ids: Sequence[Sequence[int] | torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
+    """``row * vocab + token`` for each id of each row's ids, a list or an int64 tensor (int64, on ``device``)."""
     lengths = [len(x) for x in ids]
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths))
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))  # torch.tensor: slower
-    return (rows * vocab + torch.from_numpy(tokens)).to(device)
+    if not any(isinstance(x, torch.Tensor) for x in ids):
+        tokens = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=sum(lengths)))
+    else:                                                     # (np.fromiter: torch.tensor of a list is slower)
+        tokens = torch.cat([x.cpu() if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.long)
+                            for x in ids])
+    return (rows * vocab + tokens).to(device)
 
 
 def _per_row(values: Sequence[float], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -104,7 +112,7 @@ def _per_row(values: Sequence[float], rows: torch.Tensor, device: torch.device) 
 def check_penalties(p: SamplingParams, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: ``min_tokens``
     outside [0, max_tokens]; presence and
-    frequency penalties not finite in [-2, 2]; a repetition penalty not finite and positive; more than
+    frequency penalties not finite in [-2, 2]; a repetition penalty outside [0.01, 100]; more than
     :data:`MAX_LOGIT_BIAS` biased tokens, one outside the vocabulary or repeated, or a bias not finite in
     [-100, 100]."""
     if not 0 <= p.min_tokens <= p.max_tokens:
@@ -113,8 +121,9 @@ def check_penalties(p: SamplingParams, vocab_size: int) -> None:
         value = getattr(p, name)
         if not -PENALTY_BOUND <= value <= PENALTY_BOUND:       # NaN fails too
             raise ValueError(f"{name} must be in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}], got {value}")
-    if not 0 < p.repetition_penalty < float("inf"):
-        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {p.repetition_penalty}")
+    if not REPETITION_BOUNDS[0] <= p.repetition_penalty <= REPETITION_BOUNDS[1]:   # NaN fails too
+        raise ValueError(f"repetition_penalty must be in [{REPETITION_BOUNDS[0]:g}, {REPETITION_BOUNDS[1]:g}] (1 is "
+                         f"off), got {p.repetition_penalty}")
     if len(p.logit_bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias of {len(p.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
     ids = [t for t, _ in p.logit_bias]

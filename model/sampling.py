@@ -46,7 +46,7 @@ class SamplingParams:
         presence_penalty, frequency_penalty: subtracted from the logit of each token the output holds, once
             and per occurrence, in [-2, 2] (OpenAI's); 0 is off.
         repetition_penalty: divides the positive logits of tokens in prompt or output and multiplies the
-            negative ones, > 0 (CTRL's, as ``transformers`` and vLLM take it); 1 is off.
+            negative ones, in [0.01, 100] (CTRL's, as ``transformers`` and vLLM take it); 1 is off.
         logit_bias: ``(token id, bias)`` pairs, biases in [-100, 100] added to those logits; at most
             :data:`model.penalties.MAX_LOGIT_BIAS`.
         min_tokens: output tokens before any stop token (EOS unless ignored, ``stop_token_ids``) may be picked,

@@ -149,8 +149,10 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                         if msg.HasField("final"):
                             msg.text = matcher.flush() + msg.text
                         else:
-                            msg.text, matched = matcher.push(msg.text,
-                                                             len(progress.generated) >= req.sampling.min_tokens)
+                            # armed once the tokens before this message reach min_tokens (vLLM checks no
+                            # stop string in the text of the first min_tokens tokens)
+                            armed = len(progress.generated) - len(msg.token_ids) >= req.sampling.min_tokens
+                            msg.text, matched = matcher.push(msg.text, armed)
                             if matched:  # leaving the loop closes the attempt: its calls are cancelled
                                 yield msg
                                 yield _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,
@@ -345,12 +347,15 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
     """
     async for event in decode_events(stream, decode, watch, pending):
         if event.WhichOneof("event") == "tokens":
-            ids = list(event.tokens.token_ids)
-            for _ in ids:
-                times.token()
-            progress.generated.extend(ids)
-            yield pdserve_pb2.GenerateResponse(text=detok.push(ids), token_ids=ids,
-                                               logprobs=_logprobs_of(ids, list(event.tokens.logprobs)))
+            ids, lps = list(event.tokens.token_ids), list(event.tokens.logprobs)
+            # a burst that crosses min_tokens goes out as two messages: stop strings are armed for the second
+            cut = req.sampling.min_tokens - len(progress.generated)
+            for lo, hi in ((0, cut), (cut, len(ids))) if 0 < cut < len(ids) else ((0, len(ids)),):
+                for _ in range(hi - lo):
+                    times.token()
+                progress.generated.extend(ids[lo:hi])
+                yield pdserve_pb2.GenerateResponse(text=detok.push(ids[lo:hi]), token_ids=ids[lo:hi],
+                                                   logprobs=_logprobs_of(ids[lo:hi], lps[lo:hi]))
         elif event.WhichOneof("event") == "finished":
             fin = event.finished
             yield _final(req, times, progress, fin.finish_reason, fin.num_output_tokens, fin)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.model.config import ModelConfig
+from pdserve.model.penalties import REPETITION_BOUNDS as REP
 from pdserve.model.sampling import MAX_STOP_TOKEN_IDS
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
@@ -65,7 +66,7 @@ def assert_in_range(v: ValidRequest) -> None:
     assert 1 <= s.max_tokens and len(v.prompt_ids) + s.max_tokens <= CONTEXT
     assert math.isfinite(s.temperature) and s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0
     assert 0 <= s.seed < 2**64 and all(0 <= t < VOCAB for t in s.stop_token_ids)
-    assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2 and 0 < s.repetition_penalty < math.inf
+    assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2 and REP[0] <= s.repetition_penalty <= REP[1]
     assert 0 <= s.min_tokens <= s.max_tokens
     assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in s.logit_bias)
     assert math.isfinite(v.slo.ttft_s) and v.slo.ttft_s > 0 and math.isfinite(v.slo.tpot_s) and v.slo.tpot_s > 0
@@ -99,7 +100,7 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
     for name in ("presence_penalty", "frequency_penalty"):
         if s.HasField(name) and not -2 <= getattr(s, name) <= 2:
             bad.add(name)
-    if s.HasField("repetition_penalty") and not 0 < s.repetition_penalty < math.inf:
+    if s.HasField("repetition_penalty") and not REP[0] <= s.repetition_penalty <= REP[1]:
         bad.add("repetition_penalty")
     if max_tokens >= 1 and not 0 <= s.min_tokens <= max_tokens:
         bad.add("min_tokens")

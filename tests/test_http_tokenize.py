@@ -59,9 +59,11 @@ def test_detokenize_inverts_tokenize(cl):
     ("/tokenize", {"prompt": "\ud800"}, "lone UTF-16 surrogate"),
     ("/tokenize", {"prompt": TEXT, "model": "gpt-4o"}, "does not exist"),
     ("/detokenize", {"tokens": [1, 2048]}, "outside the vocabulary"),
+    ("/detokenize", {"tokens": [1] * 513}, "exceed the model's context of 512"),
     ("/detokenize", {"tokens": "1 2"}, "`tokens`"),
     ("/detokenize", {"tokens": [1], "extra": 1}, "`extra`"),
 ])
 def test_bad_bodies_are_named(cl, path, body, words):
     status, got = post(cl, path, body)
     assert status in (400, 404, 413) and words in got["error"]["message"], got
+    assert "Content-Type" not in got["error"]["message"]        # a body-level rule is not a malformed body

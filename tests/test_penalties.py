@@ -108,6 +108,8 @@ def test_rows_penalized_together_equal_each_row_alone():
     ("frequency_penalty", float("nan"), "frequency_penalty must be in"),
     ("repetition_penalty", 0.0, "repetition_penalty must be"),
     ("repetition_penalty", float("inf"), "repetition_penalty must be"),
+    ("repetition_penalty", 1e-40, "repetition_penalty must be"),    # would make positive logits +inf
+    ("repetition_penalty", 101.0, "repetition_penalty must be"),
     ("logit_bias", ((5, 100.5),), "logit_bias values must be in"),
     ("logit_bias", ((5, float("nan")),), "logit_bias values must be in"),
     ("logit_bias", ((32000, 1.0),), "outside the vocabulary"),
@@ -249,6 +251,8 @@ def test_http_penalties_and_logit_bias_through_the_cluster(cl, hf_model, chat_mo
     for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"dog": 1}}, "logit_bias"),
                        ({"logit_bias": {"5": 101}}, "logit_bias"), ({"extra_body": {"repetition_penalty": 0}},
                                                                     "repetition_penalty"),
-                       ({"extra_body": {"min_tokens": 3}}, "min_tokens")):       # more than max_tokens (2)
+                       ({"extra_body": {"min_tokens": 3}}, "min_tokens"),        # more than max_tokens (2)
+                       ({"logit_bias": {"1_0": 1}}, "logit_bias"),                 # int() would read 10
+                       ({"logit_bias": {"10": 1, "010": 2}}, "logit_bias")):      # one token twice
         with pytest.raises(openai.BadRequestError, match=param):
             api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=2, **bad)

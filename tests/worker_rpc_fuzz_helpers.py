@@ -17,6 +17,7 @@ from pdserve.cluster.rpc_fields import MAX_ATTEMPT_ID_CHARS
 from pdserve.decode_worker.request import MAX_KV_TIMEOUT_S
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.model.config import ModelConfig
+from pdserve.model.penalties import REPETITION_BOUNDS as REP
 from pdserve.prefill_worker.server import MAX_KV_ADDRESS_CHARS
 from pdserve.proto import worker_pb2
 
@@ -207,7 +208,7 @@ def _sampling_problems(s: worker_pb2.ResolvedSampling) -> set[str]:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(s, name) <= 2:
             bad.add(name)
-    if not (s.repetition_penalty == 0 or 0 < s.repetition_penalty < math.inf):   # 0: unset, off
+    if not (s.repetition_penalty == 0 or REP[0] <= s.repetition_penalty <= REP[1]):   # 0: unset, off
         bad.add("repetition_penalty")
     if any(not 0 <= t < VOCAB or not -100 <= b <= 100 for t, b in s.logit_bias.items()):
         bad.add("logit_bias")

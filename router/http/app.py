@@ -52,6 +52,7 @@ from pdserve.router.http.streams import ChoiceStreams, ClientGone, collect
 from pdserve.router.recovery import GenerateError
 
 MAX_PROMPTS = 128  # prompts of one completions request (each is a stream of its own)
+LONG_IDS = 4096   # token ids /detokenize decodes on a worker thread beyond
 GUARDED = ("/tokenize", "/detokenize")   # outside /v1/, behind the bearer token and the body limit too
 
 
@@ -155,10 +156,15 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body)
+        context = backend.model_cfg.max_position_embeddings
+        if len(body.tokens) > context:
+            raise ApiError(400, f"{len(body.tokens)} tokens exceed the model's context of {context}", param="tokens")
         bad = outside_vocabulary(body.tokens, backend.model_cfg.vocab_size)
         if bad:
             raise ApiError(400, f"token ids {bad[:8]} are outside the vocabulary [0, {backend.model_cfg.vocab_size})",
                            param="tokens")
+        if len(body.tokens) > LONG_IDS:     # off the event loop, as long chat prompts are tokenized
+            return {"prompt": await anyio.to_thread.run_sync(backend.tokenizer.decode, body.tokens)}
         return {"prompt": backend.tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models")

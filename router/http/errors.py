@@ -92,6 +92,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
             problems.append(err.get("msg"))
             first = first or err.get("ctx", {}).get("where")
             continue
+        if err.get("type") == "one_prompt":       # a body-level rule (TokenizeRequest): its own words
+            problems.append(err.get("msg"))
+            first = first or "prompt"
+            continue
         name = _field(loc)
         first = first or name
         if err.get("type") == "extra_forbidden":

@@ -13,6 +13,7 @@ choice's text), chat ``{"content": [{"token", "logprob", "bytes", "top_logprobs"
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -85,7 +86,10 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
     for token, bias in (body.logit_bias or {}).items():
-        s.logit_bias[_token_id(token)] = bias
+        token_id = _token_id(token)
+        if token_id in s.logit_bias:
+            raise ApiError(400, f"logit_bias names token {token_id} twice", param="logit_bias")
+        s.logit_bias[token_id] = bias
     if body.stop:
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if isinstance(body, ChatCompletionRequest):
@@ -112,11 +116,10 @@ def _token_id(key: str) -> int:
     Raises:
         ApiError: 400 for a key that is not one.
     """
-    try:
-        token = int(key, 10)
-    except ValueError:
+    if not re.fullmatch(r"-?[0-9]+", key):              # ASCII digits only: int() would take "1_0" and " 10 "
         raise ApiError(400, f"logit_bias keys must be token ids (decimal integers), got {key!r}",
-                       param="logit_bias") from None
+                       param="logit_bias")
+    token = int(key)
     if not INT64[0] <= token <= INT64[1]:
         raise ApiError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
     return token
