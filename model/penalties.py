@@ -38,6 +38,7 @@ class SamplingParams(Protocol):
     min_tokens: int
     max_tokens: int
 
+
 PENALTY_BOUND = 2.0            # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 LOGIT_BIAS_BOUND = 100.0       # |bias| at most this (OpenAI's range)
 MAX_LOGIT_BIAS = 1024          # biased tokens of one request: every message that forwards them stays small
@@ -111,10 +112,9 @@ def _per_row(values: Sequence[float], rows: torch.Tensor, device: torch.device) 
 
 def check_penalties(p: SamplingParams, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: ``min_tokens``
-    outside [0, max_tokens]; presence and
-    frequency penalties not finite in [-2, 2]; a repetition penalty outside [0.01, 100]; more than
-    :data:`MAX_LOGIT_BIAS` biased tokens, one outside the vocabulary or repeated, or a bias not finite in
-    [-100, 100]."""
+    outside [0, max_tokens]; presence and frequency penalties not finite in [-2, 2]; a repetition penalty
+    outside [0.01, 100]; more than :data:`MAX_LOGIT_BIAS` biased tokens, one outside the vocabulary or
+    repeated, or a bias not finite in [-100, 100]."""
     if not 0 <= p.min_tokens <= p.max_tokens:
         raise ValueError(f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
