@@ -6,10 +6,12 @@
               add_generation_prompt
 
 The template is the operator's file (``--chat-template``), else the checkpoint's ``chat_template.jinja``,
-else the ``chat_template`` of its ``tokenizer_config.json`` (a string, or a list of named templates of
-which ``default`` is used). It runs in Jinja's ``ImmutableSandboxedEnvironment`` with the globals and
-filters transformers gives it (``raise_exception``, ``strftime_now``, ``tojson``; ``trim_blocks``,
-``lstrip_blocks``, ``loopcontrols``, a pass-through ``{% generation %}`` block), so a template that works
+else the ``chat_template`` of its ``tokenizer_config.json`` (a string, or a list of named templates: ``tool_use``
+for a request that gives tools, when there is one, else ``default``, as transformers chooses). ``tools`` and
+``documents`` are always defined for the template (None when not given), as transformers defines them.
+It runs in Jinja's ``ImmutableSandboxedEnvironment`` with the globals and filters transformers gives it
+(``raise_exception``, ``strftime_now``, ``tojson``; ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a
+pass-through ``{% generation %}`` block), so a template that works
 with transformers renders the same text here, and neither a template nor a message can reach Python
 objects beyond the data it is given. The text is tokenized without the tokenizer's own special tokens
 (the template writes BOS where the checkpoint wants one), as transformers does.
@@ -52,6 +54,18 @@ class _Generation(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
+def _compile(source: str, origin: str) -> jinja2.Template:
+    """``source`` compiled in the sandbox.
+
+    Raises:
+        ValueError: a syntax error, with its line.
+    """
+    try:
+        return _environment().from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template {origin}: line {exc.lineno}: {exc.message}") from None
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -82,24 +96,25 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _checkpoint_template(model_dir: Path, tok_cfg: dict) -> tuple[str, str] | None:
-    """``(template, where it came from)`` of the checkpoint, or None when it has none.
+def _checkpoint_template(model_dir: Path, tok_cfg: dict) -> tuple[str, str, str | None] | None:
+    """``(template, where it came from, its tool_use template or None)`` of the checkpoint, or None when it
+    has none.
 
     Raises:
         ValueError: tokenizer_config.json lists named templates without a ``default`` one.
     """
     beside = model_dir / TEMPLATE_FILE
     if beside.is_file():
-        return beside.read_text(encoding="utf-8"), str(beside)
-    found = tok_cfg.get("chat_template")
+        return beside.read_text(encoding="utf-8"), str(beside), None
+    found, tool_use = tok_cfg.get("chat_template"), None
     if isinstance(found, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
         if "default" not in named:
             raise ValueError(f"{model_dir / 'tokenizer_config.json'}: chat templates {sorted(map(str, named))} "
                              "include no 'default' one")
-        found = named["default"]
+        found, tool_use = named["default"], named.get("tool_use")
     if isinstance(found, str) and found.strip():
-        return found, str(model_dir / "tokenizer_config.json")
+        return found, str(model_dir / "tokenizer_config.json"), tool_use if isinstance(tool_use, str) else None
     return None
 
 
@@ -109,12 +124,11 @@ class ChatTemplate:
     Use :meth:`load`; :meth:`render` then :meth:`encode` give a conversation's prompt ids.
     """
 
-    def __init__(self, source: str, origin: str, model_dir: Path, special_tokens: dict[str, str]) -> None:
+    def __init__(self, source: str, origin: str, model_dir: Path, special_tokens: dict[str, str],
+                 tool_source: str | None = None) -> None:
         self.source, self.origin, self.special_tokens = source, origin, special_tokens
-        try:
-            self._template = _environment().from_string(source)
-        except jinja2.exceptions.TemplateSyntaxError as exc:
-            raise ValueError(f"chat template {origin}: line {exc.lineno}: {exc.message}") from None
+        self._template = _compile(source, origin)
+        self._tool_template = _compile(tool_source, f"{origin} (tool_use)") if tool_source else self._template
         self._model_dir = model_dir
         self._tok: HFTokenizer | None = None
 
@@ -132,7 +146,8 @@ class ChatTemplate:
         tok_cfg = read_json(model_dir, "tokenizer_config.json") or {}
         if override_file:
             try:
-                found: tuple[str, str] | None = (Path(override_file).read_text(encoding="utf-8"), str(override_file))
+                found: tuple[str, str, str | None] | None = (Path(override_file).read_text(encoding="utf-8"),
+                                                             str(override_file), None)
             except (OSError, UnicodeDecodeError) as exc:
                 raise ValueError(f"chat template file {str(override_file)!r} cannot be read: {exc}") from None
         else:
@@ -140,19 +155,24 @@ class ChatTemplate:
         if found is None:
             return None
         special = {name: text for name in SPECIAL_TOKENS if (text := _token_text(tok_cfg.get(name))) is not None}
-        return cls(found[0], found[1], model_dir, special)
+        return cls(found[0], found[1], model_dir, special, found[2])
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
         """The prompt text of ``messages`` (dicts with ``role`` and ``content``, as OpenAI's API sends
-        them), ending with the assistant's turn opened when ``add_generation_prompt``. ``kwargs`` are
-        further template variables (e.g. ``tools``).
+        them; an assistant's ``tool_calls`` with their ``arguments`` as objects), ending with the assistant's
+        turn opened when ``add_generation_prompt``. ``tools``: the functions the model may call (OpenAI's
+        ``tools`` entries; not None: the checkpoint's ``tool_use`` template when it has one). ``kwargs`` are
+        further template variables.
 
         Raises:
             ChatTemplateError: the template raised (``raise_exception``) or failed on these messages.
         """
+        template = self._template if tools is None else self._tool_template
+        kwargs = {"documents": None, **kwargs}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                   **self.special_tokens, **kwargs)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the conversation: {exc}") from None
         except Exception as exc:  # a template's own error on unexpected input (TypeError, ...): still the input's

@@ -59,8 +59,16 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ``ids`` with special tokens left out."""
-        return self._tok.decode(ids, skip_special_tokens=True)
+        """Text of ``ids`` with special tokens left out: those the tokenizer marks special, by id, as
+        transformers leaves them out (``tokenizers`` alone matches them by their vocabulary string, which a
+        normalized special token does not share with its content: the embedded model's EOS, ``▁<|end_story|>``
+        in the vocabulary, came out as text at the end of every answer it ended)."""
+        special = self._special_ids
+        return self._tok.decode([i for i in ids if i not in special] if special else ids, skip_special_tokens=True)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def token_strs(self, ids: list[int]) -> list[str | None]:
         """Each id's token string in the vocabulary (None for an id it does not have)."""

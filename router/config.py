@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.cluster.worker_process import default_redis_url
+from pdserve.model.tool_calls import TOOL_CALL_PARSERS
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -94,6 +95,9 @@ class RouterConfig:
             a free one; None: no HTTP API). Same bearer tokens and TLS files as the gRPC API.
         served_model_name: the model's name in the HTTP API (empty: the checkpoint directory's name).
         chat_template: a Jinja chat template file for ``/v1/chat/completions`` (empty: the checkpoint's own).
+        tool_call_parser: the format the model writes tool calls in (``hermes``, ``llama3_json``:
+            :mod:`model.tool_calls`); chat requests with ``tools`` and ``tool_choice`` ``auto`` get their calls
+            back as OpenAI ``tool_calls`` (empty: no parsing, and such requests are refused).
     """
 
     model_dir: str
@@ -129,6 +133,7 @@ class RouterConfig:
     http_port: int | None = None
     served_model_name: str = ""
     chat_template: str = ""
+    tool_call_parser: str = ""
 
     def __post_init__(self) -> None:
         for name in ("registry_poll_s", "prefill_timeout_s", "stream_idle_timeout_s"):
@@ -161,6 +166,9 @@ class RouterConfig:
             raise ValueError("tls_cert_file and tls_key_file must be given together")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535] (0: any free port), got {self.http_port}")
+        if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} (or empty: none), "
+                             f"got {self.tool_call_parser!r}")
         self.tls_key_pair()  # fail at startup, not at the first connection
         if not self.bearer_tokens() and self.max_streams_per_token:
             raise ValueError("max_streams_per_token needs bearer tokens (token_file or PDSERVE_ROUTER_TOKEN)")

@@ -118,3 +118,26 @@ def test_the_sandbox_keeps_templates_away_from_python(tmp_path, source):
     with pytest.raises(ChatTemplateError):
         ChatTemplate.load(EMBEDDED_MODEL, path).render(messages)
     assert messages == [{"role": "user", "content": "hi"}]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city, now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_reach_the_template_as_transformers_passes_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    named = [{"name": "default", "template": "default:{{ tools is none }}:{{ documents is none }}:"
+                                             "{{ messages[0].content }}"},
+             {"name": "tool_use", "template": "tool_use:{% for t in tools %}{{ t | tojson }}{% endfor %}:"
+                                              "{{ messages[0].content }}"}]
+    model_dir = checkpoint_with(tmp_path, named)
+    template, hf = ChatTemplate.load(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "Paris?"}]
+    for tools in (None, TOOLS):   # a request with tools renders the tool_use template, as transformers picks it
+        assert template.render(messages, tools=tools) == hf.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert template.render(messages) == "default:True:True:Paris?"
+    assert template.render(messages, tools=TOOLS).startswith('tool_use:{"type": "function", "function": {"name": "get_')
+    one = checkpoint_with(tmp_path / "one", "{% if tools %}{{ tools | length }} tools{% endif %}")  # one template
+    assert ChatTemplate.load(one).render(messages, tools=TOOLS) == "1 tools"

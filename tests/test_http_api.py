@@ -161,9 +161,8 @@ def test_disconnect_mid_stream_frees_every_block(http_cluster, api):
 
 REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("chat", "top_logprobs", 2),  # without `logprobs`: true
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("chat", "tool_choice", "auto"), ("chat", "response_format", {"type": "json_object"}),
-    ("chat", "parallel_tool_calls", False), ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
     ("completions", "best_of", 2), ("completions", "echo", True), ("completions", "suffix", "!"),
     ("completions", "presence", 1), ("chat", "min_p", 0.1), ("completions", "stream_options",
                                                              {"include_usage": True}),
@@ -180,6 +179,16 @@ def test_each_unimplemented_parameter_is_named_in_a_400(http_cluster, api, endpo
             api.completions.create(prompt="Hi", extra_body=body, model=MODEL)
     assert f"`{name}`" in info.value.message and info.value.body["param"] == name
     assert info.value.body["type"] == "invalid_request_error"
+
+
+def test_tools_need_a_tool_call_parser_unless_tool_choice_is_none(http_cluster, api):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, max_tokens=2)
+    assert "--tool-call-parser" in info.value.message and info.value.body["param"] == "tool_choice"
+    got = api.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="none", max_tokens=2,
+                                      parallel_tool_calls=False)
+    assert got.usage.completion_tokens == 2 and not got.choices[0].message.tool_calls
 
 
 def test_neutral_values_of_unimplemented_parameters_are_accepted(http_cluster, api):

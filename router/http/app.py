@@ -1,7 +1,8 @@
 """The routes of the OpenAI-compatible HTTP API (FastAPI)::
 
     POST /v1/completions        prompt (string, token ids, or a list of either: one choice per prompt)
-    POST /v1/chat/completions   messages, rendered by the chat template (model/chat_template.py)
+    POST /v1/chat/completions   messages, rendered by the chat template (model/chat_template.py); with tools,
+                                the answer's calls as tool_calls (--tool-call-parser, model/tool_calls.py)
     GET  /v1/models             the served model          GET /health    200 once workers of every role are listed
     GET  /metrics               the router's Prometheus registry
     POST /tokenize              vLLM's: a prompt's or a conversation's token ids, their count, the context
@@ -40,7 +41,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.http.chat import chat_prompt, tokenize_body
 from pdserve.router.http.errors import ApiError, from_status, install_handlers
-from pdserve.router.http.mapping import Reply, check_supported, generate_request, prompts_of
+from pdserve.router.http.mapping import Reply, check_supported, generate_request, prompts_of, tool_parser_for
 from pdserve.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -144,8 +145,10 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
             raise ApiError(400, f"the model `{model_name}` has no chat template (none in its tokenizer_config.json "
                                 "or chat_template.jinja): use /v1/completions, or start the router with "
                                 "--chat-template FILE", param="messages", code="no_chat_template")
-        ids, room = await chat_prompt(chat_template, body.messages, backend)
-        reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs))
+        parser = tool_parser_for(body, backend.cfg.tool_call_parser)
+        ids, room = await chat_prompt(chat_template, body.messages, backend, tools=body.tools)
+        reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs), parser,
+                      body.parallel_tool_calls is not False)
         return await _answer(backend, request, body, reply, [generate_request(body, ids, reply.id, room)])
 
     @app.post("/tokenize")
@@ -224,8 +227,9 @@ async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateRespo
 
     def chunks(stream: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
         index = stream * reply.n + msg.index  # a prompt's n sequences are n choices
-        if msg.text or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
-            yield json.dumps(reply.chunk(index, msg.text, msg.token_ids, logprobs=msg.logprobs))
+        text, calls = reply.stream_text(index, msg.text, end=msg.HasField("final"))   # tool calls split off
+        if text or calls or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
+            yield json.dumps(reply.chunk(index, text, msg.token_ids, logprobs=msg.logprobs, tool_calls=calls))
         if msg.HasField("final"):
             finals[index] = msg.final
             yield json.dumps(reply.chunk(index, "" if not reply.chat else None, (), msg.final))

@@ -4,6 +4,7 @@ tokens added: the template writes them), with the room left for the answer."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Protocol
 
 from pdserve.model.chat_template import ChatTemplate, ChatTemplateError
@@ -11,7 +12,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.router.config import RouterConfig
 from pdserve.router.http.errors import ApiError
-from pdserve.router.http.schemas import ChatMessage, TokenizeRequest
+from pdserve.router.http.schemas import ChatMessage, TokenizeRequest, Tool
 from pdserve.router.validation import check_tokenized
 
 LONG_TEXT_CHARS = 4096  # rendered prompts longer than this are tokenized on a worker thread
@@ -25,13 +26,22 @@ class _Model(Protocol):
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """``messages`` as a chat template reads them: ``role``, ``content`` as one string (text parts
-    joined by newlines), and ``name`` when given.
+    joined by newlines), ``name`` when given, an assistant's ``tool_calls`` with their ``arguments`` parsed
+    into objects (as transformers' templates expect them, and vLLM passes them), a tool message's
+    ``tool_call_id``.
 
     Raises:
-        ApiError: 400, a content part that is not text, or a text part without its text.
+        ApiError: 400, a content part that is not text, a text part without its text, ``tool_calls`` on
+            another role than the assistant's or with arguments that are not a JSON object, or a ``tool``
+            message without its ``tool_call_id``.
     """
     out = []
     for i, m in enumerate(messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise ApiError(400, "only assistant messages carry `tool_calls`", param=f"messages.{i}.tool_calls")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise ApiError(400, "a tool message needs the `tool_call_id` it answers",
+                           param=f"messages.{i}.tool_call_id")
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -45,22 +55,47 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_calls is not None:
+            item["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}")}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
         out.append(item)
     return out
 
 
+def _arguments(text: str, where: str) -> dict[str, Any]:
+    try:
+        args = json.loads(text)
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise ApiError(400, "a tool call's `arguments` must be JSON text of an object",
+                       param=f"{where}.function.arguments")
+    return args
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """OpenAI ``tools`` as a chat template reads them: each entry as the client wrote it (absent fields
+    stay absent); None when the request gives none."""
+    return None if tools is None else [t.model_dump(exclude_unset=True) for t in tools]
+
+
 async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model: _Model,
-                      add_generation_prompt: bool = True) -> tuple[list[int], int]:
+                      add_generation_prompt: bool = True, tools: list[Tool] | None = None) -> tuple[list[int], int]:
     """``(prompt ids, room)``: the conversation's prompt ids (ending with the assistant's turn opened, when
-    ``add_generation_prompt``), and the most tokens the answer can have (up to the context, at most
-    ``max_tokens_limit``: the ``max_tokens`` of a request that gives none).
+    ``add_generation_prompt``; ``tools`` shown to the model as its template shows them), and the most tokens
+    the answer can have (up to the context, at most ``max_tokens_limit``: the ``max_tokens`` of a request
+    that gives none).
 
     Raises:
         ApiError: 400, the template refused the conversation, or its text cannot fit the context (the
             gRPC API's message for a text prompt that long), or it tokenizes past the model's vocabulary.
     """
     try:
-        text = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt)
+        text = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt,
+                               tools=template_tools(tools))
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     context = model.model_cfg.max_position_embeddings
@@ -89,7 +124,7 @@ async def tokenize_body(body: TokenizeRequest, model: _Model, template: ChatTemp
         if template is None:
             raise ApiError(400, "the model has no chat template: tokenize a `prompt`", param="messages",
                            code="no_chat_template")
-        ids, _ = await chat_prompt(template, body.messages, model, body.add_generation_prompt)
+        ids, _ = await chat_prompt(template, body.messages, model, body.add_generation_prompt, body.tools)
     else:
         context = model.model_cfg.max_position_embeddings
         limit = context * model.tokenizer.max_token_chars

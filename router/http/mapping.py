@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.model.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallStream, parse_tool_calls, tool_call_stream
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.errors import ApiError
 from pdserve.router.http.schemas import INT64, ChatCompletionRequest, SamplingBody
@@ -33,9 +34,6 @@ UNSUPPORTED = {
     "best_of": ((None, 1), "`best_of` other than 1"),
     "echo": ((None, False), "`echo`"),
     "suffix": ((None, ""), "`suffix`"),
-    "tools": ((None, []), "`tools`"),
-    "tool_choice": ((None, "none"), "`tool_choice`"),
-    "parallel_tool_calls": ((None,), "`parallel_tool_calls`"),
     "functions": ((None, []), "`functions`"),
     "function_call": ((None, "none"), "`function_call`"),
     "response_format": ((None, {"type": "text"}), "`response_format` other than text"),
@@ -65,6 +63,31 @@ def check_supported(body: SamplingBody) -> None:
     if isinstance(body, ChatCompletionRequest) and None not in (body.max_tokens, body.max_completion_tokens) \
             and body.max_tokens != body.max_completion_tokens:
         raise ApiError(400, "`max_tokens` and `max_completion_tokens` differ: give one", param="max_tokens")
+
+
+def tool_parser_for(body: ChatCompletionRequest, parser: str) -> str:
+    """The tool call format ``body``'s answer is parsed in: ``parser`` (the router's ``--tool-call-parser``)
+    when the request lets the model call its tools (``tool_choice`` ``auto``, the default with ``tools``),
+    else "" (``none``, or no tools: the answer is all content, the tools still shown to the model, as vLLM
+    shows them).
+
+    Raises:
+        ApiError: 400 for a ``tool_choice`` other than ``none`` without ``tools``; for ``required`` or a named
+            function (they need constrained decoding, which the router does not do); for ``auto`` on a router
+            started without a tool call parser.
+    """
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if choice == "none":
+        return ""
+    if not body.tools:
+        raise ApiError(400, "`tool_choice` other than none needs `tools`", param="tool_choice")
+    if choice != "auto":
+        raise ApiError(400, "not supported: `tool_choice` required or a named function (they need constrained "
+                            "decoding); use auto", param="tool_choice", code="unsupported_parameter")
+    if not parser:
+        raise ApiError(400, "`tool_choice` auto (the default with `tools`) needs the router started with "
+                            f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})", param="tool_choice")
+    return parser
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
@@ -182,13 +205,21 @@ def chat_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob]) -> dict:
 
 
 class Reply:
-    """Builds one request's answer: a whole response or stream chunks, for completions or chat."""
+    """Builds one request's answer: a whole response or stream chunks, for completions or chat.
+
+    Args:
+        tool_parser: chat answers are split into content and ``tool_calls`` in this format
+            (:mod:`model.tool_calls`; empty: all content); a choice with calls finishes with ``tool_calls``.
+        parallel_tool_calls: False keeps a choice's first call only.
+    """
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, tool_parser: str = "", parallel_tool_calls: bool = True) -> None:
         self.chat, self.model, self.return_token_ids, self.n = chat, model, return_token_ids, n
-        self.logprobs = logprobs
+        self.logprobs, self.tool_parser, self.parallel_tool_calls = logprobs, tool_parser, parallel_tool_calls
         self._offsets: dict[int, int] = {}  # choice -> text length streamed so far (completions' text_offset)
+        self._tools: dict[int, ToolCallStream] = {}   # choice -> its tool call parser (streams)
+        self._called: dict[int, int] = {}             # choice -> tool calls sent so far
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -202,7 +233,14 @@ class Reply:
             reason = FINISH_REASON.get(c.final.finish_reason) if c.final is not None else None
             item: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, 0),
                                     "finish_reason": reason}
-            if self.chat:
+            if self.chat and self.tool_parser:
+                content, calls = parse_tool_calls(self.tool_parser, c.text)
+                calls = calls if self.parallel_tool_calls else calls[:1]
+                item["message"] = {"role": "assistant", "content": content or (None if calls else "")}
+                if calls:
+                    item["message"]["tool_calls"] = [call.as_openai() for call in calls]
+                    item["finish_reason"] = "tool_calls"
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = c.text
@@ -212,20 +250,42 @@ class Reply:
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
                 "usage": usage([c.final for c in choices], self.n)}
 
+    def stream_text(self, index: int, text: str, end: bool = False) -> tuple[str, list[dict]]:
+        """``(content, tool_calls delta entries)`` of choice ``index``'s next streamed ``text`` (and, with
+        ``end``, of what its parser held back); ``(text, [])`` without a tool call parser."""
+        if not self.tool_parser:
+            return text, []
+        stream = self._tools.setdefault(index, tool_call_stream(self.tool_parser))
+        content, calls = stream.feed(text)
+        if end:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+        return content, [self._call_delta(index, call) for call in calls if self.parallel_tool_calls
+                         or not self._called.get(index)]
+
+    def _call_delta(self, index: int, call: ToolCall) -> dict:
+        k = self._called[index] = self._called.get(index, 0) + 1
+        return call.as_openai(k - 1)
+
     def chunk(self, index: int, text: str | None, token_ids: Sequence[int] = (),
               final: pdserve_pb2.Final | None = None, role: bool = False,
-              logprobs: Sequence[pdserve_pb2.TokenLogprob] = ()) -> dict:
+              logprobs: Sequence[pdserve_pb2.TokenLogprob] = (), tool_calls: Sequence[dict] = ()) -> dict:
         """A stream chunk of choice ``index``: a text delta (chat: ``role`` opens the message; a
-        ``final`` closes the choice with its finish reason), with its tokens' ``logprobs``."""
+        ``final`` closes the choice with its finish reason, ``tool_calls`` once it has called one), with its
+        tokens' ``logprobs`` and the ``tool_calls`` entries :meth:`stream_text` gave."""
         reason = FINISH_REASON.get(final.finish_reason) if final is not None else None
+        if final is not None and self._called.get(index):
+            reason = "tool_calls"
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(text or "")
         item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(logprobs, offset) if logprobs else None,
                                 "finish_reason": reason}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
+            if text is not None and (text or not tool_calls):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = list(tool_calls)
             item["delta"] = delta
         else:
             item["text"] = text or ""

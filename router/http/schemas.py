@@ -136,10 +136,52 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(_Strict):
+    """A tool's function: OpenAI's name rule (letters, digits, ``_`` and ``-``, 1 to 64), a JSON Schema of
+    its ``parameters``; shown to the model by the chat template as the client wrote it."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CalledFunction(_Strict):
+    """The function an assistant message called: ``arguments`` is JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    """One message: a ``tool`` message answers the assistant's call ``tool_call_id``; an assistant
+    message may carry the ``tool_calls`` it made (its ``content`` then may be null)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingBody):
@@ -149,8 +191,10 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: Int32 | None = None
     logprobs: bool | None = None
     top_logprobs: Int32 | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
+                           _one_of('"none", "auto", "required" or an object naming a function')
+                           ] = None
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -159,12 +203,13 @@ class ChatCompletionRequest(SamplingBody):
 
 class TokenizeRequest(_UnicodeBody):
     """vLLM's ``POST /tokenize``: a ``prompt`` (tokenized as a completions prompt is, BOS included unless
-    ``add_special_tokens`` is false) or chat ``messages`` (rendered by the chat template, the assistant's
-    turn opened unless ``add_generation_prompt`` is false), exactly one of them."""
+    ``add_special_tokens`` is false) or chat ``messages`` (rendered by the chat template with ``tools``, the
+    assistant's turn opened unless ``add_generation_prompt`` is false), exactly one of them."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -1,0 +1,127 @@
+"""Tool call parsers (model/tool_calls.py): each format's calls and content, what is not a call left as
+content word for word, and a streamed answer split exactly as the whole answer wherever its text is cut."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdserve.model.tool_calls import TOOL_CALL_PARSERS, parse_tool_calls, tool_call_stream
+from pdserve.proto import pdserve_pb2
+from pdserve.router.http.mapping import Choice, Reply
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
+TIME = '{"name": "get_time", "arguments": {}}'
+
+
+def calls_of(parser: str, text: str) -> tuple[str, list[tuple[str, dict]]]:
+    content, calls = parse_tool_calls(parser, text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+HERMES = [  # (answer, content, calls)
+    ("Just text, no call.", "Just text, no call.", []),
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", "", [("get_weather", {"city": "Paris", "unit": "°C"})]),
+    (f"Let me look.\n<tool_call>{WEATHER}</tool_call>\n<tool_call>{TIME}</tool_call>\n",
+     "Let me look.\n", [("get_weather", {"city": "Paris", "unit": "°C"}), ("get_time", {})]),
+    (f"<tool_call>{WEATHER}</tool_call>\n\nDone.", "Done.", [("get_weather", {"city": "Paris", "unit": "°C"})]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', "", [("f", {"x": 1})]),  # JSON text
+    ('<tool_call>{"name": "f"}</tool_call>', "", [("f", {})]),
+    # not calls: stay content, word for word
+    ("<tool_call>{not json}</tool_call> after", "<tool_call>{not json}</tool_call> after", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     []),
+    (f"cut short <tool_call>{WEATHER[:20]}", f"cut short <tool_call>{WEATHER[:20]}", []),
+    ("ends with a half marker <tool_ca", "ends with a half marker <tool_ca", []),
+    (f"<tool_call>{TIME}</tool_call>x<tool_call>bad</tool_call>", "x<tool_call>bad</tool_call>", [("get_time", {})]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES)
+def test_hermes(text, content, calls):
+    assert calls_of("hermes", text) == (content, calls)
+
+
+LLAMA3 = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ('  {"name": "a", "parameters": {}}; {"name": "b", "arguments": {"k": [1, 2]}}', "",
+     [("a", {}), ("b", {"k": [1, 2]})]),
+    ('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}]', "", [("a", {}), ("b", {})]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ('{"name": "a", "parameters": {}} and then words', '{"name": "a", "parameters": {}} and then words', []),
+    ('{"name": "a", "parameters": {', '{"name": "a", "parameters": {', []),
+    ('{"no_name": 1}', '{"no_name": 1}', []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA3)
+def test_llama3_json(text, content, calls):
+    assert calls_of("llama3_json", text) == (content, calls)
+
+
+def test_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        tool_call_stream("mistral")
+
+
+PIECES = ["Hi ", "there.\n", "<tool_call>", "</tool_call>", WEATHER, TIME, "{", "}", " ", "\n", ";", "<tool_", "call>",
+          '{"name": "x", "parameters": {"a": 1}}', "[", "]", ",", "text", "é✓"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=12), cuts=st.lists(st.integers(0, 400), max_size=8),
+       parser=st.sampled_from(TOOL_CALL_PARSERS))
+def test_streamed_answer_splits_as_the_whole_answer(pieces, cuts, parser):
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    stream, content, calls = tool_call_stream(parser), [], []
+    for a, b in zip(bounds, bounds[1:]):
+        c, k = stream.feed(text[a:b])
+        content.append(c)
+        calls += k
+    c, k = stream.finish()
+    content.append(c)
+    calls += k
+    whole_content, whole_calls = parse_tool_calls(parser, text)
+    assert "".join(content) == whole_content
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+
+
+def final(reason=pdserve_pb2.FINISH_REASON_STOP) -> pdserve_pb2.Final:
+    return pdserve_pb2.Final(finish_reason=reason)
+
+
+def test_reply_gives_openai_tool_calls_whole_and_streamed():
+    text = f"Looking.<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>"
+    for parallel, names in ((True, ["get_weather", "get_time"]), (False, ["get_weather"])):
+        reply = Reply(True, "m", False, tool_parser="hermes", parallel_tool_calls=parallel)
+        body = reply.response([Choice(0, text, final=final())])
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Looking."
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == names
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in choice["message"]["tool_calls"])
+        # streamed in three messages, the last with the final
+        deltas = []
+        for i, (piece, end) in enumerate(((text[:13], False), (text[13:60], False), (text[60:], True))):
+            content, calls = reply.stream_text(0, piece, end)
+            deltas.append(reply.chunk(0, content, tool_calls=calls)["choices"][0]["delta"])
+        last = reply.chunk(0, None, final=final())["choices"][0]
+        assert last["finish_reason"] == "tool_calls"
+        assert "".join(d.get("content", "") for d in deltas) == "Looking."
+        entries = [e for d in deltas for e in d.get("tool_calls", [])]
+        assert [(e["index"], e["function"]["name"]) for e in entries] == list(enumerate(names))
+        assert json.loads(entries[0]["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}
+
+
+def test_reply_without_calls_is_plain_content():
+    reply = Reply(True, "m", False, tool_parser="hermes")
+    choice = reply.response([Choice(0, "No tools needed.", final=final())])["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "No tools needed."}
+    assert choice["finish_reason"] == "stop"
+    cut = reply.response([Choice(0, "<tool_call>{", final=final(pdserve_pb2.FINISH_REASON_LENGTH))])["choices"][0]
+    assert cut["message"]["content"] == "<tool_call>{" and cut["finish_reason"] == "length"
