@@ -38,10 +38,12 @@ from pdserve.model.sampling import History, SamplingParams, TokenLogprobs, token
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """New output tokens, with their log-probabilities when the request's sampling asks (one each)."""
+    """New output tokens, with their log-probabilities when the request's sampling asks (one each); a local
+    prefill's first also with the prompt's (one per prompt token after the first) when its sampling asks."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class DecodeRequest:
     num_accepted_tokens: int = 0     # of which accepted
     allocated_at: float = field(default_factory=time.monotonic)
     kv_ready_at: float = 0.0
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # prompt position -> its (local prefill)
 
     @functools.cached_property
     def prompt_distinct(self) -> torch.Tensor:

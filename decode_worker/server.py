@@ -144,7 +144,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             self.metrics.on_tokens(len(ev.token_ids))
                         yield worker_pb2.DecodeEvent(tokens=worker_pb2.TokenDelta(
                             token_ids=ev.token_ids,
-                            logprobs=[logprobs_to_wire(lp) for lp in ev.logprobs] if ev.logprobs else ()))
+                            logprobs=[logprobs_to_wire(lp) for lp in ev.logprobs] if ev.logprobs else (),
+                            prompt_logprobs=[logprobs_to_wire(lp) for lp in ev.prompt_logprobs]))
                     elif isinstance(ev, FinishedEvent):
                         ended = True
                         if self.metrics is not None:
@@ -172,7 +173,7 @@ def _coalesce(events: list) -> list:
     for ev in events:
         if isinstance(ev, TokensEvent) and out and isinstance(out[-1], TokensEvent):
             logprobs = None if out[-1].logprobs is None else out[-1].logprobs + ev.logprobs  # one request: all or none
-            out[-1] = TokensEvent(out[-1].token_ids + ev.token_ids, logprobs)
+            out[-1] = TokensEvent(out[-1].token_ids + ev.token_ids, logprobs, out[-1].prompt_logprobs)
         else:
             out.append(ev)
     return out

@@ -84,14 +84,16 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temp
                  stop_token_ids: tuple[int, ...] = (), presence_penalty: float | None = None,
                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                  min_tokens: int | None = None, logit_bias: dict[int, float] | None = None,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
                  ) -> pdserve_pb2.GenerateRequest:
     """Build a ``GenerateRequest`` from text or token ids (``None`` leaves a field to the server's default;
-    the penalties, ``min_tokens`` and ``logit_bias``: ``proto/pdserve.proto``)."""
+    the penalties, ``min_tokens``, ``logit_bias``, ``logprobs`` and ``prompt_logprobs``: ``proto/pdserve.proto``)."""
     sampling = pdserve_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
                                           logit_bias=logit_bias or {})
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens)):
+                        ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens),
+                        ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(sampling, name, value)
     if isinstance(prompt, str):

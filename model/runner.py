@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,31 @@ class ModelRunner:
         Raises:
             ValueError: empty batch, empty sequence or a block table too short.
         """
+        hidden, query_lens = self._hidden(batch, num_layers)
+        if all_logits:
+            return self.model.compute_logits(hidden)
+        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last_rows])
+
+    def run_with_rows(self, batch: list[StepInput], whole: Sequence[bool]
+                      ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """As :meth:`run`: float32 logits ``[len(batch), vocab]`` of each sequence's last new token; and for each
+        sequence ``i`` with ``whole[i]``, the logits of all its new tokens ``[len(token_ids), vocab]`` (a prompt's
+        log-probabilities), None for the others.
+
+        Raises:
+            ValueError: as :meth:`run`.
+        """
+        hidden, query_lens = self._hidden(batch, None)
+        ends = torch.tensor(query_lens).cumsum(0).tolist()
+        last = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device) - 1])
+        rows = [self.model.compute_logits(hidden[end - q:end]) if want else None
+                for end, q, want in zip(ends, query_lens, whole)]
+        return last, rows
+
+    def _hidden(self, batch: list[StepInput], num_layers: int | None) -> tuple[torch.Tensor, list[int]]:
+        """The last layer's hidden states of every new token of the step ``[num_tokens, hidden]``, and each
+        sequence's number of new tokens."""
         if not batch or any(not s.token_ids for s in batch):
             raise ValueError("a step needs at least one sequence, each with at least one token")
         query_lens = [len(s.token_ids) for s in batch]
@@ -53,8 +79,4 @@ class ModelRunner:
             query_lens, [s.num_computed + q for s, q in zip(batch, query_lens)],
             [s.block_table for s in batch], self.spec.block_size, self.device, self.kv_cache.dtype, self._head_dim)
         input_ids = torch.tensor([t for s in batch for t in s.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_cache, num_layers)
-        if all_logits:
-            return self.model.compute_logits(hidden)
-        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last_rows])
+        return self.model(input_ids, meta, self.kv_cache, num_layers), query_lens

@@ -51,6 +51,9 @@ class SamplingParams:
             :data:`model.penalties.MAX_LOGIT_BIAS`.
         min_tokens: output tokens before any stop token (EOS unless ignored, ``stop_token_ids``) may be picked,
             in [0, max_tokens] (vLLM's). All five: :mod:`model.penalties`.
+        prompt_logprobs: None computes none; k >= 0 returns each prompt token's log-probability given the
+            tokens before it, with the k most likely tokens there (:func:`prompt_logprobs`), at most
+            :data:`MAX_LOGPROBS`; the worker that prefills such a prompt runs all of it (no prefix cache).
     """
 
     temperature: float = 1.0
@@ -66,6 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -83,6 +87,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(self.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -261,3 +267,14 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     for row, (lp, k) in enumerate(zip(picked, ks)):
         out.append(TokenLogprobs(lp, tuple(ids[row][:k]), tuple(values[row][:k])) if k else TokenLogprobs(lp))
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: list[int], start: int, k: int) -> list[TokenLogprobs]:
+    """Prompt log-probabilities from one chunk's rows: ``logits`` (``[n, vocab]``) are those of prompt positions
+    ``start .. start + n - 1`` of ``token_ids`` (the whole prompt), and row ``j`` scores the next prompt token,
+    ``token_ids[start + j + 1]``; a row past the prompt's last token (which predicts the first output token)
+    gives nothing. Each with its ``k`` most likely tokens (:func:`token_logprobs`)."""
+    n = min(logits.shape[0], len(token_ids) - 1 - start)
+    if n <= 0:
+        return []
+    return token_logprobs(logits[:n], token_ids[start + 1:start + 1 + n], [k] * n)

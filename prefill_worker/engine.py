@@ -24,6 +24,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 from pdserve.cluster.kv_events import KVEvent
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.kvtransfer.select import make_sender
@@ -31,10 +33,10 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
-from pdserve.model.sampling import sample, token_logprobs
+from pdserve.model.sampling import prompt_logprobs, sample, token_logprobs
 from pdserve.prefill_worker.blocks import BlockSource, PlainBlocks
 from pdserve.prefill_worker.config import PrefillWorkerConfig
-from pdserve.prefill_worker.prefix_cache import PrefixCache
+from pdserve.prefill_worker.prefix_cache import PrefixCache, PrefixMatch
 from pdserve.prefill_worker.request import PrefillRequest, PrefillResult
 from pdserve.prefill_worker.sender import Finish, KVSendLoop, Release, SendPages
 
@@ -135,8 +137,7 @@ class PrefillEngine:
         if not chunks:
             return
         started = time.monotonic()
-        logits = self.runner.run([StepInput(r.token_ids[r.num_computed:r.num_computed + n], r.num_computed,
-                                            r.block_table) for r, n in chunks])
+        logits = self._forward(chunks)
         self._measure(time.monotonic() - started, sum(n for _, n in chunks))
         done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
         eos = self.model_cfg.eos_token_ids
@@ -161,6 +162,21 @@ class PrefillEngine:
                 req.num_blocks_handed = ready
             if req.num_remaining == 0:
                 self.sender.submit(Finish(req))
+
+    def _forward(self, chunks: list[tuple[PrefillRequest, int]]) -> torch.Tensor:
+        """The chunks' forward: the logits of each chunk's last token ``[len(chunks), vocab]``; the prompt
+        log-probabilities of the chunks whose requests ask for them are kept on their requests."""
+        inputs = [StepInput(r.token_ids[r.num_computed:r.num_computed + n], r.num_computed, r.block_table)
+                  for r, n in chunks]
+        whole = [r.sampling.prompt_logprobs is not None for r, _ in chunks]
+        if not any(whole):
+            return self.runner.run(inputs)
+        logits, rows = self.runner.run_with_rows(inputs, whole)
+        for (req, _), row_logits in zip(chunks, rows):
+            if row_logits is not None:
+                req.prompt_logprobs += prompt_logprobs(row_logits, req.token_ids, req.num_computed,
+                                                       req.sampling.prompt_logprobs)
+        return logits
 
     def _measure(self, seconds: float, num_tokens: int, weight: float = 0.2) -> None:
         """Moving average of prefill seconds per computed token over whole steps: the worker's
@@ -201,7 +217,8 @@ class PrefillEngine:
 
     def _admit(self, req: PrefillRequest) -> bool:
         """Match the cached prefix and allocate the rest of the prompt's blocks; False if they cannot be had."""
-        match = self.blocks.match(req.token_ids)
+        # a prompt's log-probabilities need every position computed: no cached prefix for it
+        match = self.blocks.match(req.token_ids) if req.sampling.prompt_logprobs is None else PrefixMatch([], 0)
         try:
             fresh = self.blocks.allocate(self.spec.num_blocks_for(len(req.token_ids)) - len(match.block_ids))
         except NoFreeBlocks:

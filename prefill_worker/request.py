@@ -75,6 +75,7 @@ class PrefillRequest:
     num_blocks_handed: int = 0         # blocks already handed to the sender
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None  # when sampling.logprobs is set (router-bound, not sent over KV)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # tokens 1.. when sampling.prompt_logprobs
     error: str = ""                    # set by the sender when the transfer failed
     channel: KVChannel | None = None   # its sender lane only
     arrived_at: float = field(default_factory=time.monotonic)

@@ -179,7 +179,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                           transfer_tail_s=result.transfer_tail_s, num_kv_bytes=result.num_kv_bytes,
                                           num_cached_tokens=result.num_cached_tokens,
                                           first_logprobs=None if req.first_logprobs is None  # set before the result
-                                          else logprobs_to_wire(req.first_logprobs))
+                                          else logprobs_to_wire(req.first_logprobs),
+                                          prompt_logprobs=[logprobs_to_wire(lp) for lp in req.prompt_logprobs])
 
 
 def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "native", chunk_tokens: int = 512,

@@ -17,7 +17,8 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
         return_logprobs=p.logprobs is not None, num_top_logprobs=p.logprobs or 0,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens)
+        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
+        return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0)
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -27,7 +28,8 @@ def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
         logprobs=m.num_top_logprobs if m.return_logprobs else None,
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty or 1.0,        # unset on the wire: off
-        logit_bias=tuple(sorted(m.logit_bias.items())), min_tokens=m.min_tokens)
+        logit_bias=tuple(sorted(m.logit_bias.items())), min_tokens=m.min_tokens,
+        prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None)
 
 
 def logprobs_to_wire(lp: TokenLogprobs) -> worker_pb2.TokenLogprobs:

@@ -18,12 +18,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from redis.exceptions import RedisError
 
 from pdserve.cluster.registry import WorkerInfo
+from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission
@@ -240,6 +241,12 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     raise GenerateError(code, f"no decode worker could take the request (last: {last_error}){progress.history()}")
 
 
+def attempt_sampling(sampling: SamplingParams, progress: Progress) -> worker_pb2.ResolvedSampling:
+    """The workers' sampling for an attempt: the request's, less prompt log-probabilities once tokens have been
+    streamed (the first message carried them; a migrated request's prefill does not compute them again)."""
+    return sampling_to_wire(replace(sampling, prompt_logprobs=None) if progress.generated else sampling)
+
+
 class _Refused(Exception):
     """A decode worker did not allocate the request; ``unreachable``: it is dead or stuck (not merely full)."""
 
@@ -259,7 +266,7 @@ async def _allocate(view: ClusterView, worker: WorkerInfo, req: ValidRequest, at
         GenerateError: INVALID_ARGUMENT, the worker refused the request itself.
     """
     call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
-        request_id=attempt_id, prompt_token_ids=req.prompt_ids, sampling=sampling_to_wire(req.sampling),
+        request_id=attempt_id, prompt_token_ids=req.prompt_ids, sampling=attempt_sampling(req.sampling, progress),
         kv_timeout_s=cfg.kv_timeout_s, local_prefill=role == "both", prior_output_token_ids=progress.generated))
     try:
         first = await asyncio.wait_for(call.read(), timeout=min(cfg.prefill_timeout_s, cfg.stream_idle_timeout_s))

@@ -31,9 +31,9 @@ from pdserve.cluster.logs import request_fields
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from pdserve.proto.convert import FINISH_REASONS, sampling_to_wire
+from pdserve.proto.convert import FINISH_REASONS
 from pdserve.router.admission import Admission
-from pdserve.router.choose import Chosen, ClusterView, choose_workers, open_decode
+from pdserve.router.choose import Chosen, ClusterView, attempt_sampling, choose_workers, open_decode
 from pdserve.router.config import RouterConfig
 from pdserve.router.prefill_answer import prefill_or_decode_end
 from pdserve.router.recovery import Progress, WorkerFailure
@@ -146,6 +146,8 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                     async for msg in messages:
                         if msg.logprobs:
                             _name_tokens(msg.logprobs, tokenizer)
+                        if msg.prompt_logprobs:
+                            _name_tokens(msg.prompt_logprobs, tokenizer)
                         if msg.HasField("final"):
                             msg.text = matcher.flush() + msg.text
                         else:
@@ -190,6 +192,14 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 
 
 _TOKEN_TEXTS: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> its text alone (bounded by the vocab)
+
+
+def _prompt_logprobs_of(prompt: list[int], wire) -> list[pdserve_pb2.TokenLogprob]:
+    """The client's prompt log-probabilities from a worker's (one per prompt token after the first): one per
+    prompt token, the first's logprob 0 with no alternatives; none when the worker sent none."""
+    if not wire:
+        return []
+    return [pdserve_pb2.TokenLogprob(token_id=prompt[0])] + _logprobs_of(prompt[1:], list(wire))
 
 
 def _logprobs_of(ids: list[int], wire: list[worker_pb2.TokenLogprobs]) -> list[pdserve_pb2.TokenLogprob]:
@@ -240,7 +250,7 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
             times.dispatched = time.monotonic()
         prefill_call = worker_pb2_grpc.PrefillWorkerStub(view.channel(prefill.address)).Prefill(
             worker_pb2.PrefillRequest(request_id=attempt_id, token_ids=chosen.context,
-                                      sampling=sampling_to_wire(req.sampling),
+                                      sampling=attempt_sampling(req.sampling, progress),
                                       dst_kv_address=decode.allocated.kv_address,
                                       dst_block_ids=decode.allocated.block_ids,
                                       first_output_index=len(progress.generated)),
@@ -256,7 +266,8 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
         yield pdserve_pb2.GenerateResponse(
             text=detok.push([answer.first_token]), token_ids=[answer.first_token],
             logprobs=_logprobs_of([answer.first_token], [answer.first_logprobs])
-            if req.sampling.logprobs is not None else ())
+            if req.sampling.logprobs is not None else (),
+            prompt_logprobs=_prompt_logprobs_of(req.prompt_ids, answer.prompt_logprobs))
         watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s)  # D has the KV now
         async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch, decode_read):
             yield msg
@@ -354,8 +365,10 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
                 for _ in range(hi - lo):
                     times.token()
                 progress.generated.extend(ids[lo:hi])
-                yield pdserve_pb2.GenerateResponse(text=detok.push(ids[lo:hi]), token_ids=ids[lo:hi],
-                                                   logprobs=_logprobs_of(ids[lo:hi], lps[lo:hi]))
+                yield pdserve_pb2.GenerateResponse(
+                    text=detok.push(ids[lo:hi]), token_ids=ids[lo:hi], logprobs=_logprobs_of(ids[lo:hi], lps[lo:hi]),
+                    prompt_logprobs=_prompt_logprobs_of(req.prompt_ids, event.tokens.prompt_logprobs) if lo == 0
+                    else ())   # a local prefill's, on its first delta
         elif event.WhichOneof("event") == "finished":
             fin = event.finished
             yield _final(req, times, progress, fin.finish_reason, fin.num_output_tokens, fin)

@@ -105,7 +105,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
             the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
             (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary or more than
-            :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs outside
+            :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs or prompt_logprobs outside
             [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters,
             penalties or logit_bias out of range: :func:`model.penalties.check_penalties`); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
@@ -154,6 +154,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_tokens=s.min_tokens,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:

@@ -163,7 +163,7 @@ REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("chat", "top_logprobs", 2),  # without `logprobs`: true
     ("chat", "response_format", {"type": "json_object"}),
     ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
-    ("completions", "best_of", 2), ("completions", "echo", True), ("completions", "suffix", "!"),
+    ("completions", "best_of", 2), ("completions", "suffix", "!"),
     ("completions", "presence", 1), ("chat", "min_p", 0.1), ("completions", "stream_options",
                                                              {"include_usage": True}),
 ]

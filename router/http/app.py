@@ -134,7 +134,9 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         prompts = prompts_of(body.prompt)
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
-        reply = Reply(False, model_name, bool(body.return_token_ids), body.n or 1, body.logprobs is not None)
+        reply = Reply(False, model_name, bool(body.return_token_ids), body.n or 1, body.logprobs is not None,
+                      echo=[p if isinstance(p, str) else backend.tokenizer.decode(p) for p in prompts]
+                      if body.echo else None)
         return await _answer(backend, request, body, reply, [
             generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
 
@@ -224,12 +226,17 @@ async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateRespo
                   include_usage: bool) -> AsyncIterator[str]:
     """The SSE ``data`` of a streamed answer; closing it (client gone) cancels the choices."""
     finals: list[pdserve_pb2.Final | None] = [None] * (len(firsts) * reply.n)
+    started: set[int] = set()
 
     def chunks(stream: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
         index = stream * reply.n + msg.index  # a prompt's n sequences are n choices
         text, calls = reply.stream_text(index, msg.text, end=msg.HasField("final"))   # tool calls split off
+        if index not in started:       # a choice's first message: its echoed prompt first
+            started.add(index)
+            text = reply.echo_text(index) + text
         if text or calls or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
-            yield json.dumps(reply.chunk(index, text, msg.token_ids, logprobs=msg.logprobs, tool_calls=calls))
+            yield json.dumps(reply.chunk(index, text, msg.token_ids, logprobs=msg.logprobs, tool_calls=calls,
+                                         prompt_logprobs=msg.prompt_logprobs))
         if msg.HasField("final"):
             finals[index] = msg.final
             yield json.dumps(reply.chunk(index, "" if not reply.chat else None, (), msg.final))

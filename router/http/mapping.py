@@ -32,7 +32,6 @@ NOT_YET: dict[str, tuple[tuple, str]] = {}
 # not implemented by the router
 UNSUPPORTED = {
     "best_of": ((None, 1), "`best_of` other than 1"),
-    "echo": ((None, False), "`echo`"),
     "suffix": ((None, ""), "`suffix`"),
     "functions": ((None, []), "`functions`"),
     "function_call": ((None, "none"), "`function_call`"),
@@ -120,6 +119,8 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
             s.logprobs = body.top_logprobs or 0
     elif body.logprobs is not None:
         s.logprobs = body.logprobs
+        if body.echo:   # the echoed prompt's tokens get theirs too, as vLLM gives them
+            s.prompt_logprobs = body.logprobs
     given = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         given = body.max_completion_tokens
@@ -165,6 +166,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     final: pdserve_pb2.Final | None = None
     logprobs: list[pdserve_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pdserve_pb2.TokenLogprob] = field(default_factory=list)  # echo: one per prompt token
 
 
 def usage(finals: Sequence[pdserve_pb2.Final | None], n: int = 1) -> dict:
@@ -185,15 +187,19 @@ def _top(alternatives: Sequence[pdserve_pb2.TopLogprob]) -> dict[str, float]:
     return out
 
 
-def completion_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob], offset: int = 0) -> dict:
+def completion_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob], offset: int = 0,
+                        prompt: Sequence[pdserve_pb2.TokenLogprob] = ()) -> dict:
     """The completions API's ``logprobs`` object; ``text_offset`` counts from ``offset`` (the length
-    of the choice's text before these tokens)."""
-    offsets = []
-    for lp in logprobs:
+    of the choice's text before these tokens). ``prompt`` (``echo``): the prompt's tokens first, the first one's
+    logprob and alternatives null (nothing comes before it), as OpenAI's and vLLM's echo gives them."""
+    offsets, tokens = [], [*prompt, *logprobs]
+    for lp in tokens:
         offsets.append(offset)
         offset += len(lp.token)
-    return {"tokens": [lp.token for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [_top(lp.top) for lp in logprobs], "text_offset": offsets}
+    return {"tokens": [lp.token for lp in tokens],
+            "token_logprobs": [None if i == 0 and prompt else lp.logprob for i, lp in enumerate(tokens)],
+            "top_logprobs": [None if i == 0 and prompt else _top(lp.top) for i, lp in enumerate(tokens)],
+            "text_offset": offsets}
 
 
 def chat_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob]) -> dict:
@@ -211,11 +217,14 @@ class Reply:
         tool_parser: chat answers are split into content and ``tool_calls`` in this format
             (:mod:`model.tool_calls`; empty: all content); a choice with calls finishes with ``tool_calls``.
         parallel_tool_calls: False keeps a choice's first call only.
+        echo: completions' ``echo``: each prompt's text (in prompt order), which its choices' text starts with
+            (and their log-probabilities with its tokens', when they were asked for); None: no echo.
     """
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1,
-                 logprobs: bool = False, tool_parser: str = "", parallel_tool_calls: bool = True) -> None:
-        self.chat, self.model, self.return_token_ids, self.n = chat, model, return_token_ids, n
+                 logprobs: bool = False, tool_parser: str = "", parallel_tool_calls: bool = True,
+                 echo: list[str] | None = None) -> None:
+        self.chat, self.model, self.return_token_ids, self.n, self.echo = chat, model, return_token_ids, n, echo
         self.logprobs, self.tool_parser, self.parallel_tool_calls = logprobs, tool_parser, parallel_tool_calls
         self._offsets: dict[int, int] = {}  # choice -> text length streamed so far (completions' text_offset)
         self._tools: dict[int, ToolCallStream] = {}   # choice -> its tool call parser (streams)
@@ -231,7 +240,7 @@ class Reply:
         out = []
         for c in choices:
             reason = FINISH_REASON.get(c.final.finish_reason) if c.final is not None else None
-            item: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, 0),
+            item: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, 0, c.prompt_logprobs),
                                     "finish_reason": reason}
             if self.chat and self.tool_parser:
                 content, calls = parse_tool_calls(self.tool_parser, c.text)
@@ -243,7 +252,7 @@ class Reply:
             elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
-                item["text"] = c.text
+                item["text"] = self.echo_text(c.index) + c.text
             if self.return_token_ids:
                 item["token_ids"] = c.token_ids
             out.append(item)
@@ -269,17 +278,19 @@ class Reply:
 
     def chunk(self, index: int, text: str | None, token_ids: Sequence[int] = (),
               final: pdserve_pb2.Final | None = None, role: bool = False,
-              logprobs: Sequence[pdserve_pb2.TokenLogprob] = (), tool_calls: Sequence[dict] = ()) -> dict:
+              logprobs: Sequence[pdserve_pb2.TokenLogprob] = (), tool_calls: Sequence[dict] = (),
+              prompt_logprobs: Sequence[pdserve_pb2.TokenLogprob] = ()) -> dict:
         """A stream chunk of choice ``index``: a text delta (chat: ``role`` opens the message; a
         ``final`` closes the choice with its finish reason, ``tool_calls`` once it has called one), with its
-        tokens' ``logprobs`` and the ``tool_calls`` entries :meth:`stream_text` gave."""
+        tokens' ``logprobs`` (after its echoed prompt's ``prompt_logprobs``) and the ``tool_calls`` entries
+        :meth:`stream_text` gave."""
         reason = FINISH_REASON.get(final.finish_reason) if final is not None else None
         if final is not None and self._called.get(index):
             reason = "tool_calls"
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(text or "")
-        item: dict[str, Any] = {"index": index, "logprobs": self._logprobs(logprobs, offset) if logprobs else None,
-                                "finish_reason": reason}
+        item: dict[str, Any] = {"index": index, "finish_reason": reason,
+                                "logprobs": self._logprobs(logprobs, offset, prompt_logprobs) if logprobs else None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None and (text or not tool_calls):
@@ -298,7 +309,12 @@ class Reply:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
                 "usage": usage(finals, self.n)}
 
-    def _logprobs(self, logprobs: Sequence[pdserve_pb2.TokenLogprob], offset: int) -> dict | None:
+    def echo_text(self, index: int) -> str:
+        """The text choice ``index`` starts with: its prompt's under ``echo``, else nothing."""
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def _logprobs(self, logprobs: Sequence[pdserve_pb2.TokenLogprob], offset: int,
+                  prompt: Sequence[pdserve_pb2.TokenLogprob] = ()) -> dict | None:
         if not self.logprobs:
             return None
-        return chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, offset)
+        return chat_logprobs(logprobs) if self.chat else completion_logprobs(logprobs, offset, prompt)

@@ -110,11 +110,12 @@ async def _pump(index: int, stream: AsyncGenerator[Message, None], queue: asynci
 
 
 def add(choice: Choice, msg: Message) -> None:
-    """Append a message's text, token ids and log-probabilities to ``choice`` (and its ``final``, on
-    the last one)."""
+    """Append a message's text, token ids and log-probabilities (the prompt's, on its first) to ``choice``
+    (and its ``final``, on the last one)."""
     choice.text += msg.text
     choice.token_ids.extend(msg.token_ids)
     choice.logprobs.extend(msg.logprobs)
+    choice.prompt_logprobs.extend(msg.prompt_logprobs)
     if msg.HasField("final"):
         choice.final = msg.final
 
