@@ -44,7 +44,9 @@ from pdserve.decode_worker.request import (
     KVArrived,
     KVFailed,
     TokensEvent,
+    allows,
     check_kv_timeout,
+    constraints,
     histories,
     rows_logprobs,
 )
@@ -55,6 +57,7 @@ from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
+from pdserve.model.structured import Constraint, Grammars
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         self.cfg, self.model_cfg = cfg, model_cfg
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
         self.runner = ModelRunner(model, self.spec)
+        self.grammars = Grammars(cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)   # compiled on demand
         self.pool = BlockPool(cfg.num_blocks)
         self.proposer = make_proposer(cfg, self.runner)
         self.adaptive = AdaptiveSpeculation(cfg.spec_min_acceptance, cfg.spec_ewma_weight, cfg.spec_probe_interval,
@@ -108,7 +112,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
 
     # ---- called from other threads -------------------------------------------------
     def add_request(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    kv_timeout_s: float, emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> list[int]:
+                    kv_timeout_s: float, emit: DecodeEventSink, prior_output_ids: list[int] = (),
+                    constraint: Constraint | None = None) -> list[int]:
         """Pre-allocate the request's blocks and wait for its KV pages (TRANSFERRING), received
         under ``attempt_id``.
 
@@ -116,13 +121,15 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         blocks as the request grows (:mod:`decode_worker.blocks`). A migrated request brings the
         output an earlier decode worker produced (``prior_output_ids``): its pages cover prompt
         plus those tokens, and output indexes, ``max_tokens`` and stop checks continue after them.
+        A structured answer's grammar state (``constraint``, past the prior output) is compiled here when
+        not given (:attr:`grammars`: the server compiles it off its event loop).
 
         Returns:
             The block ids the KV pages (of prompt + prior output) must be written into (the first blocks).
         Raises:
             ValueError: ``kv_timeout_s`` not finite in (0, :data:`MAX_KV_TIMEOUT_S`] (checked before anything
-                is allocated), duplicate attempt id, prompt and max_tokens beyond the context, or prior
-                output that already ends the request.
+                is allocated), duplicate attempt id, prompt and max_tokens beyond the context, prior
+                output that already ends the request, or a structured output schema that does not compile.
             model.kv_cache.NoFreeBlocks: the pool cannot hold the request now (or, for prompt + max_tokens,
                 ever), or preempted requests are waiting for blocks.
             RuntimeError: the KV receiver is closed (the worker is shutting down).
@@ -130,7 +137,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         frees the blocks) before the error propagates.
         """
         check_kv_timeout(kv_timeout_s)
-        req = self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids, RequestState.TRANSFERRING)
+        req = self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids, RequestState.TRANSFERRING,
+                             constraint)
         prompt_blocks = req.block_table[: self.spec.num_blocks_for(req.num_tokens)]
         self._post(req)  # the engine learns of it before any receiver callback can fire
         try:
@@ -143,7 +151,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         return prompt_blocks
 
     def add_local(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                  emit: DecodeEventSink, prior_output_ids: list[int] = ()) -> None:
+                  emit: DecodeEventSink, prior_output_ids: list[int] = (),
+                  constraint: Constraint | None = None) -> None:
         """Admit a request whose prompt (plus ``prior_output_ids``, for a migrated request) this
         worker prefills itself (PREFILLING, no KV transfer); its next token is streamed too. Used in
         process by benchmarks and colocated serving.
@@ -152,11 +161,14 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
             ValueError, NoFreeBlocks: as :meth:`add_request`.
         """
         self._post(self._allocate(attempt_id, prompt_ids, sampling, emit, prior_output_ids,
-                                  RequestState.PREFILLING))  # chunks run in the next steps, mixed with decodes
+                                  RequestState.PREFILLING, constraint))  # chunks run in the next steps
 
     def _allocate(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                  emit: DecodeEventSink, prior_output_ids: list[int], state: RequestState) -> DecodeRequest:
+                  emit: DecodeEventSink, prior_output_ids: list[int], state: RequestState,
+                  constraint: Constraint | None = None) -> DecodeRequest:
         max_ctx = self.model_cfg.max_position_embeddings
+        if sampling.constrained and constraint is None:
+            constraint = self.grammars.constraint(sampling.grammar, prior_output_ids)
         if len(prompt_ids) + sampling.max_tokens > max_ctx:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                              f"exceeds the model's context of {max_ctx} tokens")
@@ -184,7 +196,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
             self._release_id(attempt_id)
             raise
         return DecodeRequest(attempt_id, list(prompt_ids), sampling, stop_ids, max_ctx, table, emit, state,
-                             output_ids=list(prior_output_ids))
+                             output_ids=list(prior_output_ids), constraint=constraint)
 
     def abort(self, attempt_id: str) -> None:
         """End the request (client gone); its blocks are freed by the engine thread. Idempotent."""
@@ -229,7 +241,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
             return
         if not batch:
             return
-        speculate = self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size
+        speculate = self.proposer is not None and len(batch) <= self.cfg.spec_max_batch_size \
+            and not any(r.constraint for r in batch)   # a grammar's mask is taken one token at a time
         new_tokens, new_logprobs = self._speculative_run(batch) if speculate else self._plain_run(batch, multi=True)
         for req, tokens, logprobs in zip(batch, new_tokens, new_logprobs):
             self._append(req, tokens, logprobs)
@@ -256,7 +269,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
                 return rows, [None] * len(batch)
         logits = self.graph.run(steps) if self.graph is not None else self.runner.run(steps)
         self.last_step = (len(batch), sum(r.num_tokens for r in batch), time.monotonic() - started)
-        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch], histories(batch))
+        tokens = sample(logits, [r.sampling for r in batch], [len(r.output_ids) for r in batch], histories(batch),
+                        constraints(batch))
         return [[t] for t in tokens], rows_logprobs(logits, batch, tokens)
 
     def _speculative_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
@@ -327,11 +341,12 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
             return  # already finished (e.g. aborted, then a late callback)
         if isinstance(msg, KVArrived) and req.state is RequestState.TRANSFERRING:
             vocab = self.model_cfg.vocab_size
-            if 0 <= msg.first_token < vocab:  # sampled by the prefill worker (index len(prior output))
+            if 0 <= msg.first_token < vocab and allows(req, msg.first_token):  # sampled by the prefill worker
                 self._start_decoding(req, msg.first_token)
             else:  # a bad sender must not fail the whole batch at the next step
                 self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: first token "
-                                             f"{msg.first_token} outside the vocabulary [0, {vocab})"))
+                                             f"{msg.first_token} outside the vocabulary [0, {vocab}) or the "
+                                             "answer's grammar"))
         elif isinstance(msg, KVFailed):
             self._retire(req, ErrorEvent(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {msg.reason}"))
         elif isinstance(msg, AbortRequest):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.decode_worker.request import DecodeRequest, TokensEvent, histories, rows_logprobs
+from pdserve.decode_worker.request import DecodeRequest, TokensEvent, constraints, histories, rows_logprobs
 from pdserve.model.runner import StepInput
 from pdserve.model.sampling import prompt_logprobs, sample
 
@@ -37,13 +37,14 @@ class LocalPrefill:
                              r.block_table) for r, n in chunks]  # output_ids: a migrated request's prior output
         logits = self._forward(inputs, batch, chunks)
         tokens = sample(logits[:len(batch)], [r.sampling for r in batch], [len(r.output_ids) for r in batch],
-                        histories(batch))
+                        histories(batch), constraints(batch))
         for req, token, logprobs in zip(batch, tokens, rows_logprobs(logits[:len(batch)], batch, tokens)):
             self._append(req, [token], logprobs)
         for row, (req, n) in enumerate(chunks, start=len(batch)):
             req.num_computed += n
             if req.num_computed == req.num_tokens:
-                first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)], histories([req]))[0]
+                first = sample(logits[row:row + 1], [req.sampling], [len(req.output_ids)], histories([req]),
+                               constraints([req]))[0]
                 prompt = [req.prompt_logprobs[p] for p in sorted(req.prompt_logprobs)] if not req.output_ids else []
                 req.emit(TokensEvent([first], rows_logprobs(logits[row:row + 1], [req], [first])[0], prompt))
                 self._start_decoding(req, first)

@@ -37,9 +37,9 @@ draws, a few milliseconds, the budget keeps that loss under a step of a model wh
 
 def eligible(req: DecodeRequest) -> bool:
     """Whether ``req``'s next tokens can be picked inside the C loop (greedy, or sampled without a top-p cut;
-    no logprobs, no logit bias or penalties: those change each step's logits by the tokens before it)."""
+    no logprobs, no logit bias, penalties or grammar: those change each step's logits by the tokens before it)."""
     p = req.sampling
-    return p.logprobs is None and not p.penalized and (p.temperature == 0 or log_space(p))
+    return p.logprobs is None and not p.penalized and not p.constrained and (p.temperature == 0 or log_space(p))
 
 
 def plan_steps(cfg: DecodeWorkerConfig, batch: list[DecodeRequest], last_step: tuple[int, int, float],

@@ -34,6 +34,7 @@ from pdserve.cluster.args import check_seconds
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.model.sampling import History, SamplingParams, TokenLogprobs, token_logprobs
+from pdserve.model.structured import Constraint
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class DecodeRequest:
     allocated_at: float = field(default_factory=time.monotonic)
     kv_ready_at: float = 0.0
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # prompt position -> its (local prefill)
+    constraint: Constraint | None = None  # a structured answer's grammar state, past every output token so far
 
     @functools.cached_property
     def prompt_distinct(self) -> torch.Tensor:
@@ -119,6 +121,24 @@ def rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list
         for i, lp in zip(rows, lps):
             out[i] = [lp]
     return out
+
+
+def constraints(batch: list[DecodeRequest]) -> list[Constraint | None] | None:
+    """Each request's grammar state (:func:`model.sampling.sample`'s ``constraints``); None when no request of
+    ``batch`` has one."""
+    return [r.constraint for r in batch] if any(r.constraint for r in batch) else None
+
+
+def allows(req: DecodeRequest, token: int) -> bool:
+    """Take ``token`` (sampled for ``req`` elsewhere: a prefill worker's first token) into its grammar state;
+    False, taking nothing, when its grammar does not allow it (always True without a grammar)."""
+    if req.constraint is None:
+        return True
+    try:
+        req.constraint.accept(token)
+    except ValueError:
+        return False
+    return True
 
 
 def histories(batch: list[DecodeRequest]) -> list[History]:

@@ -118,12 +118,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this decode worker does not prefill (not colocated)")
         try:
+            constraint = await asyncio.to_thread(self.engine.grammars.constraint, req.sampling.grammar,
+                                                 req.prior_output_ids) if req.sampling.constrained else None
             if req.local_prefill:
-                self.engine.add_local(attempt_id, req.prompt_ids, req.sampling, emit, req.prior_output_ids)
+                self.engine.add_local(attempt_id, req.prompt_ids, req.sampling, emit, req.prior_output_ids,
+                                      constraint)
                 blocks = []
             else:
                 blocks = self.engine.add_request(attempt_id, req.prompt_ids, req.sampling, req.kv_timeout_s, emit,
-                                                 req.prior_output_ids)
+                                                 req.prior_output_ids, constraint)
         except NoFreeBlocks as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:

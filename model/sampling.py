@@ -17,6 +17,7 @@ import torch
 
 from pdserve.kernels.cpu.fused import argmax_rows, vectorized
 from pdserve.model.penalties import check_penalties, penalize_rows_
+from pdserve.model.structured import Constraint
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
@@ -54,6 +55,9 @@ class SamplingParams:
         prompt_logprobs: None computes none; k >= 0 returns each prompt token's log-probability given the
             tokens before it, with the k most likely tokens there (:func:`prompt_logprobs`), at most
             :data:`MAX_LOGPROBS`; the worker that prefills such a prompt runs all of it (no prefix cache).
+        grammar: structured output, ``("json_object", "")`` or ``("json_schema", schema text)``
+            (:mod:`model.structured`): each token is sampled from those the grammar allows next; not with
+            ``ignore_eos`` or ``min_tokens`` (the grammar's end allows only stop tokens).
     """
 
     temperature: float = 1.0
@@ -70,6 +74,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -89,6 +94,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.grammar is not None:
+            if self.grammar[0] not in ("json_object", "json_schema"):
+                raise ValueError(f"unknown structured output kind {self.grammar[0]!r}")
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("structured output cannot be combined with ignore_eos or min_tokens (a grammar "
+                                 "ends its answer with a stop token)")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(self.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -102,6 +113,12 @@ class SamplingParams:
         request's :data:`History` (:func:`sample`'s ``histories``)."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
             or self.repetition_penalty != 1 or self.min_tokens > 0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar holds the answer (:attr:`grammar`): each token then needs the request's
+        :class:`model.structured.Constraint`, one step at a time."""
+        return self.grammar is not None
 
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """Every token id that ends this request."""
@@ -199,7 +216,8 @@ end it (:meth:`SamplingParams.stop_ids`)."""
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: list[int],
-           histories: Sequence[History | None] | None = None) -> list[int]:
+           histories: Sequence[History | None] | None = None,
+           constraints: Sequence[Constraint | None] | None = None) -> list[int]:
     """Pick one token per row.
 
     Args:
@@ -208,6 +226,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
         output_indexes: each row's index among its request's output tokens (0 = first token).
         histories: each row's :data:`History`, needed by the rows whose parameters are
             :attr:`~SamplingParams.penalized` (their logits pass :func:`model.penalties.penalize` first).
+        constraints: each row's grammar state (:class:`model.structured.Constraint`) or None: a row's logits
+            are masked to the tokens its grammar allows next (after the penalties), and the picked token is
+            accepted into it.
     Returns:
         ``B`` token ids.
     Raises:
@@ -220,9 +241,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
         penalized = penalized_rows(logits, rows, params, histories)
         for i, (row, token) in enumerate(zip(rows, greedy(penalized).tolist())):
             tokens[row], changed[row] = token, penalized[i]
+    for row, c in enumerate(constraints or ()):
+        if c is not None:
+            changed[row] = c.mask(changed.get(row, logits[row]))
+            tokens[row] = int(changed[row].argmax())
     for row, (p, index) in enumerate(zip(params, output_indexes)):
         if p.temperature != 0:
             tokens[row] = sample_one(changed.get(row, logits[row]), p, index)
+    for row, c in enumerate(constraints or ()):
+        if c is not None:
+            c.accept(tokens[row])
     return tokens
 
 

@@ -12,6 +12,10 @@ answer's content and calls are exactly the whole answer's, wherever the text was
 soon as it cannot be the start of a call: hermes holds back only a tail that may begin ``<tool_call>``;
 llama3_json decides at the answer's first non-blank character (``{`` or ``[``: calls, held to the end).
 
+With ``tool_choice`` ``required`` or a named function the answer is held to calls by a grammar
+(:func:`forced_calls_schema`, :mod:`model.structured`), whatever the model's own format, as vLLM forces them;
+:class:`ForcedCallsStream` reads that answer.
+
 What is not a well-formed call stays content, word for word: a ``<tool_call>`` block whose body is not a JSON
 object with a string ``name`` (and ``arguments`` an object, or JSON text of one), one never closed, or a
 llama3_json answer that does not parse whole. Blank text right after a call is dropped (the newline between
@@ -199,15 +203,58 @@ def _json_calls(text: str, argument_keys: tuple[str, ...]) -> list[ToolCall] | N
             calls.append(call)
 
 
+class ForcedCallsStream:
+    """An answer a grammar held to calls (``tool_choice`` ``required`` or a named function, see
+    :func:`forced_calls_schema`): held whole, read at the end; text that does not parse (an answer cut short
+    by ``max_tokens``) stays content."""
+
+    def __init__(self, function: str | None) -> None:
+        self._function, self._buf = function, ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buf += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self._buf = self._buf, ""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []
+        if self._function is not None:      # the answer is the named function's arguments
+            return ("", [ToolCall(self._function, json.dumps(value, ensure_ascii=False))]) if isinstance(
+                value, dict) else (text, [])
+        calls = [call_of(item, ("parameters",)) for item in value] if isinstance(value, list) else [None]
+        return ("", calls) if calls and None not in calls else (text, [])   # type: ignore[return-value]
+
+
+def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool = True) -> dict:
+    """The JSON Schema that holds an answer to calls of ``tools`` (OpenAI ``tools`` entries), as vLLM forces
+    them: for a named ``function``, its ``parameters`` object (any object when it has none); for
+    ``required``, an array of at least one (exactly one unless ``parallel``) ``{"name", "parameters"}``
+    object, each a tool's name with its parameters."""
+    def params(tool: dict) -> dict:
+        return tool["function"].get("parameters") or {"type": "object"}
+    if function is not None:
+        return params(next(t for t in tools if t["function"]["name"] == function))
+    one = [{"type": "object", "properties": {"name": {"enum": [t["function"]["name"]]}, "parameters": params(t)},
+            "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": one}}
+
+
 STREAMS = {"hermes": HermesStream, "llama3_json": Llama3JsonStream}
+FORCED = "forced"   # tool_call_stream's mode of an answer a grammar held to calls: "forced" or "forced:<name>"
 
 
 def tool_call_stream(parser: str) -> ToolCallStream:
-    """A fresh stream parser of the format ``parser`` (one of :data:`TOOL_CALL_PARSERS`).
+    """A fresh stream parser of the format ``parser`` (one of :data:`TOOL_CALL_PARSERS`, or ``forced`` /
+    ``forced:<function>`` for answers held to calls: :class:`ForcedCallsStream`).
 
     Raises:
         ValueError: an unknown parser name.
     """
+    if parser == FORCED or parser.startswith(FORCED + ":"):
+        return ForcedCallsStream(parser.partition(":")[2] or None)
     if parser not in STREAMS:
         raise ValueError(f"unknown tool call parser {parser!r}: one of {', '.join(TOOL_CALL_PARSERS)}")
     return STREAMS[parser]()

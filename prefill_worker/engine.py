@@ -34,6 +34,7 @@ from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import prompt_logprobs, sample, token_logprobs
+from pdserve.model.structured import Grammars
 from pdserve.prefill_worker.blocks import BlockSource, PlainBlocks
 from pdserve.prefill_worker.config import PrefillWorkerConfig
 from pdserve.prefill_worker.prefix_cache import PrefixCache, PrefixMatch
@@ -55,6 +56,7 @@ class PrefillEngine:
             raise ValueError(f"num_blocks={cfg.num_blocks} cannot hold one prompt of the model's "
                              f"{model_cfg.max_position_embeddings}-token context")
         self.runner = ModelRunner(model, self.spec)
+        self.grammars = Grammars(cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)   # compiled on demand
         self.pool = BlockPool(cfg.num_blocks)
         self.blocks: BlockSource = (PrefixCache(self.pool, cfg.block_size, on_kv_event) if cfg.prefix_cache
                                     else PlainBlocks(self.pool))
@@ -73,8 +75,11 @@ class PrefillEngine:
         """Queue a prompt.
 
         Raises:
-            ValueError: duplicate attempt id, or a destination block table that does not fit the prompt.
+            ValueError: duplicate attempt id, a destination block table that does not fit the prompt, or a
+                structured output schema that does not compile.
         """
+        if req.sampling.constrained and req.constraint is None:   # in process; the server compiles it off its loop
+            req.constraint = self.grammars.constraint(req.sampling.grammar, req.history(())[1])
         need = self.spec.num_blocks_for(len(req.token_ids))
         if len(req.dst_block_ids) != need:
             raise ValueError(f"{len(req.dst_block_ids)} destination blocks for a {len(req.token_ids)}-token "
@@ -142,7 +147,8 @@ class PrefillEngine:
         done = [(i, r) for i, (r, n) in enumerate(chunks) if n == r.num_remaining]
         eos = self.model_cfg.eos_token_ids
         firsts = sample(logits[[i for i, _ in done]], [r.sampling for _, r in done],
-                        [r.first_output_index for _, r in done], [r.history(eos) for _, r in done]) if done else []
+                        [r.first_output_index for _, r in done], [r.history(eos) for _, r in done],
+                        [r.constraint for _, r in done]) if done else []
         wants = [(i, r, t) for (i, r), t in zip(done, firsts) if r.sampling.logprobs is not None]
         if wants:  # only requests that ask pay for the log-softmax
             for (_, r, _), lp in zip(wants, token_logprobs(logits[[i for i, _, _ in wants]], [t for _, _, t in wants],

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pdserve.cluster.lifecycle import RequestState
 from pdserve.kvtransfer import KVChannel
 from pdserve.model.sampling import SamplingParams, TokenLogprobs
+from pdserve.model.structured import Constraint
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class PrefillRequest:
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None  # when sampling.logprobs is set (router-bound, not sent over KV)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # tokens 1.. when sampling.prompt_logprobs
+    constraint: Constraint | None = None  # a structured answer's grammar state (past any prior output)
     error: str = ""                    # set by the sender when the transfer failed
     channel: KVChannel | None = None   # its sender lane only
     arrived_at: float = field(default_factory=time.monotonic)

@@ -158,6 +158,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         req = PrefillRequest(attempt_id, checked.token_ids, checked.sampling, checked.dst_kv_address,
                              checked.dst_block_ids, on_done, first_output_index=checked.first_output_index)
         try:
+            if req.sampling.constrained:   # the grammar past a migrated request's prior output, compiled off the loop
+                req.constraint = await asyncio.to_thread(self.engine.grammars.constraint, req.sampling.grammar,
+                                                         req.history(())[1])
             self.engine.add_request(req)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -18,7 +18,8 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
         return_logprobs=p.logprobs is not None, num_top_logprobs=p.logprobs or 0,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
-        return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0)
+        return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0,
+        structured_output=grammar_to_wire(p.grammar))
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -29,7 +30,26 @@ def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
         presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
         repetition_penalty=m.repetition_penalty or 1.0,        # unset on the wire: off
         logit_bias=tuple(sorted(m.logit_bias.items())), min_tokens=m.min_tokens,
-        prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None)
+        prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None,
+        grammar=grammar_from_wire(m.structured_output))
+
+
+def grammar_to_wire(grammar: tuple[str, str] | None) -> pdserve_pb2.StructuredOutput | None:
+    """``SamplingParams.grammar`` as the wire's ``StructuredOutput`` (None: unset)."""
+    if grammar is None:
+        return None
+    if grammar[0] == "json_object":
+        return pdserve_pb2.StructuredOutput(json_object=True)
+    return pdserve_pb2.StructuredOutput(json_schema=grammar[1])
+
+
+def grammar_from_wire(m: pdserve_pb2.StructuredOutput) -> tuple[str, str] | None:
+    """A ``StructuredOutput`` as ``SamplingParams.grammar``: ``("json_object", "")``, ``("json_schema", text)``
+    or None (unset, or ``json_object`` false)."""
+    kind = m.WhichOneof("grammar")
+    if kind == "json_schema":
+        return "json_schema", m.json_schema
+    return ("json_object", "") if kind == "json_object" and m.json_object else None
 
 
 def logprobs_to_wire(lp: TokenLogprobs) -> worker_pb2.TokenLogprobs:

@@ -9,6 +9,7 @@ tokenized, and a token-id prompt longer than the context before its ids are chec
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import unicodedata
@@ -23,6 +24,7 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
+from pdserve.proto.convert import grammar_from_wire
 from pdserve.router.slo import Slo
 from pdserve.router.stop_strings import check_stop_strings
 
@@ -107,7 +109,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary or more than
             :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs or prompt_logprobs outside
             [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters,
-            penalties or logit_bias out of range: :func:`model.penalties.check_penalties`); SLOs not
+            penalties or logit_bias out of range: :func:`model.penalties.check_penalties`; a structured output
+            schema that is not a JSON object, or with ignore_eos or min_tokens); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
@@ -155,7 +158,10 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         logit_bias=tuple(sorted(s.logit_bias.items())),
         min_tokens=s.min_tokens,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        grammar=grammar_from_wire(s.structured_output),
     )
+    if sampling.grammar is not None and sampling.grammar[0] == "json_schema":
+        check_json_schema(sampling.grammar[1])
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
@@ -180,3 +186,18 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
     return ValidRequest(request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
                         stop, n)
+
+
+def check_json_schema(text: str) -> None:
+    """Refuse a structured output schema that is not JSON text of an object (the workers compile it, and
+    refuse what xgrammar cannot take).
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"structured_output.json_schema is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("structured_output.json_schema must be a JSON object (a JSON Schema)")

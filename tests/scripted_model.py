@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Tokenizer
 
 from pdserve.deploy.config import EMBEDDED_MODEL
@@ -79,4 +79,30 @@ def _weights(cfg: dict, chain: list[int]) -> dict[str, torch.Tensor]:
     out.update({"model.embed_tokens.weight": embed, "lm_head.weight": head, "model.norm.weight": torch.ones(hidden),
                 f"{p}input_layernorm.weight": torch.ones(hidden),
                 f"{p}post_attention_layernorm.weight": torch.ones(hidden)})
+    return out
+
+
+JSON_TOKENS = ["{", "}", "[", "]", "true", "false", "null"]
+
+
+def json_capable_model(out: Path, template: str | None = None) -> Path:
+    """Write to ``out`` the embedded TinyStories model with the tokens JSON needs and its vocabulary lacks
+    (``JSON_TOKENS``, added tokens) and their embeddings (seeded, the size of the others), so that grammars of
+    JSON can be served with a trained model; ``template``: a chat template for it. Returns ``out``."""
+    shutil.copytree(EMBEDDED_MODEL, out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    base = tok.get_vocab_size()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in JSON_TOKENS])
+    tok.save(str(out / "tokenizer.json"))
+    cfg = json.loads((out / "config.json").read_text())
+    weights = load_file(str(out / "model.safetensors"))
+    head = weights["lm_head.weight"]                     # tied: the embeddings too
+    vocab = -(-(base + len(JSON_TOKENS)) // 64) * 64
+    extra = torch.randn(vocab - head.shape[0], head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std()
+    weights["lm_head.weight"] = torch.cat([head, extra.to(head.dtype)])
+    save_file(weights, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**cfg, "vocab_size": vocab}, indent=2))
+    if template is not None:
+        tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": template}, indent=2))
     return out

@@ -161,7 +161,6 @@ def test_disconnect_mid_stream_frees_every_block(http_cluster, api):
 
 REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("chat", "top_logprobs", 2),  # without `logprobs`: true
-    ("chat", "response_format", {"type": "json_object"}),
     ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
     ("completions", "best_of", 2), ("completions", "suffix", "!"),
     ("completions", "presence", 1), ("chat", "min_p", 0.1), ("completions", "stream_options",

@@ -97,9 +97,8 @@ def test_past_calls_and_results_are_rendered_for_the_model(api, tools_cluster, s
 
 
 REFUSED = [  # (body fields, param named, words in the message)
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice", "constrained decoding"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "constrained decoding"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
+     "not among `tools`"),
     ({"tool_choice": "auto"}, "tool_choice", "needs `tools`"),
     ({"tool_choice": "sometimes"}, "tool_choice", '"none", "auto", "required"'),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "pattern"),

@@ -13,6 +13,7 @@ choice's text), chat ``{"content": [{"token", "logprob", "bytes", "top_logprobs"
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -20,10 +21,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.model.tool_calls import TOOL_CALL_PARSERS, ToolCall, ToolCallStream, parse_tool_calls, tool_call_stream
+from pdserve.model.tool_calls import (
+    FORCED,
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    ToolCallStream,
+    forced_calls_schema,
+    parse_tool_calls,
+    tool_call_stream,
+)
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.errors import ApiError
-from pdserve.router.http.schemas import INT64, ChatCompletionRequest, SamplingBody
+from pdserve.router.http.schemas import INT64, ChatCompletionRequest, ResponseFormat, SamplingBody
 
 FINISH_REASON = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -35,7 +44,6 @@ UNSUPPORTED = {
     "suffix": ((None, ""), "`suffix`"),
     "functions": ((None, []), "`functions`"),
     "function_call": ((None, "none"), "`function_call`"),
-    "response_format": ((None, {"type": "text"}), "`response_format` other than text"),
 }
 
 
@@ -65,15 +73,16 @@ def check_supported(body: SamplingBody) -> None:
 
 
 def tool_parser_for(body: ChatCompletionRequest, parser: str) -> str:
-    """The tool call format ``body``'s answer is parsed in: ``parser`` (the router's ``--tool-call-parser``)
-    when the request lets the model call its tools (``tool_choice`` ``auto``, the default with ``tools``),
-    else "" (``none``, or no tools: the answer is all content, the tools still shown to the model, as vLLM
-    shows them).
+    """How ``body``'s answer is read for tool calls (:func:`model.tool_calls.tool_call_stream`'s mode): ``parser``
+    (the router's ``--tool-call-parser``) when the request lets the model call its tools (``tool_choice`` ``auto``,
+    the default with ``tools``); ``forced`` for ``required`` and ``forced:<name>`` for a named function, whose
+    answers a grammar holds to calls (:func:`generate_request`), as vLLM forces them, with no parser needed; ""
+    for ``none`` or no tools (the answer is all content, the tools still shown to the model, as vLLM shows them).
 
     Raises:
-        ApiError: 400 for a ``tool_choice`` other than ``none`` without ``tools``; for ``required`` or a named
-            function (they need constrained decoding, which the router does not do); for ``auto`` on a router
-            started without a tool call parser.
+        ApiError: 400 for a ``tool_choice`` other than ``none`` without ``tools``; a named function that is not
+            among them; ``required`` or a named function with a ``response_format`` (both hold the answer);
+            ``auto`` on a router started without a tool call parser.
     """
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
     if choice == "none":
@@ -81,8 +90,15 @@ def tool_parser_for(body: ChatCompletionRequest, parser: str) -> str:
     if not body.tools:
         raise ApiError(400, "`tool_choice` other than none needs `tools`", param="tool_choice")
     if choice != "auto":
-        raise ApiError(400, "not supported: `tool_choice` required or a named function (they need constrained "
-                            "decoding); use auto", param="tool_choice", code="unsupported_parameter")
+        if body.response_format is not None and body.response_format.type != "text":
+            raise ApiError(400, "`tool_choice` required or a named function holds the answer to tool calls: "
+                                "give no `response_format` with it", param="tool_choice")
+        if choice == "required":
+            return FORCED
+        if choice.function.name not in {t.function.name for t in body.tools}:
+            raise ApiError(400, f"`tool_choice` names {choice.function.name!r}, which is not among `tools`",
+                           param="tool_choice")
+        return f"{FORCED}:{choice.function.name}"
     if not parser:
         raise ApiError(400, "`tool_choice` auto (the default with `tools`) needs the router started with "
                             f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})", param="tool_choice")
@@ -114,6 +130,12 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
         s.logit_bias[token_id] = bias
     if body.stop:
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.response_format is not None and body.response_format.type != "text":
+        s.structured_output.CopyFrom(_structured_output(body.response_format))
+    if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none", "auto"):
+        named = None if body.tool_choice == "required" else body.tool_choice.function.name
+        s.structured_output.json_schema = json.dumps(forced_calls_schema(
+            [t.model_dump(exclude_unset=True) for t in body.tools], named, body.parallel_tool_calls is not False))
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs:
             s.logprobs = body.top_logprobs or 0
@@ -132,6 +154,20 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def _structured_output(fmt: ResponseFormat) -> pdserve_pb2.StructuredOutput:
+    """``response_format`` ``json_object`` or ``json_schema`` as the router's ``StructuredOutput``.
+
+    Raises:
+        ApiError: 400 for ``json_schema`` without its ``json_schema.schema``.
+    """
+    if fmt.type == "json_object":
+        return pdserve_pb2.StructuredOutput(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ApiError(400, "`response_format` json_schema needs `json_schema.schema` (a JSON Schema object)",
+                       param="response_format")
+    return pdserve_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
 
 
 def _token_id(key: str) -> int:
@@ -248,7 +284,7 @@ class Reply:
                 item["message"] = {"role": "assistant", "content": content or (None if calls else "")}
                 if calls:
                     item["message"]["tool_calls"] = [call.as_openai() for call in calls]
-                    item["finish_reason"] = "tool_calls"
+                    item["finish_reason"] = self._called_reason(reason)
             elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
@@ -272,6 +308,11 @@ class Reply:
         return content, [self._call_delta(index, call) for call in calls if self.parallel_tool_calls
                          or not self._called.get(index)]
 
+    def _called_reason(self, reason: str | None) -> str | None:
+        """A choice's finish reason once it has called a tool: ``tool_calls``, but ``stop`` for a function
+        ``tool_choice`` named (OpenAI's), where the model had no choice."""
+        return reason if self.tool_parser.startswith(FORCED + ":") else "tool_calls"
+
     def _call_delta(self, index: int, call: ToolCall) -> dict:
         k = self._called[index] = self._called.get(index, 0) + 1
         return call.as_openai(k - 1)
@@ -286,7 +327,7 @@ class Reply:
         :meth:`stream_text` gave."""
         reason = FINISH_REASON.get(final.finish_reason) if final is not None else None
         if final is not None and self._called.get(index):
-            reason = "tool_calls"
+            reason = self._called_reason(reason)
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(text or "")
         item: dict[str, Any] = {"index": index, "finish_reason": reason,

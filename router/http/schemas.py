@@ -90,6 +90,22 @@ class _UnicodeBody(_Strict):
         return data
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the answer must match ``schema`` (a JSON Schema object)."""
+
+    name: str
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
@@ -116,6 +132,8 @@ class SamplingBody(_UnicodeBody):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: Int32 | None = None
+    # structured output (model/structured.py): OpenAI's response_format, on completions too as in vLLM
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingBody):
@@ -198,7 +216,6 @@ class ChatCompletionRequest(SamplingBody):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
 
 
 class TokenizeRequest(_UnicodeBody):

@@ -1,0 +1,132 @@
+"""Structured output: sampling held to a grammar, JSON (any object) or JSON that matches a JSON Schema, by
+masking at each step the tokens the grammar does not allow next, with xgrammar (Dong et al., "XGrammar",
+MLSys 2025), vLLM's default structured-output backend::
+
+    spec ("json_schema", schema text) ──Grammars.compile──► compiled grammar (cached per spec)
+    compiled ──Constraint──► per request: mask(logits row) before sampling, accept(token) after
+
+A grammar's end allows only the model's stop tokens (its EOS), so a constrained answer ends when its JSON is
+complete. The grammar is compiled against the checkpoint's ``tokenizer.json`` as the serving path reads it
+(added tokens included; xgrammar tells byte-level from SentencePiece byte-fallback vocabularies by it) over
+the model's ``vocab_size`` logits. xgrammar and ``transformers`` are imported on first use (about 3 s), so a
+worker that never sees a constrained request never loads them.
+
+JSON Schemas compile without extra whitespace between tokens (xgrammar's ``any_whitespace=False``): a model
+cannot pad its answer with spaces until ``max_tokens``; JSON objects (``json_object``) allow it as JSON does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.model.tokenizer import load_hf_tokenizer
+
+KINDS = ("json_object", "json_schema")
+CACHE_SIZE = 64   # compiled grammars kept per process (least recently used dropped)
+
+Spec = tuple[str, str]
+"""``(kind, text)``: ``("json_object", "")`` or ``("json_schema", the schema as JSON text)``."""
+
+
+class Grammars:
+    """The grammars of one checkpoint: compiled on demand against its tokenizer, cached. Thread-safe.
+
+    Args:
+        model_dir: the checkpoint directory (its tokenizer files).
+        vocab_size: the model's logits per row (may exceed the tokenizer's vocabulary).
+        stop_token_ids: the tokens that end an answer (the model's EOS tokens).
+    """
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.model_dir, self.vocab_size, self.stop_token_ids = str(model_dir), vocab_size, list(stop_token_ids)
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._cache: OrderedDict[Spec, Any] = OrderedDict()
+
+    def compile(self, spec: Spec) -> Any:
+        """The compiled grammar of ``spec`` (cached).
+
+        Raises:
+            ValueError: an unknown kind, or a schema xgrammar cannot compile (its message).
+        """
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
+            compiler = self._compiler = self._compiler or self._new_compiler()
+            kind, text = spec
+            try:
+                if kind == "json_object":
+                    compiled = compiler.compile_builtin_json_grammar()
+                elif kind == "json_schema":
+                    compiled = compiler.compile_json_schema(text, any_whitespace=False)
+                else:
+                    raise ValueError(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}")
+            except RuntimeError as exc:   # xgrammar's error for a schema it cannot take
+                raise ValueError(f"the JSON schema cannot be compiled: {str(exc).splitlines()[-1].strip()}") from None
+            self._cache[spec] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def constraint(self, spec: Spec, prior: Sequence[int] = ()) -> Constraint:
+        """A fresh :class:`Constraint` for one answer of ``spec``, past the answer's ``prior`` tokens (a
+        migrated request's output so far, or the first token a prefill worker sampled).
+
+        Raises:
+            ValueError: as :meth:`compile`, or a prior token the grammar does not allow.
+        """
+        return Constraint(self.compile(spec), self.vocab_size, prior)
+
+    def _new_compiler(self) -> Any:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        # the checkpoint's tokenizer.json as the serving path reads it (added tokens included), not as
+        # AutoTokenizer may rebuild it from a SentencePiece model
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=load_hf_tokenizer(Path(self.model_dir)))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop_token_ids)
+        return xgr.GrammarCompiler(info, max_threads=1)
+
+
+class Constraint:
+    """One answer's place in its grammar: :meth:`mask` the logits of its next token, :meth:`accept` the token
+    picked. Used by one thread at a time (a worker's engine thread)."""
+
+    def __init__(self, compiled: Any, vocab_size: int, prior: Sequence[int] = ()) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        for token in prior:
+            self.accept(token)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (``[vocab]``, any float dtype) as float32 with every token the grammar does not allow
+        next at -inf (a copy)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        out = logits.detach().float().reshape(1, -1).clone()
+        self._xgr.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
+        return out[0]
+
+    def accept(self, token: int) -> None:
+        """Move past ``token``.
+
+        Raises:
+            ValueError: the grammar does not allow it here.
+        """
+        if not self._matcher.accept_token(int(token)):
+            raise ValueError(f"token {token} is not allowed by the answer's grammar here")
+
+    @property
+    def done(self) -> bool:
+        """Whether the grammar has ended (a stop token was accepted)."""
+        return self._matcher.is_terminated()

@@ -1,0 +1,201 @@
+"""Structured output (model/structured.py): answers held to a JSON Schema by xgrammar's token masks, through a
+prefill worker's first token and a decode worker's steps (and a colocated worker's), token-exact against
+``transformers`` greedy decoding under the same masks; sampled answers always valid; refusals by name; over
+HTTP as OpenAI's ``response_format``."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import openai
+import pytest
+import torch
+
+from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
+from pdserve.model.structured import Grammars
+from pdserve.model.tokenizer import Tokenizer
+from pdserve.proto import pdserve_pb2
+from tests.conftest import CHATML, Cluster
+from tests.scripted_model import JSON_TOKENS, json_capable_model
+
+pytestmark = pytest.mark.timeout(240)
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue", "green"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+PROMPT = "Once upon a time, there was a little dog named Max."
+
+
+def valid(text: str) -> bool:
+    value = json.loads(text)
+    return set(value) == {"ok", "color"} and isinstance(value["ok"], bool) and value["color"] in SCHEMA[
+        "properties"]["color"]["enum"]
+
+
+def run(c: Cluster, req: pdserve_pb2.GenerateRequest) -> client.Completion:
+    return c.run(lambda channel: client.complete(channel, req, timeout_s=60))
+
+
+@pytest.fixture(scope="module")
+def json_dir(tmp_path_factory) -> str:
+    return str(json_capable_model(tmp_path_factory.mktemp("json") / "tinystories-json", CHATML))
+
+
+@pytest.fixture(scope="module")
+def vocab(json_dir) -> int:
+    return json.loads(open(f"{json_dir}/config.json").read())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url, json_dir):
+    c = Cluster(json_dir, redis_url, dtype="float32", router_flags={"http_port": 0})
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(redis_url, json_dir):
+    c = Cluster(json_dir, redis_url, num_prefill=0, num_decode=0)
+    flags = dict(model_dir=json_dir, cluster=c.cluster, redis_url=redis_url, lease_s=2.0, block_size=4,
+                 colocated="true", max_num_batched_tokens=8, dtype="float32")
+    c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
+    c.wait_workers({"b0"})
+    yield c
+    c.stop()
+
+
+def constrained(prompt, schema=SCHEMA, **kw) -> pdserve_pb2.GenerateRequest:
+    req = client.make_request(prompt, **kw)
+    req.sampling.structured_output.json_schema = json.dumps(schema)
+    return req
+
+
+def reference(json_dir: str, vocab: int, prompt: list[int], max_tokens: int) -> list[int]:
+    """``transformers`` greedy decoding with every step's logits masked by the schema's grammar."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(json_dir, dtype=torch.float32).eval()
+    constraint = Grammars(json_dir, vocab, [2]).constraint(("json_schema", json.dumps(SCHEMA)))
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = int(constraint.mask(model(torch.tensor([ids])).logits[0, -1]).argmax())
+            constraint.accept(token)
+            out.append(token)
+            ids.append(token)
+            if token == 2:
+                break
+    return out
+
+
+def test_grammar_masks_hold_sampling_to_the_schema(json_dir, vocab):
+    grammars, tok = Grammars(json_dir, vocab, [2]), Tokenizer(json_dir, 1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):                       # random logits, sampled: every answer valid and ended
+        c, out = grammars.constraint(("json_schema", json.dumps(SCHEMA))), []
+        while not c.done:
+            probs = torch.softmax(c.mask(torch.randn(vocab, generator=gen) * 3), dim=-1)
+            out.append(int(torch.multinomial(probs, 1, generator=gen)))
+            c.accept(out[-1])
+        assert out[-1] == 2 and valid(tok.decode(out[:-1]))
+    allowed = grammars.constraint(("json_object", "")).mask(torch.zeros(vocab)) > -torch.inf
+    brace = tok.encode("{", add_special_tokens=False)
+    assert brace == [2048 + JSON_TOKENS.index("{")] and allowed[brace[0]] and not allowed[tok.encode("a")[-1]]
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        grammars.compile(("json_schema", '{"type": 5}'))
+    with pytest.raises(ValueError, match="not allowed"):
+        grammars.constraint(("json_schema", json.dumps(SCHEMA)), prior=[tok.encode("a")[-1]])
+
+
+def test_greedy_answers_are_token_exact_disaggregated_and_colocated(cluster, colocated, json_dir, vocab):
+    prompt = Tokenizer(json_dir, 1).encode(PROMPT)
+    expected = reference(json_dir, vocab, prompt, 40)
+    assert expected[-1] == 2
+    for c in (cluster, colocated):
+        got = run(c, constrained(prompt, max_tokens=40, temperature=0))
+        assert got.token_ids == expected and got.final.finish_reason == pdserve_pb2.FINISH_REASON_STOP
+        assert valid(got.text)
+        c.assert_pools_free()
+
+
+def test_sampled_answers_are_valid(cluster):
+    async def all_at_once(channel):
+        import asyncio
+        return await asyncio.gather(*[client.complete(channel, constrained(PROMPT, max_tokens=60, temperature=1.0,
+                                                                           seed=seed), timeout_s=60)
+                                      for seed in range(6)])
+    for got in cluster.run(all_at_once):
+        assert got.final.finish_reason == pdserve_pb2.FINISH_REASON_STOP and valid(got.text)
+    cluster.assert_pools_free()
+
+
+@pytest.mark.parametrize("schema, extra, words", [
+    ({"type": 5}, {}, "cannot be compiled"),
+    (SCHEMA, {"ignore_eos": True}, "ignore_eos or min_tokens"),
+    (SCHEMA, {"min_tokens": 2}, "ignore_eos or min_tokens"),
+])
+def test_refused_as_invalid_argument(cluster, schema, extra, words):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        run(cluster, constrained(PROMPT, schema, max_tokens=8, **extra))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
+    req = client.make_request(PROMPT)
+    req.sampling.structured_output.json_schema = "[1, 2"
+    with pytest.raises(grpc.aio.AioRpcError, match="not JSON"):
+        run(cluster, req)
+    cluster.assert_pools_free()
+
+
+def test_response_format_over_http(cluster):
+    api = openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="unused", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    got = api.chat.completions.create(model="tinystories-json", messages=[{"role": "user", "content": PROMPT}],
+                                      response_format=fmt, max_tokens=60, temperature=0.7, seed=3)
+    assert got.choices[0].finish_reason == "stop" and valid(got.choices[0].message.content)
+    streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model="tinystories-json", messages=[{"role": "user", "content": PROMPT}], response_format=fmt, max_tokens=60,
+        temperature=0, stream=True) if c.choices)
+    assert valid(streamed)
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        api.completions.create(model="tinystories-json", prompt=PROMPT, max_tokens=8, extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}})
+    with pytest.raises(openai.BadRequestError, match="json_schema.schema"):
+        api.chat.completions.create(model="tinystories-json", messages=[{"role": "user", "content": PROMPT}],
+                                    response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    cluster.assert_pools_free()
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {},
+                                                                       "additionalProperties": False}}}
+
+
+def test_tool_choice_required_and_named_are_held_to_calls(cluster):
+    """No --tool-call-parser on this router: forced calls need none (the grammar writes them as JSON)."""
+    api = openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="unused", max_retries=0)
+    ask = dict(model="tinystories-json", messages=[{"role": "user", "content": PROMPT}], tools=[WEATHER, TIME],
+               max_tokens=80, temperature=0.8)
+    for seed in range(3):
+        got = api.chat.completions.create(tool_choice="required", seed=seed, parallel_tool_calls=False, **ask)
+        assert got.choices[0].message.tool_calls, got.choices[0].message.content
+        [call] = got.choices[0].message.tool_calls
+        assert got.choices[0].finish_reason == "tool_calls" and got.choices[0].message.content is None
+        assert call.function.name in ("weather", "time") and call.id.startswith("call_")
+        args = json.loads(call.function.arguments)
+        assert args in ({"city": "Paris"}, {"city": "Rome"}) if call.function.name == "weather" else args == {}
+        named = api.chat.completions.create(tool_choice={"type": "function", "function": {"name": "weather"}},
+                                            seed=seed, **ask)
+        [call] = named.choices[0].message.tool_calls
+        assert named.choices[0].finish_reason == "stop" and call.function.name == "weather"
+        assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    deltas = [d for c in api.chat.completions.create(tool_choice={"type": "function", "function": {"name": "weather"}},
+                                                     stream=True, **ask) for d in c.choices]
+    calls = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert len(calls) == 1 and calls[0].function.name == "weather" and deltas[-1].finish_reason == "stop"
+    for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+                       ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            api.chat.completions.create(**ask, **bad)
+    cluster.assert_pools_free()
