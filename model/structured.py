@@ -17,6 +17,7 @@ cannot pad its answer with spaces until ``max_tokens``; JSON objects (``json_obj
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,10 +29,28 @@ import torch
 from pdserve.model.tokenizer import load_hf_tokenizer
 
 KINDS = ("json_object", "json_schema")
+MAX_SCHEMA_CHARS = 65_536  # a schema's JSON text at most: every worker compiles it, as every worker reads a prompt
 CACHE_SIZE = 64   # compiled grammars kept per process (least recently used dropped)
 
 Spec = tuple[str, str]
 """``(kind, text)``: ``("json_object", "")`` or ``("json_schema", the schema as JSON text)``."""
+
+
+def check_schema_text(text: str) -> None:
+    """Refuse a schema that is not JSON text of an object, or longer than :data:`MAX_SCHEMA_CHARS` (before
+    xgrammar sees it: its parser recurses on nesting).
+
+    Raises:
+        ValueError: naming the problem.
+    """
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"structured_output.json_schema of {len(text)} characters exceeds {MAX_SCHEMA_CHARS}")
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:   # RecursionError: nested deeper than the parser's stack
+        raise ValueError(f"structured_output.json_schema is not JSON: {type(exc).__name__}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise ValueError("structured_output.json_schema must be a JSON object (a JSON Schema)")
 
 
 class Grammars:
@@ -53,7 +72,8 @@ class Grammars:
         """The compiled grammar of ``spec`` (cached).
 
         Raises:
-            ValueError: an unknown kind, or a schema xgrammar cannot compile (its message).
+            ValueError: an unknown kind, a schema :func:`check_schema_text` refuses, or one xgrammar cannot
+                compile (its message).
         """
         with self._lock:
             if spec in self._cache:
@@ -65,6 +85,7 @@ class Grammars:
                 if kind == "json_object":
                     compiled = compiler.compile_builtin_json_grammar()
                 elif kind == "json_schema":
+                    check_schema_text(text)
                     compiled = compiler.compile_json_schema(text, any_whitespace=False)
                 else:
                     raise ValueError(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}")

@@ -9,7 +9,6 @@ tokenized, and a token-id prompt longer than the context before its ids are chec
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 import unicodedata
@@ -22,6 +21,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from pdserve.cluster.rpc_fields import UNSAFE_CATEGORIES, outside_vocabulary
 from pdserve.model.config import ModelConfig
 from pdserve.model.sampling import SamplingParams
+from pdserve.model.structured import check_schema_text
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import grammar_from_wire
@@ -161,7 +161,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         grammar=grammar_from_wire(s.structured_output),
     )
     if sampling.grammar is not None and sampling.grammar[0] == "json_schema":
-        check_json_schema(sampling.grammar[1])
+        check_schema_text(sampling.grammar[1])
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
@@ -186,18 +186,3 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
     return ValidRequest(request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
                         stop, n)
-
-
-def check_json_schema(text: str) -> None:
-    """Refuse a structured output schema that is not JSON text of an object (the workers compile it, and
-    refuse what xgrammar cannot take).
-
-    Raises:
-        ValueError: naming the problem.
-    """
-    try:
-        schema = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"structured_output.json_schema is not JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise ValueError("structured_output.json_schema must be a JSON object (a JSON Schema)")
