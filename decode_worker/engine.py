@@ -30,7 +30,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.decode_worker.blocks import BlockGrowth, covered, first_blocks, grow, max_positions
+from pdserve.decode_worker.blocks import BlockGrowth, first_blocks, grow, max_positions
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.graph_runner import DEFAULT_BUCKETS, GraphRunner
 from pdserve.decode_worker.local_prefill import LocalPrefill
@@ -47,22 +47,24 @@ from pdserve.decode_worker.request import (
     allows,
     check_kv_timeout,
     constraints,
+    grammar_dead_end,
     histories,
     rows_logprobs,
 )
-from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer, verify
+from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer
+from pdserve.decode_worker.speculative_step import SpeculativeStep
 from pdserve.kvtransfer.select import backend_of_address, make_receiver
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.runner import ModelRunner, StepInput
-from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample, token_logprobs
+from pdserve.model.sampling import SamplingParams, TokenLogprobs, sample
 from pdserve.model.structured import Constraint, Grammars
 
 log = logging.getLogger(__name__)
 
 
-class DecodeEngine(BlockGrowth, LocalPrefill):
+class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
     """Owns the decode worker's model, KV cache, block pool and KV receiver. ``secret``: the cluster
     secret KV senders must prove (None: none)."""
 
@@ -273,42 +275,6 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
                         constraints(batch))
         return [[t] for t in tokens], rows_logprobs(logits, batch, tokens)
 
-    def _speculative_run(self, batch: list[DecodeRequest]) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
-        """Propose, verify all proposals in one forward, keep what the rejection rule accepts. The
-        emitted token ``j`` of a request was chosen at verified position ``j``, so its log-probabilities
-        come from the target's logits there (row ``j``), whether it was an accepted draft, a resampled
-        rejection or the bonus token: the same numbers non-speculative decoding reports. Requests that
-        do not draft this step (:class:`AdaptiveSpeculation`) are plain rows; a step where none drafts
-        is a plain step."""
-        ks = [max(0, min(self.cfg.spec_k, r.sampling.max_tokens - len(r.output_ids) - 1,
-                         r.max_context - r.num_tokens - 1)) for r in batch]
-        if self.adaptive is not None:
-            ks = self.adaptive.plan(batch, ks, self.proposer)
-        for r, k in zip(batch, ks):   # blocks for k drafts where the pool has them; fewer drafts where not
-            if k:
-                grow(self.pool, self.spec, r, r.num_tokens + k)
-        ks = [min(k, covered(self.spec, r) - r.num_tokens) for r, k in zip(batch, ks)]   # never past the blocks
-        if not any(ks):
-            return self._plain_run(batch)
-        proposals = self.proposer.propose(batch, ks)
-        if not any(p.tokens for p in proposals):
-            return self._plain_run(batch)
-        logits = self.runner.run([StepInput([r.output_ids[-1], *p.tokens], r.num_tokens - 1, r.block_table)
-                                  for r, p in zip(batch, proposals)], all_logits=True)
-        rows = logits.split([len(p.tokens) + 1 for p in proposals])
-        out, out_logprobs = [], []
-        for req, prop, req_rows in zip(batch, proposals, rows):
-            tokens = verify(req_rows, prop, req.sampling, len(req.output_ids), histories([req])[0])
-            req.num_draft_tokens += len(prop.tokens)
-            req.num_accepted_tokens += len(tokens) - 1
-            if self.adaptive is not None:
-                self.adaptive.observe(req, len(prop.tokens), len(tokens) - 1)
-            out.append(tokens)
-            k = req.sampling.logprobs
-            out_logprobs.append(None if k is None
-                                else token_logprobs(req_rows[:len(tokens)], tokens, [k] * len(tokens)))
-        return out, out_logprobs
-
     def _append(self, req: DecodeRequest, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         """Add a step's tokens, stopping at the first that ends the request; stream them (with their
         log-probabilities, when the request asks)."""
@@ -364,6 +330,9 @@ class DecodeEngine(BlockGrowth, LocalPrefill):
         self._finish_if_done(req)
 
     def _finish_if_done(self, req: DecodeRequest) -> None:
+        if (error := grammar_dead_end(req)) is not None:   # the client's schema, not the worker, failed
+            self._retire(req, error)
+            return
         reason = req.finish_reason()
         if reason is not None:
             self._retire(req, FinishedEvent(reason, len(req.output_ids), req.kv_ready_at - req.allocated_at,

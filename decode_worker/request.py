@@ -141,6 +141,15 @@ def allows(req: DecodeRequest, token: int) -> bool:
     return True
 
 
+def grammar_dead_end(req: DecodeRequest) -> ErrorEvent | None:
+    """The error that ends ``req`` when its grammar reached a dead end (:attr:`Constraint.dead_end`: its
+    schema cannot be completed), else None."""
+    if req.constraint is None or not req.constraint.dead_end:
+        return None
+    return ErrorEvent(grpc.StatusCode.INVALID_ARGUMENT, f"the structured output grammar allows no token after "
+                      f"{len(req.output_ids) - 1} output tokens: the schema cannot be completed")
+
+
 def histories(batch: list[DecodeRequest]) -> list[History]:
     """Each request's prompt, output so far and stop tokens (:func:`model.sampling.sample`'s ``histories``:
     read only by the rows with ``min_tokens``, a logit bias or penalties)."""

@@ -82,8 +82,8 @@ class Grammars:
             compiler = self._compiler = self._compiler or self._new_compiler()
             kind, text = spec
             try:
-                if kind == "json_object":
-                    compiled = compiler.compile_builtin_json_grammar()
+                if kind == "json_object":   # an object, as OpenAI's json_object (the builtin grammar takes arrays)
+                    compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
                 elif kind == "json_schema":
                     check_schema_text(text)
                     compiled = compiler.compile_json_schema(text, any_whitespace=False)
@@ -103,7 +103,7 @@ class Grammars:
         Raises:
             ValueError: as :meth:`compile`, or a prior token the grammar does not allow.
         """
-        return Constraint(self.compile(spec), self.vocab_size, prior)
+        return Constraint(self.compile(spec), self.vocab_size, prior, self.stop_token_ids)
 
     def _new_compiler(self) -> Any:
         import xgrammar as xgr
@@ -114,40 +114,61 @@ class Grammars:
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=load_hf_tokenizer(Path(self.model_dir)))
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids)
-        return xgr.GrammarCompiler(info, max_threads=1)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)   # cached here, bounded
 
 
 class Constraint:
     """One answer's place in its grammar: :meth:`mask` the logits of its next token, :meth:`accept` the token
-    picked. Used by one thread at a time (a worker's engine thread)."""
+    picked. Used by one thread at a time (a worker's engine thread).
 
-    def __init__(self, compiled: Any, vocab_size: int, prior: Sequence[int] = ()) -> None:
+    A grammar can reach a dead end, a place where no token is allowed (a schema whose strings can never
+    match, e.g. a pattern nothing matches): the mask then allows the stop tokens alone, the answer ends there,
+    and :attr:`dead_end` tells the worker to fail that request (not its batch).
+    """
+
+    def __init__(self, compiled: Any, vocab_size: int, prior: Sequence[int] = (),
+                 stop_token_ids: Sequence[int] = ()) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._stops = [t for t in stop_token_ids if 0 <= t < vocab_size]
+        self.dead_end = False
         for token in prior:
             self.accept(token)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (``[vocab]``, any float dtype) as float32 with every token the grammar does not allow
-        next at -inf (a copy)."""
-        self._matcher.fill_next_token_bitmask(self._bitmask)
+        next at -inf (a copy); at a dead end, every token but the stop tokens."""
         out = logits.detach().float().reshape(1, -1).clone()
+        if self._blocked():
+            keep = out[0, self._stops].clone()
+            out.fill_(-torch.inf)
+            out[0, self._stops] = keep
+            return out[0]
         self._xgr.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
         return out[0]
 
     def accept(self, token: int) -> None:
-        """Move past ``token``.
+        """Move past ``token``; a stop token at a dead end ends the answer there (:attr:`dead_end`).
 
         Raises:
             ValueError: the grammar does not allow it here.
         """
-        if not self._matcher.accept_token(int(token)):
-            raise ValueError(f"token {token} is not allowed by the answer's grammar here")
+        if self._matcher.accept_token(int(token)):
+            return
+        if int(token) in self._stops and self._blocked():
+            self.dead_end = True
+            return
+        raise ValueError(f"token {token} is not allowed by the answer's grammar here")
+
+    def _blocked(self) -> bool:
+        """Fill the bitmask for the next token; whether it allows none."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return not bool(self._bitmask.any())
 
     @property
     def done(self) -> bool:
-        """Whether the grammar has ended (a stop token was accepted)."""
-        return self._matcher.is_terminated()
+        """Whether the answer has ended in its grammar (a stop token accepted, or a dead end)."""
+        return self.dead_end or self._matcher.is_terminated()

@@ -73,7 +73,7 @@ def call_of(obj: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -150,7 +150,7 @@ class HermesStream:
 def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
     try:
         return call_of(json.loads(body), argument_keys)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than the parser's stack
         return None
 
 
@@ -194,7 +194,7 @@ def _json_calls(text: str, argument_keys: tuple[str, ...]) -> list[ToolCall] | N
             return calls or None
         try:
             value, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         for item in value if isinstance(value, list) else [value]:
             call = call_of(item, argument_keys)
@@ -219,7 +219,7 @@ class ForcedCallsStream:
         text, self._buf = self._buf, ""
         try:
             value = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         if self._function is not None:      # the answer is the named function's arguments
             return ("", [ToolCall(self._function, json.dumps(value, ensure_ascii=False))]) if isinstance(

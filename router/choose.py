@@ -262,14 +262,18 @@ async def _allocate(view: ClusterView, worker: WorkerInfo, req: ValidRequest, at
 
     Raises:
         _Refused: no answer within ``stream_idle_timeout_s`` (or ``prefill_timeout_s`` if shorter: the
-            worker answers at once, before any compute), an error status, or no allocation.
+            worker answers at once, before any compute; for a structured answer, whose grammar the worker
+            compiles first, ``prefill_timeout_s``), an error status, or no allocation.
         GenerateError: INVALID_ARGUMENT, the worker refused the request itself.
     """
     call = worker_pb2_grpc.DecodeWorkerStub(view.channel(worker.address)).Generate(worker_pb2.DecodeRequest(
         request_id=attempt_id, prompt_token_ids=req.prompt_ids, sampling=attempt_sampling(req.sampling, progress),
         kv_timeout_s=cfg.kv_timeout_s, local_prefill=role == "both", prior_output_token_ids=progress.generated))
     try:
-        first = await asyncio.wait_for(call.read(), timeout=min(cfg.prefill_timeout_s, cfg.stream_idle_timeout_s))
+        # a structured answer's grammar is compiled before the allocation (seconds, the first time): prefill's bound
+        wait = cfg.prefill_timeout_s if req.sampling.constrained else min(cfg.prefill_timeout_s,
+                                                                          cfg.stream_idle_timeout_s)
+        first = await asyncio.wait_for(call.read(), timeout=wait)
     except grpc.aio.AioRpcError as exc:
         call.cancel()
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -194,12 +194,20 @@ def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
 _TOKEN_TEXTS: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> its text alone (bounded by the vocab)
 
 
-def _prompt_logprobs_of(prompt: list[int], wire) -> list[pdserve_pb2.TokenLogprob]:
-    """The client's prompt log-probabilities from a worker's (one per prompt token after the first): one per
-    prompt token, the first's logprob 0 with no alternatives; none when the worker sent none."""
-    if not wire:
+def _prompt_logprobs_of(req: ValidRequest, progress: Progress, wire, worker_id: str) -> list[pdserve_pb2.TokenLogprob]:
+    """The client's prompt log-probabilities for the request's first message (``progress`` has streamed no token
+    yet, and the request asks): one per prompt token, the first's logprob 0 with no alternatives, the rest from
+    the worker's ``wire`` entries; none for any later message.
+
+    Raises:
+        WorkerFailure: the worker sent another number of entries than the prompt's tokens after the first.
+    """
+    if req.sampling.prompt_logprobs is None or progress.generated:
         return []
-    return [pdserve_pb2.TokenLogprob(token_id=prompt[0])] + _logprobs_of(prompt[1:], list(wire))
+    if len(wire) != len(req.prompt_ids) - 1:
+        raise WorkerFailure({worker_id}, f"worker {worker_id} sent {len(wire)} prompt log-probabilities for a "
+                                         f"{len(req.prompt_ids)}-token prompt")
+    return [pdserve_pb2.TokenLogprob(token_id=req.prompt_ids[0])] + _logprobs_of(req.prompt_ids[1:], list(wire))
 
 
 def _logprobs_of(ids: list[int], wire: list[worker_pb2.TokenLogprobs]) -> list[pdserve_pb2.TokenLogprob]:
@@ -261,13 +269,13 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
         state = RequestState.DECODING
         if progress.cached_tokens is None:
             progress.cached_tokens = answer.num_cached_tokens
+        prompt_logprobs = _prompt_logprobs_of(req, progress, answer.prompt_logprobs, prefill.worker_id)
         progress.generated.append(answer.first_token)
         times.token()
         yield pdserve_pb2.GenerateResponse(
             text=detok.push([answer.first_token]), token_ids=[answer.first_token],
             logprobs=_logprobs_of([answer.first_token], [answer.first_logprobs])
-            if req.sampling.logprobs is not None else (),
-            prompt_logprobs=_prompt_logprobs_of(req.prompt_ids, answer.prompt_logprobs))
+            if req.sampling.logprobs is not None else (), prompt_logprobs=prompt_logprobs)
         watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s)  # D has the KV now
         async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch, decode_read):
             yield msg
@@ -359,6 +367,7 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
     async for event in decode_events(stream, decode, watch, pending):
         if event.WhichOneof("event") == "tokens":
             ids, lps = list(event.tokens.token_ids), list(event.tokens.logprobs)
+            prompt_lps = _prompt_logprobs_of(req, progress, event.tokens.prompt_logprobs, decode.worker_id)
             # a burst that crosses min_tokens goes out as two messages: stop strings are armed for the second
             cut = req.sampling.min_tokens - len(progress.generated)
             for lo, hi in ((0, cut), (cut, len(ids))) if 0 < cut < len(ids) else ((0, len(ids)),):
@@ -367,8 +376,7 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
                 progress.generated.extend(ids[lo:hi])
                 yield pdserve_pb2.GenerateResponse(
                     text=detok.push(ids[lo:hi]), token_ids=ids[lo:hi], logprobs=_logprobs_of(ids[lo:hi], lps[lo:hi]),
-                    prompt_logprobs=_prompt_logprobs_of(req.prompt_ids, event.tokens.prompt_logprobs) if lo == 0
-                    else ())   # a local prefill's, on its first delta
+                    prompt_logprobs=prompt_lps if lo == 0 else ())   # a local prefill's, on its first delta
         elif event.WhichOneof("event") == "finished":
             fin = event.finished
             yield _final(req, times, progress, fin.finish_reason, fin.num_output_tokens, fin)

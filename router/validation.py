@@ -29,6 +29,7 @@ from pdserve.router.slo import Slo
 from pdserve.router.stop_strings import check_stop_strings
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_PROMPT_LOGPROB_ENTRIES = 65_536   # prompt tokens x (alternatives + 1): all go in one message (~40 bytes each)
 MAX_N = 16
 
 
@@ -109,7 +110,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary or more than
             :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs or prompt_logprobs outside
             [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters,
-            penalties or logit_bias out of range: :func:`model.penalties.check_penalties`; a structured output
+            penalties or logit_bias out of range: :func:`model.penalties.check_penalties`; prompt_logprobs over
+            more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` (prompt tokens x (alternatives + 1)); a structured output
             schema that is not a JSON object, or with ignore_eos or min_tokens); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
     """
@@ -160,6 +162,10 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         grammar=grammar_from_wire(s.structured_output),
     )
+    if sampling.prompt_logprobs is not None and len(ids) * (sampling.prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise ValueError(f"prompt_logprobs {sampling.prompt_logprobs} over a {len(ids)}-token prompt is "
+                         f"{len(ids) * (sampling.prompt_logprobs + 1)} entries, more than the "
+                         f"{MAX_PROMPT_LOGPROB_ENTRIES} one message carries (fewer alternatives, or a shorter prompt)")
     if sampling.grammar is not None and sampling.grammar[0] == "json_schema":
         check_schema_text(sampling.grammar[1])
     n = s.n if s.HasField("n") else 1

@@ -106,6 +106,9 @@ REFUSED = [  # (body fields, param named, words in the message)
     ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}]},
      "messages.1.tool_calls.0.function.arguments", "JSON text of an object"),
+    ({"messages": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}]}]},
+     "messages.1.tool_calls.0.function.arguments", "JSON text of an object"),   # deeper than the parser's stack
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages.0.tool_calls", "only assistant messages"),

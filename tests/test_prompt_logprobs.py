@@ -96,6 +96,30 @@ def test_out_of_range_is_invalid_argument(disaggregated, value):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in info.value.details()
 
 
+def test_no_more_entries_than_one_message_carries(model_dir):
+    """Prompt tokens x (alternatives + 1) at most MAX_PROMPT_LOGPROB_ENTRIES: the router's check, on a context
+    long enough to pass it (the embedded model's 512 tokens cannot)."""
+    from dataclasses import replace
+
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.tokenizer import Tokenizer
+    from pdserve.router.validation import MAX_PROMPT_LOGPROB_ENTRIES, validate
+
+    cfg = replace(ModelConfig.from_hf_dir(model_dir), max_position_embeddings=1 << 20)
+    tokenizer = Tokenizer(model_dir, 1)
+    fits = MAX_PROMPT_LOGPROB_ENTRIES // 21
+    assert validate(client.make_request([5] * fits, prompt_logprobs=20), cfg, tokenizer, 16).sampling.prompt_logprobs
+    with pytest.raises(ValueError, match="more than the 65536"):
+        validate(client.make_request([5] * (fits + 1), prompt_logprobs=20), cfg, tokenizer, 16)
+    assert validate(client.make_request([5] * (fits + 1), prompt_logprobs=2), cfg, tokenizer, 16)
+
+
+def test_a_one_token_prompt_has_its_one_entry(disaggregated, colocated):
+    for c in (disaggregated, colocated):
+        msgs = messages(c, client.make_request([1], max_tokens=2, temperature=0, prompt_logprobs=2))
+        assert [(lp.token_id, lp.logprob, len(lp.top)) for lp in msgs[0].prompt_logprobs] == [(1, 0.0, 0)]
+
+
 def test_http_echo_gives_the_prompt_and_its_logprobs(disaggregated):
     api = openai.OpenAI(base_url=f"http://{disaggregated.router.http_address}/v1", api_key="unused", max_retries=0)
     prompt = "Once upon a time, there was a little dog named Max."
@@ -117,4 +141,6 @@ def test_http_echo_gives_the_prompt_and_its_logprobs(disaggregated):
     assert "".join(c.choices[0].text for c in streamed if c.choices).startswith(prompt)
     no_logprobs = api.completions.create(model=got.model, prompt=prompt, max_tokens=2, temperature=0, echo=True)
     assert no_logprobs.choices[0].text.startswith(prompt) and no_logprobs.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):   # refused by name, not a 500
+        api.completions.create(model=got.model, prompt=[-1, 5], max_tokens=2, echo=True, logprobs=1)
     disaggregated.assert_pools_free()

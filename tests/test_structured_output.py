@@ -102,6 +102,7 @@ def test_grammar_masks_hold_sampling_to_the_schema(json_dir, vocab):
     allowed = grammars.constraint(("json_object", "")).mask(torch.zeros(vocab)) > -torch.inf
     brace = tok.encode("{", add_special_tokens=False)
     assert brace == [2048 + JSON_TOKENS.index("{")] and allowed[brace[0]] and not allowed[tok.encode("a")[-1]]
+    assert not allowed[2048 + JSON_TOKENS.index("[")]          # an object, as OpenAI's json_object: no array
     with pytest.raises(ValueError, match="cannot be compiled"):
         grammars.compile(("json_schema", '{"type": 5}'))
     with pytest.raises(ValueError, match="not allowed"):
@@ -127,6 +128,29 @@ def test_sampled_answers_are_valid(cluster):
                                       for seed in range(6)])
     for got in cluster.run(all_at_once):
         assert got.final.finish_reason == pdserve_pb2.FINISH_REASON_STOP and valid(got.text)
+    cluster.assert_pools_free()
+
+
+def test_a_schema_that_cannot_be_completed_fails_its_request_alone(cluster, json_dir, vocab):
+    """A pattern nothing matches: the grammar allows the opening quote, then no token. That request ends
+    INVALID_ARGUMENT; a request decoding beside it finishes as it would alone."""
+    dead = {"type": "string", "pattern": "[^\\s\\S]"}
+    c = Grammars(json_dir, vocab, [2]).constraint(("json_schema", json.dumps(dead)))
+    c.accept(int(c.mask(torch.zeros(vocab)).argmax()))
+    assert (c.mask(torch.zeros(vocab)) > -torch.inf).nonzero().flatten().tolist() == [2] and not c.done
+    c.accept(2)
+    assert c.dead_end and c.done
+
+    async def both(channel):
+        import asyncio
+        return await asyncio.gather(
+            client.complete(channel, client.make_request(PROMPT, max_tokens=30, temperature=0, ignore_eos=True)),
+            client.complete(channel, constrained(PROMPT, dead, max_tokens=30)), return_exceptions=True)
+    plain, failed = cluster.run(both)
+    assert isinstance(failed, grpc.aio.AioRpcError) and failed.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot be completed" in failed.details()
+    alone = run(cluster, client.make_request(PROMPT, max_tokens=30, temperature=0, ignore_eos=True))
+    assert plain.token_ids == alone.token_ids and len(plain.token_ids) == 30
     cluster.assert_pools_free()
 
 

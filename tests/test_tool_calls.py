@@ -38,6 +38,7 @@ HERMES = [  # (answer, content, calls)
     (f"cut short <tool_call>{WEATHER[:20]}", f"cut short <tool_call>{WEATHER[:20]}", []),
     ("ends with a half marker <tool_ca", "ends with a half marker <tool_ca", []),
     (f"<tool_call>{TIME}</tool_call>x<tool_call>bad</tool_call>", "x<tool_call>bad</tool_call>", [("get_time", {})]),
+    ("<tool_call>" + "[" * 3000 + "</tool_call>", "<tool_call>" + "[" * 3000 + "</tool_call>", []),   # too deep
 ]
 
 
@@ -56,6 +57,7 @@ LLAMA3 = [
     ('{"name": "a", "parameters": {', '{"name": "a", "parameters": {', []),
     ('{"no_name": 1}', '{"no_name": 1}', []),
     ("", "", []),
+    ("[" * 3000, "[" * 3000, []),
 ]
 
 

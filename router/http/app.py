@@ -135,8 +135,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
         reply = Reply(False, model_name, bool(body.return_token_ids), body.n or 1, body.logprobs is not None,
-                      echo=[p if isinstance(p, str) else backend.tokenizer.decode(p) for p in prompts]
-                      if body.echo else None)
+                      echo=[_prompt_text(p, backend) for p in prompts] if body.echo else None)
         return await _answer(backend, request, body, reply, [
             generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
 
@@ -195,6 +194,14 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         return Response(generate_latest(backend.metrics), media_type=CONTENT_TYPE_LATEST)
 
     return Guard(app, backend.cfg.bearer_tokens(), backend.cfg.max_receive_message_bytes)
+
+
+def _prompt_text(prompt: str | list[int], backend: Backend) -> str:
+    """A completions prompt's text, for ``echo``: token ids decoded ("" for ids outside the vocabulary: the
+    router refuses that prompt by name before any text goes out)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "" if outside_vocabulary(prompt, backend.model_cfg.vocab_size) else backend.tokenizer.decode(prompt)
 
 
 def _model_card(name: str, created: int, backend: Backend) -> dict:

@@ -68,7 +68,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 def _arguments(text: str, where: str) -> dict[str, Any]:
     try:
         args = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):   # RecursionError: nested deeper than the parser's stack
         args = None
     if not isinstance(args, dict):
         raise ApiError(400, "a tool call's `arguments` must be JSON text of an object",
