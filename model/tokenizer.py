@@ -4,6 +4,7 @@ and incremental detokenization for streaming text deltas."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -58,11 +59,14 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special: bool = True, drop: Collection[int] = ()) -> str:
         """Text of ``ids`` with special tokens left out: those the tokenizer marks special, by id, as
         transformers leaves them out (``tokenizers`` alone matches them by their vocabulary string, which a
         normalized special token does not share with its content: the embedded model's EOS, ``▁<|end_story|>``
-        in the vocabulary, came out as text at the end of every answer it ended)."""
+        in the vocabulary, came out as text at the end of every answer it ended). ``skip_special`` False keeps
+        them, all but the ids in ``drop`` (a request's stop tokens)."""
+        if not skip_special:
+            return self._tok.decode([i for i in ids if i not in drop] if drop else ids, skip_special_tokens=False)
         special = self._special_ids
         return self._tok.decode([i for i in ids if i not in special] if special else ids, skip_special_tokens=True)
 
@@ -95,6 +99,7 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas.
 
+    ``skip_special`` False keeps special tokens' text, but that of the ids in ``drop`` (:meth:`Tokenizer.decode`).
     Decodes a short window of ids before the new ones so that spacing rules that
     depend on the previous token (SentencePiece's leading ``▁``) come out right,
     and holds back a delta that ends in an incomplete UTF-8 sequence (U+FFFD),
@@ -103,16 +108,17 @@ class IncrementalDetokenizer:
 
     _CONTEXT = 5  # prompt tokens kept as left context
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special: bool = True,
+                 drop: Collection[int] = ()) -> None:
+        self._tok, self._skip, self._drop = tokenizer, skip_special, frozenset(drop)
         self._ids = list(prompt_ids[-self._CONTEXT:])
         self._prefix, self._read = 0, len(self._ids)
 
     def push(self, new_ids: list[int]) -> str:
         """Append output ids; return the text they complete (may be empty)."""
         self._ids.extend(new_ids)
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        after = self._tok.decode(self._ids[self._prefix:])
+        before = self._tok.decode(self._ids[self._prefix:self._read], self._skip, self._drop)
+        after = self._tok.decode(self._ids[self._prefix:], self._skip, self._drop)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self._ids)

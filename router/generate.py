@@ -124,8 +124,8 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
     workers = view.current()
     colocated = not any(w.role == "prefill" for w in workers) and any(w.role == "both" for w in workers)
     progress = Progress()
-    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids)
     stop_ids = req.sampling.stop_ids(view.eos_token_ids)
+    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens, stop_ids)
     matcher = StopMatcher(req.stop)
     finished = False
     try:

@@ -45,6 +45,7 @@ class ValidRequest:
     queue_timeout_s: float = 0.0
     stop: tuple[str, ...] = ()         # stop strings (router.stop_strings)
     n: int = 1                         # sequences; sequence i samples with seed sampling.seed + i
+    skip_special_tokens: bool = True   # False: special tokens' text kept (but the stop tokens'), router-side
 
 
 def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
@@ -191,4 +192,4 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             kind = "a finite non-negative" if name == "queue_timeout_s" else "a finite positive"
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
     return ValidRequest(request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
-                        stop, n)
+                        stop, n, not s.HasField("skip_special_tokens") or s.skip_special_tokens)

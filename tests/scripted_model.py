@@ -33,15 +33,17 @@ TEMPLATE = (
     "{%- if add_generation_prompt %}" + ASSISTANT + "{% endif %}")
 
 
-def scripted_chat_model(out: Path, answer: list[str], template: str = TEMPLATE) -> Path:
+def scripted_chat_model(out: Path, answer: list[str], template: str = TEMPLATE, special: tuple[str, ...] = ()
+                        ) -> Path:
     """Write to ``out`` a checkpoint whose greedy answer to a prompt ending in ``<|assistant|>`` is the
-    distinct pieces ``answer`` (each one token), then EOS; ``template`` is its chat template. Returns ``out``."""
+    distinct pieces ``answer`` (each one token; those in ``special`` special tokens), then EOS; ``template`` is
+    its chat template. Returns ``out``."""
     if len(set(answer)) != len(answer) or len(answer) + 1 > HIDDEN:
         raise ValueError("the pieces must be distinct, and fewer than the hidden size")
     out.mkdir(parents=True)
     tok = Tokenizer.from_file(str(Path(EMBEDDED_MODEL) / "tokenizer.json"))
     base = tok.get_vocab_size()
-    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in answer])
+    tok.add_tokens([AddedToken(p, special=p in special, normalized=False) for p in answer])
     tok.add_special_tokens([AddedToken(ASSISTANT, special=True, normalized=False)])
     tok.save(str(out / "tokenizer.json"))
     chain = [tok.token_to_id(ASSISTANT)] + [tok.token_to_id(p) for p in answer]

@@ -96,6 +96,32 @@ def test_past_calls_and_results_are_rendered_for_the_model(api, tools_cluster, s
     assert json.loads(body)["tokens"] == template.encode(text)
 
 
+@pytest.fixture(scope="module")
+def special_markers_cluster(redis_url, tmp_path_factory):
+    """The same answer from a checkpoint whose tokenizer marks <tool_call> and </tool_call> special (as some
+    Hermes checkpoints do): left out of the text by default."""
+    model = scripted_chat_model(tmp_path_factory.mktemp("tools-special") / MODEL, ANSWER,
+                                special=("<tool_call>", "</tool_call>"))
+    c = Cluster(str(model), redis_url, router_flags={"http_port": 0, "tool_call_parser": "hermes"})
+    yield c
+    c.stop()
+
+
+def test_call_markers_that_are_special_tokens_reach_the_parser(special_markers_cluster):
+    api = openai.OpenAI(base_url=f"http://{special_markers_cluster.router.http_address}/v1", api_key="unused",
+                        max_retries=0)
+    got = api.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=16)
+    assert got.choices[0].finish_reason == "tool_calls" and got.choices[0].message.content == "Checking."
+    assert got.choices[0].message.tool_calls[0].function.name == "get_weather"
+    kept = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, extra_body={
+        "skip_special_tokens": False})                           # no tools: markers kept on request, EOS never
+    assert kept.choices[0].message.content == "".join(ANSWER)
+    dropped = api.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=16, extra_body={
+        "skip_special_tokens": True})                            # the client's choice wins: no markers, no call
+    assert dropped.choices[0].message.content == "Checking." + CALL and not dropped.choices[0].message.tool_calls
+    special_markers_cluster.assert_pools_free()
+
+
 REFUSED = [  # (body fields, param named, words in the message)
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
      "not among `tools`"),

@@ -53,6 +53,7 @@ from pdserve.router.http.streams import ChoiceStreams, ClientGone, collect
 from pdserve.router.recovery import GenerateError
 
 MAX_PROMPTS = 128  # prompts of one completions request (each is a stream of its own)
+HOLDS_MARKERS = ("hermes",)   # tool call parsers whose markers (<tool_call>) some tokenizers mark special
 LONG_IDS = 4096   # token ids /detokenize decodes on a worker thread beyond
 GUARDED = ("/tokenize", "/detokenize")   # outside /v1/, behind the bearer token and the body limit too
 
@@ -150,7 +151,10 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         ids, room = await chat_prompt(chat_template, body.messages, backend, tools=body.tools)
         reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs), parser,
                       body.parallel_tool_calls is not False)
-        return await _answer(backend, request, body, reply, [generate_request(body, ids, reply.id, room)])
+        req = generate_request(body, ids, reply.id, room)
+        if parser in HOLDS_MARKERS and body.skip_special_tokens is None:
+            req.sampling.skip_special_tokens = False   # its call markers may be special tokens (vLLM does the same)
+        return await _answer(backend, request, body, reply, [req])
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

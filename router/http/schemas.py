@@ -109,7 +109,8 @@ class ResponseFormat(_Strict):
 class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
-    ``repetition_penalty``, ``min_tokens`` and ``return_token_ids`` (token ids beside the text) are accepted too."""
+    ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens`` and ``return_token_ids`` (token ids beside
+    the text) are accepted too."""
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -123,6 +124,7 @@ class SamplingBody(_UnicodeBody):
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
+    skip_special_tokens: bool | None = None
     # stop strings and n sequences per prompt (router/http/mapping.py)
     stop: Stop = None
     n: Int32 | None = None
