@@ -384,3 +384,20 @@ def test_the_packed_gemms_keep_their_weight_prefetches(name, insn):
     except KernelUnavailable as exc:
         pytest.skip(str(exc))
     assert count_instruction(path, insn) >= 1
+
+
+def test_mask_logits_matches_the_bitmask_bit_for_bit():
+    """fused.c's pd_mask_logits against the bits themselves, vocabularies not a multiple of 16 or 32."""
+    from pdserve.kernels.cpu.fused import mask_logits_
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (1, 15, 16, 33, 2048, 2053):
+        words = -(-vocab // 32)
+        bits = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
+        bits[0] = -1 if vocab > 40 else bits[0]            # a word of all ones: stored unchanged
+        logits = torch.randn(vocab, generator=gen)
+        allowed = torch.tensor([bool(int(bits[j // 32]) >> (j % 32) & 1) for j in range(vocab)])
+        expected = torch.where(allowed, logits, torch.tensor(-torch.inf))
+        assert torch.equal(mask_logits_(logits.clone(), bits), expected), vocab
+    with pytest.raises(ValueError, match="int32 bitmask"):
+        mask_logits_(torch.zeros(64), torch.zeros(1, dtype=torch.int32))

@@ -10,6 +10,7 @@
  *                     optionally q, k = rmsnorm per head first (Qwen3's q_norm / k_norm)
  *   pd_silu_mul       out = silu(gate) * up                                     (SwiGLU, Shazeer 2020)
  *   pd_argmax_rows    out[i] = argmax_j x[i, j], as torch.argmax picks       (greedy sampling)
+ *   pd_mask_logits    x[j] = -inf where a grammar's token bitmask clears bit j     (structured output)
  *
  * On AVX-512 (PD_VECTOR_NORM) every one runs on 16 lanes and serves prefill-sized steps too.
  *
@@ -317,4 +318,20 @@ void pd_argmax_rows(const float *x, int64_t n, int64_t vocab, int64_t ld, int64_
 #endif
         out[i] = best < 0 ? 0 : best;
     }
+}
+
+/* x[j] = -inf for every j < vocab whose bit j of `bits` (int32 words, bit j % 32 of word j / 32: xgrammar's
+ * token bitmask) is clear: the tokens a grammar does not allow (model/structured.py). 16 tokens a mask. */
+void pd_mask_logits(float *x, const uint32_t *bits, int64_t vocab) {
+    int64_t j = 0;
+#ifdef PD_VECTOR_NORM
+    const uint16_t *halves = (const uint16_t *)bits;      /* little-endian: tokens 32w .. 32w + 15 first */
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= vocab; j += 16) {
+        const __mmask16 keep = halves[j / 16];
+        if (keep != 0xFFFF) _mm512_storeu_ps(x + j, _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(x + j)));
+    }
+#endif
+    for (; j < vocab; j++)
+        if (!(bits[j / 32] >> (j % 32) & 1u)) x[j] = -INFINITY;
 }

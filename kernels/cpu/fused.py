@@ -166,6 +166,25 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Set to -inf, in place, every entry of float32 ``[vocab]`` contiguous CPU ``logits`` whose bit in
+    ``bitmask`` (int32 ``[ceil(vocab / 32)]``, bit ``j % 32`` of word ``j // 32``: xgrammar's token bitmask)
+    is clear; returns ``logits``. One masked store per 16 tokens on AVX-512, where xgrammar's CPU path takes
+    ~0.5 ms for a 128,256-token vocabulary (Zen 4).
+
+    Raises:
+        ValueError: tensors of another dtype, shape, device or layout.
+    """
+    vocab = logits.shape[0] if logits.dim() == 1 else -1
+    if logits.dtype != torch.float32 or logits.dim() != 1 or logits.device.type != "cpu" or not logits.is_contiguous() \
+            or bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.numel() * 32 < vocab:
+        raise ValueError(f"mask_logits_: needs contiguous float32 [vocab] CPU logits and an int32 bitmask of "
+                         f"ceil(vocab / 32) words, got {logits.dtype} {tuple(logits.shape)} and {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)}")
+    _fn("pd_mask_logits", [_p, _p, _i64])(logits.data_ptr(), bitmask.data_ptr(), vocab)
+    return logits
+
+
 def _fn(name: str, argtypes: list):
     fn = getattr(library("fused"), name)
     if fn.argtypes is None:
