@@ -75,7 +75,7 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                                                             "(default: the checkpoint directory's name)")
     p.add_argument("--chat-template", default="",
                    help="router: Jinja chat template file for /v1/chat/completions (default: the checkpoint's)")
-    p.add_argument("--tool-call-parser", default="", choices=["", *TOOL_CALL_PARSERS],
+    p.add_argument("--tool-call-parser", default="", choices=TOOL_CALL_PARSERS,
                    help="router: the format the model writes tool calls in (hermes: Hermes, Qwen2.5, Qwen3; "
                         "llama3_json: Llama 3.1+); chat requests with tools then get OpenAI tool_calls back")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")

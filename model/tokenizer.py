@@ -117,9 +117,12 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int]) -> str:
         """Append output ids; return the text they complete (may be empty)."""
         self._ids.extend(new_ids)
-        before = self._tok.decode(self._ids[self._prefix:self._read], self._skip, self._drop)
-        after = self._tok.decode(self._ids[self._prefix:], self._skip, self._drop)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids) if self._skip else self._tok.decode(ids, False, self._drop)

@@ -182,6 +182,17 @@ class Cluster:
             p.stop()
 
 
+def colocated_cluster(model: str, redis_url: str, **flags) -> Cluster:
+    """A router and one colocated worker (role ``both``, id ``b0``: it prefills and decodes) on ``model``,
+    with 4-token blocks; ``flags`` add to or override its flags (e.g. ``max_num_batched_tokens``)."""
+    c = Cluster(model, redis_url, num_prefill=0, num_decode=0)
+    flags = dict(model_dir=model, cluster=c.cluster, redis_url=redis_url, lease_s=2.0, block_size=4,
+                 colocated="true") | flags
+    c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
+    c.wait_workers({"b0"})
+    return c
+
+
 class PrivateRedis:
     """A ``redis-server`` of its own on a free port (persistence off), for tests that restart Redis."""
 

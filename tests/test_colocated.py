@@ -9,17 +9,13 @@ import pytest
 import torch
 
 from pdserve.deploy import client
-from pdserve.deploy.processes import spawn_role
 from pdserve.proto import pdserve_pb2_grpc
-from tests.conftest import Cluster, hf_greedy
+from tests.conftest import colocated_cluster, hf_greedy
 
 
 @pytest.fixture(scope="module")
 def colocated(redis_url, model_dir):
-    c = Cluster(model_dir, redis_url, num_prefill=0, num_decode=0)
-    flags = dict(model_dir=model_dir, cluster=c.cluster, redis_url=redis_url, lease_s=2.0, block_size=4,
-                 colocated="true", max_num_batched_tokens=9)
-    c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
+    c = colocated_cluster(model_dir, redis_url, max_num_batched_tokens=9)
     yield c
     c.stop()
 

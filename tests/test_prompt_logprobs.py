@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from pdserve.deploy import client
-from pdserve.deploy.processes import spawn_role
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster
+from tests.conftest import Cluster, colocated_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,11 +29,7 @@ def disaggregated(redis_url, model_dir):
 
 @pytest.fixture(scope="module")
 def colocated(redis_url, model_dir):
-    c = Cluster(model_dir, redis_url, num_prefill=0, num_decode=0)
-    flags = dict(model_dir=model_dir, cluster=c.cluster, redis_url=redis_url, lease_s=2.0, block_size=4,
-                 colocated="true", max_num_batched_tokens=24, dtype="float32")
-    c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
-    c.wait_workers({"b0"})
+    c = colocated_cluster(model_dir, redis_url, max_num_batched_tokens=24, dtype="float32")
     yield c
     c.stop()
 

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from pdserve.deploy import client
-from pdserve.deploy.processes import spawn_role
 from pdserve.model.structured import Grammars
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
-from tests.conftest import CHATML, Cluster
+from tests.conftest import CHATML, Cluster, colocated_cluster
 from tests.scripted_model import JSON_TOKENS, json_capable_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -56,11 +55,7 @@ def cluster(redis_url, json_dir):
 
 @pytest.fixture(scope="module")
 def colocated(redis_url, json_dir):
-    c = Cluster(json_dir, redis_url, num_prefill=0, num_decode=0)
-    flags = dict(model_dir=json_dir, cluster=c.cluster, redis_url=redis_url, lease_s=2.0, block_size=4,
-                 colocated="true", max_num_batched_tokens=8, dtype="float32")
-    c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
-    c.wait_workers({"b0"})
+    c = colocated_cluster(json_dir, redis_url, max_num_batched_tokens=8, dtype="float32")
     yield c
     c.stop()
 
