@@ -218,3 +218,40 @@ def test_tool_choice_required_and_named_are_held_to_calls(cluster):
         with pytest.raises(openai.BadRequestError, match=words):
             api.chat.completions.create(**ask, **bad)
     cluster.assert_pools_free()
+
+
+@pytest.mark.parametrize("more", [{}, {"speculative": "ngram", "spec_max_batch_size": 4, "spec_adaptive": False}],
+                         ids=["plain", "ngram"])
+def test_constrained_requests_preempted_and_recomputed_stay_token_exact(json_dir, vocab, more):
+    """A colocated engine whose 11 usable blocks cannot hold three constrained answers at once: the latest is
+    preempted, prefilled again and continues in its grammar (its state past every token it had), as the
+    reference does; a batch holding constrained requests is not speculated."""
+    from pdserve.decode_worker.config import DecodeWorkerConfig
+    from pdserve.decode_worker.engine import DecodeEngine
+    from pdserve.decode_worker.request import FinishedEvent, TokensEvent
+    from pdserve.model.loader import load_model
+    from pdserve.model.sampling import SamplingParams
+
+    model, cfg = load_model(json_dir, dtype=torch.float32)
+    e = DecodeEngine(DecodeWorkerConfig(model_dir=json_dir, worker_id="t", num_blocks=12, block_size=4,
+                                        max_batch_size=4, colocated=True, max_num_batched_tokens=8, multi_step=8,
+                                        dtype="float32", **more), model, cfg)
+    try:
+        prompts = {"a": [1, 400, 500, 600, 700, 800], "b": [1, 7, 8, 9, 10, 11], "c": [1, 300, 301, 302, 303, 304]}
+        events = {rid: [] for rid in prompts}
+        sampling = SamplingParams(temperature=0, max_tokens=24, grammar=("json_schema", json.dumps(SCHEMA)))
+        for rid, prompt in prompts.items():
+            e.add_local(rid, prompt, sampling, events[rid].append)
+        for _ in range(400):
+            e.step()
+            if all(evs and not isinstance(evs[-1], TokensEvent) for evs in events.values()):
+                break
+        assert e.num_preemptions >= 1
+        for rid, prompt in prompts.items():
+            assert isinstance(events[rid][-1], FinishedEvent), (rid, events[rid][-1])
+            got = [t for ev in events[rid] if isinstance(ev, TokensEvent) for t in ev.token_ids]
+            assert got == reference(json_dir, vocab, prompt, 24), rid
+        assert sum(evs[-1].num_draft_tokens for evs in events.values()) == 0
+        assert e.pool.num_free == e.num_usable_blocks
+    finally:
+        e.receiver.close()
