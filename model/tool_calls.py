@@ -71,13 +71,20 @@ def call_of(obj: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
         return None
     args = next((obj[k] for k in argument_keys if k in obj), {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):
-            return None
+        args = json_object(args)
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def json_object(text: str) -> dict | None:
+    """``text`` parsed, when it is JSON text of an object; else None (not JSON, another value, or nested deeper
+    than the parser's stack, which raises RecursionError)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class _Content:
@@ -148,10 +155,8 @@ class HermesStream:
 
 
 def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
-    try:
-        return call_of(json.loads(body), argument_keys)
-    except (ValueError, RecursionError):   # RecursionError: nested deeper than the parser's stack
-        return None
+    obj = json_object(body)
+    return None if obj is None else call_of(obj, argument_keys)
 
 
 class Llama3JsonStream:

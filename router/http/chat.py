@@ -4,12 +4,12 @@ tokens added: the template writes them), with the room left for the answer."""
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Protocol
 
 from pdserve.model.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
+from pdserve.model.tool_calls import json_object
 from pdserve.router.config import RouterConfig
 from pdserve.router.http.errors import ApiError
 from pdserve.router.http.schemas import ChatMessage, TokenizeRequest, Tool
@@ -66,11 +66,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _arguments(text: str, where: str) -> dict[str, Any]:
-    try:
-        args = json.loads(text)
-    except (ValueError, RecursionError):   # RecursionError: nested deeper than the parser's stack
-        args = None
-    if not isinstance(args, dict):
+    args = json_object(text)
+    if args is None:
         raise ApiError(400, "a tool call's `arguments` must be JSON text of an object",
                        param=f"{where}.function.arguments")
     return args
