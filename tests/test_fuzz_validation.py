@@ -14,6 +14,7 @@ and every KV pool is free.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections import Counter
@@ -31,7 +32,14 @@ from pdserve.model.sampling import MAX_STOP_TOKEN_IDS
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.slo import Slo
-from pdserve.router.validation import MAX_REQUEST_ID_CHARS, ValidRequest, parse_request, printable_id, validate
+from pdserve.router.validation import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    MAX_REQUEST_ID_CHARS,
+    ValidRequest,
+    parse_request,
+    printable_id,
+    validate,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -69,6 +77,9 @@ def assert_in_range(v: ValidRequest) -> None:
     assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2 and REP[0] <= s.repetition_penalty <= REP[1]
     assert 0 <= s.min_tokens <= s.max_tokens
     assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in s.logit_bias)
+    assert s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= 20
+    assert s.grammar is None or ((s.grammar[0] == "json_object" or _schema_ok(s.grammar[1]))
+                                 and not s.ignore_eos and not s.min_tokens)
     assert math.isfinite(v.slo.ttft_s) and v.slo.ttft_s > 0 and math.isfinite(v.slo.tpot_s) and v.slo.tpot_s > 0
     assert math.isfinite(v.queue_timeout_s) and v.queue_timeout_s >= 0
 
@@ -106,6 +117,15 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
         bad.add("min_tokens")
     if any(not 0 <= t < VOCAB or not -100 <= b <= 100 for t, b in s.logit_bias.items()):
         bad.add("logit_bias")
+    if s.HasField("prompt_logprobs") and not (0 <= s.prompt_logprobs <= 20
+                                              and len(ids) * (s.prompt_logprobs + 1) <= MAX_PROMPT_LOGPROB_ENTRIES):
+        bad.add("prompt_logprobs")
+    grammar = s.structured_output.WhichOneof("grammar")
+    if (grammar == "json_object" and s.structured_output.json_object or grammar == "json_schema") \
+            and (s.ignore_eos or s.min_tokens):
+        bad.add("structured output")
+    if grammar == "json_schema" and not _schema_ok(s.structured_output.json_schema):
+        bad.add("json_schema")
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if req.HasField(name) and not (math.isfinite(getattr(req, name)) and getattr(req, name) > 0):
             bad.add(name)
@@ -114,9 +134,20 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
     return bad
 
 
+def _schema_ok(text: str) -> bool:
+    """Whether ``text`` is a schema the router passes to the workers: JSON text of an object, 64 Ki characters
+    at most (the oracle's own parse: ``json`` raises RecursionError on deep nesting)."""
+    try:
+        return len(text) <= 65_536 and isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 # -- strategies ----------------------------------------------------------------------------------
 
 I32, I64 = st.integers(-2**31, 2**31 - 1), st.integers(-2**63, 2**63 - 1)
+SCHEMAS = ['{"type": "object"}', '{"type": 5}', "[1, 2]", '"text"', "{", "[" * 3000 + "]" * 3000,
+           '{"description": "' + "x" * 70_000 + '"}', '{"enum": ["a", "b"]}']
 floats = st.floats(width=32) | st.sampled_from([0.0, -0.0, 1e-30, 1.0, 0.5, 1.0000001, math.inf, -math.inf, math.nan])
 doubles = st.floats() | st.sampled_from([0.0, -1.0, 1e-9, 0.1, 1.0, 1e308, math.inf, -math.inf, math.nan])
 token_ids = (st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
@@ -137,6 +168,13 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
             setattr(s, name, draw(strategy))
     s.logit_bias.update(draw(st.dictionaries(st.integers(-3, VOCAB + 3) | I64, floats | st.floats(-100, 100, width=32),
                                              max_size=4)))
+    if draw(st.booleans()):
+        s.prompt_logprobs = draw(st.integers(-3, 24) | I32)
+    kind = draw(st.sampled_from([None, None, "json_object", "json_schema"]))
+    if kind == "json_object":
+        s.structured_output.json_object = draw(st.booleans())
+    elif kind == "json_schema":
+        s.structured_output.json_schema = draw(st.sampled_from(SCHEMAS) | st.text(max_size=20))
     req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,
                                       request_id=draw(st.text(max_size=8) | st.text(min_size=250, max_size=300)),
                                       queue_timeout_s=draw(st.just(0.0) | doubles))
