@@ -17,7 +17,7 @@ import torch
 
 from pdserve.kernels.cpu.fused import argmax_rows, vectorized
 from pdserve.model.penalties import check_penalties, penalize_rows_
-from pdserve.model.structured import Constraint
+from pdserve.model.structured import KINDS, Constraint
 
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
@@ -95,7 +95,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.grammar is not None:
-            if self.grammar[0] not in ("json_object", "json_schema"):
+            if self.grammar[0] not in KINDS:
                 raise ValueError(f"unknown structured output kind {self.grammar[0]!r}")
             if self.ignore_eos or self.min_tokens:
                 raise ValueError("structured output cannot be combined with ignore_eos or min_tokens (a grammar "
@@ -244,7 +244,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_indexes: l
     for row, c in enumerate(constraints or ()):
         if c is not None:
             changed[row] = c.mask(changed.get(row, logits[row]))
-            tokens[row] = int(changed[row].argmax())
+            if params[row].temperature == 0:      # a sampled row's token is drawn below
+                tokens[row] = int(changed[row].argmax())
     for row, (p, index) in enumerate(zip(params, output_indexes)):
         if p.temperature != 0:
             tokens[row] = sample_one(changed.get(row, logits[row]), p, index)
