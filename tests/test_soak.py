@@ -1,8 +1,8 @@
 """Soak in CI: 500 concurrent streaming clients against a real router + prefill + decode worker
 on the embedded model for 30 seconds (``bench/soak.py``; the benchmark runs it for 5 minutes).
 
-Asserts zero errors of any kind, RSS growth of the router and of each worker under 5% after the
-warm-up, and every KV pool free at the end.
+Asserts zero errors of any kind, growth of the RSS high-water mark of the router and of each
+worker under 5% after the warm-up, and every KV pool free at the end.
 
 The warm-up (10 s at full concurrency) is what makes the RSS check mean something: by its end
 all 500 clients have requests in flight (peak KV blocks touched, peak gRPC buffers), every decode
