@@ -59,14 +59,14 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: list[int], skip_special: bool = True, drop: Collection[int] = ()) -> str:
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
         """Text of ``ids`` with special tokens left out: those the tokenizer marks special, by id, as
         transformers leaves them out (``tokenizers`` alone matches them by their vocabulary string, which a
         normalized special token does not share with its content: the embedded model's EOS, ``▁<|end_story|>``
         in the vocabulary, came out as text at the end of every answer it ended). ``skip_special`` False keeps
-        them, all but the ids in ``drop`` (a request's stop tokens)."""
+        them."""
         if not skip_special:
-            return self._tok.decode([i for i in ids if i not in drop] if drop else ids, skip_special_tokens=False)
+            return self._tok.decode(ids, skip_special_tokens=False)
         special = self._special_ids
         return self._tok.decode([i for i in ids if i not in special] if special else ids, skip_special_tokens=True)
 
@@ -99,7 +99,9 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a growing list of output ids into text deltas.
 
-    ``skip_special`` False keeps special tokens' text, but that of the ids in ``drop`` (:meth:`Tokenizer.decode`).
+    ``skip_special`` False keeps special tokens' text (:meth:`Tokenizer.decode`). The ids in ``drop`` (a
+    request's stop tokens, which end it, so only its last token can be one) are left out of the text whatever
+    they are, as vLLM leaves the stop token out unless ``include_stop_str_in_output``.
     Decodes a short window of ids before the new ones so that spacing rules that
     depend on the previous token (SentencePiece's leading ``▁``) come out right,
     and holds back a delta that ends in an incomplete UTF-8 sequence (U+FFFD),
@@ -125,4 +127,6 @@ class IncrementalDetokenizer:
         return after[len(before):]
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids) if self._skip else self._tok.decode(ids, False, self._drop)
+        if self._drop:
+            ids = [i for i in ids if i not in self._drop]
+        return self._tok.decode(ids) if self._skip else self._tok.decode(ids, False)

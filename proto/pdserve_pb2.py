@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\xff\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"K\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\t\n\x07grammar\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x81\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\nttft_slo_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ntpot_slo_s\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fqueue_timeout_s\x18\x07 \x01(\x01\x42\x08\n\x06promptB\r\n\x0b_ttft_slo_sB\r\n\x0b_tpot_slo_s\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"I\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x01(\x01\"b\n\x10SpeculativeStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x01\"\xf4\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x31\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.SpeculativeStats\x12\x13\n\x0bnum_retries\x18\x06 \x01(\x05\x12\x16\n\x0enum_migrations\x18\x07 \x01(\x05\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xc3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Final\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x18\n\x16GetClusterStateRequest\"\xc7\x02\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\t \x01(\x05\x12\x13\n\x0blease_age_s\x18\n \x01(\x01\x12\x1b\n\x13num_router_inflight\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1b\n\x13prefill_s_per_block\x18\r \x01(\x01\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\"\x94\x01\n\rSloAttainment\x12\x10\n\x08\x66inished\x18\x01 \x01(\x03\x12\x10\n\x08met_ttft\x18\x02 \x01(\x03\x12\x10\n\x08met_tpot\x18\x03 \x01(\x03\x12\x10\n\x08met_both\x18\x04 \x01(\x03\x12\x10\n\x08rejected\x18\x05 \x01(\x03\x12\x17\n\x0f\x61ttainment_both\x18\x06 \x01(\x01\x12\x10\n\x08window_s\x18\x07 \x01(\x01\"o\n\x0c\x43lusterState\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerState\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x03slo\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.SloAttainment*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa2\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12O\n\x0fGetClusterState\x12\".pdserve.v1.GetClusterStateRequest\x1a\x18.pdserve.v1.ClusterStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/proto/pdserve.proto\x12\npdserve.v1\"\xa3\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x04\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\x0e \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\n\x88\x01\x01\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12 \n\x13skip_special_tokens\x18\x12 \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"K\n\x10StructuredOutput\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x42\t\n\x07grammar\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x81\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\nttft_slo_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\ntpot_slo_s\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fqueue_timeout_s\x18\x07 \x01(\x01\x42\x08\n\x06promptB\r\n\x0b_ttft_slo_sB\r\n\x0b_tpot_slo_s\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"I\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x03 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x01(\x01\"b\n\x10SpeculativeStats\x12\x18\n\x10num_draft_tokens\x18\x01 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x02 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x01\"\xb3\x02\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x31\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.SpeculativeStats\x12\x13\n\x0bnum_retries\x18\x06 \x01(\x05\x12\x16\n\x0enum_migrations\x18\x07 \x01(\x05\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\x03H\x00\x42\r\n\x0bstop_reason\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"e\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xc3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12 \n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Final\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x05 \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x18\n\x16GetClusterStateRequest\"\xc7\x02\n\x0bWorkerState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x19\n\x11num_queued_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\t \x01(\x05\x12\x13\n\x0blease_age_s\x18\n \x01(\x01\x12\x1b\n\x13num_router_inflight\x18\x0b \x01(\x05\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x12\x1b\n\x13prefill_s_per_block\x18\r \x01(\x01\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\"\x94\x01\n\rSloAttainment\x12\x10\n\x08\x66inished\x18\x01 \x01(\x03\x12\x10\n\x08met_ttft\x18\x02 \x01(\x03\x12\x10\n\x08met_tpot\x18\x03 \x01(\x03\x12\x10\n\x08met_both\x18\x04 \x01(\x03\x12\x10\n\x08rejected\x18\x05 \x01(\x03\x12\x17\n\x0f\x61ttainment_both\x18\x06 \x01(\x01\x12\x10\n\x08window_s\x18\x07 \x01(\x01\"o\n\x0c\x43lusterState\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.WorkerState\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x03slo\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.SloAttainment*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa2\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12O\n\x0fGetClusterState\x12\".pdserve.v1.GetClusterStateRequest\x1a\x18.pdserve.v1.ClusterStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2671
-  _globals['_FINISHREASON']._serialized_end=2766
+  _globals['_FINISHREASON']._serialized_start=2770
+  _globals['_FINISHREASON']._serialized_end=2865
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=811
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=569
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=617
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=813
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=888
-  _globals['_TOKENIDS']._serialized_start=890
-  _globals['_TOKENIDS']._serialized_end=913
-  _globals['_GENERATEREQUEST']._serialized_start=916
-  _globals['_GENERATEREQUEST']._serialized_end=1173
-  _globals['_USAGE']._serialized_start=1175
-  _globals['_USAGE']._serialized_end=1262
-  _globals['_TIMINGS']._serialized_start=1264
-  _globals['_TIMINGS']._serialized_end=1337
-  _globals['_SPECULATIVESTATS']._serialized_start=1339
-  _globals['_SPECULATIVESTATS']._serialized_end=1437
-  _globals['_FINAL']._serialized_start=1440
-  _globals['_FINAL']._serialized_end=1684
-  _globals['_TOPLOGPROB']._serialized_start=1686
-  _globals['_TOPLOGPROB']._serialized_end=1748
-  _globals['_TOKENLOGPROB']._serialized_start=1750
-  _globals['_TOKENLOGPROB']._serialized_end=1851
-  _globals['_GENERATERESPONSE']._serialized_start=1854
-  _globals['_GENERATERESPONSE']._serialized_end=2049
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=2051
-  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=2075
-  _globals['_WORKERSTATE']._serialized_start=2078
-  _globals['_WORKERSTATE']._serialized_end=2405
-  _globals['_SLOATTAINMENT']._serialized_start=2408
-  _globals['_SLOATTAINMENT']._serialized_end=2556
-  _globals['_CLUSTERSTATE']._serialized_start=2558
-  _globals['_CLUSTERSTATE']._serialized_end=2669
-  _globals['_ROUTER']._serialized_start=2769
-  _globals['_ROUTER']._serialized_end=2931
+  _globals['_SAMPLINGPARAMS']._serialized_end=847
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=605
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=653
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=849
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=924
+  _globals['_TOKENIDS']._serialized_start=926
+  _globals['_TOKENIDS']._serialized_end=949
+  _globals['_GENERATEREQUEST']._serialized_start=952
+  _globals['_GENERATEREQUEST']._serialized_end=1209
+  _globals['_USAGE']._serialized_start=1211
+  _globals['_USAGE']._serialized_end=1298
+  _globals['_TIMINGS']._serialized_start=1300
+  _globals['_TIMINGS']._serialized_end=1373
+  _globals['_SPECULATIVESTATS']._serialized_start=1375
+  _globals['_SPECULATIVESTATS']._serialized_end=1473
+  _globals['_FINAL']._serialized_start=1476
+  _globals['_FINAL']._serialized_end=1783
+  _globals['_TOPLOGPROB']._serialized_start=1785
+  _globals['_TOPLOGPROB']._serialized_end=1847
+  _globals['_TOKENLOGPROB']._serialized_start=1849
+  _globals['_TOKENLOGPROB']._serialized_end=1950
+  _globals['_GENERATERESPONSE']._serialized_start=1953
+  _globals['_GENERATERESPONSE']._serialized_end=2148
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_start=2150
+  _globals['_GETCLUSTERSTATEREQUEST']._serialized_end=2174
+  _globals['_WORKERSTATE']._serialized_start=2177
+  _globals['_WORKERSTATE']._serialized_end=2504
+  _globals['_SLOATTAINMENT']._serialized_start=2507
+  _globals['_SLOATTAINMENT']._serialized_end=2655
+  _globals['_CLUSTERSTATE']._serialized_start=2657
+  _globals['_CLUSTERSTATE']._serialized_end=2768
+  _globals['_ROUTER']._serialized_start=2868
+  _globals['_ROUTER']._serialized_end=3030
 # @@protoc_insertion_point(module_scope)

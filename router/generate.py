@@ -125,8 +125,9 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
     colocated = not any(w.role == "prefill" for w in workers) and any(w.role == "both" for w in workers)
     progress = Progress()
     stop_ids = req.sampling.stop_ids(view.eos_token_ids)
-    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens, stop_ids)
-    matcher = StopMatcher(req.stop)
+    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, req.skip_special_tokens,
+                                   () if req.include_stop_str_in_output else stop_ids)
+    matcher = StopMatcher(req.stop, req.include_stop_str_in_output)
     finished = False
     try:
         while True:
@@ -134,6 +135,7 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
             if reason is not None:  # the failed worker had streamed the last token already
                 last = _final(req, times, progress, FINISH_REASONS[reason], len(progress.generated))
                 last.text = matcher.flush()
+                _set_stop_reason(last.final, req, progress)
                 yield last
                 finished = True
                 return
@@ -150,6 +152,7 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                             _name_tokens(msg.prompt_logprobs, tokenizer)
                         if msg.HasField("final"):
                             msg.text = matcher.flush() + msg.text
+                            _set_stop_reason(msg.final, req, progress)
                         else:
                             # armed once the tokens before this message reach min_tokens (vLLM checks no
                             # stop string in the text of the first min_tokens tokens)
@@ -157,8 +160,10 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                             msg.text, matched = matcher.push(msg.text, armed)
                             if matched:  # leaving the loop closes the attempt: its calls are cancelled
                                 yield msg
-                                yield _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,
-                                             len(progress.generated))
+                                last = _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,
+                                              len(progress.generated))
+                                last.final.stop_string = matcher.matched_string
+                                yield last
                                 finished = True
                                 return
                         yield msg
@@ -316,6 +321,14 @@ async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig
                     decode.call.cancel()
     finally:
         _forget_if_idle(view, decode.worker.worker_id)
+
+
+def _set_stop_reason(final: pdserve_pb2.Final, req: ValidRequest, progress: Progress) -> None:
+    """``final.stop_token_id`` when a token of the request's ``stop_token_ids`` ended the sequence (an EOS
+    token leaves it unset, as vLLM's ``stop_reason`` is None then, unless the request listed it itself)."""
+    if (final.finish_reason == pdserve_pb2.FINISH_REASON_STOP and progress.generated
+            and progress.generated[-1] in req.sampling.stop_token_ids):
+        final.stop_token_id = progress.generated[-1]
 
 
 _outcome_writes: set[asyncio.Task] = set()  # in flight; referenced so that they are not collected

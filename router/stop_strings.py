@@ -41,12 +41,17 @@ class StopMatcher:
     ``push`` returns the text the client may see now and whether a stop string matched (then the
     sequence ends: nothing after the match is ever released); ``flush`` releases the held text when the
     sequence ends for another reason. With no stop strings every delta is released at once.
+
+    ``include`` (vLLM's ``include_stop_str_in_output``) releases the matched stop string with the text
+    before it. ``matched_string`` is the stop string that matched (the one that starts first; of those that
+    start at the same place, the first in ``stop``), or None.
     """
 
-    def __init__(self, stop: Sequence[str]) -> None:
-        self._stop = tuple(stop)
+    def __init__(self, stop: Sequence[str], include: bool = False) -> None:
+        self._stop, self._include = tuple(stop), include
         self._held = ""
         self.matched = False
+        self.matched_string: str | None = None
 
     def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
         """Add a text delta; return ``(released text, matched)``. While not ``armed`` (the request's
@@ -63,10 +68,11 @@ class StopMatcher:
             return text, False
         buf = self._held + text
         # only the held text and the new delta can hold a match: released text was checked when pushed
-        found = [i for i in (buf.find(s) for s in self._stop) if i >= 0] if armed else []
+        found = [(i, k) for k, i in enumerate(buf.find(s) for s in self._stop) if i >= 0] if armed else []
         if found:
-            self.matched, self._held = True, ""
-            return buf[:min(found)], True
+            at, k = min(found)
+            self.matched, self._held, self.matched_string = True, "", self._stop[k]
+            return buf[:at + len(self._stop[k]) if self._include else at], True
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False

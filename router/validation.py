@@ -46,6 +46,7 @@ class ValidRequest:
     stop: tuple[str, ...] = ()         # stop strings (router.stop_strings)
     n: int = 1                         # sequences; sequence i samples with seed sampling.seed + i
     skip_special_tokens: bool = True   # False: special tokens' text kept (but the stop tokens'), router-side
+    include_stop_str_in_output: bool = False   # the matched stop string / stop token's text kept, router-side
 
 
 def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
@@ -192,4 +193,5 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             kind = "a finite non-negative" if name == "queue_timeout_s" else "a finite positive"
             raise ValueError(f"{name} must be {kind} number of seconds, got {value}")
     return ValidRequest(request_id or uuid.uuid4().hex, ids, sampling, slo, req.queue_timeout_s,
-                        stop, n, not s.HasField("skip_special_tokens") or s.skip_special_tokens)
+                        stop, n, not s.HasField("skip_special_tokens") or s.skip_special_tokens,
+                        s.include_stop_str_in_output)

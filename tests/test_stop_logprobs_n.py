@@ -115,6 +115,41 @@ def test_stop_string_across_tokens_cuts_exactly_and_frees_blocks(cl, api):
     assert "".join(c.choices[0].text for c in chunks) == full[:cut]
 
 
+def test_stop_reason_and_include_stop_str_in_output(cl, api):
+    """What stopped a sequence is reported (vLLM's ``stop_reason``) and left out of its text unless
+    ``include_stop_str_in_output``: a stop string, and a stop token that is an ordinary word (not a
+    special token, whose text skip_special_tokens would drop anyway)."""
+    def run(n, **kw):
+        return by_index(messages(cl, request(max_tokens=n, temperature=0, ignore_eos=True, **kw)))[0]
+
+    full = run(24)
+    ids = full["ids"]
+    j = next(j for j in range(2, 23) if ids[j] not in ids[:j] and run(j + 1)["text"] != run(j)["text"])
+    for include, upto in ((False, j), (True, j + 1)):
+        seq = run(24, stop_token_ids=[ids[j]], include_stop_str_in_output=include)
+        assert seq["ids"] == ids[:j + 1] and seq["final"].finish_reason == pdserve_pb2.FINISH_REASON_STOP
+        assert seq["text"] == run(upto)["text"], include
+        assert seq["final"].WhichOneof("stop_reason") == "stop_token_id" and seq["final"].stop_token_id == ids[j]
+    stop = full["text"][len(run(4)["text"]):][:3]          # a stop string from the fifth token on
+    cut = full["text"].index(stop)
+    for include, end in ((False, cut), (True, cut + len(stop))):
+        seq = run(24, stop=["never seen", stop], include_stop_str_in_output=include)
+        assert seq["text"] == full["text"][:end] and seq["final"].stop_string == stop
+    assert full["final"].WhichOneof("stop_reason") is None          # ended by length
+    # through the HTTP API, whole and streamed
+    extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+    whole = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+                                   extra_body=extra).choices[0]
+    assert whole.text == full["text"][:cut + len(stop)] and whole.stop_reason == stop
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True, "stop_token_ids": [ids[j]]}))
+    assert "".join(c.choices[0].text for c in chunks) == run(j)["text"]
+    assert chunks[-1].choices[0].stop_reason == ids[j] and chunks[-1].choices[0].finish_reason == "stop"
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    assert chat.finish_reason == "length" and chat.stop_reason is None
+
+
 def test_n_sequences_are_reproducible_and_count_the_prompt_once(cl, api):
     req = request(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
     first, again = by_index(messages(cl, req)), by_index(messages(cl, req))

@@ -118,7 +118,8 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
         max_tokens: when the body gives none (None: the router's ``default_max_tokens``).
     """
     s = pdserve_pb2.SamplingParams(top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM: -1 is off
-                                   stop_token_ids=body.stop_token_ids or (), ignore_eos=bool(body.ignore_eos))
+                                   stop_token_ids=body.stop_token_ids or (), ignore_eos=bool(body.ignore_eos),
+                                   include_stop_str_in_output=bool(body.include_stop_str_in_output))
     for name in ("temperature", "top_p", "seed", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
                  "min_tokens", "skip_special_tokens"):
         if getattr(body, name) is not None:
@@ -246,6 +247,14 @@ def chat_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
+def stop_reason(final: pdserve_pb2.Final | None) -> str | int | None:
+    """vLLM's ``stop_reason`` of a choice: the stop string or stop token id that ended it, else None."""
+    if final is None:
+        return None
+    which = final.WhichOneof("stop_reason")
+    return getattr(final, which) if which else None
+
+
 class Reply:
     """Builds one request's answer: a whole response or stream chunks, for completions or chat.
 
@@ -277,7 +286,7 @@ class Reply:
         for c in choices:
             reason = FINISH_REASON.get(c.final.finish_reason) if c.final is not None else None
             item: dict[str, Any] = {"index": c.index, "logprobs": self._logprobs(c.logprobs, 0, c.prompt_logprobs),
-                                    "finish_reason": reason}
+                                    "finish_reason": reason, "stop_reason": stop_reason(c.final)}
             if self.chat and self.tool_parser:
                 content, calls = parse_tool_calls(self.tool_parser, c.text)
                 calls = calls if self.parallel_tool_calls else calls[:1]
@@ -330,7 +339,7 @@ class Reply:
             reason = self._called_reason(reason)
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(text or "")
-        item: dict[str, Any] = {"index": index, "finish_reason": reason,
+        item: dict[str, Any] = {"index": index, "finish_reason": reason, "stop_reason": stop_reason(final),
                                 "logprobs": self._logprobs(logprobs, offset, prompt_logprobs) if logprobs else None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}

@@ -109,8 +109,8 @@ class ResponseFormat(_Strict):
 class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
-    ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens`` and ``return_token_ids`` (token ids beside
-    the text) are accepted too."""
+    ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
+    ``return_token_ids`` (token ids beside the text) are accepted too."""
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -125,6 +125,7 @@ class SamplingBody(_UnicodeBody):
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # stop strings and n sequences per prompt (router/http/mapping.py)
     stop: Stop = None
     n: Int32 | None = None
