@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.deploy.config import EMBEDDED_MODEL
-from pdserve.model.families import ARCHITECTURES, family_options
+from pdserve.model.families import ARCHITECTURES, family_options, fused_in_checkpoint
 
 _TINY = dict(num_hidden_layers=2, vocab_size=2048, max_position_embeddings=512, init_std=0.15, norm_std=0.1)
 PRESETS: dict[str, dict] = {
@@ -47,6 +47,8 @@ PRESETS: dict[str, dict] = {
                        num_key_value_heads=1, head_dim=40, tie_word_embeddings=False, rope_theta=1e6),
     "tiny-mistral": dict(_TINY, model_type="mistral", hidden_size=96, intermediate_size=120, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=36, tie_word_embeddings=False, rope_theta=1e4),
+    "tiny-phi3": dict(_TINY, model_type="phi3", hidden_size=60, intermediate_size=88, num_attention_heads=3,
+                      num_key_value_heads=1, tie_word_embeddings=False, rope_theta=2.5e5),      # head_dim 20
 }
 _PRIVATE = ("init_std", "norm_std")    # preset keys that shape the weights, not the config
 
@@ -60,7 +62,8 @@ def hf_config(preset: dict, dtype: str = "bfloat16") -> dict:
            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": dtype}
     cfg |= {"llama": {"attention_bias": False, "mlp_bias": False}, "mistral": {"sliding_window": None},
             "qwen2": {"use_sliding_window": False, "sliding_window": None},
-            "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}}[model_type]
+            "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
+            "phi3": {"sliding_window": None, "pad_token_id": 0}}[model_type]
     return cfg | shape
 
 
@@ -142,4 +145,9 @@ def _random_tensors(cfg: dict, preset: dict, seed: int, dtype: torch.dtype) -> d
             tensors |= {p + "mlp.gate_proj.bias": w(i), p + "mlp.up_proj.bias": w(i), p + "mlp.down_proj.bias": w(h)}
         if opts["qk_norm"]:
             tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d)}
+        if fused_in_checkpoint(cfg["model_type"]):      # Phi-3: q | k | v and gate | up stored as one tensor each
+            parts = [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat(parts)
+            parts = [tensors.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat(parts)
     return tensors

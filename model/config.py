@@ -1,5 +1,5 @@
 """Model configuration read from a Hugging Face ``config.json`` of a supported family
-(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3)."""
+(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class ModelConfig:
     derives them from ``config.json``:
 
     Attributes:
-        model_type: ``llama``, ``mistral``, ``qwen2`` or ``qwen3``.
+        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``phi3``.
         qkv_bias: the q, k and v projections have biases (Qwen2; Llama/Qwen3 with ``attention_bias``).
         o_proj_bias: the output projection has a bias (Llama/Qwen3 with ``attention_bias``).
         mlp_bias: gate, up and down projections have biases (Llama's ``mlp_bias``).

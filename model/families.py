@@ -9,6 +9,10 @@ which is the reference for token-exact output::
     mistral     none                                       no        hidden / heads      sliding_window, all layers
     qwen2       q, k, v always; o and MLP none             no        hidden / heads      see below
     qwen3       q, k, v, o: attention_bias                 yes       128                 see below
+    phi3        none                                       no        hidden / heads      sliding_window, all layers
+
+    Phi-3 / Phi-4 checkpoints (``Phi3ForCausalLM``) store the projections fused as ours are, ``qkv_proj``
+    (rows q | k | v) and ``gate_up_proj`` (rows gate | up): :func:`fused_in_checkpoint`.
 
     Qwen sliding window: only with use_sliding_window, on the layers layer_types marks
     "sliding_attention", else on layers >= max_window_layers.
@@ -16,7 +20,8 @@ which is the reference for token-exact output::
 Refused at load, with the field and the supported values named (never loaded silently wrong):
 another ``model_type`` or an ``architectures`` entry of another kind of head, a ``hidden_act``
 other than SiLU, a ``rope_scaling`` type other than default / linear / llama3 (or one missing its
-parameters), any ``quantization_config`` (pdserve quantizes itself: INT4 decode weights, FP8 prefill),
+parameters; Phi-3's ``longrope`` among them), a ``partial_rotary_factor`` other than 1 (Phi-4-mini's: RoPE
+here rotates whole heads), any ``quantization_config`` (pdserve quantizes itself: INT4 decode weights, FP8 prefill),
 an odd ``head_dim`` (RoPE rotates pairs), and a sliding window shorter than the context the model is
 served at (``max_position_embeddings``): sliding-window attention is not implemented here, and a
 window at least as long as the context never masks anything, so such checkpoints run exactly.
@@ -26,9 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 HIDDEN_ACTS = ("silu", "swish")              # transformers' ACT2FN maps both to SiLU
 ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -55,9 +60,16 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
         "mistral": (False, False, False, False),
         "qwen2": (True, False, False, False),
         "qwen3": (attention_bias, attention_bias, False, True),
+        "phi3": (False, False, False, False),
     }[model_type]
     return dict(zip(("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"), options),
                 head_dim=int(raw.get("head_dim") or default_head_dim))
+
+
+def fused_in_checkpoint(model_type: str) -> bool:
+    """Whether the family's checkpoints hold ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3), rather than
+    ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj`` and ``up_proj`` apart."""
+    return model_type == "phi3"
 
 
 def check_model_type(model_type: str, raw: dict[str, Any]) -> None:
@@ -97,6 +109,10 @@ def check_supported(model_type: str, raw: dict[str, Any], rope_scaling: dict | N
         missing = [k for k in ROPE_TYPES[kind] if k not in rope_scaling]
         if missing:
             raise ValueError(f"config.json rope_scaling of type {kind!r} lacks {missing}")
+    partial = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor {partial} is not supported; supported: 1.0 "
+                         "(RoPE over the whole head)")
     if head_dim % 2:
         raise ValueError(f"config.json head_dim {head_dim} is odd; supported: even head dims (RoPE rotates pairs)")
     window, layers = sliding_window(model_type, raw)
@@ -113,7 +129,7 @@ def sliding_window(model_type: str, raw: dict[str, Any]) -> tuple[int | None, li
     it applies to (``(None, [])`` when none does)."""
     num_layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (int(window), list(range(num_layers))) if window is not None else (None, [])
     if model_type not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or window is None:
         return None, []

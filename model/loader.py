@@ -7,6 +7,9 @@ and gate, up projections land in row ranges of our fused ``qkv_proj`` / ``gate_u
 
     qkv_proj.weight  [q_size + 2 kv_size, hidden]   rows: q_proj | k_proj | v_proj   (biases alike)
     gate_up_proj     [2 intermediate, hidden]       rows: gate_proj | up_proj
+
+A family whose checkpoints hold them fused already (Phi-3: :func:`model.families.fused_in_checkpoint`) maps
+every tensor to its own name.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from pdserve.model.checkpoint import iter_tensors, resolve_model_dir
 from pdserve.model.config import ModelConfig
+from pdserve.model.families import fused_in_checkpoint
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import RotaryEmbedding
 
@@ -55,7 +59,7 @@ def hf_layout(cfg: ModelConfig, expected: dict[str, torch.Tensor]) -> dict[str, 
                  "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size}
     layout: dict[str, Placement] = {}
     for name, tensor in expected.items():
-        fused = next((f for f in _FUSED if f".{f}." in name), None)
+        fused = None if fused_in_checkpoint(cfg.model_type) else next((f for f in _FUSED if f".{f}." in name), None)
         if fused is None:
             layout[name] = Placement(name, 0, tensor.shape[0])
             continue

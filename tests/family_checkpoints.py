@@ -6,6 +6,7 @@ model classes (so the checkpoint format is the reference's, not ours), for the f
     qwen2         80  4 x 20                    1           136  tied     q/k/v biases, rope_theta 1e6
     qwen3         64  3 x 40 (!= 64 / 3)        1            96  untied   q/k norm, rope_theta 1e6
     mistral       96  4 x 36 (!= 96 / 4)        2           120  untied   sliding_window = context (never masks)
+    phi3          60  3 x 20                    1            88  untied   qkv_proj, gate_up_proj fused; theta 2.5e5
 
 Every model: 2 layers, vocab 1000, 256 positions, BOS 1, EOS 2, the embedded model's tokenizer.
 Weights N(0, 0.15) (larger than transformers' init, so greedy output is not flat), biases N(0, 0.3),
@@ -21,7 +22,7 @@ import torch
 
 from pdserve.deploy.config import EMBEDDED_MODEL
 
-FAMILIES = ("qwen2", "qwen3", "mistral")
+FAMILIES = ("qwen2", "qwen3", "mistral", "phi3")
 _COMMON = dict(num_hidden_layers=2, vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-5,
                bos_token_id=1, eos_token_id=2)
 SHAPES = {
@@ -33,6 +34,8 @@ SHAPES = {
                   head_dim=40, tie_word_embeddings=False, rope_theta=1e6),
     "mistral": dict(_COMMON, hidden_size=96, intermediate_size=120, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=36, tie_word_embeddings=False, rope_theta=1e4, sliding_window=256),
+    "phi3": dict(_COMMON, hidden_size=60, intermediate_size=88, num_attention_heads=3, num_key_value_heads=1,
+                 tie_word_embeddings=False, rope_theta=2.5e5, pad_token_id=0, sliding_window=None),
 }
 
 

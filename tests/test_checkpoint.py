@@ -135,7 +135,7 @@ def _edited(tmp_path: Path, src: str, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, field, supported", [
-    (dict(model_type="gemma"), "model_type 'gemma'", "llama, mistral, qwen2, qwen3"),
+    (dict(model_type="gemma"), "model_type 'gemma'", "llama, mistral, qwen2, qwen3, phi3"),
     (dict(architectures=["Qwen2ForSequenceClassification"]), "architectures", "Qwen2ForCausalLM"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'", "silu"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None), "rope_scaling type 'yarn'",
@@ -148,6 +148,7 @@ def _edited(tmp_path: Path, src: str, **changes) -> Path:
     (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1, layer_types=None), "sliding_window 64",
      "sliding_window >= max_position_embeddings"),
     (dict(head_dim=21), "head_dim 21", "even"),
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75", "supported: 1.0"),
 ])
 def test_unsupported_checkpoints_are_refused_naming_the_field(tmp_path, qwen2_dir, changes, field, supported):
     path = _edited(tmp_path, qwen2_dir, **changes)
@@ -165,6 +166,21 @@ def test_mistral_sliding_window_is_refused_only_when_shorter_than_the_context(tm
         raw = json.loads((Path(path) / "config.json").read_text()) | {"sliding_window": window}
         (Path(path) / "config.json").write_text(json.dumps(raw))
         assert ModelConfig.from_hf_dir(path).model_type == "mistral"
+
+
+def test_phi3_long_rope_and_short_windows_are_refused(tmp_path):
+    """Phi-3's longrope scaling (Phi-3.5, Phi-4-mini) and a window under the context (Phi-3-mini-4k's 2,047 of
+    4,096) are refused by name; Phi-4's config (no window, plain RoPE) loads."""
+    path = write_checkpoint("phi3", tmp_path / "p")
+    assert ModelConfig.from_hf_dir(path).model_type == "phi3"
+    for changes, match in ((dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 10,
+                                               "long_factor": [1.0] * 10}, rope_parameters=None),
+                            "rope_scaling type 'longrope'"),
+                           (dict(sliding_window=128), "sliding_window 128 .*shorter than the 256-token context"),
+                           (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                  "partial_rotary_factor": 0.75}), "partial_rotary_factor 0.75")):
+        with pytest.raises(ValueError, match=match):
+            load_model(_edited(tmp_path / match[:8], path, **changes))
 
 
 def test_qwen_sliding_window_counts_only_when_enabled(tmp_path, qwen2_dir):

@@ -31,6 +31,9 @@ VARIANTS = {  # name -> (family, overrides): the families plus the options their
     "qwen3": ("qwen3", {}),
     "qwen3-attention-bias-tied": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
     "mistral": ("mistral", {}),
+    "phi3": ("phi3", {}),
+    "phi3-2kv-tied": ("phi3", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=True)),
     "llama-rope-llama3": ("llama", dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                           high_freq_factor=4.0, original_max_position_embeddings=64))),
     "llama-rope-linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=4.0))),
@@ -60,7 +63,7 @@ def test_prefill_logits_match_transformers(checkpoints, variant):
     torch.testing.assert_close(logits, ref, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3-attention-bias-tied", "mistral"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3-attention-bias-tied", "mistral", "phi3"])
 def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints, variant):
     """Chunks ending mid-block over scattered blocks, and decode steps on the C kernels (fp32), equal
     one unchunked pass."""
@@ -105,7 +108,7 @@ def test_fused_rope_write_kv_applies_the_per_head_qk_norm_as_the_torch_code(dtyp
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="no AVX2 or no C compiler")
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "mistral", "phi3"])
 def test_packed_bf16_model_matches_the_plain_bf16_model(checkpoints, variant):
     """The decode worker's bf16 model (packed linears with biases added after the product, C attention,
     fused ops with the q/k norm) against the same weights through torch: logits of decode steps at 1,
@@ -182,7 +185,7 @@ def test_colocated_engine_with_speculation_matches_transformers(checkpoints, tmp
     print(f"{family} {mode}: {accepted}/{drafted} draft tokens accepted")
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3"])
 def test_make_model_presets_load_in_transformers_and_here_alike(tmp_path, preset):
     from pdserve.deploy.make_model import PRESETS, make_model, num_parameters
 
