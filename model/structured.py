@@ -1,6 +1,8 @@
-"""Structured output: sampling held to a grammar, JSON (any object) or JSON that matches a JSON Schema, by
-masking at each step the tokens the grammar does not allow next, with xgrammar (Dong et al., "XGrammar",
-MLSys 2025), vLLM's default structured-output backend::
+"""Structured output: sampling held to a grammar, by masking at each step the tokens the grammar does not allow
+next, with xgrammar (Dong et al., "XGrammar", MLSys 2025), vLLM's default structured-output backend. The kinds
+of grammar (:data:`KINDS`, vLLM's ``structured_outputs``): any JSON object, JSON matching a JSON Schema, text
+matching a regular expression (xgrammar's dialect), exactly one of a list of strings, and a context-free
+grammar in xgrammar's EBNF (GBNF-like, start rule ``root``)::
 
     spec ("json_schema", schema text) ──Grammars.compile──► compiled grammar (cached per spec)
     compiled ──Constraint──► per request: mask(logits row) before sampling, accept(token) after
@@ -18,6 +20,7 @@ cannot pad its answer with spaces until ``max_tokens``; JSON objects (``json_obj
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -30,12 +33,49 @@ from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu.fused import mask_logits_
 from pdserve.model.tokenizer import load_hf_tokenizer
 
-KINDS = ("json_object", "json_schema")
-MAX_SCHEMA_CHARS = 65_536  # a schema's JSON text at most: every worker compiles it, as every worker reads a prompt
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_SCHEMA_CHARS = 65_536  # a spec's text at most: every worker compiles it, as every worker reads a prompt
+MAX_CHOICES = 1_024
 CACHE_SIZE = 64   # compiled grammars kept per process (least recently used dropped)
 
 Spec = tuple[str, str]
-"""``(kind, text)``: ``("json_object", "")`` or ``("json_schema", the schema as JSON text)``."""
+"""``(kind, text)``: ``("json_object", "")``, ``("json_schema", the schema as JSON text)``, ``("regex",
+pattern)``, ``("choice", the choices as a JSON array of strings)`` or ``("grammar", EBNF text)``."""
+
+
+def check_spec(spec: Spec) -> None:
+    """Refuse a spec before any xgrammar parser sees it: an unknown kind, a text over :data:`MAX_SCHEMA_CHARS`
+    characters, a schema :func:`check_schema_text` refuses, an empty regex or grammar, or choices that are not
+    1 to :data:`MAX_CHOICES` non-empty strings.
+
+    Raises:
+        ValueError: naming the field (``structured_output.<kind>``) and the problem.
+    """
+    kind, text = spec
+    if kind not in KINDS:
+        raise ValueError(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}")
+    if kind == "json_schema":
+        check_schema_text(text)
+    elif len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"structured_output.{kind} of {len(text)} characters exceeds {MAX_SCHEMA_CHARS}")
+    elif kind in ("regex", "grammar") and not text:
+        raise ValueError(f"structured_output.{kind} is empty")
+    elif kind == "choice":
+        choices = json.loads(text)
+        if not (isinstance(choices, list) and 0 < len(choices) <= MAX_CHOICES
+                and all(isinstance(c, str) and c for c in choices)):
+            raise ValueError(f"structured_output.choice must be 1 to {MAX_CHOICES} non-empty strings")
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The EBNF of exactly one of ``choices``: each a string literal (JSON's escapes, which xgrammar's EBNF
+    reads alike; other characters as they are)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _xgrammar_message(exc: RuntimeError) -> str:
+    """xgrammar's error without its log prefix (``[time] file.cc:line: ``)."""
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip().splitlines()[-1].strip())
 
 
 def check_schema_text(text: str) -> None:
@@ -74,8 +114,7 @@ class Grammars:
         """The compiled grammar of ``spec`` (cached).
 
         Raises:
-            ValueError: an unknown kind, a schema :func:`check_schema_text` refuses, or one xgrammar cannot
-                compile (its message).
+            ValueError: a spec :func:`check_spec` refuses, or one xgrammar cannot compile (its message).
         """
         with self._lock:
             if spec in self._cache:
@@ -83,16 +122,21 @@ class Grammars:
                 return self._cache[spec]
             compiler = self._compiler = self._compiler or self._new_compiler()
             kind, text = spec
+            check_spec(spec)
             try:
                 if kind == "json_object":   # an object, as OpenAI's json_object (the builtin grammar takes arrays)
                     compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
                 elif kind == "json_schema":
-                    check_schema_text(text)
                     compiled = compiler.compile_json_schema(text, any_whitespace=False)
+                elif kind == "regex":
+                    compiled = compiler.compile_regex(text)
+                elif kind == "choice":
+                    compiled = compiler.compile_grammar(choice_grammar(json.loads(text)))
                 else:
-                    raise ValueError(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}")
-            except RuntimeError as exc:   # xgrammar's error for a schema it cannot take
-                raise ValueError(f"the JSON schema cannot be compiled: {str(exc).splitlines()[-1].strip()}") from None
+                    compiled = compiler.compile_grammar(text)
+            except RuntimeError as exc:   # xgrammar's error for a spec it cannot take
+                what = "JSON schema" if kind == "json_schema" else kind
+                raise ValueError(f"the {what} cannot be compiled: {_xgrammar_message(exc)}") from None
             self._cache[spec] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)

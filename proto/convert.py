@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pdserve.model.sampling import SamplingParams, TokenLogprobs
 from pdserve.proto import pdserve_pb2, worker_pb2
 
@@ -38,17 +40,23 @@ def grammar_to_wire(grammar: tuple[str, str] | None) -> pdserve_pb2.StructuredOu
     """``SamplingParams.grammar`` as the wire's ``StructuredOutput`` (None: unset)."""
     if grammar is None:
         return None
-    if grammar[0] == "json_object":
+    kind, text = grammar
+    if kind == "json_object":
         return pdserve_pb2.StructuredOutput(json_object=True)
-    return pdserve_pb2.StructuredOutput(json_schema=grammar[1])
+    if kind == "choice":
+        return pdserve_pb2.StructuredOutput(choice=pdserve_pb2.Choices(choices=json.loads(text)))
+    return pdserve_pb2.StructuredOutput(**{kind: text})
 
 
 def grammar_from_wire(m: pdserve_pb2.StructuredOutput) -> tuple[str, str] | None:
-    """A ``StructuredOutput`` as ``SamplingParams.grammar``: ``("json_object", "")``, ``("json_schema", text)``
-    or None (unset, or ``json_object`` false)."""
-    kind = m.WhichOneof("grammar")
-    if kind == "json_schema":
-        return "json_schema", m.json_schema
+    """A ``StructuredOutput`` as ``SamplingParams.grammar`` (:data:`model.structured.Spec`): ``("json_object",
+    "")``, ``("json_schema" | "regex" | "grammar", text)``, ``("choice", the choices as a JSON array)``, or None
+    (unset, or ``json_object`` false)."""
+    kind = m.WhichOneof("kind")
+    if kind == "choice":
+        return "choice", json.dumps(list(m.choice.choices), ensure_ascii=False)
+    if kind in ("json_schema", "regex", "grammar"):
+        return kind, getattr(m, kind)
     return ("json_object", "") if kind == "json_object" and m.json_object else None
 
 

@@ -21,7 +21,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from pdserve.cluster.rpc_fields import UNSAFE_CATEGORIES, outside_vocabulary
 from pdserve.model.config import ModelConfig
 from pdserve.model.sampling import SamplingParams
-from pdserve.model.structured import check_schema_text
+from pdserve.model.structured import check_spec
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import grammar_from_wire
@@ -168,8 +168,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         raise ValueError(f"prompt_logprobs {sampling.prompt_logprobs} over a {len(ids)}-token prompt is "
                          f"{len(ids) * (sampling.prompt_logprobs + 1)} entries, more than the "
                          f"{MAX_PROMPT_LOGPROB_ENTRIES} one message carries (fewer alternatives, or a shorter prompt)")
-    if sampling.grammar is not None and sampling.grammar[0] == "json_schema":
-        check_schema_text(sampling.grammar[1])
+    if sampling.grammar is not None:
+        check_spec(sampling.grammar)
     n = s.n if s.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n must be in [1, {MAX_N}], got {n}")

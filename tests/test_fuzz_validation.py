@@ -78,8 +78,7 @@ def assert_in_range(v: ValidRequest) -> None:
     assert 0 <= s.min_tokens <= s.max_tokens
     assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in s.logit_bias)
     assert s.prompt_logprobs is None or 0 <= s.prompt_logprobs <= 20
-    assert s.grammar is None or ((s.grammar[0] == "json_object" or _schema_ok(s.grammar[1]))
-                                 and not s.ignore_eos and not s.min_tokens)
+    assert s.grammar is None or (_spec_ok(*s.grammar) and not s.ignore_eos and not s.min_tokens)
     assert math.isfinite(v.slo.ttft_s) and v.slo.ttft_s > 0 and math.isfinite(v.slo.tpot_s) and v.slo.tpot_s > 0
     assert math.isfinite(v.queue_timeout_s) and v.queue_timeout_s >= 0
 
@@ -120,18 +119,31 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
     if s.HasField("prompt_logprobs") and not (0 <= s.prompt_logprobs <= 20
                                               and len(ids) * (s.prompt_logprobs + 1) <= MAX_PROMPT_LOGPROB_ENTRIES):
         bad.add("prompt_logprobs")
-    grammar = s.structured_output.WhichOneof("grammar")
-    if (grammar == "json_object" and s.structured_output.json_object or grammar == "json_schema") \
-            and (s.ignore_eos or s.min_tokens):
+    so = s.structured_output
+    grammar = so.WhichOneof("kind")
+    if grammar is not None and (grammar != "json_object" or so.json_object) and (s.ignore_eos or s.min_tokens):
         bad.add("structured output")
-    if grammar == "json_schema" and not _schema_ok(s.structured_output.json_schema):
-        bad.add("json_schema")
+    if grammar == "choice" and not _spec_ok("choice", json.dumps(list(so.choice.choices))):
+        bad.add("choice")
+    elif grammar not in (None, "json_object", "choice") and not _spec_ok(grammar, getattr(so, grammar)):
+        bad.add(grammar)
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if req.HasField(name) and not (math.isfinite(getattr(req, name)) and getattr(req, name) > 0):
             bad.add(name)
     if not (math.isfinite(req.queue_timeout_s) and req.queue_timeout_s >= 0):
         bad.add("queue_timeout_s")
     return bad
+
+
+def _spec_ok(kind: str, text: str) -> bool:
+    """Whether the router passes a structured-output spec to the workers (which compile it): a schema
+    :func:`_schema_ok`, a regex or grammar of 1 to 64 Ki characters, 1 to 1,024 non-empty choices."""
+    if kind == "json_schema":
+        return _schema_ok(text)
+    if kind == "choice":
+        choices = json.loads(text)
+        return 0 < len(choices) <= 1_024 and all(choices) and len(text) <= 65_536
+    return kind == "json_object" or 0 < len(text) <= 65_536
 
 
 def _schema_ok(text: str) -> bool:
@@ -170,11 +182,16 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
                                              max_size=4)))
     if draw(st.booleans()):
         s.prompt_logprobs = draw(st.integers(-3, 24) | I32)
-    kind = draw(st.sampled_from([None, None, "json_object", "json_schema"]))
+    kind = draw(st.sampled_from([None, None, "json_object", "json_schema", "regex", "choice", "grammar"]))
     if kind == "json_object":
         s.structured_output.json_object = draw(st.booleans())
     elif kind == "json_schema":
         s.structured_output.json_schema = draw(st.sampled_from(SCHEMAS) | st.text(max_size=20))
+    elif kind in ("regex", "grammar"):
+        setattr(s.structured_output, kind, draw(st.text(max_size=8) | st.just("a" * 65_537)))
+    elif kind == "choice":
+        s.structured_output.choice.choices.extend(draw(st.lists(st.text(max_size=3), max_size=3)
+                                                       | st.just(["x"] * 1_025) | st.just(["y" * 40_000] * 2)))
     req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,
                                       request_id=draw(st.text(max_size=8) | st.text(min_size=250, max_size=300)),
                                       queue_timeout_s=draw(st.just(0.0) | doubles))

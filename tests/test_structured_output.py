@@ -6,6 +6,7 @@ HTTP as OpenAI's ``response_format``."""
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import openai
@@ -66,12 +67,13 @@ def constrained(prompt, schema=SCHEMA, **kw) -> pdserve_pb2.GenerateRequest:
     return req
 
 
-def reference(json_dir: str, vocab: int, prompt: list[int], max_tokens: int) -> list[int]:
-    """``transformers`` greedy decoding with every step's logits masked by the schema's grammar."""
+def reference(json_dir: str, vocab: int, prompt: list[int], max_tokens: int,
+              spec: tuple[str, str] = ("json_schema", json.dumps(SCHEMA))) -> list[int]:
+    """``transformers`` greedy decoding with every step's logits masked by the grammar of ``spec``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(json_dir, dtype=torch.float32).eval()
-    constraint = Grammars(json_dir, vocab, [2]).constraint(("json_schema", json.dumps(SCHEMA)))
+    constraint = Grammars(json_dir, vocab, [2]).constraint(spec)
     ids, out = list(prompt), []
     with torch.no_grad():
         for _ in range(max_tokens):
@@ -113,6 +115,59 @@ def test_greedy_answers_are_token_exact_disaggregated_and_colocated(cluster, col
         assert got.token_ids == expected and got.final.finish_reason == pdserve_pb2.FINISH_REASON_STOP
         assert valid(got.text)
         c.assert_pools_free()
+
+
+REGEX = r"[0-9]{2,4}-(yes|no)"
+CHOICES = ["red dog", "blue cat", "green", 'a "quoted" word']   # (the embedded vocabulary has no backslash)
+EBNF = 'root ::= "The answer is " ("yes" | "no" | [0-9]+) "."'
+
+
+def held(prompt, kind: str, value, **kw) -> pdserve_pb2.GenerateRequest:
+    req = client.make_request(prompt, **kw)
+    if kind == "choice":
+        req.sampling.structured_output.choice.choices.extend(value)
+    else:
+        setattr(req.sampling.structured_output, kind, value)
+    return req
+
+
+def test_regex_choice_and_ebnf_grammar_hold_sampled_answers(cluster, json_dir, vocab):
+    """vLLM's other structured_outputs kinds: every sampled answer matches its regex, is one of its choices
+    (escapes included), or is a sentence of its EBNF grammar, and ends there (STOP); greedy answers equal
+    transformers' under the same masks."""
+    async def all_at_once(channel):
+        import asyncio
+        reqs = [held(PROMPT, kind, value, max_tokens=40, temperature=1.0, seed=seed)
+                for seed in range(3) for kind, value in (("regex", REGEX), ("choice", CHOICES), ("grammar", EBNF))]
+        return await asyncio.gather(*[client.complete(channel, r, timeout_s=60) for r in reqs])
+    got = cluster.run(all_at_once)
+    for k, answer in enumerate(got):
+        assert answer.final.finish_reason == pdserve_pb2.FINISH_REASON_STOP and answer.token_ids[-1] == 2
+        text = answer.text
+        assert [re.fullmatch(REGEX, text), text in CHOICES, re.fullmatch(r"The answer is (yes|no|[0-9]+)\.",
+                                                                         text)][k % 3], (k, text)
+    prompt = Tokenizer(json_dir, 1).encode(PROMPT)
+    for kind, value in (("regex", REGEX), ("choice", CHOICES)):
+        spec = (kind, json.dumps(value) if kind == "choice" else value)
+        expected = reference(json_dir, vocab, prompt, 40, spec)
+        assert run(cluster, held(prompt, kind, value, max_tokens=40, temperature=0)).token_ids == expected
+    cluster.assert_pools_free()
+
+
+@pytest.mark.parametrize("kind, value, words", [
+    ("regex", "(unclosed", "the regex cannot be compiled: Regex parsing error"),
+    ("grammar", "root ::= undefined_rule", 'the grammar cannot be compiled: EBNF parser error'),
+    ("choice", [], "structured_output.choice must be 1 to 1024 non-empty strings"),
+    ("choice", ["ok", ""], "structured_output.choice must be"),
+    ("regex", "", "structured_output.regex is empty"),
+    ("grammar", "x" * 65_537, "structured_output.grammar of 65537 characters exceeds 65536"),
+])
+def test_other_kinds_refused_as_invalid_argument(cluster, kind, value, words):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        run(cluster, held(PROMPT, kind, value, max_tokens=8))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details(), \
+        info.value.details()
+    cluster.assert_pools_free()
 
 
 def test_sampled_answers_are_valid(cluster):
@@ -189,6 +244,35 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {},
                                                                        "additionalProperties": False}}}
+
+
+def test_vllm_structured_outputs_over_http(cluster):
+    api = openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="unused", max_retries=0)
+    chat = dict(model="tinystories-json", messages=[{"role": "user", "content": PROMPT}], max_tokens=40)
+    got = api.chat.completions.create(**chat, temperature=0.9, seed=1,
+                                      extra_body={"structured_outputs": {"choice": CHOICES}})
+    assert got.choices[0].message.content in CHOICES and got.choices[0].finish_reason == "stop"
+    got = api.completions.create(model="tinystories-json", prompt=PROMPT, max_tokens=40, temperature=0.9, seed=2,
+                                 extra_body={"structured_outputs": {"regex": REGEX}})
+    assert re.fullmatch(REGEX, got.choices[0].text)
+    got = api.chat.completions.create(**chat, temperature=0, extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert valid(got.choices[0].message.content)
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model="tinystories-json", prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+        extra_body={"structured_outputs": {"grammar": EBNF}}) if c.choices)
+    assert re.fullmatch(r"The answer is (yes|no|[0-9]+)\.", streamed)
+    for bad, words in (({"structured_outputs": {"regex": REGEX, "choice": ["a"]}}, "exactly one"),
+                       ({"structured_outputs": {}}, "exactly one"),
+                       ({"structured_outputs": {"whitespace_pattern": " "}}, "whitespace_pattern"),
+                       ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+                        "not both"),
+                       ({"structured_outputs": {"regex": "(x"}}, "cannot be compiled")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            api.chat.completions.create(**chat, extra_body=bad)
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        api.chat.completions.create(**chat, tools=[WEATHER], tool_choice="required",
+                                    extra_body={"structured_outputs": {"choice": ["a"]}})
+    cluster.assert_pools_free()
 
 
 def test_tool_choice_required_and_named_are_held_to_calls(cluster):

@@ -32,7 +32,7 @@ from pdserve.model.tool_calls import (
 )
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.errors import ApiError
-from pdserve.router.http.schemas import INT64, ChatCompletionRequest, ResponseFormat, SamplingBody
+from pdserve.router.http.schemas import INT64, ChatCompletionRequest, ResponseFormat, SamplingBody, StructuredOutputs
 
 FINISH_REASON = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -81,7 +81,8 @@ def tool_parser_for(body: ChatCompletionRequest, parser: str) -> str:
 
     Raises:
         ApiError: 400 for a ``tool_choice`` other than ``none`` without ``tools``; a named function that is not
-            among them; ``required`` or a named function with a ``response_format`` (both hold the answer);
+            among them; ``required`` or a named function with a ``response_format`` or ``structured_outputs``
+            (both hold the answer);
             ``auto`` on a router started without a tool call parser.
     """
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
@@ -90,9 +91,10 @@ def tool_parser_for(body: ChatCompletionRequest, parser: str) -> str:
     if not body.tools:
         raise ApiError(400, "`tool_choice` other than none needs `tools`", param="tool_choice")
     if choice != "auto":
-        if body.response_format is not None and body.response_format.type != "text":
+        if body.response_format is not None and body.response_format.type != "text" \
+                or body.structured_outputs is not None:
             raise ApiError(400, "`tool_choice` required or a named function holds the answer to tool calls: "
-                                "give no `response_format` with it", param="tool_choice")
+                                "give no `response_format` or `structured_outputs` with it", param="tool_choice")
         if choice == "required":
             return FORCED
         if choice.function.name not in {t.function.name for t in body.tools}:
@@ -133,6 +135,11 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
         s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if body.response_format is not None and body.response_format.type != "text":
         s.structured_output.CopyFrom(_structured_output(body.response_format))
+    if body.structured_outputs is not None:
+        if s.HasField("structured_output"):
+            raise ApiError(400, "give `structured_outputs` or a `response_format` other than text, not both",
+                           param="structured_outputs")
+        s.structured_output.CopyFrom(_vllm_structured_outputs(body.structured_outputs))
     if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_choice not in (None, "none", "auto"):
         named = None if body.tool_choice == "required" else body.tool_choice.function.name
         s.structured_output.json_schema = json.dumps(forced_calls_schema(
@@ -169,6 +176,26 @@ def _structured_output(fmt: ResponseFormat) -> pdserve_pb2.StructuredOutput:
         raise ApiError(400, "`response_format` json_schema needs `json_schema.schema` (a JSON Schema object)",
                        param="response_format")
     return pdserve_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+
+
+def _vllm_structured_outputs(so: StructuredOutputs) -> pdserve_pb2.StructuredOutput:
+    """vLLM's ``structured_outputs`` as the router's ``StructuredOutput`` (the router checks the texts' sizes,
+    the workers compile them).
+
+    Raises:
+        ApiError: 400 unless exactly one kind is given (``json_object`` false counts as none).
+    """
+    given = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                               ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None}
+    if len(given) != 1:
+        raise ApiError(400, "`structured_outputs` takes exactly one of json, regex, choice, grammar, json_object; "
+                            f"got {len(given)}", param="structured_outputs")
+    (kind, value), = given.items()
+    if kind == "json_schema":
+        return pdserve_pb2.StructuredOutput(json_schema=value if isinstance(value, str) else json.dumps(value))
+    if kind == "choice":
+        return pdserve_pb2.StructuredOutput(choice=pdserve_pb2.Choices(choices=value))
+    return pdserve_pb2.StructuredOutput(**{kind: value})
 
 
 def _token_id(key: str) -> int:

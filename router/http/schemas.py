@@ -99,6 +99,19 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (exactly one key): ``json`` (a JSON Schema, object or text), ``regex``,
+    ``choice`` (the answer is one of these strings), ``grammar`` (xgrammar's EBNF, start rule ``root``) or
+    ``json_object`` (true: any JSON object). vLLM's ``whitespace_pattern`` and ``structural_tag`` are not
+    accepted (400 naming them)."""
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class ResponseFormat(_Strict):
     """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or ``json_schema``."""
 
@@ -135,8 +148,10 @@ class SamplingBody(_UnicodeBody):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: Int32 | None = None
-    # structured output (model/structured.py): OpenAI's response_format, on completions too as in vLLM
+    # structured output (model/structured.py): OpenAI's response_format, on completions too as in vLLM, and
+    # vLLM's structured_outputs
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingBody):
