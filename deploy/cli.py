@@ -17,6 +17,7 @@ import grpc
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
+from pdserve.model.reasoning import REASONING_PARSERS
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS
 from pdserve.router.config import RouterConfig
 
@@ -78,6 +79,9 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="", choices=TOOL_CALL_PARSERS,
                    help="router: the format the model writes tool calls in (hermes: Hermes, Qwen2.5, Qwen3; "
                         "llama3_json: Llama 3.1+); chat requests with tools then get OpenAI tool_calls back")
+    p.add_argument("--reasoning-parser", default="", choices=REASONING_PARSERS,
+                   help="router: how the model marks its reasoning (deepseek_r1: DeepSeek-R1, QwQ, Qwen3 "
+                        "*-Thinking-2507; qwen3: Qwen3's hybrid models); chat answers then carry it as `reasoning`")
     p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="workers on GPUs (cuda: one each; waits --gpu-wait seconds for the GPU nodes the pools "
@@ -208,18 +212,19 @@ def _http_options(args: argparse.Namespace) -> dict:
     """RouterConfig fields of the HTTP API flags (none without ``--http-port``).
 
     Raises:
-        ValueError: ``--served-model-name``, ``--chat-template`` or ``--tool-call-parser`` without
-            ``--http-port`` (they would be ignored).
+        ValueError: ``--served-model-name``, ``--chat-template``, ``--tool-call-parser`` or
+            ``--reasoning-parser`` without ``--http-port`` (they would be ignored).
     """
     if args.http_port is None:
         given = [flag for flag, value in (("--served-model-name", args.served_model_name),
                                           ("--chat-template", args.chat_template),
-                                          ("--tool-call-parser", args.tool_call_parser)) if value]
+                                          ("--tool-call-parser", args.tool_call_parser),
+                                          ("--reasoning-parser", args.reasoning_parser)) if value]
         if given:
             raise ValueError(f"{' and '.join(given)} configure the HTTP API: they need --http-port")
         return {}
     return {"http_port": args.http_port, "served_model_name": args.served_model_name,
-            "tool_call_parser": args.tool_call_parser,
+            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
             **({"chat_template": str(Path(args.chat_template).resolve())} if args.chat_template else {})}
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.cluster.worker_process import default_redis_url
+from pdserve.model.reasoning import REASONING_PARSERS
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS
 
 TOKEN_ENV = "PDSERVE_ROUTER_TOKEN"
@@ -98,6 +99,8 @@ class RouterConfig:
         tool_call_parser: the format the model writes tool calls in (``hermes``, ``llama3_json``:
             :mod:`model.tool_calls`); chat requests with ``tools`` and ``tool_choice`` ``auto`` get their calls
             back as OpenAI ``tool_calls`` (empty: no parsing, and such requests are refused).
+        reasoning_parser: how the model marks its reasoning (``deepseek_r1``, ``qwen3``: :mod:`model.reasoning`);
+            chat answers then carry it apart from their content, as ``reasoning`` (empty: no split).
     """
 
     model_dir: str
@@ -134,6 +137,7 @@ class RouterConfig:
     served_model_name: str = ""
     chat_template: str = ""
     tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         for name in ("registry_poll_s", "prefill_timeout_s", "stream_idle_timeout_s"):
@@ -169,6 +173,9 @@ class RouterConfig:
         if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} (or empty: none), "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or empty: none), "
+                             f"got {self.reasoning_parser!r}")
         self.tls_key_pair()  # fail at startup, not at the first connection
         if not self.bearer_tokens() and self.max_streams_per_token:
             raise ValueError("max_streams_per_token needs bearer tokens (token_file or PDSERVE_ROUTER_TOKEN)")

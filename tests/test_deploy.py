@@ -103,6 +103,7 @@ def test_make_model_writes_a_loadable_checkpoint(tmp_path):
     (["--speculative", "draft"], "speculative=draft needs spec_draft_model"),
     (["--served-model-name", "foo"], "--served-model-name configure the HTTP API: they need --http-port"),
     (["--tool-call-parser", "hermes"], "--tool-call-parser configure the HTTP API: they need --http-port"),
+    (["--reasoning-parser", "qwen3"], "--reasoning-parser configure the HTTP API: they need --http-port"),
     (["--colocated", "1", "--activations", "fp8"], "--activations configures prefill workers"),
     (["--redis-url", "garbage"], "redis_url must be a URL starting with redis://"),
 ])

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS, parse_tool_calls, tool_call_stream
 from pdserve.proto import pdserve_pb2
-from pdserve.router.http.mapping import Choice, Reply
+from pdserve.router.http.reply import Choice, Reply
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
 TIME = '{"name": "get_time", "arguments": {}}'
@@ -110,7 +110,7 @@ def test_reply_gives_openai_tool_calls_whole_and_streamed():
         # streamed in three messages, the last with the final
         deltas = []
         for i, (piece, end) in enumerate(((text[:13], False), (text[13:60], False), (text[60:], True))):
-            content, calls = reply.stream_text(0, piece, end)
+            _, content, calls = reply.stream_text(0, piece, end)
             deltas.append(reply.chunk(0, content, tool_calls=calls)["choices"][0]["delta"])
         last = reply.chunk(0, None, final=final())["choices"][0]
         assert last["finish_reason"] == "tool_calls"

@@ -41,7 +41,8 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.http.chat import chat_prompt, tokenize_body
 from pdserve.router.http.errors import ApiError, from_status, install_handlers
-from pdserve.router.http.mapping import Reply, check_supported, generate_request, prompts_of, tool_parser_for
+from pdserve.router.http.mapping import check_supported, generate_request, prompts_of, tool_parser_for
+from pdserve.router.http.reply import Reply
 from pdserve.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -148,12 +149,16 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
                                 "or chat_template.jinja): use /v1/completions, or start the router with "
                                 "--chat-template FILE", param="messages", code="no_chat_template")
         parser = tool_parser_for(body, backend.cfg.tool_call_parser)
-        ids, room = await chat_prompt(chat_template, body.messages, backend, tools=body.tools)
+        ids, room = await chat_prompt(chat_template, body.messages, backend, body.add_generation_prompt, body.tools,
+                                      body.chat_template_kwargs, body.continue_final_message)
+        req = generate_request(body, ids, "", room)
+        # a grammar holds the answer from its first token: it has no reasoning to split off
+        thinking = backend.cfg.reasoning_parser if not req.sampling.HasField("structured_output") else ""
         reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs), parser,
-                      body.parallel_tool_calls is not False)
-        req = generate_request(body, ids, reply.id, room)
-        if parser in HOLDS_MARKERS and body.skip_special_tokens is None:
-            req.sampling.skip_special_tokens = False   # its call markers may be special tokens (vLLM does the same)
+                      body.parallel_tool_calls is not False, reasoning_parser=thinking)
+        req.request_id = reply.id
+        if (parser in HOLDS_MARKERS or thinking) and body.skip_special_tokens is None:
+            req.sampling.skip_special_tokens = False   # its markers may be special tokens (vLLM does the same)
         return await _answer(backend, request, body, reply, [req])
 
     @app.post("/tokenize")
@@ -241,13 +246,14 @@ async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateRespo
 
     def chunks(stream: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
         index = stream * reply.n + msg.index  # a prompt's n sequences are n choices
-        text, calls = reply.stream_text(index, msg.text, end=msg.HasField("final"))   # tool calls split off
+        # reasoning and tool calls split off
+        reasoning, text, calls = reply.stream_text(index, msg.text, end=msg.HasField("final"))
         if index not in started:       # a choice's first message: its echoed prompt first
             started.add(index)
             text = reply.echo_text(index) + text
-        if text or calls or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
+        if text or calls or reasoning or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
             yield json.dumps(reply.chunk(index, text, msg.token_ids, logprobs=msg.logprobs, tool_calls=calls,
-                                         prompt_logprobs=msg.prompt_logprobs))
+                                         prompt_logprobs=msg.prompt_logprobs, reasoning=reasoning))
         if msg.HasField("final"):
             finals[index] = msg.final
             yield json.dumps(reply.chunk(index, "" if not reply.chat else None, (), msg.final))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from pdserve.model.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.model.chat_template import SPECIAL_TOKENS, ChatTemplate, ChatTemplateError
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.model.tool_calls import json_object
@@ -80,21 +80,46 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 
 
 async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model: _Model,
-                      add_generation_prompt: bool = True, tools: list[Tool] | None = None) -> tuple[list[int], int]:
+                      add_generation_prompt: bool = True, tools: list[Tool] | None = None,
+                      template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
+                      ) -> tuple[list[int], int]:
     """``(prompt ids, room)``: the conversation's prompt ids (ending with the assistant's turn opened, when
     ``add_generation_prompt``; ``tools`` shown to the model as its template shows them), and the most tokens
     the answer can have (up to the context, at most ``max_tokens_limit``: the ``max_tokens`` of a request
     that gives none).
 
+    Args:
+        template_kwargs: vLLM's ``chat_template_kwargs``, further template variables (Qwen3's
+            ``enable_thinking``, Granite's ``thinking``); the names the router sets itself are refused.
+        continue_final_message: vLLM's: the prompt ends inside the last message (an assistant's answer begun),
+            its text cut right after that message's content, so the model goes on writing it.
+
     Raises:
-        ApiError: 400, the template refused the conversation, or its text cannot fit the context (the
-            gRPC API's message for a text prompt that long), or it tokenizes past the model's vocabulary.
+        ApiError: 400, both ``add_generation_prompt`` and ``continue_final_message``; a reserved template
+            variable; a last message with no text to continue, or whose text the template does not show; the
+            template refused the conversation, or its text cannot fit the context (the gRPC API's message for a
+            text prompt that long), or it tokenizes past the model's vocabulary.
     """
+    if add_generation_prompt and continue_final_message:
+        raise ApiError(400, "`continue_final_message` continues the last message: set `add_generation_prompt` "
+                            "to false with it", param="continue_final_message")
+    taken = sorted(set(template_kwargs or ()) & {"messages", "tools", "add_generation_prompt", *SPECIAL_TOKENS})
+    if taken:
+        raise ApiError(400, f"`chat_template_kwargs` cannot set {', '.join(taken)} (the router sets them)",
+                       param="chat_template_kwargs")
+    shown = template_messages(messages)
     try:
-        text = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt,
-                               tools=template_tools(tools))
+        text = template.render(shown, add_generation_prompt=add_generation_prompt, tools=template_tools(tools),
+                               **(template_kwargs or {}))
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
+    if continue_final_message:
+        last = shown[-1].get("content") or ""
+        at = text.rfind(last) if last else -1
+        if at < 0:
+            raise ApiError(400, "`continue_final_message` needs a last message whose text the chat template shows",
+                           param="continue_final_message")
+        text = text[:at + len(last)]
     context = model.model_cfg.max_position_embeddings
     limit = context * model.tokenizer.max_token_chars
     if len(text) > limit:  # as router.validation refuses a long text before tokenizing it
@@ -121,7 +146,8 @@ async def tokenize_body(body: TokenizeRequest, model: _Model, template: ChatTemp
         if template is None:
             raise ApiError(400, "the model has no chat template: tokenize a `prompt`", param="messages",
                            code="no_chat_template")
-        ids, _ = await chat_prompt(template, body.messages, model, body.add_generation_prompt, body.tools)
+        ids, _ = await chat_prompt(template, body.messages, model, body.add_generation_prompt, body.tools,
+                                   body.chat_template_kwargs, body.continue_final_message)
     else:
         context = model.model_cfg.max_position_embeddings
         limit = context * model.tokenizer.max_token_chars

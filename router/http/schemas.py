@@ -232,6 +232,10 @@ class ChatCompletionRequest(SamplingBody):
                            _one_of('"none", "auto", "required" or an object naming a function')
                            ] = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras (router/http/chat.py): template variables, and a prompt that continues the last message
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -247,6 +251,8 @@ class TokenizeRequest(_UnicodeBody):
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")

@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import anyio
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.http.mapping import Choice
+from pdserve.router.http.reply import Choice
 
 Message = pdserve_pb2.GenerateResponse
 

@@ -1,0 +1,113 @@
+"""Reasoning models over the chat API, end to end: a router started with ``--reasoning-parser qwen3`` and
+``--tool-call-parser hermes`` in front of real workers serving a checkpoint whose greedy answer thinks, says a
+word and calls a tool (tests/scripted_model.py); the answer comes back split into ``reasoning``, content and
+``tool_calls``, whole and streamed, through the official ``openai`` client. vLLM's chat extras
+(``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``) shape the prompt."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from pdserve.model.chat_template import ChatTemplate
+from tests.conftest import Cluster
+from tests.http_helpers import raw
+from tests.scripted_model import ASSISTANT, TEMPLATE, scripted_chat_model
+
+pytestmark = pytest.mark.timeout(180)
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+THOUGHT = "The user wants the weather."
+ANSWER = ["<think>", THOUGHT, "</think>", "Checking.", "<tool_call>", CALL, "</tool_call>"]
+MODEL = "thinker"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Qwen3's switch: thinking off writes an empty block into the prompt (the scripted answer is the same after it)
+THINKING_TEMPLATE = TEMPLATE.replace(
+    "{%- if add_generation_prompt %}" + ASSISTANT,
+    "{%- if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}" + ASSISTANT)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(scripted_chat_model(tmp_path_factory.mktemp("reasoning") / MODEL, ANSWER, THINKING_TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url, model_dir):
+    c = Cluster(model_dir, redis_url, router_flags={"http_port": 0, "tool_call_parser": "hermes",
+                                                     "reasoning_parser": "qwen3"})
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def api(cluster):
+    yield openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="unused", max_retries=0)
+    cluster.assert_pools_free()
+
+
+def test_reasoning_content_and_tool_calls_come_apart(api):
+    got = api.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=16).choices[0]
+    assert got.message.reasoning == got.message.reasoning_content == THOUGHT
+    assert got.message.content == "Checking." and got.finish_reason == "tool_calls"
+    [call] = got.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    plain = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16).choices[0]   # no tools
+    assert plain.message.reasoning == THOUGHT and plain.message.content == "Checking.<tool_call>" + CALL + \
+        "</tool_call>" and plain.finish_reason == "stop"
+
+
+def test_streamed_reasoning_then_content_then_calls(api):
+    reasoning, content, calls, order = "", "", [], []
+    for chunk in api.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=16, stream=True):
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            if delta.get("reasoning"):
+                assert delta["reasoning_content"] == delta["reasoning"] and not delta.get("content")
+                reasoning += delta["reasoning"]
+                order.append("reasoning")
+            if delta.get("content"):
+                content += delta["content"]
+                order.append("content")
+            if delta.get("tool_calls"):
+                calls += delta["tool_calls"]
+                order.append("calls")
+    assert reasoning == THOUGHT and content == "Checking." and len(calls) == 1
+    assert order == sorted(order, key=["reasoning", "content", "calls"].index)     # never interleaved back
+
+
+def test_a_constrained_answer_is_not_split(api):
+    """A grammar holds the answer from its first token, so nothing of it is taken for reasoning."""
+    got = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
+                                      extra_body={"structured_outputs": {"choice": ["<think>yes", "no"]}})
+    assert got.choices[0].message.content in ("<think>yes", "no")
+    assert got.choices[0].message.model_dump().get("reasoning") is None
+
+
+def test_chat_template_kwargs_and_continue_final_message_shape_the_prompt(cluster, model_dir):
+    address = cluster.router.http_address
+    template = ChatTemplate.load(model_dir)
+    think_ids = [template.encode(t)[0] for t in ("<think>", "</think>")]
+
+    def tokens(**body) -> list[int]:
+        status, _, out = raw(address, "/tokenize", {"model": MODEL, "messages": ASK, **body})
+        assert status == 200, out
+        return json.loads(out)["tokens"]
+    on, off = tokens(), tokens(chat_template_kwargs={"enable_thinking": False})
+    assert off == on[:-1] + think_ids + on[-1:]                    # the empty block before the assistant's turn
+    begun = [*ASK, {"role": "assistant", "content": "Checking"}]
+    cont = tokens(messages=begun, add_generation_prompt=False, continue_final_message=True)
+    assert cont == template.encode(template.render(begun, add_generation_prompt=False)[:-len("<|im_end|>\n")])
+    for body, param in (({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+                        ({"continue_final_message": True}, "continue_final_message"),     # with the generation prompt
+                        ({"messages": [*ASK, {"role": "assistant", "content": ""}], "add_generation_prompt": False,
+                          "continue_final_message": True}, "continue_final_message")):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            extra = {"max_tokens": 4} if path.startswith("/v1") else {}
+            status, _, out = raw(address, path, {"model": MODEL, "messages": ASK, **extra, **body})
+            assert status == 400 and json.loads(out)["error"]["param"] == param, (path, body, out)
