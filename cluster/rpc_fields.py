@@ -78,13 +78,13 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: int, max_len: int
 
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> SamplingParams:
     """Return ``sampling`` if every field is usable: :meth:`SamplingParams.validate` (temperature >= 0,
-    top_p in (0, 1], top_k >= 0, max_tokens >= 1, stop tokens in the vocabulary and at most
+    top_p in (0, 1], min_p in [0, 1], top_k >= 0, max_tokens >= 1, stop tokens in the vocabulary and at most
     :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, penalties and logit bias in range) and finite floats.
 
     Raises:
         ValueError: naming the first invalid field.
     """
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "min_p"):
         value = getattr(sampling, name)
         if not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")

@@ -81,6 +81,7 @@ class Completion:
 
 def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int = 0, seed: int | None = None, ignore_eos: bool = False,
+                 min_p: float | None = None,
                  stop_token_ids: tuple[int, ...] = (), presence_penalty: float | None = None,
                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                  min_tokens: int | None = None, logit_bias: dict[int, float] | None = None,
@@ -90,7 +91,8 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temp
     the penalties, ``min_tokens``, ``logit_bias``, ``logprobs`` and ``prompt_logprobs``: ``proto/pdserve.proto``)."""
     sampling = pdserve_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
                                           logit_bias=logit_bias or {})
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("seed", seed),
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                        ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                         ("repetition_penalty", repetition_penalty), ("min_tokens", min_tokens),
                         ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):

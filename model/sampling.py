@@ -37,6 +37,9 @@ class SamplingParams:
             logits are divided by it.
         top_k: keep the k most likely tokens; 0 keeps all.
         top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
+        min_p: drop the tokens whose probability (after temperature) is under ``min_p`` times the likeliest
+            token's, in [0, 1]; 0 is off (min-p sampling, Nguyen et al. 2024, as vLLM applies it: before top-k
+            and top-p).
         seed: seeds the request's noise (the router fills one in when the client gives none).
         max_tokens: output tokens to generate at most (>= 1).
         stop_token_ids: tokens that end the request (the stop token is part of the output), at most
@@ -75,6 +78,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     grammar: tuple[str, str] | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -86,6 +90,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if math.isnan(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if math.isnan(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
@@ -134,7 +140,7 @@ def request_generator(seed: int, output_index: int, stream: int = 0) -> torch.Ge
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """``[vocab]`` logits -> ``[vocab]`` float32 probabilities after temperature, top-k and top-p.
+    """``[vocab]`` logits -> ``[vocab]`` float32 probabilities after temperature, min-p, top-k and top-p.
 
     Greedy (temperature 0) gives a one-hot distribution at the argmax.
     """
@@ -145,6 +151,9 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, -math.inf)
     probs = torch.softmax(scaled, dim=-1)
+    if p.min_p > 0:     # top-k keeps the likeliest token, so dropping after it drops what dropping before would
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if p.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p   # mass before this token already enough
@@ -161,9 +170,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def log_space(p: SamplingParams) -> bool:
-    """Whether ``p`` samples (temperature > 0) with no top-p cut: such rows draw by :func:`temperature_draw`
-    (top-k, if any, applied there), the rule the multi-step C loop also runs."""
-    return p.temperature != 0 and p.top_p == 1
+    """Whether ``p`` samples (temperature > 0) with no top-p or min-p cut: such rows draw by
+    :func:`temperature_draw` (top-k, if any, applied there), the rule the multi-step C loop also runs."""
+    return p.temperature != 0 and p.top_p == 1 and p.min_p == 0
 
 
 def log_noise(seed: int, index: int, vocab: int) -> torch.Tensor:
@@ -189,7 +198,7 @@ def temperature_draw(logits: torch.Tensor, temperature: float, noise: torch.Tens
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
     """The token of ``[vocab]`` logits for output token ``index`` of a request sampling with ``p``
-    (temperature > 0): :func:`temperature_draw` without a top-p cut, else the exponential race over
+    (temperature > 0): :func:`temperature_draw` without a top-p or min-p cut, else the exponential race over
     :func:`filtered_probs`. Both draw exactly from the filtered distribution."""
     if log_space(p):
         return temperature_draw(logits, p.temperature, log_noise(p.seed, index, logits.shape[-1]), p.top_k)

@@ -21,7 +21,7 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
         return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0,
-        structured_output=grammar_to_wire(p.grammar))
+        structured_output=grammar_to_wire(p.grammar), min_p=p.min_p)
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -33,7 +33,7 @@ def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
         repetition_penalty=m.repetition_penalty or 1.0,        # unset on the wire: off
         logit_bias=tuple(sorted(m.logit_bias.items())), min_tokens=m.min_tokens,
         prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None,
-        grammar=grammar_from_wire(m.structured_output))
+        grammar=grammar_from_wire(m.structured_output), min_p=m.min_p)
 
 
 def grammar_to_wire(grammar: tuple[str, str] | None) -> pdserve_pb2.StructuredOutput | None:

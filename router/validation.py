@@ -150,6 +150,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     sampling = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
         top_k=s.top_k,
         seed=s.seed if s.HasField("seed") else secrets.randbits(63),
         max_tokens=s.max_tokens if s.HasField("max_tokens") else default_max_tokens,
@@ -174,8 +175,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     if not 1 <= n <= MAX_N:
         raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
     stop = check_stop_strings(s.stop)
-    if math.isnan(sampling.temperature) or math.isnan(sampling.top_p):
-        raise ValueError("temperature and top_p must be numbers, not NaN")
+    if math.isnan(sampling.temperature) or math.isnan(sampling.top_p) or math.isnan(sampling.min_p):
+        raise ValueError("temperature, top_p and min_p must be numbers, not NaN")
     if math.isinf(sampling.temperature):
         raise ValueError(f"temperature must be finite, got {sampling.temperature}")
     sampling.validate(cfg.vocab_size)

@@ -73,6 +73,7 @@ def assert_in_range(v: ValidRequest) -> None:
     assert v.prompt_ids and all(0 <= t < VOCAB for t in v.prompt_ids)
     assert 1 <= s.max_tokens and len(v.prompt_ids) + s.max_tokens <= CONTEXT
     assert math.isfinite(s.temperature) and s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0
+    assert 0 <= s.min_p <= 1
     assert 0 <= s.seed < 2**64 and all(0 <= t < VOCAB for t in s.stop_token_ids)
     assert -2 <= s.presence_penalty <= 2 and -2 <= s.frequency_penalty <= 2 and REP[0] <= s.repetition_penalty <= REP[1]
     assert 0 <= s.min_tokens <= s.max_tokens
@@ -103,6 +104,8 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
         bad.add("top_p")
     if s.top_k < 0:
         bad.add("top_k")
+    if s.HasField("min_p") and not 0 <= s.min_p <= 1:   # NaN fails this too
+        bad.add("min_p")
     if max_tokens < 1:
         bad.add("max_tokens")
     if any(not 0 <= t < VOCAB for t in s.stop_token_ids) or len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -172,7 +175,8 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
     """Well-formed token-id requests whose fields range over valid and invalid values."""
     s = pdserve_pb2.SamplingParams(top_k=draw(st.integers(-3, 3) | I32), ignore_eos=draw(st.booleans()),
                                    stop_token_ids=draw(st.lists(st.integers(-3, VOCAB + 3) | I64, max_size=5)))
-    for name, strategy in (("temperature", floats), ("top_p", floats), ("seed", st.integers(0, 2**64 - 1)),
+    for name, strategy in (("temperature", floats), ("top_p", floats), ("min_p", floats),
+                           ("seed", st.integers(0, 2**64 - 1)),
                            ("max_tokens", st.integers(-3, 40) | I32), ("presence_penalty", floats),
                            ("frequency_penalty", floats), ("repetition_penalty", floats),
                            ("min_tokens", st.integers(-3, 45) | I32)):

@@ -163,7 +163,7 @@ REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("chat", "top_logprobs", 2),  # without `logprobs`: true
     ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
     ("completions", "best_of", 2), ("completions", "suffix", "!"),
-    ("completions", "presence", 1), ("chat", "min_p", 0.1), ("completions", "stream_options",
+    ("completions", "presence", 1), ("chat", "bad_words", ["dog"]), ("completions", "stream_options",
                                                              {"include_usage": True}),
 ]
 
@@ -206,6 +206,7 @@ BAD = [  # the gRPC API's bad inputs, through HTTP: the same message
     ({"prompt": []}, client.make_request([])),
     ({"prompt": [1] * 500, "max_tokens": 13}, client.make_request([1] * 500, max_tokens=13)),
     ({"prompt": "Hi", "top_k": -2}, client.make_request("Hi", top_k=-2)),
+    ({"prompt": "Hi", "min_p": 1.5}, client.make_request("Hi", min_p=1.5)),
     ({"prompt": "Hi", "stop_token_ids": [5000]}, client.make_request("Hi", stop_token_ids=(5000,))),
     ({"prompt": "Hi", "presence_penalty": 2.5}, client.make_request("Hi", presence_penalty=2.5)),
     ({"prompt": "Hi", "repetition_penalty": -1}, client.make_request("Hi", repetition_penalty=-1)),

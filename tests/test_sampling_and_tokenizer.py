@@ -46,8 +46,38 @@ def test_top_k_and_top_p_never_pick_outside_the_kept_set():
     assert picks_k == {0, 1} and picks_p == {0, 1}
 
 
+def test_min_p_keeps_the_tokens_within_its_fraction_of_the_likeliest_as_vllm_orders_it():
+    """Min-p over the temperature-scaled distribution, then top-k and top-p (vLLM's order: its min-p logits
+    processor runs before the top-k/top-p sampler); draws stay in the kept set and follow it; multi-step
+    decoding (log-space draws) does not take such rows."""
+    from pdserve.model.sampling import filtered_probs, log_space
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        logits = torch.randn(200, generator=gen) * 3
+        temperature, min_p = float(torch.rand(1, generator=gen)) * 2 + 0.1, float(torch.rand(1, generator=gen))
+        top_k, top_p = int(torch.randint(0, 60, (1,), generator=gen)), float(torch.rand(1, generator=gen)) * 0.9 + 0.1
+        probs = torch.softmax(logits / temperature, -1)             # the reference, step by step
+        ref = (logits / temperature).masked_fill(probs < min_p * probs.max(), -torch.inf)
+        if top_k:
+            ref = ref.masked_fill(ref < ref.topk(top_k).values[-1], -torch.inf)
+        ref = torch.softmax(ref, -1)
+        ordered, order = ref.sort(descending=True)
+        ref = ref.scatter(0, order, ordered.masked_fill(ordered.cumsum(0) - ordered >= top_p, 0.0))
+        got = filtered_probs(logits, SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p))
+        torch.testing.assert_close(got / got.sum(), ref / ref.sum(), rtol=0, atol=1e-6)
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    p = SamplingParams(temperature=1.0, min_p=0.45, seed=0)
+    picks = [sample(probs.log()[None], [SamplingParams(temperature=1.0, min_p=0.45, seed=i)], [0])[0]
+             for i in range(2000)]
+    assert set(picks) == {0, 1, 2} and abs(picks.count(0) / 2000 - 0.4 / 0.9) < 0.05   # 0.1 < 0.45 x 0.4: dropped
+    assert not log_space(p) and log_space(SamplingParams(temperature=1.0, min_p=0.0))
+    assert sample(probs.log()[None], [SamplingParams(temperature=1.0, min_p=1.0, seed=5)], [0]) == [0]
+
+
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("temperature", float("nan")), ("top_p", 0.0),
-                                          ("top_p", 1.01), ("top_k", -1), ("max_tokens", 0)])
+                                          ("top_p", 1.01), ("top_k", -1), ("max_tokens", 0), ("min_p", -0.1),
+                                          ("min_p", 1.5), ("min_p", float("nan"))])
 def test_invalid_params_are_named(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value}).validate(100)

@@ -150,6 +150,18 @@ def test_stop_reason_and_include_stop_str_in_output(cl, api):
     assert chat.finish_reason == "length" and chat.stop_reason is None
 
 
+def test_min_p_one_keeps_only_the_likeliest_token(cl, api):
+    """min_p 1 drops every token less likely than the likeliest: a hot sampled answer is the greedy one, on the
+    prefill worker's first token and the decode worker's steps, over gRPC and HTTP (vLLM's ``min_p``)."""
+    def ids(**kw):
+        return by_index(messages(cl, request(max_tokens=12, ignore_eos=True, **kw)))[0]["ids"]
+    greedy = ids(temperature=0)
+    assert ids(temperature=1.5, seed=7, min_p=1.0) == greedy != ids(temperature=1.5, seed=7)
+    got = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=7,
+                                 extra_body={"min_p": 1.0, "ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].token_ids == greedy
+
+
 def test_n_sequences_are_reproducible_and_count_the_prompt_once(cl, api):
     req = request(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
     first, again = by_index(messages(cl, req)), by_index(messages(cl, req))

@@ -121,7 +121,7 @@ class ResponseFormat(_Strict):
 
 class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
-    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``stop_token_ids``, ``ignore_eos``,
+    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``min_p``, ``stop_token_ids``, ``ignore_eos``,
     ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
     ``return_token_ids`` (token ids beside the text) are accepted too."""
 
@@ -134,6 +134,7 @@ class SamplingBody(_UnicodeBody):
     stream_options: StreamOptions | None = None
     user: str | None = None
     top_k: Int32 | None = None
+    min_p: float | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
