@@ -58,6 +58,23 @@ def _unknown_fields(msg: pb_message.Message, path: str = "") -> list[str]:
     return found
 
 
+def _truncated(ids: list[int], s: pdserve_pb2.SamplingParams, context: int, default_max_tokens: int) -> list[int]:
+    """``ids`` left-truncated by ``truncate_prompt_tokens`` (vLLM's): the last k; for -1, the last
+    ``context - max_tokens`` (at least one).
+
+    Raises:
+        ValueError: ``truncate_prompt_tokens`` 0 or below -1.
+    """
+    if not s.HasField("truncate_prompt_tokens"):
+        return ids
+    k = s.truncate_prompt_tokens
+    if k == -1:
+        k = max(1, context - (s.max_tokens if s.HasField("max_tokens") else default_max_tokens))
+    elif k < 1:
+        raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1 (the prompt tokens to keep), got {k}")
+    return ids[-k:]
+
+
 def parse_request(raw: bytes) -> pdserve_pb2.GenerateRequest:
     """Parse wire bytes strictly.
 
@@ -139,6 +156,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         raise ValueError("empty prompt: set `text` or `token_ids`")
     if not ids:
         raise ValueError("empty prompt")
+    ids = _truncated(ids, req.sampling, context, default_max_tokens)
     if len(ids) >= context:
         raise ValueError(f"prompt ({len(ids)} tokens) exceeds the model's context of {context} tokens "
                          f"(at most {context - 1} prompt tokens leave room for one output token)")

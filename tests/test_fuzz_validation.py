@@ -94,6 +94,10 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
         bad.add("request_id")
     if not ids:
         bad.add("empty prompt")
+    ids = truncated(ids, s, max_tokens)
+    if ids is None:
+        bad.add("truncate_prompt_tokens")
+        ids = list(req.token_ids.ids)
     if len(ids) >= CONTEXT or (max_tokens >= 1 and len(ids) + max_tokens > CONTEXT):
         bad.add("context")
     if any(not 0 <= t < VOCAB for t in ids):
@@ -136,6 +140,16 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
     if not (math.isfinite(req.queue_timeout_s) and req.queue_timeout_s >= 0):
         bad.add("queue_timeout_s")
     return bad
+
+
+def truncated(ids: list[int], s: pdserve_pb2.SamplingParams, max_tokens: int) -> list[int] | None:
+    """The prompt the router keeps under ``truncate_prompt_tokens`` (None: a value it refuses)."""
+    if not s.HasField("truncate_prompt_tokens"):
+        return ids
+    k = s.truncate_prompt_tokens
+    if k == -1:
+        return ids[-max(1, CONTEXT - max_tokens):]
+    return ids[-k:] if k >= 1 else None
 
 
 def _spec_ok(kind: str, text: str) -> bool:
@@ -186,6 +200,8 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
                                              max_size=4)))
     if draw(st.booleans()):
         s.prompt_logprobs = draw(st.integers(-3, 24) | I32)
+    if draw(st.integers(0, 3)) == 0:
+        s.truncate_prompt_tokens = draw(st.integers(-3, 12) | st.sampled_from([-1, 600]) | I32)
     kind = draw(st.sampled_from([None, None, "json_object", "json_schema", "regex", "choice", "grammar"]))
     if kind == "json_object":
         s.structured_output.json_object = draw(st.booleans())
@@ -262,7 +278,8 @@ def test_well_formed_requests_match_the_oracle(req):
     if not bad:
         assert isinstance(got, ValidRequest), f"rejected a valid request: {got}"
         assert_in_range(got)
-        assert got.prompt_ids == list(req.token_ids.ids)
+        assert got.prompt_ids == truncated(list(req.token_ids.ids), req.sampling, req.sampling.max_tokens
+                                           if req.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
         assert got.request_id == (printable_id(req.request_id) or got.request_id)  # escaped for the logs
     else:
         assert isinstance(got, ValueError), f"accepted a request with {bad}"

@@ -162,6 +162,26 @@ def test_min_p_one_keeps_only_the_likeliest_token(cl, api):
     assert got.choices[0].token_ids == greedy
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_tail(cl, api):
+    """vLLM's left truncation: a prompt past the 512-token context is served on its last k tokens (the same
+    answer as those tokens sent alone), -1 keeps what leaves room for max_tokens; 0 is refused by name."""
+    ids = [int(t) for t in torch.randint(3, 2000, (700,), generator=torch.Generator().manual_seed(1))]
+
+    def run(prompt, **kw):
+        sampling = pdserve_pb2.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, **kw)
+        req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling)
+        return by_index(messages(cl, req))[0]
+    for k, kept in ((100, 100), (-1, 512 - 8)):
+        got = run(ids, truncate_prompt_tokens=k)
+        assert got["final"].usage.prompt_tokens == kept and got["ids"] == run(ids[-kept:])["ids"]
+    with pytest.raises(grpc.RpcError, match="truncate_prompt_tokens must be -1 or >= 1"):
+        run(ids, truncate_prompt_tokens=0)
+    got = api.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                 extra_body={"truncate_prompt_tokens": 100, "ignore_eos": True,
+                                             "return_token_ids": True})
+    assert got.usage.prompt_tokens == 100 and got.choices[0].token_ids == run(ids[-100:])["ids"]
+
+
 def test_n_sequences_are_reproducible_and_count_the_prompt_once(cl, api):
     req = request(max_tokens=8, temperature=1.0, seed=7, n=3, ignore_eos=True)
     first, again = by_index(messages(cl, req)), by_index(messages(cl, req))

@@ -108,7 +108,7 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
                                    stop_token_ids=body.stop_token_ids or (), ignore_eos=bool(body.ignore_eos),
                                    include_stop_str_in_output=bool(body.include_stop_str_in_output))
     for name in ("temperature", "top_p", "min_p", "seed", "n", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "skip_special_tokens"):
+                 "repetition_penalty", "min_tokens", "skip_special_tokens", "truncate_prompt_tokens"):
         if getattr(body, name) is not None:
             setattr(s, name, getattr(body, name))
     for token, bias in (body.logit_bias or {}).items():

@@ -121,9 +121,9 @@ class ResponseFormat(_Strict):
 
 class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
-    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``min_p``, ``stop_token_ids``, ``ignore_eos``,
-    ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output`` and
-    ``return_token_ids`` (token ids beside the text) are accepted too."""
+    name. The vLLM extensions ``top_k`` (-1 or 0: off), ``min_p``, ``truncate_prompt_tokens``, ``stop_token_ids``,
+    ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``
+    and ``return_token_ids`` (token ids beside the text) are accepted too."""
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -135,6 +135,7 @@ class SamplingBody(_UnicodeBody):
     user: str | None = None
     top_k: Int32 | None = None
     min_p: float | None = None
+    truncate_prompt_tokens: Int32 | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
