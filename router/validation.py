@@ -125,13 +125,14 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         ValueError: request_id over 256 characters once escaped; empty prompt; text prompt longer than
             :attr:`Tokenizer.max_token_chars` x context; token ids outside the vocabulary; prompt plus
             max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
-            the limit); invalid sampling parameters (NaN or infinite temperature, top_p outside
-            (0, 1], negative top_k, max_tokens < 1, stop tokens outside the vocabulary or more than
-            :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, logprobs or prompt_logprobs outside
+            the limit); truncate_prompt_tokens 0 or below -1; invalid sampling parameters (NaN or infinite
+            temperature, top_p outside (0, 1], min_p outside [0, 1], negative top_k, max_tokens < 1, stop
+            tokens outside the vocabulary or more than :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them,
+            logprobs or prompt_logprobs outside
             [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters,
             penalties or logit_bias out of range: :func:`model.penalties.check_penalties`; prompt_logprobs over
             more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` (prompt tokens x (alternatives + 1)); a structured output
-            schema that is not a JSON object, or with ignore_eos or min_tokens); SLOs not
+            spec :func:`model.structured.check_spec` refuses, or one with ignore_eos or min_tokens); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative.
     """
     context = cfg.max_position_embeddings
