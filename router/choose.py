@@ -171,7 +171,7 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     context = req.prompt_ids + progress.generated  # tokens whose KV the prefill computes
     block_size = pool[0].block_size
     prompt_blocks = len(context) // block_size
-    cached = view.cached_blocks(context, block_size)
+    cached = credited_cache(view, req, progress, context, block_size)
     prefill = avoiding(rank_prefill(view.current(), prompt_blocks, cached, view.stats, view.inflight,
                                     cfg.spill_queue_s), progress.avoid)[0]
     num_tokens, lifetime = len(context) + 1, len(req.prompt_ids) + req.sampling.max_tokens - 1   # positions
@@ -239,6 +239,16 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
         raise WorkerFailure(unreachable, f"no decode worker could take the request (last: {last_error})")
     code = grpc.StatusCode.RESOURCE_EXHAUSTED if "blocks" in last_error else grpc.StatusCode.UNAVAILABLE
     raise GenerateError(code, f"no decode worker could take the request (last: {last_error}){progress.history()}")
+
+
+def credited_cache(view: ClusterView, req: ValidRequest, progress: Progress, context: list[int],
+                   block_size: int) -> dict[str, int]:
+    """The blocks of ``context`` each prefill worker's prefix cache holds, as the ranking and the work estimate
+    credit them: none for an attempt that computes prompt log-probabilities, whose prefill worker runs the whole
+    prompt past its cache (until tokens have been streamed: :func:`attempt_sampling`)."""
+    if req.sampling.prompt_logprobs is not None and not progress.generated:
+        return {}
+    return view.cached_blocks(context, block_size)
 
 
 def attempt_sampling(sampling: SamplingParams, progress: Progress) -> worker_pb2.ResolvedSampling:

@@ -99,3 +99,29 @@ def test_decode_workers_without_a_common_kv_transport_are_never_chosen():
     assert ids(rank_decode(workers, Counter(), 16, kv_backends=("nccl",))) == ["gpu"]
     assert sorted(ids(rank_decode(workers, Counter(), 16, kv_backends=("tcp",)))) == ["cpu", "old"]
     assert sorted(ids(rank_decode(workers, Counter(), 16, kv_backends=()))) == ["cpu", "old"]
+
+
+def test_a_prompt_logprobs_attempt_is_credited_no_cached_prefix():
+    """Its prefill worker runs the whole prompt past its cache, so no worker's cache counts in its ranking or
+    work estimate, until tokens have been streamed (a migrated attempt's prefill uses the cache again)."""
+    from pdserve.model.sampling import SamplingParams
+    from pdserve.router.choose import ClusterView, credited_cache
+    from pdserve.router.recovery import Progress
+    from pdserve.router.slo import Slo
+    from pdserve.router.validation import ValidRequest
+
+    ws = [P("hot", queued_tokens=16 * 30), P("cold")]
+    view = ClusterView(workers=lambda: ws, inflight=Counter(), channel=lambda address: None,
+                       cached_blocks=lambda ids, block_size: {"hot": len(ids) // block_size})
+    context, stats = list(range(1600)), {w: PrefillStats(seconds_per_block=0.01) for w in ("hot", "cold")}
+
+    def first_choice(req, progress):
+        cached = credited_cache(view, req, progress, context, 16)
+        return ids(rank_prefill(ws, 100, cached, stats, Counter(), spill_queue_s=10))[0], cached
+    plain = ValidRequest("r", context, SamplingParams(), Slo(1.0, 0.1))
+    scored = ValidRequest("r", context, SamplingParams(prompt_logprobs=0), Slo(1.0, 0.1))
+    assert first_choice(plain, Progress()) == ("hot", {"hot": 100})        # 30 queued < 100 to compute
+    assert first_choice(scored, Progress()) == ("cold", {})                # 100 + 30 on hot against 100
+    migrated = Progress()
+    migrated.generated.append(7)
+    assert first_choice(scored, migrated) == ("hot", {"hot": 100})
