@@ -35,6 +35,8 @@ from pdserve.model.tokenizer import load_hf_tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+RESERVED = ("messages", "add_generation_prompt", "tools", *SPECIAL_TOKENS)
+"""The template variables :meth:`ChatTemplate.render` sets itself (its ``kwargs`` cannot)."""
 
 
 class ChatTemplateError(ValueError):
@@ -163,7 +165,7 @@ class ChatTemplate:
         them; an assistant's ``tool_calls`` with their ``arguments`` as objects), ending with the assistant's
         turn opened when ``add_generation_prompt``. ``tools``: the functions the model may call (OpenAI's
         ``tools`` entries; not None: the checkpoint's ``tool_use`` template when it has one). ``kwargs`` are
-        further template variables.
+        further template variables (not those in :data:`RESERVED`).
 
         Raises:
             ChatTemplateError: the template raised (``raise_exception``) or failed on these messages.

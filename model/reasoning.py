@@ -49,11 +49,9 @@ class ReasoningStream:
             if START.startswith(buf) and buf != START:       # "", "<", "<th": not told apart yet
                 self._held = buf
                 return "", ""
-            if buf.startswith(START):
-                self._state, buf = "reasoning", buf[len(START):]
-            else:
-                self._state = "reasoning" if self._parser == "deepseek_r1" else "content"
-            self.reasoned = self._state == "reasoning"
+            opened = buf.startswith(START)
+            self._begin(opened)
+            buf = buf[len(START):] if opened else buf
         if self._state == "content":
             return "", buf
         at = buf.find(END)
@@ -68,9 +66,13 @@ class ReasoningStream:
         """What was held back when the answer ended: a partial marker is text of the part it was in."""
         held, self._held = self._held, ""
         if self._state == "start":
-            self._state = "reasoning" if self._parser == "deepseek_r1" else "content"
-            self.reasoned = self._state == "reasoning"
+            self._begin(False)
         return (held, "") if self._state == "reasoning" else ("", held)
+
+    def _begin(self, opened: bool) -> None:
+        """Leave the start, where the answer opened a ``<think>`` block (``opened``) or not."""
+        self._state = "reasoning" if opened or self._parser == "deepseek_r1" else "content"
+        self.reasoned = self._state == "reasoning"
 
 
 def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:

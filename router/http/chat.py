@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from pdserve.model.chat_template import SPECIAL_TOKENS, ChatTemplate, ChatTemplateError
+from pdserve.model.chat_template import RESERVED, ChatTemplate, ChatTemplateError
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.model.tool_calls import json_object
@@ -103,7 +103,7 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
     if add_generation_prompt and continue_final_message:
         raise ApiError(400, "`continue_final_message` continues the last message: set `add_generation_prompt` "
                             "to false with it", param="continue_final_message")
-    taken = sorted(set(template_kwargs or ()) & {"messages", "tools", "add_generation_prompt", *SPECIAL_TOKENS})
+    taken = sorted(set(template_kwargs or ()) & set(RESERVED))
     if taken:
         raise ApiError(400, f"`chat_template_kwargs` cannot set {', '.join(taken)} (the router sets them)",
                        param="chat_template_kwargs")
