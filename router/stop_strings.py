@@ -50,7 +50,6 @@ class StopMatcher:
     def __init__(self, stop: Sequence[str], include: bool = False) -> None:
         self._stop, self._include = tuple(stop), include
         self._held = ""
-        self.matched = False
         self.matched_string: str | None = None
 
     def push(self, text: str, armed: bool = True) -> tuple[str, bool]:
@@ -71,11 +70,16 @@ class StopMatcher:
         found = [(i, k) for k, i in enumerate(buf.find(s) for s in self._stop) if i >= 0] if armed else []
         if found:
             at, k = min(found)
-            self.matched, self._held, self.matched_string = True, "", self._stop[k]
+            self._held, self.matched_string = "", self._stop[k]
             return buf[:at + len(self._stop[k]) if self._include else at], True
         keep = self._partial_suffix(buf)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep], False
+
+    @property
+    def matched(self) -> bool:
+        """Whether a stop string has matched (the sequence ended there)."""
+        return self.matched_string is not None
 
     def flush(self) -> str:
         """The held text (the sequence ended without a match); the matcher is empty afterwards."""
