@@ -170,7 +170,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
                   constraint: Constraint | None = None) -> DecodeRequest:
         max_ctx = self.model_cfg.max_position_embeddings
         if sampling.constrained and constraint is None:
-            constraint = self.grammars.constraint(sampling.grammar, prior_output_ids)
+            constraint = self.grammars.constraint(sampling.grammar, prior_output_ids, sampling.grammar_after)
         if len(prompt_ids) + sampling.max_tokens > max_ctx:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) "
                              f"exceeds the model's context of {max_ctx} tokens")

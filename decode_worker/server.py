@@ -119,7 +119,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                                 "this decode worker does not prefill (not colocated)")
         try:
             constraint = await asyncio.to_thread(self.engine.grammars.constraint, req.sampling.grammar,
-                                                 req.prior_output_ids) if req.sampling.constrained else None
+                                                 req.prior_output_ids, req.sampling.grammar_after) \
+                if req.sampling.constrained else None
             if req.local_prefill:
                 self.engine.add_local(attempt_id, req.prompt_ids, req.sampling, emit, req.prior_output_ids,
                                       constraint)

@@ -85,3 +85,27 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     reasoning, content = stream.feed(text)
     more_reasoning, more_content = stream.finish()
     return (reasoning + more_reasoning if stream.reasoned else None), content + more_content
+
+
+def grammar_start(start_ids: list[int], end_ids: list[int], prompt_ids: list[int]) -> list[int] | None:
+    """Where a grammar starts in a reasoning model's answer to ``prompt_ids`` (``start_ids`` and ``end_ids``:
+    ``<think>`` and ``</think>`` as the tokenizer writes them): after ``end_ids``, which it returns, when the
+    prompt leaves the reasoning to the answer; None when the prompt has closed it already (its last ``</think>``
+    after its last ``<think>``: Qwen3 with ``enable_thinking`` off), and the grammar holds the whole answer, as
+    vLLM checks the prompt for the reasoning's end before it starts a grammar."""
+    backwards = prompt_ids[::-1]
+
+    def last(ids: list[int]) -> int:   # the start of ids' last occurrence in the prompt, -1 for none
+        at = 0    # in `backwards`: where ids' last token may lie
+        while True:
+            try:
+                at = backwards.index(ids[-1], at)   # list.index: a scan in C, for prompts of 100k tokens
+            except ValueError:
+                return -1
+            start = len(prompt_ids) - at - len(ids)
+            if start < 0:
+                return -1
+            if prompt_ids[start:start + len(ids)] == ids:
+                return start
+            at += 1
+    return None if last(end_ids) > last(start_ids) else end_ids

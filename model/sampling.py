@@ -22,6 +22,7 @@ from pdserve.model.structured import KINDS, Constraint
 _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024  # stop tokens of one request: every message that forwards them stays small
+MAX_GRAMMAR_AFTER = 16     # token ids of the marker that starts a grammar (a reasoning model's `</think>`)
 GREEDY_BELOW = 1e-5
 """Temperatures under this sample greedily: logits divided by a temperature near 0 overflow float32 to
 infinity (at 1e-38, any logit above ~3.4), and the draw then picks whichever infinite logit comes
@@ -61,6 +62,9 @@ class SamplingParams:
         grammar: structured output, ``("json_object", "")`` or ``("json_schema", schema text)``
             (:mod:`model.structured`): each token is sampled from those the grammar allows next; not with
             ``ignore_eos`` or ``min_tokens`` (the grammar's end allows only stop tokens).
+        grammar_after: token ids that start the grammar (:class:`model.structured.Constraint`'s ``start_after``:
+            a reasoning model's end of thinking); empty: the grammar holds the whole answer. At most
+            :data:`MAX_GRAMMAR_AFTER`, only with a ``grammar``.
     """
 
     temperature: float = 1.0
@@ -79,6 +83,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     grammar: tuple[str, str] | None = None
     min_p: float = 0.0
+    grammar_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -106,6 +111,16 @@ class SamplingParams:
             if self.ignore_eos or self.min_tokens:
                 raise ValueError("structured output cannot be combined with ignore_eos or min_tokens (a grammar "
                                  "ends its answer with a stop token)")
+        if self.grammar_after:
+            if self.grammar is None:
+                raise ValueError("structured_output.start_after needs a structured output kind")
+            if len(self.grammar_after) > MAX_GRAMMAR_AFTER:
+                raise ValueError(f"structured_output.start_after holds {len(self.grammar_after)} token ids; at most "
+                                 f"{MAX_GRAMMAR_AFTER}")
+            bad = [t for t in self.grammar_after if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"structured_output.start_after ids {bad} are outside the vocabulary "
+                                 f"[0, {vocab_size})")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(self.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]

@@ -142,14 +142,15 @@ class Grammars:
                 self._cache.popitem(last=False)
             return compiled
 
-    def constraint(self, spec: Spec, prior: Sequence[int] = ()) -> Constraint:
+    def constraint(self, spec: Spec, prior: Sequence[int] = (), start_after: Sequence[int] = ()) -> Constraint:
         """A fresh :class:`Constraint` for one answer of ``spec``, past the answer's ``prior`` tokens (a
-        migrated request's output so far, or the first token a prefill worker sampled).
+        migrated request's output so far, or the first token a prefill worker sampled); with ``start_after``, the
+        grammar holds the answer only once it has written those tokens (:class:`Constraint`).
 
         Raises:
             ValueError: as :meth:`compile`, or a prior token the grammar does not allow.
         """
-        return Constraint(self.compile(spec), self.vocab_size, prior, self.stop_token_ids)
+        return Constraint(self.compile(spec), self.vocab_size, prior, self.stop_token_ids, start_after)
 
     def _new_compiler(self) -> Any:
         import xgrammar as xgr
@@ -170,24 +171,34 @@ class Constraint:
     A grammar can reach a dead end, a place where no token is allowed (a schema whose strings can never
     match, e.g. a pattern nothing matches): the mask then allows the stop tokens alone, the answer ends there,
     and :attr:`dead_end` tells the worker to fail that request (not its batch).
+
+    With ``start_after`` (a reasoning model's end of thinking, ``</think>``'s token ids), the answer is free
+    until its output holds those tokens in a row, and held to the grammar from the token after them, as vLLM
+    starts a grammar after the reasoning (its structured outputs' ``enable_in_reasoning`` off); :attr:`started`.
     """
 
     def __init__(self, compiled: Any, vocab_size: int, prior: Sequence[int] = (),
-                 stop_token_ids: Sequence[int] = ()) -> None:
+                 stop_token_ids: Sequence[int] = (), start_after: Sequence[int] = ()) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._stops = [t for t in stop_token_ids if 0 <= t < vocab_size]
+        self._start_after = [int(t) for t in start_after]
+        self._recent: list[int] = []    # the last len(start_after) tokens, until the grammar starts
+        self.started = not self._start_after
         self.dead_end = False
         for token in prior:
             self.accept(token)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (``[vocab]``, any float dtype) as float32 with every token the grammar does not allow
-        next at -inf (a copy); at a dead end, every token but the stop tokens."""
+        next at -inf (a copy); at a dead end, every token but the stop tokens; before the grammar has started,
+        every token as it is."""
         out = logits.detach().float().reshape(-1).clone()
+        if not self.started:
+            return out
         if self._blocked():
             keep = out[self._stops].clone()
             out.fill_(-torch.inf)
@@ -204,6 +215,10 @@ class Constraint:
         Raises:
             ValueError: the grammar does not allow it here.
         """
+        if not self.started:
+            self._recent = [*self._recent, int(token)][-len(self._start_after):]
+            self.started = self._recent == self._start_after
+            return
         if self._matcher.accept_token(int(token)):
             return
         if int(token) in self._stops and self._blocked():
@@ -219,4 +234,4 @@ class Constraint:
     @property
     def done(self) -> bool:
         """Whether the answer has ended in its grammar (a stop token accepted, or a dead end)."""
-        return self.dead_end or self._matcher.is_terminated()
+        return self.dead_end or self.started and self._matcher.is_terminated()

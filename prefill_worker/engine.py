@@ -79,7 +79,8 @@ class PrefillEngine:
                 structured output schema that does not compile.
         """
         if req.sampling.constrained and req.constraint is None:   # in process; the server compiles it off its loop
-            req.constraint = self.grammars.constraint(req.sampling.grammar, req.history(())[1])
+            req.constraint = self.grammars.constraint(req.sampling.grammar, req.history(())[1],
+                                                      req.sampling.grammar_after)
         need = self.spec.num_blocks_for(len(req.token_ids))
         if len(req.dst_block_ids) != need:
             raise ValueError(f"{len(req.dst_block_ids)} destination blocks for a {len(req.token_ids)}-token "

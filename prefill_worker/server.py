@@ -160,7 +160,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         try:
             if req.sampling.constrained:   # the grammar past a migrated request's prior output, compiled off the loop
                 req.constraint = await asyncio.to_thread(self.engine.grammars.constraint, req.sampling.grammar,
-                                                         req.history(())[1])
+                                                         req.history(())[1], req.sampling.grammar_after)
             self.engine.add_request(req)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

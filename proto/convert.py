@@ -21,7 +21,7 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
         return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0,
-        structured_output=grammar_to_wire(p.grammar), min_p=p.min_p)
+        structured_output=grammar_to_wire(p.grammar, p.grammar_after), min_p=p.min_p)
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -33,19 +33,24 @@ def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
         repetition_penalty=m.repetition_penalty or 1.0,        # unset on the wire: off
         logit_bias=tuple(sorted(m.logit_bias.items())), min_tokens=m.min_tokens,
         prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None,
-        grammar=grammar_from_wire(m.structured_output), min_p=m.min_p)
+        grammar=grammar_from_wire(m.structured_output), min_p=m.min_p,
+        grammar_after=tuple(m.structured_output.start_after))
 
 
-def grammar_to_wire(grammar: tuple[str, str] | None) -> pdserve_pb2.StructuredOutput | None:
-    """``SamplingParams.grammar`` as the wire's ``StructuredOutput`` (None: unset)."""
+def grammar_to_wire(grammar: tuple[str, str] | None, start_after: tuple[int, ...] = ()
+                    ) -> pdserve_pb2.StructuredOutput | None:
+    """``SamplingParams.grammar`` (and ``grammar_after``) as the wire's ``StructuredOutput`` (None: unset)."""
     if grammar is None:
         return None
     kind, text = grammar
     if kind == "json_object":
-        return pdserve_pb2.StructuredOutput(json_object=True)
-    if kind == "choice":
-        return pdserve_pb2.StructuredOutput(choice=pdserve_pb2.Choices(choices=json.loads(text)))
-    return pdserve_pb2.StructuredOutput(**{kind: text})
+        out = pdserve_pb2.StructuredOutput(json_object=True)
+    elif kind == "choice":
+        out = pdserve_pb2.StructuredOutput(choice=pdserve_pb2.Choices(choices=json.loads(text)))
+    else:
+        out = pdserve_pb2.StructuredOutput(**{kind: text})
+    out.start_after.extend(start_after)
+    return out
 
 
 def grammar_from_wire(m: pdserve_pb2.StructuredOutput) -> tuple[str, str] | None:

@@ -183,6 +183,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         min_tokens=s.min_tokens,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         grammar=grammar_from_wire(s.structured_output),
+        grammar_after=tuple(s.structured_output.start_after),
     )
     if sampling.prompt_logprobs is not None and len(ids) * (sampling.prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
         raise ValueError(f"prompt_logprobs {sampling.prompt_logprobs} over a {len(ids)}-token prompt is "

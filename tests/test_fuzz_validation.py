@@ -134,6 +134,9 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
         bad.add("choice")
     elif grammar not in (None, "json_object", "choice") and not _spec_ok(grammar, getattr(so, grammar)):
         bad.add(grammar)
+    if so.start_after and (grammar is None or grammar == "json_object" and not so.json_object
+                           or len(so.start_after) > 16 or any(not 0 <= t < VOCAB for t in so.start_after)):
+        bad.add("start_after")
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if req.HasField(name) and not (math.isfinite(getattr(req, name)) and getattr(req, name) > 0):
             bad.add(name)
@@ -212,6 +215,8 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
     elif kind == "choice":
         s.structured_output.choice.choices.extend(draw(st.lists(st.text(max_size=3), max_size=3)
                                                        | st.just(["x"] * 1_025) | st.just(["y" * 40_000] * 2)))
+    if draw(st.integers(0, 3)) == 0:
+        s.structured_output.start_after.extend(draw(st.lists(st.integers(-2, VOCAB + 2), max_size=18)))
     req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,
                                       request_id=draw(st.text(max_size=8) | st.text(min_size=250, max_size=300)),
                                       queue_timeout_s=draw(st.just(0.0) | doubles))

@@ -81,12 +81,20 @@ def test_streamed_reasoning_then_content_then_calls(api):
     assert order == sorted(order, key=["reasoning", "content", "calls"].index)     # never interleaved back
 
 
-def test_a_constrained_answer_is_not_split(api):
-    """A grammar holds the answer from its first token, so nothing of it is taken for reasoning."""
-    got = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0,
-                                      extra_body={"structured_outputs": {"choice": ["<think>yes", "no"]}})
-    assert got.choices[0].message.content in ("<think>yes", "no")
-    assert got.choices[0].message.model_dump().get("reasoning") is None
+def test_a_grammar_holds_the_answer_after_its_reasoning(api):
+    """As vLLM starts a grammar after a reasoning parser's end: the thinking is free, the answer after
+    ``</think>`` is held (whole and streamed); with the reasoning closed in the prompt (thinking off), the
+    grammar holds the whole answer, which has no reasoning."""
+    ask = dict(model=MODEL, messages=ASK, max_tokens=16, temperature=0,
+               extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    got = api.chat.completions.create(**ask).choices[0]
+    assert got.message.reasoning == THOUGHT and got.message.content in ("yes", "no") and got.finish_reason == "stop"
+    deltas = [c.delta.model_dump() for chunk in api.chat.completions.create(**ask, stream=True) for c in chunk.choices]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == THOUGHT
+    assert "".join(d.get("content") or "" for d in deltas) == got.message.content
+    off = api.chat.completions.create(**{**ask, "extra_body": {**ask["extra_body"], "chat_template_kwargs": {
+        "enable_thinking": False}}}).choices[0]
+    assert off.message.content in ("yes", "no") and off.message.model_dump().get("reasoning") is None
 
 
 def test_chat_template_kwargs_and_continue_final_message_shape_the_prompt(cluster, model_dir):

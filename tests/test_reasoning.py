@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.model.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
+from pdserve.model.reasoning import REASONING_PARSERS, ReasoningStream, grammar_start, split_reasoning
 
 CASES = [  # answer, deepseek_r1's (reasoning, content), qwen3's
     ("<think>\nadd them\n</think>\n\nIt is 4.", ("\nadd them\n", "\n\nIt is 4."), ("\nadd them\n", "\n\nIt is 4.")),
@@ -53,3 +53,15 @@ def test_no_reasoning_is_released_before_it_is_told_apart_from_content():
     assert stream.feed("ink>b") == ("", "b")
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         ReasoningStream("granite")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([1, 2, 3, 4]), max_size=14), st.sampled_from([[1], [1, 2], [2, 1, 2]]),
+       st.sampled_from([[3], [3, 4], [4, 4]]))
+def test_grammar_start_reads_whether_the_prompt_closed_the_reasoning(prompt, start, end):
+    """None (the grammar from the first token) exactly when the prompt's last ``</think>`` begins after its last
+    ``<think>`` (a plain scan as the oracle); else the grammar starts after ``end``."""
+    def last(ids):
+        return max((i for i in range(len(prompt) - len(ids) + 1) if prompt[i:i + len(ids)] == ids), default=-1)
+    assert grammar_start(start, end, prompt) == (None if last(end) > last(start) else end)
+    assert grammar_start([7], [8], [1, 7, 2]) == [8] and grammar_start([7], [8], [7, 2, 8, 2]) is None

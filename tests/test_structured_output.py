@@ -68,12 +68,13 @@ def constrained(prompt, schema=SCHEMA, **kw) -> pdserve_pb2.GenerateRequest:
 
 
 def reference(json_dir: str, vocab: int, prompt: list[int], max_tokens: int,
-              spec: tuple[str, str] = ("json_schema", json.dumps(SCHEMA))) -> list[int]:
-    """``transformers`` greedy decoding with every step's logits masked by the grammar of ``spec``."""
+              spec: tuple[str, str] = ("json_schema", json.dumps(SCHEMA)), start_after: list[int] = ()) -> list[int]:
+    """``transformers`` greedy decoding with every step's logits masked by the grammar of ``spec`` (from the
+    token after ``start_after``, when given)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(json_dir, dtype=torch.float32).eval()
-    constraint = Grammars(json_dir, vocab, [2]).constraint(spec)
+    constraint = Grammars(json_dir, vocab, [2]).constraint(spec, start_after=start_after)
     ids, out = list(prompt), []
     with torch.no_grad():
         for _ in range(max_tokens):
@@ -115,6 +116,53 @@ def test_greedy_answers_are_token_exact_disaggregated_and_colocated(cluster, col
         assert got.token_ids == expected and got.final.finish_reason == pdserve_pb2.FINISH_REASON_STOP
         assert valid(got.text)
         c.assert_pools_free()
+
+
+def test_a_grammar_started_after_a_marker_leaves_the_tokens_before_it_free(json_dir, vocab):
+    grammars, marker, a = Grammars(json_dir, vocab, [2]), [300, 301], 400   # two tokens, and another
+    spec = ("json_schema", json.dumps(SCHEMA))
+    c = grammars.constraint(spec, start_after=marker)
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    for token in (a, marker[0], a, marker[1], marker[0]):     # the marker's tokens apart, then its first: still free
+        assert not c.started and torch.equal(c.mask(logits), logits) and not c.done
+        c.accept(token)
+    c.accept(marker[1])                                        # in a row: held from the next token on
+    assert c.started and not c.done and (c.mask(logits) > -torch.inf).sum() < vocab / 10
+    with pytest.raises(ValueError, match="not allowed"):
+        c.accept(a)
+    resumed = grammars.constraint(spec, prior=[a, *marker, 2048 + JSON_TOKENS.index("{")], start_after=marker)
+    fresh = grammars.constraint(spec, prior=[2048 + JSON_TOKENS.index("{")])   # a prior past the marker: resumed
+    assert resumed.started and torch.equal(resumed.mask(logits), fresh.mask(logits))
+
+
+def test_a_grammar_started_after_a_marker_is_token_exact_through_both_clusters(cluster, colocated, json_dir, vocab):
+    """The marker is the free answer's first two tokens: its first is the prefill worker's, its second a decode
+    worker's (a colocated worker's, in its mixed step), and the grammar holds every token after it there, as in
+    the reference."""
+    prompt = Tokenizer(json_dir, 1).encode(PROMPT)
+    free = reference(json_dir, vocab, prompt, 2, start_after=[-1])      # a marker never written: free tokens
+    expected = reference(json_dir, vocab, prompt, 40, start_after=free)
+    assert expected[:2] == free and expected[-1] == 2 and valid(Tokenizer(json_dir, 1).decode(expected[2:-1]))
+    for c in (cluster, colocated):
+        req = constrained(prompt, max_tokens=40, temperature=0)
+        req.sampling.structured_output.start_after.extend(free)
+        assert run(c, req).token_ids == expected
+        c.assert_pools_free()
+
+
+@pytest.mark.parametrize("after, kind, words", [
+    ([5], False, "start_after needs a structured output kind"),
+    (list(range(17)), True, "at most 16"),
+    ([5, 10 ** 9], True, "outside the vocabulary"),
+])
+def test_start_after_refused_as_invalid_argument(cluster, after, kind, words):
+    req = constrained(PROMPT, max_tokens=8) if kind else client.make_request(PROMPT, max_tokens=8)
+    req.sampling.structured_output.start_after.extend(after)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        run(cluster, req)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details(), \
+        info.value.details()
+    cluster.assert_pools_free()
 
 
 REGEX = r"[0-9]{2,4}-(yes|no)"

@@ -36,6 +36,7 @@ from pdserve.cluster.registry import WorkerInfo
 from pdserve.cluster.rpc_fields import outside_vocabulary
 from pdserve.model.chat_template import ChatTemplate
 from pdserve.model.config import ModelConfig
+from pdserve.model.reasoning import END, START, grammar_start
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
@@ -152,8 +153,13 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         ids, room = await chat_prompt(chat_template, body.messages, backend, body.add_generation_prompt, body.tools,
                                       body.chat_template_kwargs, body.continue_final_message)
         req = generate_request(body, ids, "", room)
-        # a grammar holds the answer from its first token: it has no reasoning to split off
-        thinking = backend.cfg.reasoning_parser if not req.sampling.HasField("structured_output") else ""
+        thinking = backend.cfg.reasoning_parser
+        if thinking and req.sampling.HasField("structured_output"):   # the grammar starts after the reasoning
+            after = grammar_start(backend.tokenizer.encode(START, False), backend.tokenizer.encode(END, False), ids)
+            if after is None:
+                thinking = ""    # the prompt closed the reasoning: the grammar holds the whole answer
+            else:
+                req.sampling.structured_output.start_after.extend(after)
         reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs), parser,
                       body.parallel_tool_calls is not False, reasoning_parser=thinking)
         req.request_id = reply.id
