@@ -341,10 +341,17 @@ def test_tool_choice_required_and_named_are_held_to_calls(cluster):
         [call] = named.choices[0].message.tool_calls
         assert named.choices[0].finish_reason == "stop" and call.function.name == "weather"
         assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
-    deltas = [d for c in api.chat.completions.create(tool_choice={"type": "function", "function": {"name": "weather"}},
-                                                     stream=True, **ask) for d in c.choices]
-    calls = [t for d in deltas for t in d.delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].function.name == "weather" and deltas[-1].finish_reason == "stop"
+    for choice in ({"type": "function", "function": {"name": "weather"}}, "required"):
+        # streamed: the arguments in pieces as they are written, which the SDK's own accumulator adds up
+        weather = {**ask, "tools": [WEATHER], "tool_choice": choice, "seed": 5, "parallel_tool_calls": False}
+        with api.chat.completions.stream(**weather) as stream:
+            events = [event.type for event in stream]
+            got = stream.get_final_completion().choices[0]
+        whole = api.chat.completions.create(**weather).choices[0]
+        [call], [same] = got.message.tool_calls, whole.message.tool_calls
+        assert (call.function.name, call.function.arguments) == (same.function.name, same.function.arguments)
+        assert call.function.name == "weather"
+        assert events.count("tool_calls.function.arguments.delta") > 1 and got.finish_reason == whole.finish_reason
     for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
                        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format")):
         with pytest.raises(openai.BadRequestError, match=words):

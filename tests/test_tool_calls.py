@@ -1,5 +1,6 @@
-"""Tool call parsers (model/tool_calls.py): each format's calls and content, what is not a call left as
-content word for word, and a streamed answer split exactly as the whole answer wherever its text is cut."""
+"""Tool call parsers (model/tool_calls.py, model/tool_call_streams.py): each format's calls and content, what is
+not a call left as content word for word, a streamed answer split exactly as the whole answer wherever its text
+is cut, and a call's arguments streamed as they are written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.model.tool_calls import TOOL_CALL_PARSERS, parse_tool_calls, tool_call_stream
+from pdserve.model.tool_calls import TOOL_CALL_PARSERS, CallDelta, parse_tool_calls, tool_call_stream
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.reply import Choice, Reply
 
@@ -53,8 +54,11 @@ LLAMA3 = [
      [("a", {}), ("b", {"k": [1, 2]})]),
     ('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}]', "", [("a", {}), ("b", {})]),
     ("The weather is fine.", "The weather is fine.", []),
-    ('{"name": "a", "parameters": {}} and then words', '{"name": "a", "parameters": {}} and then words', []),
-    ('{"name": "a", "parameters": {', '{"name": "a", "parameters": {', []),
+    ('{"name": "a", "parameters": {}} and then words', "and then words", [("a", {})]),   # words after the calls
+    ('{"name": "a", "parameters": {}, "x": [1, "]"]}; {"parameters": {"k": 1}, "name": "b"} ]', "",
+     [("a", {}), ("b", {"k": 1})]),          # a key after the arguments; keys in another order: read whole
+    ('{"parameters": {}, "name": "a"} words', '{"parameters": {}, "name": "a"} words', []),
+    ('[1, 2]', '[1, 2]', []),
     ('{"no_name": 1}', '{"no_name": 1}', []),
     ("", "", []),
     ("[" * 3000, "[" * 3000, []),
@@ -77,21 +81,75 @@ PIECES = ["Hi ", "there.\n", "<tool_call>", "</tool_call>", WEATHER, TIME, "{", 
 
 @settings(max_examples=300, deadline=None)
 @given(pieces=st.lists(st.sampled_from(PIECES), max_size=12), cuts=st.lists(st.integers(0, 400), max_size=8),
-       parser=st.sampled_from(TOOL_CALL_PARSERS))
+       parser=st.sampled_from([*TOOL_CALL_PARSERS, "forced", "forced:f"]))
 def test_streamed_answer_splits_as_the_whole_answer(pieces, cuts, parser):
     text = "".join(pieces)
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    stream, content, calls = tool_call_stream(parser), [], []
-    for a, b in zip(bounds, bounds[1:]):
-        c, k = stream.feed(text[a:b])
-        content.append(c)
-        calls += k
-    c, k = stream.finish()
-    content.append(c)
-    calls += k
+    content, pieces = streamed(parser, [text[a:b] for a, b in zip(bounds, bounds[1:])])
     whole_content, whole_calls = parse_tool_calls(parser, text)
-    assert "".join(content) == whole_content
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
+    assert content == whole_content
+    assert assembled(pieces) == [(c.name, c.arguments) for c in whole_calls]
+    assert [p.call for p in pieces] == sorted(p.call for p in pieces)     # in order, each call's first piece named
+    assert all((p.name is not None) == (i == 0 or pieces[i - 1].call != p.call) for i, p in enumerate(pieces))
+
+
+def streamed(parser: str, texts: list[str]) -> tuple[str, list[CallDelta]]:
+    stream, content, pieces = tool_call_stream(parser), [], []
+    for text in texts:
+        c, k = stream.feed(text)
+        content.append(c)
+        pieces += k
+    c, k = stream.finish()
+    return "".join(content) + c, pieces + k
+
+
+def assembled(pieces: list[CallDelta]) -> list[tuple[str, str]]:
+    calls: list[list[str]] = []
+    for p in pieces:
+        if p.name is not None:
+            calls.append([p.name, ""])
+        calls[-1][1] += p.arguments
+    return [(name, args) for name, args in calls]
+
+
+CODE = '{"name": "write", "arguments": {"path": "a.py", "text": "x = \\"}\\" # </tool_call> {[\\n"}}'
+
+
+@pytest.mark.parametrize("parser, text, name, arguments, content", [
+    ("hermes", f"Writing.<tool_call>\n{CODE}\n</tool_call>", "write",
+     '{"path": "a.py", "text": "x = \\"}\\" # </tool_call> {[\\n"}', "Writing."),
+    ("llama3_json", '{"name": "f", "parameters": {"a": [1, {"b": "}"}]}}', "f", '{"a": [1, {"b": "}"}]}', ""),
+    ("forced", '[{"name": "f", "parameters": {"a": "]}"}}]', "f", '{"a": "]}"}', ""),
+    ("forced:f", '{"a": {"b": 1}}', "f", '{"a": {"b": 1}}', ""),
+])
+def test_arguments_stream_as_they_are_written(parser, text, name, arguments, content):
+    """Fed a character at a time, a call's name and id come first, then its arguments grow with the text, as the
+    model wrote them (braces, brackets and the end marker inside strings are argument text); they add up to
+    the whole answer's."""
+    stream, got, pieces, seen = tool_call_stream(parser), "", [], []
+    for ch in text:
+        c, k = stream.feed(ch)
+        got, pieces = got + c, pieces + k
+        seen.append("".join(p.arguments for p in pieces))
+    c, k = stream.finish()
+    got, pieces = got + c, pieces + k
+    assert got == content and assembled(pieces) == [(name, arguments)] == [
+        (c.name, c.arguments) for c in parse_tool_calls(parser, text)[1]]
+    assert pieces[0].name == name and pieces[0].id.startswith("call_") and len(pieces) >= len(arguments) // 2
+    assert any(0 < len(s) < len(arguments) for s in seen)          # part of the arguments out before the rest
+
+
+def test_a_streamed_call_cut_short_keeps_what_was_written():
+    """max_tokens cuts a call inside its arguments, or the model closes its block there: the call stands with
+    the arguments written (a client has them already); the text after the block is content."""
+    for parser, text, args, content in (
+            ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "long', '{"a": "long', ""),
+            ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1</tool_call> then', '{"a": 1', "then"),
+            ("llama3_json", '{"name": "f", "parameters": {"a": [1,', '{"a": [1,', ""),
+            ("forced:f", '{"a": ', '{"a": ', "")):
+        got, pieces = streamed(parser, [text])
+        assert (got, assembled(pieces)) == (content, [("f", args)]) == (
+            parse_tool_calls(parser, text)[0], [(c.name, c.arguments) for c in parse_tool_calls(parser, text)[1]])
 
 
 def final(reason=pdserve_pb2.FINISH_REASON_STOP) -> pdserve_pb2.Final:
@@ -116,8 +174,19 @@ def test_reply_gives_openai_tool_calls_whole_and_streamed():
         assert last["finish_reason"] == "tool_calls"
         assert "".join(d.get("content", "") for d in deltas) == "Looking."
         entries = [e for d in deltas for e in d.get("tool_calls", [])]
-        assert [(e["index"], e["function"]["name"]) for e in entries] == list(enumerate(names))
-        assert json.loads(entries[0]["function"]["arguments"]) == {"city": "Paris", "unit": "°C"}
+        heads = [e for e in entries if "id" in e]
+        assert [(e["index"], e["function"]["name"], e["type"]) for e in heads] == [
+            (i, name, "function") for i, name in enumerate(names)]
+        assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"}
+                   for e in entries if "id" not in e)               # later pieces: arguments alone, as vLLM's
+        weather = "".join(e["function"]["arguments"] for e in entries if e["index"] == 0)
+        assert len([e for e in entries if e["index"] == 0]) > 1 and json.loads(weather) == {
+            "city": "Paris", "unit": "°C"}                          # cut mid-arguments: sent in two pieces
+    reply = Reply(True, "m", False, tool_parser="hermes")
+    cut = reply.response([Choice(0, "<tool_call>" + WEATHER[:-4],
+                                 final=final(pdserve_pb2.FINISH_REASON_LENGTH))])["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"][0]["function"]["arguments"] == \
+        '{"city": "Paris", "unit": "°'                            # a call cut by max_tokens: as written
 
 
 def test_reply_without_calls_is_plain_content():

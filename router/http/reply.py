@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.model.reasoning import ReasoningStream, split_reasoning
-from pdserve.model.tool_calls import FORCED, ToolCall, ToolCallStream, parse_tool_calls, tool_call_stream
+from pdserve.model.tool_calls import FORCED, ToolCallStream, parse_tool_calls, tool_call_stream
 from pdserve.proto import pdserve_pb2
 
 FINISH_REASON = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length"}
@@ -107,7 +107,7 @@ class Reply:
         self.reasoning_parser = reasoning_parser
         self._tools: dict[int, ToolCallStream] = {}   # choice -> its tool call parser (streams)
         self._thinking: dict[int, ReasoningStream] = {}   # choice -> its reasoning parser (streams)
-        self._called: dict[int, int] = {}             # choice -> tool calls sent so far
+        self._called: set[int] = set()                # choices that have called a tool
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -153,21 +153,20 @@ class Reply:
         if not self.tool_parser:
             return reasoning, text, []
         stream = self._tools.setdefault(index, tool_call_stream(self.tool_parser))
-        content, calls = stream.feed(text)
+        content, pieces = stream.feed(text)
         if end:
             rest, more = stream.finish()
-            content, calls = content + rest, calls + more
-        return reasoning, content, [self._call_delta(index, call) for call in calls if self.parallel_tool_calls
-                                    or not self._called.get(index)]
+            content, pieces = content + rest, pieces + more
+        pieces = [p for p in pieces if self.parallel_tool_calls or p.call == 0]
+        if pieces:
+            self._called.add(index)
+        return reasoning, content, [p.as_openai() for p in pieces]
 
     def _called_reason(self, reason: str | None) -> str | None:
         """A choice's finish reason once it has called a tool: ``tool_calls``, but ``stop`` for a function
-        ``tool_choice`` named (OpenAI's), where the model had no choice."""
-        return reason if self.tool_parser.startswith(FORCED + ":") else "tool_calls"
-
-    def _call_delta(self, index: int, call: ToolCall) -> dict:
-        k = self._called[index] = self._called.get(index, 0) + 1
-        return call.as_openai(k - 1)
+        ``tool_choice`` named (OpenAI's), where the model had no choice, and ``length`` for an answer cut by
+        ``max_tokens`` (its last call's arguments may be cut)."""
+        return reason if self.tool_parser.startswith(FORCED + ":") or reason == "length" else "tool_calls"
 
     def chunk(self, index: int, text: str | None, token_ids: Sequence[int] = (),
               final: pdserve_pb2.Final | None = None, role: bool = False,
@@ -178,7 +177,7 @@ class Reply:
         tokens' ``logprobs`` (after its echoed prompt's ``prompt_logprobs``) and the ``reasoning`` and
         ``tool_calls`` entries :meth:`stream_text` gave."""
         reason = FINISH_REASON.get(final.finish_reason) if final is not None else None
-        if final is not None and self._called.get(index):
+        if final is not None and index in self._called:
             reason = self._called_reason(reason)
         offset = self._offsets.get(index, 0)
         self._offsets[index] = offset + len(text or "")

@@ -1,0 +1,386 @@
+"""The tool call parsers of :mod:`model.tool_calls`, each read a piece of text at a time: content out as soon as it
+cannot start a call, and a call's arguments out as the model writes them (:class:`CallDelta`), as vLLM streams
+them, so that a client sees a long argument grow.
+
+A call is streamed once its header is written: a JSON object whose first key is ``"name"`` (a string) and whose
+second is the arguments' key, whose value opens with ``{`` (:data:`HEADER`). From there its arguments are the
+model's own text up to the brace that closes them (JSON strings and nesting followed, :class:`_Arguments`), so
+what streams is what a whole answer's call holds. A call written another way (keys in another order, arguments
+as a string of JSON, none) is read whole where it ends, and sent in one piece with its arguments re-serialized.
+A streamed call cut short (``max_tokens``, or a block closed inside its arguments) keeps what was written: a
+client cannot take back what it was sent, so the whole answer reads it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+def new_call_id() -> str:
+    """A fresh tool call id (``call_`` and 24 hex digits, as OpenAI's look)."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's ``name`` and its ``arguments`` as JSON text (OpenAI's wire form)."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=new_call_id)
+
+    def as_openai(self) -> dict:
+        """OpenAI's ``tool_calls`` entry of a whole message."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of the answer's ``call``-th tool call (from 0): the first piece of a call carries its ``name`` and
+    ``id``, the later ones None; the pieces' ``arguments`` add up to the call's."""
+
+    call: int
+    arguments: str = ""
+    name: str | None = None
+    id: str | None = None
+
+    def as_openai(self) -> dict:
+        """OpenAI's stream delta entry: ``index``, and ``id``, ``type`` and the name on a call's first piece."""
+        if self.name is None:
+            return {"index": self.call, "function": {"arguments": self.arguments}}
+        return {"index": self.call, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+class ToolCallStream(Protocol):
+    """The parser of one answer, fed its text in order."""
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """``(content, call pieces)`` that ``text`` releases, after what was fed before."""
+        ...
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """The rest, once the answer has ended: held-back text as content, or held calls."""
+        ...
+
+
+def json_object(text: str) -> dict | None:
+    """``text`` parsed, when it is JSON text of an object; else None (not JSON, another value, or nested deeper
+    than the parser's stack, which raises RecursionError)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def call_of(obj: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    """The call a parsed JSON value describes: an object with a string ``name`` and its arguments under the
+    first of ``argument_keys`` present (an object, or a string of JSON text that holds one; absent: ``{}``);
+    None for anything else."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in argument_keys if k in obj), {})
+    if isinstance(args, str):
+        args = json_object(args)
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def json_calls(text: str, argument_keys: tuple[str, ...]) -> list[ToolCall] | None:
+    """Every call of ``text``: JSON objects (or lists of them) separated by blanks, ``;``, ``,`` and brackets; None
+    unless all of it parses (and it holds one call at least)."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] in ";,[]"):
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        for item in value if isinstance(value, list) else [value]:
+            call = call_of(item, argument_keys)
+            if call is None:
+                return None
+            calls.append(call)
+
+
+def held_tail(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that ``marker`` starts with (shorter than ``marker``)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def header(keys: tuple[str, ...]) -> re.Pattern[str]:
+    """A streamable call's start: ``{"name": "<name>", "<one of keys>":`` up to the ``{`` of its arguments
+    (group ``name``: the name as a JSON string)."""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:' + "|".join(map(re.escape, keys))
+                      + r')"\s*:\s*(?=\{)')
+
+
+class Content:
+    """Content text out of a parser, less the blank text right after a call."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.after_call = False
+
+    def add(self, text: str) -> None:
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_call = False
+        self.parts.append(text)
+
+    def take(self) -> str:
+        out, self.parts = "".join(self.parts), []
+        return out
+
+
+class Calls:
+    """The call pieces of one answer, numbered, consecutive pieces of a call merged."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._out: list[CallDelta] = []
+
+    def start(self, name: str) -> None:
+        self._out.append(CallDelta(self.count, "", name, new_call_id()))
+        self.count += 1
+
+    def whole(self, call: ToolCall) -> None:
+        self._out.append(CallDelta(self.count, call.arguments, call.name, call.id))
+        self.count += 1
+
+    def arguments(self, text: str) -> None:
+        if not text:
+            return
+        last = self._out[-1] if self._out else None
+        if last is not None and last.call == self.count - 1:
+            self._out[-1] = CallDelta(last.call, last.arguments + text, last.name, last.id)
+        else:
+            self._out.append(CallDelta(self.count - 1, text))
+
+    def take(self) -> list[CallDelta]:
+        out, self._out = self._out, []
+        return out
+
+
+class _Arguments:
+    """Where a call's arguments object closes, read a piece at a time: braces and brackets counted outside JSON
+    strings (escapes followed)."""
+
+    def __init__(self) -> None:
+        self.depth, self.in_string, self.escape = 0, False, False
+
+    def read(self, text: str, stop: str = "") -> tuple[int, str]:
+        """``(n, how)``: the first ``n`` characters of ``text`` are arguments, and then ``how`` they end: ``"closed"``
+        (the ``n``-th closed them), ``"stop"`` (``stop`` follows, outside a string), ``"held"`` (what follows may
+        begin ``stop``) or ``"open"`` (all of ``text`` read)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+                continue
+            if stop and ch == stop[0]:
+                rest = text[i:i + len(stop)]
+                if rest == stop:
+                    return i, "stop"
+                if stop.startswith(rest):
+                    return i, "held"
+            if ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1, "closed"
+        return len(text), "open"
+
+
+class HermesStream:
+    """``<tool_call>`` JSON ``</tool_call>`` blocks among content (see :mod:`model.tool_calls`)."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    HEADER = header(("arguments",))
+
+    def __init__(self) -> None:
+        self._buf, self._state = "", "content"   # -> "header" -> "arguments" -> "rest" -> "content"
+        self._out, self._calls, self._args = Content(), Calls(), _Arguments()
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._buf += text
+        while self._step():
+            pass
+        return self._out.take(), self._calls.take()
+
+    def _step(self) -> bool:
+        """Read what the state can of the buffer; whether to go on."""
+        buf = self._buf
+        if self._state == "content":
+            at = buf.find(self.START)
+            if at < 0:
+                keep = held_tail(buf, self.START)
+                self._out.add(buf[:len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                return False
+            self._out.add(buf[:at])
+            self._buf, self._state = buf[at + len(self.START):], "header"
+        elif self._state == "header":
+            end, head = buf.find(self.END), self.HEADER.match(buf)
+            if head is not None and (end < 0 or head.end() < end):
+                self._calls.start(json.loads(head.group("name")))
+                self._buf, self._state, self._args = buf[head.end():], "arguments", _Arguments()
+            elif end >= 0:
+                call = _json_call(buf[:end], ("arguments",))
+                if call is None:
+                    self._out.add(self.START + buf[:end] + self.END)
+                else:
+                    self._calls.whole(call)
+                    self._out.after_call = True
+                self._buf, self._state = buf[end + len(self.END):], "content"
+            else:
+                return False
+        elif self._state == "arguments":
+            n, how = self._args.read(buf, self.END)
+            self._calls.arguments(buf[:n])
+            self._buf = buf[n:]
+            if how in ("open", "held"):
+                return False
+            self._state = "rest" if how == "closed" else "end"
+        else:   # "rest" of the block after its arguments, or "end": its end marker next
+            end = buf.find(self.END)
+            if end < 0:
+                self._buf = buf[len(buf) - held_tail(buf, self.END):]
+                return False
+            self._buf, self._state, self._out.after_call = buf[end + len(self.END):], "content", True
+        return True
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._state == "header":       # a block never closed, before a call began: content as written
+            self._out.add(self.START + self._buf)
+        elif self._state == "arguments":  # cut inside the arguments: they end as written
+            self._calls.arguments(self._buf)
+        elif self._state == "content":
+            self._out.add(self._buf)
+        self._buf, self._state = "", "content"
+        return self._out.take(), self._calls.take()
+
+
+def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
+    obj = json_object(body)
+    return None if obj is None else call_of(obj, argument_keys)
+
+
+class CallListStream:
+    """An answer of JSON calls one after another, separated by blanks, ``;``, ``,`` and the brackets of lists:
+    Llama 3's JSON tool calls (``parameters``, or ``arguments``), and the array of calls a grammar holds an answer
+    to under ``tool_choice`` ``required`` (``parameters``). Decided at the answer's first non-blank character:
+    ``{`` or ``[`` (calls) or anything else (content, all of it). Text after the calls that is no call is
+    content; an object that is not a streamable call is held to the end and read whole with what follows it, as
+    content if it does not parse (the whole answer, when no call came before)."""
+
+    SEPARATORS = " \t\r\n;,[]"
+
+    def __init__(self, keys: tuple[str, ...] = ("parameters", "arguments")) -> None:
+        self._keys, self._header = keys, header(keys)
+        self._buf, self._state = "", "start"   # "start" -> "between" <-> "header" / "arguments" -> "rest"; "content"
+        self._pending = ""                     # since the last call: separators, or an object not yet read
+        self._out, self._calls, self._args = Content(), Calls(), _Arguments()
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._buf += text
+        while self._step():
+            pass
+        return self._out.take(), self._calls.take()
+
+    def _step(self) -> bool:
+        buf = self._buf
+        if self._state == "content":
+            self._out.add(buf)
+            self._buf = ""
+            return False
+        if self._state == "start":
+            head = buf.lstrip()
+            if not head:
+                return False
+            self._state = "between" if head[0] in "{[" else "content"
+        elif self._state == "between":
+            n = len(buf) - len(buf.lstrip(self.SEPARATORS))
+            self._pending, self._buf = self._pending + buf[:n], buf[n:]
+            if not self._buf:
+                return False
+            if self._buf[0] != "{":     # words after the calls
+                self._state, self._buf = "content", ("" if self._calls.count else self._pending) + self._buf
+                self._pending = ""
+            else:
+                self._state = "header"
+        elif self._state == "header":
+            head = self._header.match(buf)
+            if head is None:
+                return False             # held: read whole at the end
+            self._calls.start(json.loads(head.group("name")))
+            self._buf, self._state, self._pending, self._args = buf[head.end():], "arguments", "", _Arguments()
+        elif self._state == "arguments":
+            n, how = self._args.read(buf)
+            self._calls.arguments(buf[:n])
+            self._buf = buf[n:]
+            if how == "open":
+                return False
+            self._state, self._args = "rest", _Arguments()
+            self._args.depth = 1        # the call's own object is still open
+        else:   # "rest": up to the brace that closes the call's object
+            n, how = self._args.read(buf)
+            self._buf = buf[n:]
+            if how == "open":
+                return False
+            self._state, self._out.after_call = "between", True
+        return True
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        rest, self._buf = self._pending + self._buf, ""
+        state, self._state, self._pending = self._state, "start", ""
+        if state == "arguments":
+            self._calls.arguments(rest)
+        elif state in ("start", "content"):
+            self._out.add(rest)
+        elif state == "header":
+            calls = json_calls(rest, self._keys)
+            for call in calls or ():
+                self._calls.whole(call)
+            if calls is None:
+                self._out.add(rest)
+        elif state == "between" and not self._calls.count:   # separators alone ("[[["): content as written
+            self._out.add(rest)
+        return self._out.take(), self._calls.take()
+
+
+class ArgumentsStream:
+    """An answer that is one function's arguments, written whole (``tool_choice`` naming a function, whose
+    answer a grammar holds to its parameters): one call of ``function``, streamed as it is written."""
+
+    def __init__(self, function: str) -> None:
+        self._calls = Calls()
+        self._calls.start(function)
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self._calls.arguments(text)
+        return "", self._calls.take()
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        return "", self._calls.take()
