@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mk = sub.add_parser("make-model", help="write a seeded random-weight checkpoint at a preset")
     mk.add_argument("--preset", required=True, help="bench-80m, bench-80m-qwen3 (about 80M parameters), bench-9m, "
-                                                    "or tiny-{llama,qwen2,qwen3,mistral} (awkward shapes)")
+                                                    "or tiny-{llama,qwen2,qwen3,mistral,phi3,granite} (awkward shapes)")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -49,6 +49,10 @@ PRESETS: dict[str, dict] = {
                          num_key_value_heads=2, head_dim=36, tie_word_embeddings=False, rope_theta=1e4),
     "tiny-phi3": dict(_TINY, model_type="phi3", hidden_size=60, intermediate_size=88, num_attention_heads=3,
                       num_key_value_heads=1, tie_word_embeddings=False, rope_theta=2.5e5),      # head_dim 20
+    "tiny-granite": dict(_TINY, model_type="granite", hidden_size=64, intermediate_size=112, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e4,       # head_dim 16
+                         embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4,
+                         logits_scaling=4.0),
 }
 _PRIVATE = ("init_std", "norm_std")    # preset keys that shape the weights, not the config
 
@@ -63,7 +67,8 @@ def hf_config(preset: dict, dtype: str = "bfloat16") -> dict:
     cfg |= {"llama": {"attention_bias": False, "mlp_bias": False}, "mistral": {"sliding_window": None},
             "qwen2": {"use_sliding_window": False, "sliding_window": None},
             "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
-            "phi3": {"sliding_window": None, "pad_token_id": 0}}[model_type]
+            "phi3": {"sliding_window": None, "pad_token_id": 0},
+            "granite": {"attention_bias": False, "mlp_bias": False}}[model_type]
     return cfg | shape
 
 

@@ -1,5 +1,5 @@
 """Model configuration read from a Hugging Face ``config.json`` of a supported family
-(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4)."""
+(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, Granite 3)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.model.checkpoint import read_json, resolve_model_dir
-from pdserve.model.families import FAMILIES, check_supported, family_options, flag
+from pdserve.model.families import FAMILIES, check_supported, family_options, flag, multipliers
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,18 @@ class ModelConfig:
     derives them from ``config.json``:
 
     Attributes:
-        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``phi3``.
+        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3`` or ``granite``.
         qkv_bias: the q, k and v projections have biases (Qwen2; Llama/Qwen3 with ``attention_bias``).
         o_proj_bias: the output projection has a bias (Llama/Qwen3 with ``attention_bias``).
         mlp_bias: gate, up and down projections have biases (Llama's ``mlp_bias``).
         qk_norm: per-head RMSNorm (weights ``[head_dim]``, ``rms_norm_eps``) on queries and keys
             before RoPE (Qwen3's ``q_norm`` / ``k_norm``).
+        attention_multiplier: the softmax scale of attention (Granite's); None: ``head_dim ** -0.5``
+            (:attr:`attention_scale`).
+        embedding_multiplier, residual_multiplier, logits_scaling: Granite's other multipliers (1: none):
+            embeddings times the first, each block's output times the second before its residual add, the
+            logits divided by the third. :func:`model.loader.load_model` folds them into the weights and
+            returns a config with them at 1.
 
     Raises:
         ValueError: from ``__post_init__`` when sizes are inconsistent (e.g. the attention heads
@@ -52,6 +58,10 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention_multiplier: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -80,6 +90,11 @@ class ModelConfig:
         for name, t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"config: {name} {t!r} is not a token id of the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention: ``attention_multiplier``, else ``head_dim ** -0.5``."""
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim ** -0.5
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -152,6 +167,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **options,
+            **multipliers(model_type, raw),
         )
 
 

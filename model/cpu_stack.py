@@ -61,7 +61,7 @@ def build_decode_stack(model) -> DecodeStack | None:
         return None
     try:
         return DecodeStack(specs, model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim ** -0.5, model.norm.weight.dtype)
+                           cfg.intermediate_size, cfg.rms_norm_eps, cfg.attention_scale, model.norm.weight.dtype)
     except (ValueError, KernelUnavailable) as exc:
         log.info("no decode stack for this model: %s", exc)
         return None

@@ -10,9 +10,16 @@ which is the reference for token-exact output::
     qwen2       q, k, v always; o and MLP none             no        hidden / heads      see below
     qwen3       q, k, v, o: attention_bias                 yes       128                 see below
     phi3        none                                       no        hidden / heads      sliding_window, all layers
+    granite     q, k, v, o: attention_bias; MLP: mlp_bias  no        hidden / heads      none
 
     Phi-3 / Phi-4 checkpoints (``Phi3ForCausalLM``) store the projections fused as ours are, ``qkv_proj``
     (rows q | k | v) and ``gate_up_proj`` (rows gate | up): :func:`fused_in_checkpoint`.
+
+    Granite (IBM Granite 3.x, ``GraniteForCausalLM``) is Llama with four multipliers (:func:`multipliers`):
+    the attention's softmax scale (``attention_multiplier``, in place of ``head_dim ** -0.5``), the
+    embeddings times ``embedding_multiplier``, each block's output times ``residual_multiplier`` before
+    its residual add, and the logits divided by ``logits_scaling``. The loader folds the last three into
+    the weights (:func:`model.loader.fold_multipliers`), so every kernel runs them as Llama's.
 
     Qwen sliding window: only with use_sliding_window, on the layers layer_types marks
     "sliding_attention", else on layers >= max_window_layers.
@@ -29,11 +36,13 @@ window at least as long as the context never masks anything, so such checkpoints
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+MULTIPLIERS = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 HIDDEN_ACTS = ("silu", "swish")              # transformers' ACT2FN maps both to SiLU
 ROPE_TYPES = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -61,9 +70,29 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
         "qwen2": (True, False, False, False),
         "qwen3": (attention_bias, attention_bias, False, True),
         "phi3": (False, False, False, False),
+        "granite": (attention_bias, attention_bias, flag(raw, "mlp_bias"), False),
     }[model_type]
     return dict(zip(("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"), options),
                 head_dim=int(raw.get("head_dim") or default_head_dim))
+
+
+def multipliers(model_type: str, raw: dict[str, Any]) -> dict[str, float]:
+    """Granite's :data:`MULTIPLIERS` from ``raw`` (each 1.0 when absent, as ``GraniteConfig`` defaults them);
+    ``{}`` for the other families.
+
+    Raises:
+        ValueError: a multiplier that is not a finite positive number.
+    """
+    if model_type != "granite":
+        return {}
+    out = {}
+    for name in MULTIPLIERS:
+        value = raw.get(name)
+        value = 1.0 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"config.json {name} must be a finite positive number, got {value!r}")
+        out[name] = float(value)
+    return out
 
 
 def fused_in_checkpoint(model_type: str) -> bool:

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's features, one weight shared by all heads
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attention_scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, cpu_kernels: bool = False) -> torch.Tensor:

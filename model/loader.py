@@ -9,14 +9,15 @@ and gate, up projections land in row ranges of our fused ``qkv_proj`` / ``gate_u
     gate_up_proj     [2 intermediate, hidden]       rows: gate_proj | up_proj
 
 A family whose checkpoints hold them fused already (Phi-3: :func:`model.families.fused_in_checkpoint`) maps
-every tensor to its own name.
+every tensor to its own name. Granite's embedding, residual and logits multipliers are folded into the
+weights once they are loaded (:func:`fold_multipliers`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -148,4 +149,36 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     aliases = {"lm_head.weight": "embed_tokens.weight"} if cfg.tie_word_embeddings else {}
     state = assemble_state(iter_tensors(model_dir), expected, hf_layout(cfg, expected), lambda _n, _t: dtype,
                            model_dir, aliases)
-    return finish_model(model, cfg, state, device), cfg
+    return fold_multipliers(finish_model(model, cfg, state, device))
+
+
+FOLDED = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+@torch.no_grad()
+def fold_multipliers(model: LlamaForCausalLM) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """``(model, cfg)`` with Granite's :data:`FOLDED` multipliers in the weights, in place: the embedding
+    table times ``embedding_multiplier``; ``o_proj`` and ``down_proj`` (weights and biases) times
+    ``residual_multiplier``, so each block's output is scaled before its residual add; the LM head divided
+    by ``logits_scaling``. A head tied to the embedding is untied first (a copy: the two take different
+    factors). The returned config (also ``model.cfg``) has the three at 1 and says whether the head is still
+    tied, so that what is saved from ``model`` (:func:`model.quant.int4_checkpoint.save_quantized_checkpoint`)
+    describes its weights. Folding rounds once per weight where ``transformers`` rounds once per
+    activation: float32 logits agree to ~1e-6. The attention multiplier stays the attention's scale."""
+    cfg = model.cfg
+    m, r, s = (getattr(cfg, name) for name in FOLDED)
+    if (m, r, s) == (1.0, 1.0, 1.0):
+        return model, cfg
+    if cfg.tie_word_embeddings and (m != 1.0 or s != 1.0):
+        model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone(), requires_grad=False)
+    model.embed_tokens.weight.mul_(m)
+    model.lm_head.weight.div_(s)
+    for layer in model.layers:
+        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            proj.weight.mul_(r)
+            if proj.bias is not None:
+                proj.bias.mul_(r)
+    tied = cfg.tie_word_embeddings and m == s == 1.0
+    model.cfg = replace(cfg, embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0,
+                        tie_word_embeddings=tied)
+    return model, model.cfg

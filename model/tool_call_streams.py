@@ -289,19 +289,25 @@ def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
 
 class CallListStream:
     """An answer of JSON calls one after another, separated by blanks, ``;``, ``,`` and the brackets of lists:
-    Llama 3's JSON tool calls (``parameters``, or ``arguments``), and the array of calls a grammar holds an answer
-    to under ``tool_choice`` ``required`` (``parameters``). Decided at the answer's first non-blank character:
-    ``{`` or ``[`` (calls) or anything else (content, all of it). Text after the calls that is no call is
-    content; an object that is not a streamable call is held to the end and read whole with what follows it, as
-    content if it does not parse (the whole answer, when no call came before)."""
+    Llama 3's JSON tool calls (``parameters``, or ``arguments``), the array of calls a grammar holds an answer
+    to under ``tool_choice`` ``required`` (``parameters``), and Granite 3's, an array after ``<|tool_call|>``
+    (``marker``). Decided at the answer's start: its first non-blank character ``{`` or ``[`` (or the
+    ``marker``, when one is given) begins calls, anything else is content, all of it. Text after the calls
+    that is no call is content; an object that is not a streamable call is held to the end and read whole
+    with what follows it, as content if it does not parse (the whole answer, when no call came before)."""
 
     SEPARATORS = " \t\r\n;,[]"
 
-    def __init__(self, keys: tuple[str, ...] = ("parameters", "arguments")) -> None:
-        self._keys, self._header = keys, header(keys)
+    def __init__(self, keys: tuple[str, ...] = ("parameters", "arguments"), marker: str = "") -> None:
+        self._keys, self._header, self._marker = keys, header(keys), marker
         self._buf, self._state = "", "start"   # "start" -> "between" <-> "header" / "arguments" -> "rest"; "content"
+        self._opening = ""                     # the marker read at the start (and the blanks before it)
         self._pending = ""                     # since the last call: separators, or an object not yet read
         self._out, self._calls, self._args = Content(), Calls(), _Arguments()
+
+    def _unread(self) -> str:
+        """What the calls were thought to start with, when none came: content again."""
+        return "" if self._calls.count else self._opening
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buf += text
@@ -317,16 +323,23 @@ class CallListStream:
             return False
         if self._state == "start":
             head = buf.lstrip()
-            if not head:
+            if not head or self._marker.startswith(head) and head != self._marker:   # not told apart yet
                 return False
-            self._state = "between" if head[0] in "{[" else "content"
+            if not self._marker:
+                self._state = "between" if head[0] in "{[" else "content"
+            elif head.startswith(self._marker):
+                at = len(buf) - len(head) + len(self._marker)
+                self._opening, self._buf, self._state = buf[:at], buf[at:], "between"
+            else:
+                self._state = "content"
         elif self._state == "between":
             n = len(buf) - len(buf.lstrip(self.SEPARATORS))
             self._pending, self._buf = self._pending + buf[:n], buf[n:]
             if not self._buf:
                 return False
             if self._buf[0] != "{":     # words after the calls
-                self._state, self._buf = "content", ("" if self._calls.count else self._pending) + self._buf
+                self._state = "content"
+                self._buf = (self._unread() + self._pending if not self._calls.count else "") + self._buf
                 self._pending = ""
             else:
                 self._state = "header"
@@ -361,12 +374,13 @@ class CallListStream:
             self._out.add(rest)
         elif state == "header":
             calls = json_calls(rest, self._keys)
+            if calls is None:
+                self._out.add(self._unread() + rest)
             for call in calls or ():
                 self._calls.whole(call)
-            if calls is None:
-                self._out.add(rest)
         elif state == "between" and not self._calls.count:   # separators alone ("[[["): content as written
-            self._out.add(rest)
+            self._out.add(self._unread() + rest)
+        self._opening = ""
         return self._out.take(), self._calls.take()
 
 

@@ -4,13 +4,16 @@ chat template taught it, as vLLM's tool parsers (``--tool-call-parser``) split i
     hermes       text <tool_call>{"name": "f", "arguments": {...}}</tool_call> text <tool_call>...</tool_call>
                  (Hermes 2 Pro / 3, Qwen2.5, Qwen3: calls anywhere in the answer, any number)
     llama3_json  {"name": "f", "parameters": {...}}; {"name": "g", "parameters": {...}}
-                 (Llama 3.1-3.3's JSON tool calling: the whole answer is calls, or none of it is)
+                 (Llama 3.1-3.3's JSON tool calling: an answer that starts with calls)
+    granite      <|tool_call|>[{"name": "f", "arguments": {...}}, ...]
+                 (Granite 3.x: an answer that starts with the marker, then an array of calls)
 
-Both work on a stream (:meth:`ToolCallStream.feed` text as it is decoded, :meth:`ToolCallStream.finish` at
+All work on a stream (:meth:`ToolCallStream.feed` text as it is decoded, :meth:`ToolCallStream.finish` at
 the end), and a whole answer is parsed by the same code in one feed (:func:`parse_tool_calls`), so a streamed
 answer's content and calls are exactly the whole answer's, wherever the text was cut. Content is released as
 soon as it cannot be the start of a call: hermes holds back only a tail that may begin ``<tool_call>``;
-llama3_json decides at the answer's first non-blank character (``{`` or ``[``: calls). A call's arguments
+llama3_json decides at the answer's first non-blank character (``{`` or ``[``: calls), granite once the
+answer's start is or is not ``<|tool_call|>``. A call's arguments
 stream as the model writes them, once its ``name`` is written before them (:mod:`model.tool_call_streams`).
 
 With ``tool_choice`` ``required`` or a named function the answer is held to calls by a grammar
@@ -40,7 +43,7 @@ from pdserve.model.tool_call_streams import (
 __all__ = ["CallDelta", "FORCED", "TOOL_CALL_PARSERS", "ToolCall", "ToolCallStream", "call_of", "forced_calls_schema",
            "json_object", "new_call_id", "parse_tool_calls", "tool_call_stream"]
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "granite")
 
 
 def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool = True) -> dict:
@@ -57,7 +60,8 @@ def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool 
     return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": one}}
 
 
-STREAMS = {"hermes": HermesStream, "llama3_json": CallListStream}
+STREAMS = {"hermes": HermesStream, "llama3_json": CallListStream,
+           "granite": lambda: CallListStream(("arguments", "parameters"), marker="<|tool_call|>")}
 FORCED = "forced"   # tool_call_stream's mode of an answer a grammar held to calls: "forced" or "forced:<name>"
 
 

@@ -7,6 +7,7 @@ model classes (so the checkpoint format is the reference's, not ours), for the f
     qwen3         64  3 x 40 (!= 64 / 3)        1            96  untied   q/k norm, rope_theta 1e6
     mistral       96  4 x 36 (!= 96 / 4)        2           120  untied   sliding_window = context (never masks)
     phi3          60  3 x 20                    1            88  untied   qkv_proj, gate_up_proj fused; theta 2.5e5
+    granite       64  4 x 16                    2           112  tied     all biases; the four multipliers != 1
 
 Every model: 2 layers, vocab 1000, 256 positions, BOS 1, EOS 2, the embedded model's tokenizer.
 Weights N(0, 0.15) (larger than transformers' init, so greedy output is not flat), biases N(0, 0.3),
@@ -22,7 +23,7 @@ import torch
 
 from pdserve.deploy.config import EMBEDDED_MODEL
 
-FAMILIES = ("qwen2", "qwen3", "mistral", "phi3")
+FAMILIES = ("qwen2", "qwen3", "mistral", "phi3", "granite")
 _COMMON = dict(num_hidden_layers=2, vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-5,
                bos_token_id=1, eos_token_id=2)
 SHAPES = {
@@ -36,6 +37,9 @@ SHAPES = {
                     head_dim=36, tie_word_embeddings=False, rope_theta=1e4, sliding_window=256),
     "phi3": dict(_COMMON, hidden_size=60, intermediate_size=88, num_attention_heads=3, num_key_value_heads=1,
                  tie_word_embeddings=False, rope_theta=2.5e5, pad_token_id=0, sliding_window=None),
+    "granite": dict(_COMMON, hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
+                    tie_word_embeddings=True, rope_theta=1e4, attention_bias=True, mlp_bias=True,
+                    embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0),
 }
 
 

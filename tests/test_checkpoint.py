@@ -135,7 +135,7 @@ def _edited(tmp_path: Path, src: str, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, field, supported", [
-    (dict(model_type="gemma"), "model_type 'gemma'", "llama, mistral, qwen2, qwen3, phi3"),
+    (dict(model_type="gemma"), "model_type 'gemma'", "llama, mistral, qwen2, qwen3, phi3, granite"),
     (dict(architectures=["Qwen2ForSequenceClassification"]), "architectures", "Qwen2ForCausalLM"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'", "silu"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None), "rope_scaling type 'yarn'",

@@ -277,6 +277,27 @@ def test_prequantized_checkpoint_equals_load_time_quantization(tmp_path, model_d
     assert torch.equal(_all_logits(loaded, cfg, ids[:5]), _all_logits(converted, cfg, ids[:5]))
 
 
+def test_a_granite_checkpoint_keeps_its_folded_multipliers_once(tmp_path):
+    """Granite's embedding, residual and logits multipliers are in the loaded weights (its tied head untied):
+    the INT4 checkpoint saved from them says so in its config.json (multipliers 1, head untied), so loading it
+    equals load-time quantization, and folds nothing twice."""
+    from tests.family_checkpoints import random_prompt, write_checkpoint
+
+    src = write_checkpoint("granite", tmp_path / "granite")
+    out = save_quantized_checkpoint(src, tmp_path / "q", group_size=32)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False and saved["attention_multiplier"] == 0.05
+    assert [saved[k] for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")] == [1.0] * 3
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" in set(f.keys())
+    loaded, cfg = load_int4_checkpoint(out)
+    converted, converted_cfg = load_model(src)
+    convert_for_runtime(converted, 32)
+    assert converted_cfg.tie_word_embeddings is False and converted_cfg.embedding_multiplier == 1.0
+    ids = random_prompt(40, seed=1)
+    assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, converted_cfg, ids))
+
+
 def test_gptq_checkpoint_equals_load_time_gptq(tmp_path, model_dir):
     """Calibration is seeded: the offline and the load-time GPTQ give the same tensors."""
     out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=128, method="gptq")

@@ -70,12 +70,31 @@ def test_llama3_json(text, content, calls):
     assert calls_of("llama3_json", text) == (content, calls)
 
 
+GRANITE = [
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "",
+     [("get_weather", {"city": "Paris"})]),
+    ('\n<|tool_call|> [{"name": "a", "arguments": {}}, {"arguments": {"k": 1}, "name": "b"}]', "",
+     [("a", {}), ("b", {"k": 1})]),
+    ("It is sunny.", "It is sunny.", []),
+    ('[{"name": "a", "arguments": {}}]', '[{"name": "a", "arguments": {}}]', []),    # no marker: content
+    ("<|tool_call|>", "<|tool_call|>", []),
+    ("<|tool_call|>not json", "<|tool_call|>not json", []),
+    ("<|tool_ca", "<|tool_ca", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", GRANITE)
+def test_granite(text, content, calls):
+    assert calls_of("granite", text) == (content, calls)
+
+
 def test_unknown_parser_is_refused():
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, granite"):
         tool_call_stream("mistral")
 
 
 PIECES = ["Hi ", "there.\n", "<tool_call>", "</tool_call>", WEATHER, TIME, "{", "}", " ", "\n", ";", "<tool_", "call>",
+          "<|tool_call|>", "<|tool",
           '{"name": "x", "parameters": {"a": 1}}', "[", "]", ",", "text", "é✓"]
 
 
@@ -121,6 +140,7 @@ CODE = '{"name": "write", "arguments": {"path": "a.py", "text": "x = \\"}\\" # <
     ("llama3_json", '{"name": "f", "parameters": {"a": [1, {"b": "}"}]}}', "f", '{"a": [1, {"b": "}"}]}', ""),
     ("forced", '[{"name": "f", "parameters": {"a": "]}"}}]', "f", '{"a": "]}"}', ""),
     ("forced:f", '{"a": {"b": 1}}', "f", '{"a": {"b": 1}}', ""),
+    ("granite", '<|tool_call|>[{"name": "f", "arguments": {"a": "[{"}}]', "f", '{"a": "[{"}', ""),
 ])
 def test_arguments_stream_as_they_are_written(parser, text, name, arguments, content):
     """Fed a character at a time, a call's name and id come first, then its arguments grow with the text, as the

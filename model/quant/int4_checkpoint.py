@@ -1,7 +1,8 @@
 """Pre-quantized INT4 checkpoints: the offline half of :mod:`model.quant.int4`.
 
 A checkpoint directory holds ``config.json`` and the tokenizer files of the source model
-(copied unchanged) and one ``model.safetensors`` with pdserve tensor names (fused
+(copied unchanged, but for Granite's multipliers, which the weights hold: :func:`model.loader.fold_multipliers`)
+and one ``model.safetensors`` with pdserve tensor names (fused
 ``qkv_proj`` / ``gate_up_proj``, no ``model.`` prefix): for each quantized module
 ``<prefix>.qweight`` / ``.scales`` / ``.zeros`` (and ``.bias`` if any), every other tensor
 in the source checkpoint's dtype (``lm_head.weight`` left out when tied). The settings
@@ -25,7 +26,7 @@ from safetensors.torch import save_file
 from pdserve.model.checkpoint import iter_tensors, open_safetensors, resolve_model_dir, safetensors_files
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.loader import Placement, assemble_state, expected_tensors, finish_model, load_model
+from pdserve.model.loader import FOLDED, Placement, assemble_state, expected_tensors, finish_model, load_model
 from pdserve.model.quant.int4 import Int4Linear, calibrated_weights, iter_targets
 from pdserve.model.quant.int4_format import (
     FORMAT_VERSION,
@@ -115,6 +116,10 @@ def save_quantized_checkpoint(model_dir_in: str | Path, out_dir: str | Path, gro
     for src in model_dir_in.iterdir():
         if src.is_file() and ".safetensors" not in src.name:
             shutil.copy(src, out_dir / src.name)
+    raw = json.loads((model_dir_in / "config.json").read_text())
+    if any(raw.get(name, 1.0) != 1.0 for name in FOLDED):   # the weights hold Granite's multipliers: say so
+        folded = {name: 1.0 for name in FOLDED} | {"tie_word_embeddings": model.cfg.tie_word_embeddings}
+        (out_dir / "config.json").write_text(json.dumps(raw | folded, indent=2))
     return out_dir
 
 
