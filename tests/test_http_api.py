@@ -165,6 +165,8 @@ REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("completions", "best_of", 2), ("completions", "suffix", "!"),
     ("completions", "presence", 1), ("chat", "bad_words", ["dog"]), ("completions", "stream_options",
                                                              {"include_usage": True}),
+    ("chat", "store", True), ("completions", "service_tier", "flex"),
+    ("chat", "reasoning_effort", "low"),    # the embedded model's template does not read it
 ]
 
 
@@ -194,6 +196,11 @@ def test_neutral_values_of_unimplemented_parameters_are_accepted(http_cluster, a
     got = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, n=1, stop=[], logprobs=False,
                                       presence_penalty=0, frequency_penalty=0.0, logit_bias={},
                                       response_format={"type": "text"}, user="someone")
+    assert got.usage.completion_tokens == 3
+    # OpenAI fields that change no answer here, as SDKs and agents send them
+    got = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, store=False,
+                                      metadata={"team": "a"}, service_tier="auto", prompt_cache_key="conv-1",
+                                      safety_identifier="u-1")
     assert got.usage.completion_tokens == 3
 
 

@@ -97,6 +97,29 @@ def test_a_grammar_holds_the_answer_after_its_reasoning(api):
     assert off.message.content in ("yes", "no") and off.message.model_dump().get("reasoning") is None
 
 
+def test_reasoning_effort_goes_to_a_template_that_reads_it(tmp_path_factory, redis_url):
+    """OpenAI's ``reasoning_effort`` becomes the template variable of that name (gpt-oss-style templates); a
+    template that does not read it refuses it by name (tests/test_http_api.py)."""
+    template = THINKING_TEMPLATE.replace(ASSISTANT, "{% if reasoning_effort %}Effort: {{ reasoning_effort }}"
+                                                    "{% endif %}" + ASSISTANT)
+    path = scripted_chat_model(tmp_path_factory.mktemp("effort") / MODEL, ANSWER, template)
+    c = Cluster(str(path), redis_url, router_flags={"http_port": 0})
+    try:
+        def tokens(**body) -> list[int]:
+            status, _, out = raw(c.router.http_address, "/tokenize", {"model": MODEL, "messages": ASK, **body})
+            assert status == 200, out
+            return json.loads(out)["tokens"]
+        rendered = ChatTemplate.load(str(path))
+        effort = rendered.encode(rendered.render(ASK, reasoning_effort="low"))
+        assert tokens(chat_template_kwargs={"reasoning_effort": "low"}) == effort != tokens()
+        api = openai.OpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="unused", max_retries=0)
+        got = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, reasoning_effort="low")
+        assert got.usage.prompt_tokens == len(effort)
+        c.assert_pools_free()
+    finally:
+        c.stop()
+
+
 def test_chat_template_kwargs_and_continue_final_message_shape_the_prompt(cluster, model_dir):
     address = cluster.router.http_address
     template = ChatTemplate.load(model_dir)

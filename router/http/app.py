@@ -151,7 +151,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
                                 "--chat-template FILE", param="messages", code="no_chat_template")
         parser = tool_parser_for(body, backend.cfg.tool_call_parser)
         ids, room = await chat_prompt(chat_template, body.messages, backend, body.add_generation_prompt, body.tools,
-                                      body.chat_template_kwargs, body.continue_final_message)
+                                      body.chat_template_kwargs, body.continue_final_message, body.reasoning_effort)
         req = generate_request(body, ids, "", room)
         thinking = backend.cfg.reasoning_parser
         if thinking and req.sampling.HasField("structured_output"):   # the grammar starts after the reasoning

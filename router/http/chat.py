@@ -82,7 +82,7 @@ def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
 async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model: _Model,
                       add_generation_prompt: bool = True, tools: list[Tool] | None = None,
                       template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
-                      ) -> tuple[list[int], int]:
+                      reasoning_effort: str | None = None) -> tuple[list[int], int]:
     """``(prompt ids, room)``: the conversation's prompt ids (ending with the assistant's turn opened, when
     ``add_generation_prompt``; ``tools`` shown to the model as its template shows them), and the most tokens
     the answer can have (up to the context, at most ``max_tokens_limit``: the ``max_tokens`` of a request
@@ -93,10 +93,12 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
             ``enable_thinking``, Granite's ``thinking``); the names the router sets itself are refused.
         continue_final_message: vLLM's: the prompt ends inside the last message (an assistant's answer begun),
             its text cut right after that message's content, so the model goes on writing it.
+        reasoning_effort: OpenAI's, the template variable ``reasoning_effort`` of a template that reads it.
 
     Raises:
         ApiError: 400, both ``add_generation_prompt`` and ``continue_final_message``; a reserved template
-            variable; a last message with no text to continue, or whose text the template does not show; the
+            variable; ``reasoning_effort`` for a template that does not read it (it would change nothing); a
+            last message with no text to continue, or whose text the template does not show; the
             template refused the conversation, or its text cannot fit the context (the gRPC API's message for a
             text prompt that long), or it tokenizes past the model's vocabulary.
     """
@@ -107,6 +109,11 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
     if taken:
         raise ApiError(400, f"`chat_template_kwargs` cannot set {', '.join(taken)} (the router sets them)",
                        param="chat_template_kwargs")
+    if reasoning_effort is not None:
+        if "reasoning_effort" not in template.source:
+            raise ApiError(400, "this model's chat template does not read `reasoning_effort`, so it would change "
+                                "nothing: leave it out", param="reasoning_effort")
+        template_kwargs = {"reasoning_effort": reasoning_effort, **(template_kwargs or {})}
     shown = template_messages(messages)
     try:
         text = template.render(shown, add_generation_prompt=add_generation_prompt, tools=template_tools(tools),

@@ -29,6 +29,8 @@ UNSUPPORTED = {
     "suffix": ((None, ""), "`suffix`"),
     "functions": ((None, []), "`functions`"),
     "function_call": ((None, "none"), "`function_call`"),
+    "store": ((None, False), "`store` true (pdserve keeps no completions)"),
+    "service_tier": ((None, "auto", "default"), "`service_tier` other than auto or default"),
 }
 
 

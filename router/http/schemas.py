@@ -154,6 +154,15 @@ class SamplingBody(_UnicodeBody):
     # vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # OpenAI fields that do not change an answer here, accepted as OpenAI's SDKs and agents send them: `store`
+    # false (true is refused: nothing is kept), `metadata` (tags for stored completions), `service_tier` auto or
+    # default, and the routing and abuse hints `prompt_cache_key` and `safety_identifier` (the router routes on
+    # the prompt's cached prefix itself)
+    store: bool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class CompletionRequest(SamplingBody):
@@ -238,6 +247,8 @@ class ChatCompletionRequest(SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's, given to a chat template that reads it (gpt-oss-style templates) as `reasoning_effort`
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     functions: list[Any] | None = None
     function_call: Any = None
 
