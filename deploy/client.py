@@ -86,11 +86,14 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temp
                  frequency_penalty: float | None = None, repetition_penalty: float | None = None,
                  min_tokens: int | None = None, logit_bias: dict[int, float] | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 bad_words: tuple[str, ...] = (), allowed_token_ids: tuple[int, ...] = (),
                  ) -> pdserve_pb2.GenerateRequest:
     """Build a ``GenerateRequest`` from text or token ids (``None`` leaves a field to the server's default;
-    the penalties, ``min_tokens``, ``logit_bias``, ``logprobs`` and ``prompt_logprobs``: ``proto/pdserve.proto``)."""
+    the penalties, ``min_tokens``, ``logit_bias``, ``logprobs``, ``prompt_logprobs``, ``bad_words`` and
+    ``allowed_token_ids``: ``proto/pdserve.proto``)."""
     sampling = pdserve_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
-                                          logit_bias=logit_bias or {})
+                                          logit_bias=logit_bias or {}, bad_words=list(bad_words),
+                                          allowed_token_ids=list(allowed_token_ids))
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
                         ("seed", seed),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),

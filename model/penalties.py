@@ -1,9 +1,13 @@
-"""``min_tokens``, logit bias and the repetition, frequency and presence penalties: one row of logits changed
-by what the request has seen, before any token is picked from it.
+"""``allowed_token_ids``, ``bad_words``, ``min_tokens``, logit bias and the repetition, frequency and presence
+penalties: one row of logits changed by what the request has seen, before any token is picked from it.
 
-In the order of vLLM's sampler (``vllm/v1/sample/sampler.py``): ``min_tokens`` and the bias first, then the
-penalties::
+In the order of vLLM's sampler (``vllm/v1/sample/sampler.py``): the allowed tokens and the bad words first, then
+``min_tokens`` and the bias, then the penalties::
 
+    logits[t] = -inf                                             for each t not in allowed_token_ids (when given)
+    logits[t] = -inf                                             for each bad word (token sequence) w whose
+                                                                 tokens but the last end the output so far,
+                                                                 t its last (a one-token word: always)
     logits[t] = -inf                                             for each stop token t, while the output is
                                                                  shorter than min_tokens (EOS unless ignored,
                                                                  stop_token_ids)
@@ -37,11 +41,16 @@ class SamplingParams(Protocol):
     logit_bias: tuple[tuple[int, float], ...]
     min_tokens: int
     max_tokens: int
+    bad_words: tuple[tuple[int, ...], ...]
+    allowed_token_ids: tuple[int, ...]
 
 
 PENALTY_BOUND = 2.0            # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
 LOGIT_BIAS_BOUND = 100.0       # |bias| at most this (OpenAI's range)
 MAX_LOGIT_BIAS = 1024          # biased tokens of one request: every message that forwards them stays small
+MAX_ALLOWED_TOKEN_IDS = 4096   # allowed tokens of one request, likewise
+MAX_BAD_WORDS = 256            # token sequences of one request's bad words (each word's spellings)
+MAX_BAD_WORD_TOKENS = 64       # tokens of one such sequence
 # a repetition penalty of 1e-40 turned positive logits into +inf; 0.01 as float32 rounds it (the wire's width)
 REPETITION_BOUNDS = (float(np.float32(0.01)), 100.0)
 
@@ -70,6 +79,15 @@ def penalize_rows_(out: torch.Tensor, params: Sequence[SamplingParams],
     for all rows), changes them and scatters them back: the work follows the histories' length, not the
     vocabulary's. A row's result does not depend on the others."""
     flat, vocab = out.view(-1), out.shape[1]
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            allowed = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=out.device)
+            kept = out[row, allowed]
+            out[row] = -torch.inf
+            out[row, allowed] = kept
+    banned = [_banned(p.bad_words, h[1]) if p.bad_words else () for p, h in zip(params, histories)]
+    if any(banned):
+        flat[_keys(banned, vocab, out.device)] = -torch.inf
     stops = [sorted(h[2]) if len(h[1]) < p.min_tokens else () for p, h in zip(params, histories)]
     if any(stops):
         flat[_keys(stops, vocab, out.device)] = -torch.inf
@@ -93,6 +111,17 @@ def penalize_rows_(out: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+def _banned(bad_words: Sequence[Sequence[int]], output_ids: Sequence[int]) -> list[int]:
+    """The tokens ``bad_words`` forbid next after ``output_ids``: each word's last token where the output ends
+    with the tokens before it (vLLM's ``apply_bad_words``, over the output only)."""
+    out = set()
+    for word in bad_words:
+        n = len(word) - 1
+        if n == 0 or len(output_ids) >= n and list(output_ids[len(output_ids) - n:]) == list(word[:n]):
+            out.add(word[-1])
+    return sorted(out)
+
+
 def _keys(ids: Sequence[Sequence[int] | torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
     """``row * vocab + token`` for each id of each row's ids, a list or an int64 tensor (int64, on ``device``)."""
     lengths = [len(x) for x in ids]
@@ -114,7 +143,9 @@ def check_penalties(p: SamplingParams, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: ``min_tokens``
     outside [0, max_tokens]; presence and frequency penalties not finite in [-2, 2]; a repetition penalty
     outside [0.01, 100]; more than :data:`MAX_LOGIT_BIAS` biased tokens, one outside the vocabulary or
-    repeated, or a bias not finite in [-100, 100]."""
+    repeated, or a bias not finite in [-100, 100]; more than :data:`MAX_ALLOWED_TOKEN_IDS` allowed tokens or
+    one outside the vocabulary; bad words beyond :data:`MAX_BAD_WORDS` sequences of 1 to
+    :data:`MAX_BAD_WORD_TOKENS` tokens, or a token outside the vocabulary."""
     if not 0 <= p.min_tokens <= p.max_tokens:
         raise ValueError(f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -135,3 +166,13 @@ def check_penalties(p: SamplingParams, vocab_size: int) -> None:
     wild = [b for _, b in p.logit_bias if not -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND]
     if wild:
         raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {wild[0]}")
+    if len(p.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise ValueError(f"allowed_token_ids holds {len(p.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS}")
+    bad = [t for t in p.allowed_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"allowed_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    if len(p.bad_words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in p.bad_words):
+        raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences of 1 to {MAX_BAD_WORD_TOKENS} tokens")
+    bad = [t for w in p.bad_words for t in w if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"bad_words token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")

@@ -62,6 +62,10 @@ class SamplingParams:
         grammar: structured output, ``("json_object", "")`` or ``("json_schema", schema text)``
             (:mod:`model.structured`): each token is sampled from those the grammar allows next; not with
             ``ignore_eos`` or ``min_tokens`` (the grammar's end allows only stop tokens).
+        bad_words: token sequences the output may not contain (vLLM's ``bad_words``, each word as the router
+            tokenizes it): a sequence's last token is forbidden where the output ends with the tokens before it.
+        allowed_token_ids: when given, the only tokens that may be picked (vLLM's). Both with the penalties:
+            :mod:`model.penalties`.
         grammar_after: token ids that start the grammar (:class:`model.structured.Constraint`'s ``start_after``:
             a reasoning model's end of thinking); empty: the grammar holds the whole answer. At most
             :data:`MAX_GRAMMAR_AFTER`, only with a ``grammar``.
@@ -84,6 +88,8 @@ class SamplingParams:
     grammar: tuple[str, str] | None = None
     min_p: float = 0.0
     grammar_after: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -111,6 +117,9 @@ class SamplingParams:
             if self.ignore_eos or self.min_tokens:
                 raise ValueError("structured output cannot be combined with ignore_eos or min_tokens (a grammar "
                                  "ends its answer with a stop token)")
+            if self.bad_words or self.allowed_token_ids:
+                raise ValueError("structured output cannot be combined with bad_words or allowed_token_ids (a "
+                                 "grammar chooses the tokens; those could forbid every one it allows)")
         if self.grammar_after:
             if self.grammar is None:
                 raise ValueError("structured_output.start_after needs a structured output kind")
@@ -130,10 +139,10 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether ``min_tokens``, a logit bias or a penalty changes the logits: picking a token then needs the
-        request's :data:`History` (:func:`sample`'s ``histories``)."""
+        """Whether ``min_tokens``, a logit bias, a penalty, bad words or allowed tokens change the logits: picking
+        a token then needs the request's :data:`History` (:func:`sample`'s ``histories``)."""
         return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
-            or self.repetition_penalty != 1 or self.min_tokens > 0
+            or self.repetition_penalty != 1 or self.min_tokens > 0 or bool(self.bad_words or self.allowed_token_ids)
 
     @property
     def constrained(self) -> bool:

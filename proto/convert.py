@@ -21,7 +21,8 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_tokens=p.min_tokens,
         return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0,
-        structured_output=grammar_to_wire(p.grammar, p.grammar_after), min_p=p.min_p)
+        structured_output=grammar_to_wire(p.grammar, p.grammar_after), min_p=p.min_p,
+        bad_words=[pdserve_pb2.TokenIds(ids=w) for w in p.bad_words], allowed_token_ids=p.allowed_token_ids)
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -34,7 +35,8 @@ def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
         logit_bias=tuple(sorted(m.logit_bias.items())), min_tokens=m.min_tokens,
         prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None,
         grammar=grammar_from_wire(m.structured_output), min_p=m.min_p,
-        grammar_after=tuple(m.structured_output.start_after))
+        grammar_after=tuple(m.structured_output.start_after), bad_words=tuple(tuple(w.ids) for w in m.bad_words),
+        allowed_token_ids=tuple(m.allowed_token_ids))
 
 
 def grammar_to_wire(grammar: tuple[str, str] | None, start_after: tuple[int, ...] = ()

@@ -13,6 +13,7 @@ import math
 import secrets
 import unicodedata
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf import message as pb_message
@@ -113,6 +114,33 @@ def check_tokenized(ids: list[int], vocab_size: int, tokenizer: Tokenizer) -> No
                          f"[0, {vocab_size}): this checkpoint's tokenizer has ids up to {tokenizer.max_token_id}")
 
 
+MAX_BAD_WORDS = 128            # words of one request (each takes up to two token sequences)
+MAX_BAD_WORD_CHARS = 256
+
+
+def bad_word_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of ``words`` as vLLM forbids them (``SamplingParams.update_from_tokenizer``): each
+    word's tokens as it starts a text, and with a leading space, as it falls mid-text, where that spelling
+    begins with another token and is as long (so it is the word's other form, not a space token before it).
+
+    Raises:
+        ValueError: more than :data:`MAX_BAD_WORDS` words, an empty (or blank) one, or one over
+            :data:`MAX_BAD_WORD_CHARS` characters (before tokenizing it).
+    """
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"{len(words)} bad_words; at most {MAX_BAD_WORDS} are allowed")
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"bad_words entries must be 1 to {MAX_BAD_WORD_CHARS} characters, not blank")
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(w for w in out if w)
+
+
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
              default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1),
              max_tokens_limit: int | None = None) -> ValidRequest:
@@ -184,6 +212,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         grammar=grammar_from_wire(s.structured_output),
         grammar_after=tuple(s.structured_output.start_after),
+        bad_words=bad_word_ids(s.bad_words, tokenizer),
+        allowed_token_ids=tuple(s.allowed_token_ids),
     )
     if sampling.prompt_logprobs is not None and len(ids) * (sampling.prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
         raise ValueError(f"prompt_logprobs {sampling.prompt_logprobs} over a {len(ids)}-token prompt is "

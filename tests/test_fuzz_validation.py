@@ -137,6 +137,11 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
     if so.start_after and (grammar is None or grammar == "json_object" and not so.json_object
                            or len(so.start_after) > 16 or any(not 0 <= t < VOCAB for t in so.start_after)):
         bad.add("start_after")
+    held = grammar is not None and (grammar != "json_object" or so.json_object)
+    if any(not 0 <= t < VOCAB for t in s.allowed_token_ids) or (held and s.allowed_token_ids):
+        bad.add("allowed_token_ids")
+    if any(not w.strip() or len(w) > 256 for w in s.bad_words) or (held and s.bad_words):
+        bad.add("bad_words")
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if req.HasField(name) and not (math.isfinite(getattr(req, name)) and getattr(req, name) > 0):
             bad.add(name)
@@ -215,6 +220,10 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
     elif kind == "choice":
         s.structured_output.choice.choices.extend(draw(st.lists(st.text(max_size=3), max_size=3)
                                                        | st.just(["x"] * 1_025) | st.just(["y" * 40_000] * 2)))
+    if draw(st.integers(0, 3)) == 0:
+        s.allowed_token_ids.extend(draw(st.lists(st.integers(-2, VOCAB + 2), max_size=5)))
+    if draw(st.integers(0, 3)) == 0:
+        s.bad_words.extend(draw(st.lists(st.sampled_from(["dog", " ran", "", "  ", "a" * 257, "é✓"]), max_size=3)))
     if draw(st.integers(0, 3)) == 0:
         s.structured_output.start_after.extend(draw(st.lists(st.integers(-2, VOCAB + 2), max_size=18)))
     req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,

@@ -163,7 +163,7 @@ REFUSED = [  # (endpoint, parameter, value): each must be named in a 400
     ("chat", "top_logprobs", 2),  # without `logprobs`: true
     ("chat", "functions", [{"name": "f"}]), ("chat", "function_call", "auto"),
     ("completions", "best_of", 2), ("completions", "suffix", "!"),
-    ("completions", "presence", 1), ("chat", "bad_words", ["dog"]), ("completions", "stream_options",
+    ("completions", "presence", 1), ("chat", "bad_word", ["dog"]), ("completions", "stream_options",
                                                              {"include_usage": True}),
     ("chat", "store", True), ("completions", "service_tier", "flex"),
     ("chat", "reasoning_effort", "low"),    # the embedded model's template does not read it

@@ -71,6 +71,14 @@ def test_streamed_tool_calls_of_each_choice(api):
     assert calls[0][0].id != calls[1][0].id
 
 
+def test_bad_words_keep_a_word_out_of_the_answer(api):
+    """vLLM's ``bad_words``: the scripted answer's first piece (one added token, as the router tokenizes the word)
+    is never written, so the rest of the script, which follows only from it, is not either."""
+    got = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0,
+                                      extra_body={"bad_words": [ANSWER[0]]}).choices[0].message.content
+    assert ANSWER[0] not in got and ANSWER[1] not in got and got
+
+
 @pytest.mark.parametrize("extra", [{}, {"tools": TOOLS, "tool_choice": "none"}], ids=["no tools", "choice none"])
 def test_without_auto_tool_choice_the_answer_is_text(api, extra):
     got = api.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, **extra)

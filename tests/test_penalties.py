@@ -1,5 +1,6 @@
-"""``min_tokens``, logit bias and the repetition, frequency and presence penalties (model/penalties.py): the
-row function against a reference written here from the definitions; each bad value refused by name; greedy
+"""``min_tokens``, logit bias, the repetition, frequency and presence penalties, ``bad_words`` and
+``allowed_token_ids`` (model/penalties.py): the row function against a reference written here from the
+definitions; each bad value refused by name; greedy
 tokens through the decode engine (local prefill, the decode graph, multi-step decoding and n-gram speculation
 configured) equal to ``transformers`` generating with the same reference as its logits processor (and with its
 ``min_new_tokens``), beside a plain request in the same batches; and through a live cluster over HTTP (the
@@ -103,6 +104,29 @@ def test_rows_penalized_together_equal_each_row_alone():
     assert torch.equal(together[2], logits[2]) and together[1, 7] == -torch.inf
 
 
+def test_allowed_tokens_and_bad_words_mask_as_defined():
+    """Allowed tokens keep their logits, every other is -inf; a bad word's last token is -inf exactly where the
+    output ends with the tokens before it (a one-token word everywhere); together with the other rows' fields."""
+    torch.manual_seed(2)
+    logits = torch.randn(64) * 3
+    allowed = SamplingParams(allowed_token_ids=(5, 9, 40))
+    got = penalize(logits, allowed, [1], [])
+    assert (got > -torch.inf).nonzero().flatten().tolist() == [5, 9, 40] and torch.equal(got[[5, 9, 40]],
+                                                                                         logits[[5, 9, 40]])
+    bad = SamplingParams(bad_words=((7,), (3, 4, 11), (4, 12)))
+    masked = {(): [7], (3,): [7], (3, 4): [7, 11, 12], (9, 4): [7, 12], (4, 3, 4): [7, 11, 12]}
+    for output, expected in masked.items():
+        got = penalize(logits, bad, [3, 4], list(output))        # the prompt's own ends do not count (vLLM)
+        assert (got == -torch.inf).nonzero().flatten().tolist() == expected, output
+        assert torch.equal(got[got > -torch.inf], logits[got > -torch.inf])
+    both = SamplingParams(allowed_token_ids=(7, 8), bad_words=((7,),), logit_bias=((8, 1.0),))
+    assert (penalize(logits, both, [], []) > -torch.inf).nonzero().flatten().tolist() == [8]
+    histories = [([1], [3, 4], ()), ([1], [], ()), ([1], [], ())]
+    rows = penalize_rows_(torch.stack([logits] * 3), [bad, allowed, SamplingParams()], histories)
+    for row, p in enumerate((bad, allowed, SamplingParams())):
+        assert torch.equal(rows[row], penalize(logits, p, *histories[row]))
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("presence_penalty", 2.5, "presence_penalty must be in"),
     ("frequency_penalty", float("nan"), "frequency_penalty must be in"),
@@ -117,6 +141,11 @@ def test_rows_penalized_together_equal_each_row_alone():
     ("logit_bias", tuple((t, 1.0) for t in range(MAX_LOGIT_BIAS + 1)), "at most"),
     ("min_tokens", 17, "min_tokens must be in"),                   # above max_tokens (16)
     ("min_tokens", -1, "min_tokens must be in"),
+    ("allowed_token_ids", (5, 32000), "allowed_token_ids .* outside the vocabulary"),
+    ("allowed_token_ids", tuple(range(4097)), "at most 4096"),
+    ("bad_words", ((5,), ()), "1 to 64 tokens"),
+    ("bad_words", ((5, 40000),), "bad_words token ids .* outside"),
+    ("bad_words", ((5,),) * 257, "at most 256"),
 ])
 def test_each_bad_value_is_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -169,6 +198,38 @@ def test_engine_greedy_tokens_with_penalties_equal_transformers(model_dir, hf_mo
         plain = hf_penalized(hf_model, PROMPT, n, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
                              logit_bias=())
         assert got["plain"] == plain and got["penalized"] != plain           # the penalties changed the text
+        assert engine.pool.num_free == engine.num_usable_blocks
+    finally:
+        engine.receiver.close()
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_engine_bad_words_and_allowed_tokens_equal_transformers(model_dir, hf_model, speculative):
+    """Greedy tokens under bad words (one one-token word, one two-token word) and under an allowed set equal
+    transformers' ``bad_words_ids`` and ``prefix_allowed_tokens_fn``, beside a plain request in the same batches."""
+    model, cfg = load_model(model_dir)
+    engine = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
+                                             speculative=speculative, spec_adaptive=False, spec_k=3,
+                                             spec_max_batch_size=4), model, cfg)
+    n = 24
+    try:
+        plain, _ = _run(engine, {"p": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)})
+        words = ((plain["p"][4],), tuple(plain["p"][:2]))
+        assert PROMPT[-1] != words[1][0]                         # the prompt's end is no prefix (vLLM: output only)
+        allowed = tuple(sorted(set(plain["p"][::3]) | {13, 263, 931}))
+        got, _ = _run(engine, {
+            "bad": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, bad_words=words),
+            "allowed": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, allowed_token_ids=allowed),
+            "plain": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)})
+        kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
+        with torch.no_grad():
+            want_bad = hf_model.generate(torch.tensor([PROMPT]), bad_words_ids=[list(w) for w in words], **kw)
+            want_allowed = hf_model.generate(torch.tensor([PROMPT]), **kw,
+                                             prefix_allowed_tokens_fn=lambda _b, _ids: list(allowed))
+        assert got["bad"] == want_bad[0, len(PROMPT):].tolist() and got["plain"] == plain["p"]
+        assert got["allowed"] == want_allowed[0, len(PROMPT):].tolist() and set(got["allowed"]) <= set(allowed)
+        assert got["bad"] != plain["p"] and got["allowed"] != plain["p"] and words[0][0] not in got["bad"]
         assert engine.pool.num_free == engine.num_usable_blocks
     finally:
         engine.receiver.close()
@@ -256,3 +317,35 @@ def test_http_penalties_and_logit_bias_through_the_cluster(cl, hf_model, chat_mo
                        ({"logit_bias": {"10": 1, "010": 2}}, "logit_bias")):      # one token twice
         with pytest.raises(openai.BadRequestError, match=param):
             api.completions.create(model=CHAT_MODEL, prompt=text, max_tokens=2, **bad)
+
+
+def test_http_bad_words_and_allowed_tokens_through_the_cluster(cl, hf_model, chat_model_dir):
+    """vLLM's ``bad_words`` (strings, tokenized by the router in both spellings) and ``allowed_token_ids``, the
+    prefill worker's first token and the decode worker's after it: equal to transformers under the same ids."""
+    from pdserve.router.validation import bad_word_ids
+
+    api = openai.OpenAI(base_url=f"http://{cl.router.http_address}/v1", api_key="unused", max_retries=0)
+    tok = Tokenizer(chat_model_dir, 1)
+    text = "Once upon a time, there was a little dog"
+    prompt = tok.encode(text)
+    ask = dict(model=CHAT_MODEL, prompt=text, max_tokens=16, temperature=0)
+    plain = api.completions.create(**ask, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    word = plain.text.split()[0]                                  # the first word greedy decoding writes
+    got = api.completions.create(**ask, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                    "bad_words": [word]}).choices[0]
+    ids = bad_word_ids([word], tok)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None,
+              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    with torch.no_grad():
+        want = hf_model.generate(torch.tensor([prompt]), bad_words_ids=[list(w) for w in ids], **kw)
+    # (this tokenizer prepends "▁" to a word's first piece, so a word's ids rarely follow text mid-answer;
+    # tests/test_http_tools.py bans a word the answer writes)
+    assert got.token_ids == want[0, len(prompt):].tolist()
+    allowed = [263, 931, 13, 500]
+    only = api.completions.create(**ask, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                     "allowed_token_ids": allowed}).choices[0]
+    assert set(only.token_ids) <= set(allowed) and len(only.token_ids) == 16
+    for bad, param in (({"allowed_token_ids": [5, 10 ** 6]}, "allowed_token_ids"), ({"bad_words": [" "]}, "bad_words"),
+                       ({"bad_words": ["dog"], "structured_outputs": {"choice": ["a"]}}, "bad_words")):
+        with pytest.raises(openai.BadRequestError, match=param):
+            api.completions.create(**ask, extra_body=bad)

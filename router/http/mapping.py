@@ -108,7 +108,8 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
     """
     s = pdserve_pb2.SamplingParams(top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM: -1 is off
                                    stop_token_ids=body.stop_token_ids or (), ignore_eos=bool(body.ignore_eos),
-                                   include_stop_str_in_output=bool(body.include_stop_str_in_output))
+                                   include_stop_str_in_output=bool(body.include_stop_str_in_output),
+                                   bad_words=body.bad_words or (), allowed_token_ids=body.allowed_token_ids or ())
     for name in ("temperature", "top_p", "min_p", "seed", "n", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "skip_special_tokens", "truncate_prompt_tokens"):
         if getattr(body, name) is not None:
