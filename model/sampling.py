@@ -303,11 +303,14 @@ def penalized_rows(logits: torch.Tensor, rows: list[int], params: Sequence[Sampl
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One output token's log-probability and the ``k`` most likely alternatives (most likely first)."""
+    """One output token's log-probability and the ``k`` most likely alternatives (most likely first); ``rank``:
+    how many tokens of the vocabulary are at least as likely, itself included (vLLM's rank: 1 for the likeliest
+    one; 0: not computed)."""
 
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
@@ -320,14 +323,17 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     if not tokens:
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    picked = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    picked_t = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device).unsqueeze(1))
+    ranks = (logp >= picked_t).sum(dim=-1).tolist()
+    picked = picked_t.squeeze(1).tolist()
     top_k = max(ks)
     if top_k:
         values, ids = logp.topk(top_k, dim=-1)
         values, ids = values.tolist(), ids.tolist()
     out = []
     for row, (lp, k) in enumerate(zip(picked, ks)):
-        out.append(TokenLogprobs(lp, tuple(ids[row][:k]), tuple(values[row][:k])) if k else TokenLogprobs(lp))
+        out.append(TokenLogprobs(lp, tuple(ids[row][:k]), tuple(values[row][:k]), ranks[row]) if k
+                   else TokenLogprobs(lp, rank=ranks[row]))
     return out
 
 

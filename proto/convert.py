@@ -68,4 +68,5 @@ def grammar_from_wire(m: pdserve_pb2.StructuredOutput) -> tuple[str, str] | None
 
 
 def logprobs_to_wire(lp: TokenLogprobs) -> worker_pb2.TokenLogprobs:
-    return worker_pb2.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    return worker_pb2.TokenLogprobs(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs,
+                                    rank=lp.rank)

@@ -218,7 +218,7 @@ def _prompt_logprobs_of(req: ValidRequest, progress: Progress, wire, worker_id: 
 def _logprobs_of(ids: list[int], wire: list[worker_pb2.TokenLogprobs]) -> list[pdserve_pb2.TokenLogprob]:
     """The client's ``TokenLogprob`` messages for ``ids`` from a worker's (texts filled in later)."""
     return [pdserve_pb2.TokenLogprob(
-        token_id=t, logprob=w.logprob,
+        token_id=t, logprob=w.logprob, rank=w.rank,
         top=[pdserve_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(w.top_token_ids, w.top_logprobs)])
         for t, w in zip(ids, wire)]
 

@@ -139,3 +139,39 @@ def test_http_echo_gives_the_prompt_and_its_logprobs(disaggregated):
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):   # refused by name, not a 500
         api.completions.create(model=got.model, prompt=[-1, 5], max_tokens=2, echo=True, logprobs=1)
     disaggregated.assert_pools_free()
+
+
+def test_http_vllm_prompt_logprobs_with_ranks(disaggregated, hf_model):
+    """vLLM's ``prompt_logprobs`` over HTTP: None for the first token, then each token's logprob and rank (tokens
+    at least as likely) with its alternatives ranked 1, 2, 3, against transformers; refused with ``stream`` and
+    beside a different ``echo`` ``logprobs``."""
+    from pdserve.router.http.reply import Choice, Reply
+
+    api = openai.OpenAI(base_url=f"http://{disaggregated.router.http_address}/v1", api_key="unused", max_retries=0)
+    model = disaggregated.model.rsplit("/", 1)[-1]
+    prompt = prompt_of(40, seed=5)
+    got = api.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                 extra_body={"prompt_logprobs": TOP}).choices[0].model_extra["prompt_logprobs"]
+    ref = reference(hf_model, prompt)
+    assert len(got) == len(prompt) and got[0] is None
+    for i in range(1, len(prompt)):
+        entry = list(got[i].items())
+        token, own = entry[0]
+        want_rank = int((ref[i - 1] >= ref[i - 1, prompt[i]]).sum())
+        assert int(token) == prompt[i] and own["logprob"] == pytest.approx(ref[i - 1, prompt[i]].item(), abs=2e-3)
+        assert abs(own["rank"] - want_rank) <= 1 and own["decoded_token"] is not None, (i, own, want_rank)
+        assert {int(t) for t, _ in entry} == {prompt[i], *ref[i - 1].topk(TOP).indices.tolist()}
+        assert [v["rank"] for _, v in entry[1:]] == sorted(v["rank"] for _, v in entry[1:]) and all(
+            1 <= v["rank"] <= TOP for _, v in entry[1:])
+    for extra, words in (({"prompt_logprobs": 1, "stream": True}, "stream"),
+                         ({"prompt_logprobs": 2, "echo": True, "logprobs": 1}, "must equal")):
+        with pytest.raises(openai.BadRequestError, match=words):
+            api.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body=extra)
+    disaggregated.assert_pools_free()
+    # a chat response carries them once, beside its choices, as vLLM's does
+    lps = [pdserve_pb2.TokenLogprob(token_id=1),
+           pdserve_pb2.TokenLogprob(token_id=7, logprob=-2.0, token="a", rank=3,
+                                    top=[pdserve_pb2.TopLogprob(token_id=9, logprob=-0.5, token="b")])]
+    body = Reply(True, "m", False, prompt_logprobs=True).response([Choice(0, "hi", prompt_logprobs=lps)])
+    assert body["prompt_logprobs"] == [None, {"7": {"logprob": -2.0, "rank": 3, "decoded_token": "a"},
+                                              "9": {"logprob": -0.5, "rank": 1, "decoded_token": "b"}}]

@@ -138,7 +138,8 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f"{len(prompts)} prompts in one request; at most {MAX_PROMPTS}", param="prompt")
         reply = Reply(False, model_name, bool(body.return_token_ids), body.n or 1, body.logprobs is not None,
-                      echo=[_prompt_text(p, backend) for p in prompts] if body.echo else None)
+                      echo=[_prompt_text(p, backend) for p in prompts] if body.echo else None,
+                      prompt_logprobs=body.prompt_logprobs is not None)
         return await _answer(backend, request, body, reply, [
             generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
 
@@ -161,7 +162,8 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
             else:
                 req.sampling.structured_output.start_after.extend(after)
         reply = Reply(True, model_name, bool(body.return_token_ids), body.n or 1, bool(body.logprobs), parser,
-                      body.parallel_tool_calls is not False, reasoning_parser=thinking)
+                      body.parallel_tool_calls is not False, reasoning_parser=thinking,
+                      prompt_logprobs=body.prompt_logprobs is not None)
         req.request_id = reply.id
         if (parser in HOLDS_MARKERS or thinking) and body.skip_special_tokens is None:
             req.sampling.skip_special_tokens = False   # its markers may be special tokens (vLLM does the same)

@@ -139,6 +139,13 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
         s.logprobs = body.logprobs
         if body.echo:   # the echoed prompt's tokens get theirs too, as vLLM gives them
             s.prompt_logprobs = body.logprobs
+    if body.prompt_logprobs is not None:     # vLLM's: each prompt token's, in the reply's `prompt_logprobs`
+        if body.stream:
+            raise ApiError(400, "`prompt_logprobs` is not available with `stream`: true", param="prompt_logprobs")
+        if s.HasField("prompt_logprobs") and s.prompt_logprobs != body.prompt_logprobs:
+            raise ApiError(400, "with `echo`, `prompt_logprobs` must equal `logprobs` (the prompt's log-probabilities "
+                                "are computed once)", param="prompt_logprobs")
+        s.prompt_logprobs = body.prompt_logprobs
     given = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         given = body.max_completion_tokens

@@ -76,6 +76,19 @@ def chat_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob]) -> dict:
                         for lp in logprobs]}
 
 
+def vllm_prompt_logprobs(logprobs: Sequence[pdserve_pb2.TokenLogprob]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the prompt's first token, then for each token a dict by token id
+    (JSON keys: the ids as strings) of ``{"logprob", "rank", "decoded_token"}``, the token's own first, then
+    its alternatives, most likely first (ranked 1, 2, ...)."""
+    out: list[dict | None] = [None] if logprobs else []
+    for lp in logprobs[1:]:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}}
+        for rank, alt in enumerate(lp.top, 1):
+            entry.setdefault(str(alt.token_id), {"logprob": alt.logprob, "rank": rank, "decoded_token": alt.token})
+        out.append(entry)
+    return out
+
+
 def stop_reason(final: pdserve_pb2.Final | None) -> str | int | None:
     """vLLM's ``stop_reason`` of a choice: the stop string or stop token id that ended it, else None."""
     if final is None:
@@ -96,15 +109,17 @@ class Reply:
             answer without (:mod:`model.reasoning`; empty: no split, no such fields).
         echo: completions' ``echo``: each prompt's text (in prompt order), which its choices' text starts with
             (and their log-probabilities with its tokens', when they were asked for); None: no echo.
+        prompt_logprobs: vLLM's ``prompt_logprobs`` were asked for: each completions choice, and a chat response,
+            carries them in vLLM's shape (:func:`vllm_prompt_logprobs`).
     """
 
     def __init__(self, chat: bool, model: str, return_token_ids: bool, n: int = 1,
                  logprobs: bool = False, tool_parser: str = "", parallel_tool_calls: bool = True,
-                 echo: list[str] | None = None, reasoning_parser: str = "") -> None:
+                 echo: list[str] | None = None, reasoning_parser: str = "", prompt_logprobs: bool = False) -> None:
         self.chat, self.model, self.return_token_ids, self.n, self.echo = chat, model, return_token_ids, n, echo
         self.logprobs, self.tool_parser, self.parallel_tool_calls = logprobs, tool_parser, parallel_tool_calls
         self._offsets: dict[int, int] = {}  # choice -> text length streamed so far (completions' text_offset)
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser, self.prompt_logprobs = reasoning_parser, prompt_logprobs
         self._tools: dict[int, ToolCallStream] = {}   # choice -> its tool call parser (streams)
         self._thinking: dict[int, ReasoningStream] = {}   # choice -> its reasoning parser (streams)
         self._called: set[int] = set()                # choices that have called a tool
@@ -134,11 +149,16 @@ class Reply:
                     item["finish_reason"] = self._called_reason(reason)
             else:
                 item["text"] = self.echo_text(c.index) + c.text
+                if self.prompt_logprobs:
+                    item["prompt_logprobs"] = vllm_prompt_logprobs(choices[c.index - c.index % self.n].prompt_logprobs)
             if self.return_token_ids:
                 item["token_ids"] = c.token_ids
             out.append(item)
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
+        body = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out,
                 "usage": usage([c.final for c in choices], self.n)}
+        if self.chat and self.prompt_logprobs:     # vLLM's chat responses carry them once, beside the choices
+            body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        return body
 
     def stream_text(self, index: int, text: str, end: bool = False) -> tuple[str, str, list[dict]]:
         """``(reasoning, content, tool_calls delta entries)`` of choice ``index``'s next streamed ``text`` (and,
