@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +24,11 @@ from typing import Protocol
 def new_call_id() -> str:
     """A fresh tool call id (``call_`` and 24 hex digits, as OpenAI's look)."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def mistral_call_id() -> str:
+    """A fresh tool call id of 9 letters and digits, the only ids Mistral's chat templates take back."""
+    return uuid.uuid4().hex[:9]
 
 
 @dataclass(frozen=True)
@@ -150,16 +156,16 @@ class Content:
 class Calls:
     """The call pieces of one answer, numbered, consecutive pieces of a call merged."""
 
-    def __init__(self) -> None:
-        self.count = 0
+    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
+        self.count, self._new_id = 0, new_id
         self._out: list[CallDelta] = []
 
     def start(self, name: str) -> None:
-        self._out.append(CallDelta(self.count, "", name, new_call_id()))
+        self._out.append(CallDelta(self.count, "", name, self._new_id()))
         self.count += 1
 
     def whole(self, call: ToolCall) -> None:
-        self._out.append(CallDelta(self.count, call.arguments, call.name, call.id))
+        self._out.append(CallDelta(self.count, call.arguments, call.name, self._new_id()))
         self.count += 1
 
     def arguments(self, text: str) -> None:
@@ -290,20 +296,22 @@ def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
 class CallListStream:
     """An answer of JSON calls one after another, separated by blanks, ``;``, ``,`` and the brackets of lists:
     Llama 3's JSON tool calls (``parameters``, or ``arguments``), the array of calls a grammar holds an answer
-    to under ``tool_choice`` ``required`` (``parameters``), and Granite 3's, an array after ``<|tool_call|>``
-    (``marker``). Decided at the answer's start: its first non-blank character ``{`` or ``[`` (or the
-    ``marker``, when one is given) begins calls, anything else is content, all of it. Text after the calls
+    to under ``tool_choice`` ``required`` (``parameters``), and Granite 3's and Mistral's, an array after
+    ``<|tool_call|>`` or ``[TOOL_CALLS]`` (``marker``; Mistral's calls take ids its templates accept:
+    ``new_id``). Decided at the answer's start: its first non-blank character ``{`` or ``[`` (or the ``marker``,
+    when one is given) begins calls, anything else is content, all of it. Text after the calls
     that is no call is content; an object that is not a streamable call is held to the end and read whole
     with what follows it, as content if it does not parse (the whole answer, when no call came before)."""
 
     SEPARATORS = " \t\r\n;,[]"
 
-    def __init__(self, keys: tuple[str, ...] = ("parameters", "arguments"), marker: str = "") -> None:
+    def __init__(self, keys: tuple[str, ...] = ("parameters", "arguments"), marker: str = "",
+                 new_id: Callable[[], str] = new_call_id) -> None:
         self._keys, self._header, self._marker = keys, header(keys), marker
         self._buf, self._state = "", "start"   # "start" -> "between" <-> "header" / "arguments" -> "rest"; "content"
         self._opening = ""                     # the marker read at the start (and the blanks before it)
         self._pending = ""                     # since the last call: separators, or an object not yet read
-        self._out, self._calls, self._args = Content(), Calls(), _Arguments()
+        self._out, self._calls, self._args = Content(), Calls(new_id), _Arguments()
 
     def _unread(self) -> str:
         """What the calls were thought to start with, when none came: content again."""

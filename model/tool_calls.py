@@ -7,14 +7,17 @@ chat template taught it, as vLLM's tool parsers (``--tool-call-parser``) split i
                  (Llama 3.1-3.3's JSON tool calling: an answer that starts with calls)
     granite      <|tool_call|>[{"name": "f", "arguments": {...}}, ...]
                  (Granite 3.x: an answer that starts with the marker, then an array of calls)
+    mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
+                 (Mistral 7B v0.3, NeMo, Small: likewise; call ids of 9 letters and digits, which Mistral's
+                 templates require when the calls come back in the conversation)
 
 All work on a stream (:meth:`ToolCallStream.feed` text as it is decoded, :meth:`ToolCallStream.finish` at
 the end), and a whole answer is parsed by the same code in one feed (:func:`parse_tool_calls`), so a streamed
 answer's content and calls are exactly the whole answer's, wherever the text was cut. Content is released as
 soon as it cannot be the start of a call: hermes holds back only a tail that may begin ``<tool_call>``;
-llama3_json decides at the answer's first non-blank character (``{`` or ``[``: calls), granite once the
-answer's start is or is not ``<|tool_call|>``. A call's arguments
-stream as the model writes them, once its ``name`` is written before them (:mod:`model.tool_call_streams`).
+llama3_json decides at the answer's first non-blank character (``{`` or ``[``: calls), granite and mistral once
+the answer's start is or is not their marker. A call's arguments stream as the model writes them, once its
+``name`` is written before them (:mod:`model.tool_call_streams`).
 
 With ``tool_choice`` ``required`` or a named function the answer is held to calls by a grammar
 (:func:`forced_calls_schema`, :mod:`model.structured`), whatever the model's own format, as vLLM forces them,
@@ -37,13 +40,14 @@ from pdserve.model.tool_call_streams import (
     ToolCallStream,
     call_of,
     json_object,
+    mistral_call_id,
     new_call_id,
 )
 
 __all__ = ["CallDelta", "FORCED", "TOOL_CALL_PARSERS", "ToolCall", "ToolCallStream", "call_of", "forced_calls_schema",
            "json_object", "new_call_id", "parse_tool_calls", "tool_call_stream"]
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "granite")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "granite", "mistral")
 
 
 def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool = True) -> dict:
@@ -61,7 +65,8 @@ def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool 
 
 
 STREAMS = {"hermes": HermesStream, "llama3_json": CallListStream,
-           "granite": lambda: CallListStream(("arguments", "parameters"), marker="<|tool_call|>")}
+           "granite": lambda: CallListStream(("arguments", "parameters"), marker="<|tool_call|>"),
+           "mistral": lambda: CallListStream(("arguments",), marker="[TOOL_CALLS]", new_id=mistral_call_id)}
 FORCED = "forced"   # tool_call_stream's mode of an answer a grammar held to calls: "forced" or "forced:<name>"
 
 

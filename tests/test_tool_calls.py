@@ -86,15 +86,25 @@ GRANITE = [
 @pytest.mark.parametrize("text, content, calls", GRANITE)
 def test_granite(text, content, calls):
     assert calls_of("granite", text) == (content, calls)
+    mistral = text.replace("<|tool_call|>", "[TOOL_CALLS]").replace("<|tool_ca", "[TOOL_CA")
+    assert calls_of("mistral", mistral) == (content.replace("<|tool_call|>", "[TOOL_CALLS]").replace(
+        "<|tool_ca", "[TOOL_CA"), calls)
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse other ids when the calls come back in the conversation."""
+    _, calls = parse_tool_calls("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"arguments": {}, '
+                                           '"name": "b"}]')
+    assert len(calls) == 2 and all(len(c.id) == 9 and c.id.isalnum() for c in calls)
 
 
 def test_unknown_parser_is_refused():
-    with pytest.raises(ValueError, match="hermes, llama3_json, granite"):
-        tool_call_stream("mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, granite, mistral"):
+        tool_call_stream("pythonic")
 
 
 PIECES = ["Hi ", "there.\n", "<tool_call>", "</tool_call>", WEATHER, TIME, "{", "}", " ", "\n", ";", "<tool_", "call>",
-          "<|tool_call|>", "<|tool",
+          "<|tool_call|>", "<|tool", "[TOOL_CALLS]",
           '{"name": "x", "parameters": {"a": 1}}', "[", "]", ",", "text", "é✓"]
 
 
