@@ -3,10 +3,11 @@ cannot start a call, and a call's arguments out as the model writes them (:class
 them, so that a client sees a long argument grow.
 
 A call is streamed once its header is written: a JSON object whose first key is ``"name"`` (a string) and whose
-second is the arguments' key, whose value opens with ``{`` (:data:`HEADER`). From there its arguments are the
-model's own text up to the brace that closes them (JSON strings and nesting followed, :class:`_Arguments`), so
-what streams is what a whole answer's call holds. A call written another way (keys in another order, arguments
-as a string of JSON, none) is read whole where it ends, and sent in one piece with its arguments re-serialized.
+second is the arguments' key, whose value opens with ``{`` (:func:`~model.tool_call_json.header`). From there its
+arguments are the model's own text up to the brace that closes them (JSON strings and nesting followed,
+:class:`_Arguments`), so what streams is what a whole answer's call holds. A call written another way (keys in
+another order, arguments as a string of JSON, none) is read whole where it ends, and sent in one piece with its
+arguments re-serialized.
 A streamed call cut short (``max_tokens``, or a block closed inside its arguments) keeps what was written: a
 client cannot take back what it was sent, so the whole answer reads it the same way.
 """
@@ -14,123 +15,18 @@ client cannot take back what it was sent, so the whole answer reads it the same 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
-
-def new_call_id() -> str:
-    """A fresh tool call id (``call_`` and 24 hex digits, as OpenAI's look)."""
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-def mistral_call_id() -> str:
-    """A fresh tool call id of 9 letters and digits, the only ids Mistral's chat templates take back."""
-    return uuid.uuid4().hex[:9]
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call: the function's ``name`` and its ``arguments`` as JSON text (OpenAI's wire form)."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=new_call_id)
-
-    def as_openai(self) -> dict:
-        """OpenAI's ``tool_calls`` entry of a whole message."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
-class CallDelta:
-    """A piece of the answer's ``call``-th tool call (from 0): the first piece of a call carries its ``name`` and
-    ``id``, the later ones None; the pieces' ``arguments`` add up to the call's."""
-
-    call: int
-    arguments: str = ""
-    name: str | None = None
-    id: str | None = None
-
-    def as_openai(self) -> dict:
-        """OpenAI's stream delta entry: ``index``, and ``id``, ``type`` and the name on a call's first piece."""
-        if self.name is None:
-            return {"index": self.call, "function": {"arguments": self.arguments}}
-        return {"index": self.call, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-class ToolCallStream(Protocol):
-    """The parser of one answer, fed its text in order."""
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        """``(content, call pieces)`` that ``text`` releases, after what was fed before."""
-        ...
-
-    def finish(self) -> tuple[str, list[CallDelta]]:
-        """The rest, once the answer has ended: held-back text as content, or held calls."""
-        ...
-
-
-def json_object(text: str) -> dict | None:
-    """``text`` parsed, when it is JSON text of an object; else None (not JSON, another value, or nested deeper
-    than the parser's stack, which raises RecursionError)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def call_of(obj: object, argument_keys: tuple[str, ...]) -> ToolCall | None:
-    """The call a parsed JSON value describes: an object with a string ``name`` and its arguments under the
-    first of ``argument_keys`` present (an object, or a string of JSON text that holds one; absent: ``{}``);
-    None for anything else."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = next((obj[k] for k in argument_keys if k in obj), {})
-    if isinstance(args, str):
-        args = json_object(args)
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
-
-
-def json_calls(text: str, argument_keys: tuple[str, ...]) -> list[ToolCall] | None:
-    """Every call of ``text``: JSON objects (or lists of them) separated by blanks, ``;``, ``,`` and brackets; None
-    unless all of it parses (and it holds one call at least)."""
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while True:
-        while at < len(text) and (text[at].isspace() or text[at] in ";,[]"):
-            at += 1
-        if at == len(text):
-            return calls or None
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except (ValueError, RecursionError):
-            return None
-        for item in value if isinstance(value, list) else [value]:
-            call = call_of(item, argument_keys)
-            if call is None:
-                return None
-            calls.append(call)
-
-
-def held_tail(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that ``marker`` starts with (shorter than ``marker``)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def header(keys: tuple[str, ...]) -> re.Pattern[str]:
-    """A streamable call's start: ``{"name": "<name>", "<one of keys>":`` up to the ``{`` of its arguments
-    (group ``name``: the name as a JSON string)."""
-    return re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*,\s*"(?:' + "|".join(map(re.escape, keys))
-                      + r')"\s*:\s*(?=\{)')
+from pdserve.model.tool_call_json import (
+    CallDelta,
+    ToolCall,
+    call_of,
+    header,
+    held_tail,
+    json_calls,
+    json_object,
+    new_call_id,
+)
 
 
 class Content:
@@ -219,15 +115,13 @@ class _Arguments:
         return len(text), "open"
 
 
-class HermesStream:
-    """``<tool_call>`` JSON ``</tool_call>`` blocks among content (see :mod:`model.tool_calls`)."""
+class _Stepped:
+    """A parser run as a state machine over its buffer: :meth:`feed` appends text and steps the machine until a
+    step must wait for more."""
 
-    START, END = "<tool_call>", "</tool_call>"
-    HEADER = header(("arguments",))
-
-    def __init__(self) -> None:
-        self._buf, self._state = "", "content"   # -> "header" -> "arguments" -> "rest" -> "content"
-        self._out, self._calls, self._args = Content(), Calls(), _Arguments()
+    _buf: str
+    _out: Content
+    _calls: Calls
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buf += text
@@ -237,6 +131,20 @@ class HermesStream:
 
     def _step(self) -> bool:
         """Read what the state can of the buffer; whether to go on."""
+        raise NotImplementedError
+
+
+class HermesStream(_Stepped):
+    """``<tool_call>`` JSON ``</tool_call>`` blocks among content (see :mod:`model.tool_calls`)."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    HEADER = header(("arguments",))
+
+    def __init__(self) -> None:
+        self._buf, self._state = "", "content"   # -> "header" -> "arguments" -> "rest" -> "content"
+        self._out, self._calls, self._args = Content(), Calls(), _Arguments()
+
+    def _step(self) -> bool:
         buf = self._buf
         if self._state == "content":
             at = buf.find(self.START)
@@ -293,7 +201,7 @@ def _json_call(body: str, argument_keys: tuple[str, ...]) -> ToolCall | None:
     return None if obj is None else call_of(obj, argument_keys)
 
 
-class CallListStream:
+class CallListStream(_Stepped):
     """An answer of JSON calls one after another, separated by blanks, ``;``, ``,`` and the brackets of lists:
     Llama 3's JSON tool calls (``parameters``, or ``arguments``), the array of calls a grammar holds an answer
     to under ``tool_choice`` ``required`` (``parameters``), and Granite 3's and Mistral's, an array after
@@ -316,12 +224,6 @@ class CallListStream:
     def _unread(self) -> str:
         """What the calls were thought to start with, when none came: content again."""
         return "" if self._calls.count else self._opening
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self._buf += text
-        while self._step():
-            pass
-        return self._out.take(), self._calls.take()
 
     def _step(self) -> bool:
         buf = self._buf

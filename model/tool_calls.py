@@ -31,11 +31,8 @@ dropped (the newline between two calls is no content).
 
 from __future__ import annotations
 
-from pdserve.model.tool_call_streams import (
-    ArgumentsStream,
+from pdserve.model.tool_call_json import (
     CallDelta,
-    CallListStream,
-    HermesStream,
     ToolCall,
     ToolCallStream,
     call_of,
@@ -43,6 +40,7 @@ from pdserve.model.tool_call_streams import (
     mistral_call_id,
     new_call_id,
 )
+from pdserve.model.tool_call_streams import ArgumentsStream, CallListStream, HermesStream
 
 __all__ = ["CallDelta", "FORCED", "TOOL_CALL_PARSERS", "ToolCall", "ToolCallStream", "call_of", "forced_calls_schema",
            "json_object", "new_call_id", "parse_tool_calls", "tool_call_stream"]
