@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.decode_worker.request import DecodeRequest
+from pdserve.decode_worker.request import DecodeRequest, by_priority, preemption_victim
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,15 @@ class BlockGrowth:
 
     def _make_room(self, batch: list[DecodeRequest]) -> list[DecodeRequest]:
         """Give every row of ``batch`` (DECODING, oldest first) the block its next token is written to;
-        while the pool is short, preempt the most recently admitted request that holds blocks (which may be
-        the row itself). Returns the rows still DECODING."""
+        while the pool is short, preempt a request that holds blocks (which may be the row itself): the most
+        recently admitted of those with the highest ``priority`` value (:func:`preemption_victim`). Returns the
+        rows still DECODING."""
         kept = []
         for req in batch:
             while req.state is RequestState.DECODING and not grow(self.pool, self.spec, req, req.num_tokens):
                 if not self._trim_lookahead():
-                    self._preempt(next(r for r in reversed(self._requests.values()) if r.block_table
-                                       and r.state in (RequestState.DECODING, RequestState.PREFILLING)))
+                    self._preempt(preemption_victim(r for r in self._requests.values() if r.block_table
+                                                    and r.state in (RequestState.DECODING, RequestState.PREFILLING)))
             if req.state is RequestState.DECODING:
                 kept.append(req)
         return kept
@@ -123,11 +124,11 @@ class BlockGrowth:
                  "when blocks free up", req.attempt_id, req.num_tokens, self.pool.num_free, self.num_usable_blocks)
 
     def _readmit_preempted(self) -> None:
-        """Blocks for preempted requests, oldest first, while the pool has them beside the running requests'
-        reserve (:meth:`take_with_reserve`): they prefill again."""
+        """Blocks for preempted requests, by priority then oldest first, while the pool has them beside the
+        running requests' reserve (:meth:`take_with_reserve`): they prefill again."""
         if not self.num_preempted:
             return
-        for req in self._requests.values():
+        for req in by_priority(self._requests.values()):
             if req.state is RequestState.PREFILLING and not req.block_table:
                 positions = max_positions(len(req.prompt_ids), req.sampling.max_tokens, req.max_context)
                 with self._blocks_lock:

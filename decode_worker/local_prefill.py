@@ -8,7 +8,14 @@ from __future__ import annotations
 import torch
 
 from pdserve.cluster.lifecycle import RequestState
-from pdserve.decode_worker.request import DecodeRequest, TokensEvent, constraints, histories, rows_logprobs
+from pdserve.decode_worker.request import (
+    DecodeRequest,
+    TokensEvent,
+    by_priority,
+    constraints,
+    histories,
+    rows_logprobs,
+)
 from pdserve.model.runner import StepInput
 from pdserve.model.sampling import prompt_logprobs, sample
 
@@ -19,10 +26,11 @@ class LocalPrefill:
     ``_start_decoding``."""
 
     def _prefill_chunks(self, budget: int) -> list[tuple[DecodeRequest, int]]:
-        """Local prompts to advance this step, oldest first, within ``budget`` tokens (at least one token)."""
+        """Local prompts to advance this step, by priority then oldest first, within ``budget`` tokens (at least
+        one token)."""
         chunks = []
         budget = max(budget, 1)
-        for req in self._requests.values():
+        for req in by_priority(self._requests.values()):
             if req.state is RequestState.PREFILLING and req.block_table and budget > 0:
                 n = min(req.num_tokens - req.num_computed, budget)
                 chunks.append((req, n))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -108,6 +108,17 @@ class DecodeRequest:
         if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= self.max_context:
             return "length"
         return None
+
+
+def by_priority(reqs: Iterable[DecodeRequest]) -> list[DecodeRequest]:
+    """``reqs`` (in admission order) with lower ``priority`` values first, ties kept in admission order."""
+    return sorted(reqs, key=lambda r: r.sampling.priority)
+
+
+def preemption_victim(reqs: Iterable[DecodeRequest]) -> DecodeRequest:
+    """Whom to preempt among ``reqs`` (in admission order): the highest ``priority`` value, the most recently
+    admitted among those (vLLM's priority policy; with equal priorities, its recompute policy's last in)."""
+    return max(reversed(list(reqs)), key=lambda r: r.sampling.priority)
 
 
 def rows_logprobs(logits: torch.Tensor, batch: list[DecodeRequest], tokens: list[int],

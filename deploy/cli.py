@@ -111,6 +111,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="native", choices=["native", "fp8"],
                    help="prefill: FP8 W8A8 matmuls (real FP8 speed needs a GPU with FP8; on CPU only the numerics)")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill: do not reuse cached prefixes")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="router: fcfs (arrival order) or priority (requests' `priority`, lower first, as vLLM's)")
     p.add_argument("--admission", action="store_true",
                    help="router: admit only requests whose TTFT/TPOT SLOs are predicted to hold")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="router: default TTFT SLO, seconds")
@@ -183,6 +185,7 @@ def _start_cluster(args: argparse.Namespace):
             worker_options={"kv_transport": args.kv_transport, **({"insecure": True} if args.insecure else {}),
                             **({"warmup": False} if args.no_warmup else {})},
             router_options={"insecure": args.insecure, "admission": args.admission, "default_ttft_slo_s": args.ttft_slo,
+                            "scheduling_policy": args.scheduling_policy,
                             **{name: getattr(args, name) for name in ROUTER_LIMIT_FLAGS
                                if getattr(args, name) is not None},
                             **{name: getattr(args, flag) for flag, (name, _) in ROUTER_SLO_RANGE_FLAGS.items()

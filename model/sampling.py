@@ -66,6 +66,8 @@ class SamplingParams:
             tokenizes it): a sequence's last token is forbidden where the output ends with the tokens before it.
         allowed_token_ids: when given, the only tokens that may be picked (vLLM's). Both with the penalties:
             :mod:`model.penalties`.
+        priority: the request's scheduling order on the workers (vLLM's ``priority``: lower first, ties in
+            arrival order), carried here as every per-request setting the workers read; no effect on sampling.
         grammar_after: token ids that start the grammar (:class:`model.structured.Constraint`'s ``start_after``:
             a reasoning model's end of thinking); empty: the grammar holds the whole answer. At most
             :data:`MAX_GRAMMAR_AFTER`, only with a ``grammar``.
@@ -90,6 +92,7 @@ class SamplingParams:
     grammar_after: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:

@@ -65,7 +65,7 @@ class PrefillEngine:
         self.sender = KVSendLoop(self.kv_sender, self.blocks, model_cfg.num_layers, self._finished,
                                  cfg.fault_hold_transfer_s)
         self._lock = threading.Condition()
-        self._queue: deque[PrefillRequest] = deque()     # QUEUED, oldest first
+        self._queue: deque[PrefillRequest] = deque()     # QUEUED, by priority, then oldest first
         self._running: list[PrefillRequest] = []          # PREFILLING (engine thread)
         self._live: dict[str, PrefillRequest] = {}        # every request not yet delivered
         self.seconds_per_token: float | None = None       # measured prefill cost (moving average)
@@ -89,7 +89,10 @@ class PrefillEngine:
             if req.attempt_id in self._live:
                 raise ValueError(f"request id {req.attempt_id!r} is already in use on this worker")
             self._live[req.attempt_id] = req
-            self._queue.append(req)
+            at = len(self._queue)      # lower priority values first, ties in arrival order (vLLM's priority)
+            while at and self._queue[at - 1].sampling.priority > req.sampling.priority:
+                at -= 1
+            self._queue.insert(at, req)
             self._lock.notify()
 
     def abort(self, attempt_id: str) -> None:

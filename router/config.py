@@ -17,6 +17,8 @@ MIN_TOKEN_CHARS = 16
 MIB = 1 << 20
 RPC_HEADROOM = 64  # concurrent RPCs beyond max_concurrent_streams: GetClusterState, health, reflection
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 def _read_text(path: str, what: str) -> str:
     try:
@@ -101,6 +103,8 @@ class RouterConfig:
             back as OpenAI ``tool_calls`` (empty: no parsing, and such requests are refused).
         reasoning_parser: how the model marks its reasoning (``deepseek_r1``, ``qwen3``: :mod:`model.reasoning`);
             chat answers then carry it apart from their content, as ``reasoning`` (empty: no split).
+        scheduling_policy: ``fcfs`` (arrival order; a request's non-zero ``priority`` is refused, as vLLM refuses
+            it) or ``priority`` (vLLM's: the workers schedule lower ``priority`` values first).
     """
 
     model_dir: str
@@ -138,6 +142,7 @@ class RouterConfig:
     chat_template: str = ""
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("registry_poll_s", "prefill_timeout_s", "stream_idle_timeout_s"):
@@ -176,6 +181,9 @@ class RouterConfig:
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or empty: none), "
                              f"got {self.reasoning_parser!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
         self.tls_key_pair()  # fail at startup, not at the first connection
         if not self.bearer_tokens() and self.max_streams_per_token:
             raise ValueError("max_streams_per_token needs bearer tokens (token_file or PDSERVE_ROUTER_TOKEN)")

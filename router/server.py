@@ -150,7 +150,8 @@ class Router:
             with slot:  # held until the stream ends, however it ends
                 times = RequestTimes()
                 args = (parsed, self.model_cfg, self.tokenizer, self.cfg.default_max_tokens,
-                        Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s), self.cfg.max_tokens_limit)
+                        Slo(self.cfg.default_ttft_slo_s, self.cfg.default_tpot_slo_s), self.cfg.max_tokens_limit,
+                        self.cfg.scheduling_policy == "priority")
                 try:  # tokenizing a long text takes milliseconds: off the event loop, so other streams keep flowing
                     req = (await asyncio.to_thread(validate, *args) if len(parsed.text) > LONG_TEXT_CHARS
                            else validate(*args))

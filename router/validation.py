@@ -143,7 +143,7 @@ def bad_word_ids(words: Sequence[str], tokenizer: Tokenizer) -> tuple[tuple[int,
 
 def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Tokenizer,
              default_max_tokens: int, default_slo: Slo = Slo(1.0, 0.1),
-             max_tokens_limit: int | None = None) -> ValidRequest:
+             max_tokens_limit: int | None = None, priority_scheduling: bool = False) -> ValidRequest:
     """Check a parsed request against the model and the operator's ``max_tokens_limit``
     (``RouterConfig.max_tokens_limit``; None: the context is the only bound).
 
@@ -161,7 +161,8 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             penalties or logit_bias out of range: :func:`model.penalties.check_penalties`; prompt_logprobs over
             more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` (prompt tokens x (alternatives + 1)); a structured output
             spec :func:`model.structured.check_spec` refuses, or one with ignore_eos or min_tokens); SLOs not
-            finite and positive; queue_timeout_s not finite and non-negative.
+            finite and positive; queue_timeout_s not finite and non-negative; a non-zero priority without
+            ``priority_scheduling`` (``--scheduling-policy priority``).
     """
     context = cfg.max_position_embeddings
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:  # before escaping it (escapes only lengthen it)
@@ -214,7 +215,11 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         grammar_after=tuple(s.structured_output.start_after),
         bad_words=bad_word_ids(s.bad_words, tokenizer),
         allowed_token_ids=tuple(s.allowed_token_ids),
+        priority=req.priority,
     )
+    if req.priority and not priority_scheduling:
+        raise ValueError(f"priority {req.priority} needs a router started with --scheduling-policy priority (this "
+                         "one schedules in arrival order)")
     if sampling.prompt_logprobs is not None and len(ids) * (sampling.prompt_logprobs + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
         raise ValueError(f"prompt_logprobs {sampling.prompt_logprobs} over a {len(ids)}-token prompt is "
                          f"{len(ids) * (sampling.prompt_logprobs + 1)} entries, more than the "

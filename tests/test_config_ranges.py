@@ -52,6 +52,7 @@ def cluster(**kw):
     (router, "redis_url", "garbage"), (prefill, "redis_url", "http://127.0.0.1:6379"), (cluster, "redis_url", ""),
     (prefill, "device", "gpu"), (decode, "device", "cuda:x"), (decode, "device", ""),
     (prefill, "kv_transport", "rdma"), (decode, "kv_transport", "TCP"),
+    (router, "scheduling_policy", "lifo"), (router, "tool_call_parser", "pythonic"),
 ])
 def test_out_of_range_flags_are_refused_naming_them(make, field, value):
     with pytest.raises(ValueError, match=field):
@@ -63,7 +64,7 @@ def test_the_edges_of_each_range_are_accepted():
     prefill(port=0, lease_s=0.5, snapshot_interval_s=0.5)
     decode(kv_port=65535, lease_s=3600.0, max_num_batched_tokens=1)
     cluster(port=0, unroute_s=0.0, gpu_wait_s=0.0, redis_url="unix:///tmp/redis.sock")
-    router(redis_url="rediss://example:6380/0")
+    router(redis_url="rediss://example:6380/0", scheduling_policy="priority", tool_call_parser="mistral")
     for device in ("auto", "cpu", "cuda", "cuda:7"):  # named, not resolved: a GPU name is fine on a CPU box
         decode(device=device, kv_transport="tcp")
         prefill(device=device, kv_transport="nccl")

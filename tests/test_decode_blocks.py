@@ -181,3 +181,28 @@ def test_a_decode_worker_serves_more_than_its_pool_holds_up_front_through_the_cl
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "KV pool" in err.value.details()
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("small_engine", [(12, 1)], indirect=True)
+def test_with_priorities_the_lowest_priority_request_is_preempted(small_engine, hf_model):
+    """vLLM's priority policy: the first admitted request, with the highest ``priority`` value, is the one
+    preempted (not the latest, as with equal priorities), and every answer is still token-exact."""
+    e = small_engine
+    prompts = {"a": [1, 400, 500, 600, 700, 800], "b": [1, 7, 8, 9, 10, 11], "c": [1, 300, 301, 302, 303, 304]}
+    events: dict[str, list] = {rid: [] for rid in prompts}
+    for rid, prompt in prompts.items():
+        e.add_local(rid, prompt, SamplingParams(temperature=0, max_tokens=14, priority=5 if rid == "a" else 0),
+                    events[rid].append)
+    victims = []
+    for _ in range(300):
+        before = e.num_preemptions
+        e.step()
+        if e.num_preemptions > before:
+            victims += [r.attempt_id for r in e._requests.values()
+                        if r.state is RequestState.PREFILLING and not r.block_table]
+        if _done(events):
+            break
+    assert victims and set(victims) == {"a"}
+    for rid, prompt in prompts.items():
+        assert _tokens(events[rid]) == hf_greedy(hf_model, prompt, 14), rid
+    assert e.pool.num_free == e.num_usable_blocks

@@ -387,3 +387,23 @@ def test_http_api_over_tls_with_the_routers_certificate(http_cluster, tmp_path, 
                           max_retries=0).models.list()
     finally:
         router.stop()
+
+
+def test_priority_needs_the_priority_scheduling_policy(http_cluster, api, model_dir):
+    """vLLM's ``priority`` is refused by a router that schedules in arrival order (as vLLM refuses it without
+    ``--scheduling-policy priority``); with that policy it reaches the workers with the sampling parameters."""
+    from pdserve.model.config import ModelConfig
+    from pdserve.model.tokenizer import Tokenizer
+    from pdserve.proto.convert import sampling_from_wire, sampling_to_wire
+    from pdserve.router.validation import validate
+
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority") as info:
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"priority": 3})
+    assert info.value.status_code == 400
+    assert api.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                  extra_body={"priority": 0}).usage.completion_tokens == 2
+    cfg, tok = ModelConfig.from_hf_dir(model_dir), Tokenizer(model_dir, 1)
+    req = client.make_request("Hi", max_tokens=2)
+    req.priority = -7
+    valid = validate(req, cfg, tok, 16, priority_scheduling=True)
+    assert valid.sampling.priority == -7 and sampling_from_wire(sampling_to_wire(valid.sampling)).priority == -7

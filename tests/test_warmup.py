@@ -238,3 +238,20 @@ def test_a_batch_bound_past_the_pool_is_held_to_the_usable_blocks(model_dir):
         assert small.max_batch_size == 8
     finally:
         small.receiver.close()
+
+
+def test_the_prefill_queue_takes_lower_priority_values_first(model_dir):
+    """vLLM's priority: a queued prompt goes after every one with a priority value at most its own, so the
+    queue is by priority, then arrival."""
+    from pdserve.model.sampling import SamplingParams
+    from pdserve.prefill_worker.request import PrefillRequest
+
+    model, model_cfg = load_model(model_dir)
+    engine = PrefillEngine(PrefillWorkerConfig(model_dir=model_dir, worker_id="w", num_blocks=40), model, model_cfg)
+    try:
+        for rid, priority in (("a", 0), ("b", 2), ("c", -1), ("d", 0), ("e", 2), ("f", 1)):
+            engine.add_request(PrefillRequest(rid, [1, 5, 6], SamplingParams(priority=priority), "127.0.0.1:1", [0],
+                                              lambda _r: None))
+        assert [r.attempt_id for r in engine._queue] == ["c", "a", "d", "f", "b", "e"]
+    finally:
+        engine.sender.close()
