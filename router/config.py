@@ -98,7 +98,8 @@ class RouterConfig:
             a free one; None: no HTTP API). Same bearer tokens and TLS files as the gRPC API.
         served_model_name: the model's name in the HTTP API (empty: the checkpoint directory's name).
         chat_template: a Jinja chat template file for ``/v1/chat/completions`` (empty: the checkpoint's own).
-        tool_call_parser: the format the model writes tool calls in (``hermes``, ``llama3_json``:
+        tool_call_parser: the format the model writes tool calls in (``hermes``, ``llama3_json``, ``granite``,
+            ``mistral``:
             :mod:`model.tool_calls`); chat requests with ``tools`` and ``tool_choice`` ``auto`` get their calls
             back as OpenAI ``tool_calls`` (empty: no parsing, and such requests are refused).
         reasoning_parser: how the model marks its reasoning (``deepseek_r1``, ``qwen3``: :mod:`model.reasoning`);
