@@ -87,10 +87,10 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temp
                  min_tokens: int | None = None, logit_bias: dict[int, float] | None = None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
                  bad_words: tuple[str, ...] = (), allowed_token_ids: tuple[int, ...] = (),
-                 ) -> pdserve_pb2.GenerateRequest:
+                 cache_salt: str = "", priority: int = 0) -> pdserve_pb2.GenerateRequest:
     """Build a ``GenerateRequest`` from text or token ids (``None`` leaves a field to the server's default;
-    the penalties, ``min_tokens``, ``logit_bias``, ``logprobs``, ``prompt_logprobs``, ``bad_words`` and
-    ``allowed_token_ids``: ``proto/pdserve.proto``)."""
+    the penalties, ``min_tokens``, ``logit_bias``, ``logprobs``, ``prompt_logprobs``, ``bad_words``,
+    ``allowed_token_ids``, ``cache_salt`` and ``priority``: ``proto/pdserve.proto``)."""
     sampling = pdserve_pb2.SamplingParams(top_k=top_k, ignore_eos=ignore_eos, stop_token_ids=list(stop_token_ids),
                                           logit_bias=logit_bias or {}, bad_words=list(bad_words),
                                           allowed_token_ids=list(allowed_token_ids))
@@ -101,9 +101,10 @@ def make_request(prompt: str | list[int], *, max_tokens: int | None = None, temp
                         ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(sampling, name, value)
+    extra = {"cache_salt": cache_salt, "priority": priority}
     if isinstance(prompt, str):
-        return pdserve_pb2.GenerateRequest(text=prompt, sampling=sampling)
-    return pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling)
+        return pdserve_pb2.GenerateRequest(text=prompt, sampling=sampling, **extra)
+    return pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling=sampling, **extra)
 
 
 async def stream(channel: grpc.aio.Channel, request: pdserve_pb2.GenerateRequest,

@@ -17,6 +17,10 @@ The root sentinel is ``blake2b(b"pdserve.kv_block.v1\\0" || utf8(model_id), dige
 a non-zero constant per model, so two models (or two tokenizers) that share a
 cluster never share a hash. ``model_id=""`` is the default model.
 
+A request's ``cache_salt`` (vLLM's: tenants that must not share cached prefixes give different salts) roots
+its chain at :func:`salted_root` instead, so its blocks never hash equal to another salt's or an unsalted
+request's.
+
 The bytes are fixed (little-endian, int64 tokens, blake2b): values are the same in
 every process and on every machine, unlike Python's salted ``hash()``. Changing
 any of this is a wire-format change for the KV events (``docs/kv_events.md``).
@@ -39,6 +43,18 @@ _U64 = struct.Struct("<Q")
 def root_hash(model_id: str = "") -> int:
     """The parent hash of a sequence's first block for ``model_id`` (uint64)."""
     return int.from_bytes(hashlib.blake2b(_ROOT_DOMAIN + model_id.encode(), digest_size=8).digest(), "little")
+
+
+_SALT_DOMAIN = b"pdserve.cache_salt.v1\0"
+
+
+def salted_root(root: int, salt: str) -> int:
+    """The parent hash of the first block of a request with ``cache_salt`` ``salt`` (``root``: the model's
+    :func:`root_hash`): ``blake2b(domain || le_u64(root) || utf8(salt), digest_size=8)``; ``root`` for ""."""
+    if not salt:
+        return root
+    return int.from_bytes(hashlib.blake2b(_SALT_DOMAIN + _U64.pack(root) + salt.encode(), digest_size=8).digest(),
+                          "little")
 
 
 def hash_block(parent: int, tokens: Sequence[int]) -> int:

@@ -23,6 +23,7 @@ _MASK63 = (1 << 63) - 1
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024  # stop tokens of one request: every message that forwards them stays small
 MAX_GRAMMAR_AFTER = 16     # token ids of the marker that starts a grammar (a reasoning model's `</think>`)
+MAX_CACHE_SALT_CHARS = 256
 GREEDY_BELOW = 1e-5
 """Temperatures under this sample greedily: logits divided by a temperature near 0 overflow float32 to
 infinity (at 1e-38, any logit above ~3.4), and the draw then picks whichever infinite logit comes
@@ -68,6 +69,8 @@ class SamplingParams:
             :mod:`model.penalties`.
         priority: the request's scheduling order on the workers (vLLM's ``priority``: lower first, ties in
             arrival order), carried here as every per-request setting the workers read; no effect on sampling.
+        cache_salt: the request's prefix-cache salt (vLLM's ``cache_salt``): it reuses only KV cached under the
+            same salt (:mod:`prefill_worker.prefix_cache`); "" for none. At most :data:`MAX_CACHE_SALT_CHARS`.
         grammar_after: token ids that start the grammar (:class:`model.structured.Constraint`'s ``start_after``:
             a reasoning model's end of thinking); empty: the grammar holds the whole answer. At most
             :data:`MAX_GRAMMAR_AFTER`, only with a ``grammar``.
@@ -93,6 +96,7 @@ class SamplingParams:
     bad_words: tuple[tuple[int, ...], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
     priority: int = 0
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if 0 < self.temperature < GREEDY_BELOW:
@@ -133,6 +137,8 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"structured_output.start_after ids {bad} are outside the vocabulary "
                                  f"[0, {vocab_size})")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt of {len(self.cache_salt)} characters exceeds {MAX_CACHE_SALT_CHARS}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(self.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]

@@ -14,9 +14,9 @@ from pdserve.prefill_worker.prefix_cache import PrefixMatch
 
 
 class BlockSource(Protocol):
-    def match(self, token_ids: list[int]) -> PrefixMatch: ...
+    def match(self, token_ids: list[int], salt: str = "") -> PrefixMatch: ...
     def allocate(self, num_blocks: int) -> list[int]: ...
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> None: ...
+    def insert(self, token_ids: list[int], block_ids: list[int], salt: str = "") -> None: ...
     def release(self, block_ids: list[int]) -> None: ...
     @property
     def num_available(self) -> int: ...
@@ -28,13 +28,13 @@ class PlainBlocks:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
 
-    def match(self, token_ids: list[int]) -> PrefixMatch:
+    def match(self, token_ids: list[int], salt: str = "") -> PrefixMatch:
         return PrefixMatch([], 0)
 
     def allocate(self, num_blocks: int) -> list[int]:
         return self.pool.allocate(num_blocks)
 
-    def insert(self, token_ids: list[int], block_ids: list[int]) -> None:
+    def insert(self, token_ids: list[int], block_ids: list[int], salt: str = "") -> None:
         pass
 
     def release(self, block_ids: list[int]) -> None:

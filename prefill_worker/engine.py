@@ -163,7 +163,7 @@ class PrefillEngine:
             req.num_computed += n
         for (_, req), token in zip(done, firsts):
             req.first_token, req.computed_at, req.state = token, now, RequestState.TRANSFERRING
-            self.blocks.insert(req.token_ids, req.block_table)
+            self.blocks.insert(req.token_ids, req.block_table, req.sampling.cache_salt)
             self._running.remove(req)
         for req, _ in chunks:
             ready = len(req.block_table) if req.num_remaining == 0 else req.num_computed // self.spec.block_size
@@ -228,7 +228,8 @@ class PrefillEngine:
     def _admit(self, req: PrefillRequest) -> bool:
         """Match the cached prefix and allocate the rest of the prompt's blocks; False if they cannot be had."""
         # a prompt's log-probabilities need every position computed: no cached prefix for it
-        match = self.blocks.match(req.token_ids) if req.sampling.prompt_logprobs is None else PrefixMatch([], 0)
+        match = self.blocks.match(req.token_ids, req.sampling.cache_salt) if req.sampling.prompt_logprobs is None \
+            else PrefixMatch([], 0)
         try:
             fresh = self.blocks.allocate(self.spec.num_blocks_for(len(req.token_ids)) - len(match.block_ids))
         except NoFreeBlocks:

@@ -18,6 +18,11 @@ A request that holds a node holds all its ancestors too, so an unreferenced node
 has only unreferenced descendants and :attr:`num_evictable` blocks can really all
 be evicted.
 
+A request with a ``cache_salt`` (vLLM's, one per tenant that must not share cached prefixes) walks a
+tree of its own, rooted at :func:`model.block_hash.salted_root`: it matches only blocks cached under the
+same salt. Those trees stay on the worker: their blocks raise no KV events (the router's index, which
+routes on shared prefixes, never hears of them, nor sees them in :meth:`PrefixCache.snapshot`).
+
 Design: SGLang's RadixAttention (Zheng et al., "SGLang: Efficient Execution of
 Structured Language Model Programs", 2024) for the tree with reference counts and
 LRU leaf eviction, and vLLM's automatic prefix caching for the hash-chained,
@@ -33,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster.kv_events import REMOVED, STORED, KVEvent
-from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.model.block_hash import block_hashes, root_hash, salted_root
 from pdserve.model.kv_cache import BlockPool, NoFreeBlocks
 
 
@@ -46,15 +51,16 @@ class PrefixMatch:
 
 
 class _Node:
-    __slots__ = ("hash", "block_id", "parent", "children", "ref", "last_access", "depth", "alive")
+    __slots__ = ("hash", "block_id", "parent", "children", "ref", "last_access", "depth", "alive", "salted")
 
-    def __init__(self, h: int, block_id: int, parent: _Node | None, tick: int) -> None:
+    def __init__(self, h: int, block_id: int, parent: _Node | None, tick: int, salted: bool = False) -> None:
         self.hash, self.block_id, self.parent = h, block_id, parent
         self.children: dict[int, _Node] = {}
         self.ref = 0
         self.last_access = tick  # logical clock of the cache: orders LRU exactly, no ties across calls
         self.depth = parent.depth + 1 if parent is not None else 0
         self.alive = True
+        self.salted = parent.salted if parent is not None else salted   # under a cache_salt's root: no events
 
 
 class PrefixCache:
@@ -78,6 +84,7 @@ class PrefixCache:
         self._on_event = on_event
         self._root_hash = root_hash(model_id)
         self._root = _Node(self._root_hash, -1, None, 0)
+        self._salted: dict[int, _Node] = {}   # cache_salt roots by hash, while they hold blocks
         self._by_hash: dict[int, _Node] = {}
         self._by_block: dict[int, _Node] = {}
         self._owned: set[int] = set()  # handed out by allocate(), not in the tree
@@ -118,20 +125,21 @@ class PrefixCache:
         """Blocks a prompt of ``num_tokens`` may reuse at most: its last token is always computed."""
         return max(0, (num_tokens - 1) // self.block_size)
 
-    def peek(self, token_ids: Sequence[int]) -> PrefixMatch:
+    def peek(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
         """The prefix :meth:`match` would return, without locking or touching anything."""
         with self._lock:
-            nodes = self._walk(token_ids)
+            nodes = self._walk(token_ids, salt)
             return PrefixMatch([n.block_id for n in nodes], len(nodes) * self.block_size)
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """The longest cached block-aligned prefix of ``token_ids`` (at most :meth:`max_match_blocks`).
+    def match(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
+        """The longest cached block-aligned prefix of ``token_ids`` (at most :meth:`max_match_blocks`), among
+        the blocks cached under ``salt`` (a request's ``cache_salt``; "": none).
 
         Locks the matched blocks (ref += 1, marked recently used): the caller now holds
         them and must :meth:`release` them, as part of its block table, when done.
         """
         with self._lock:
-            nodes = self._walk(token_ids)
+            nodes = self._walk(token_ids, salt)
             tick = next(self._tick)
             for n in nodes:
                 if n.ref == 0:
@@ -140,10 +148,20 @@ class PrefixCache:
                 n.last_access = tick
             return PrefixMatch([n.block_id for n in nodes], len(nodes) * self.block_size)
 
-    def _walk(self, token_ids: Sequence[int]) -> list[_Node]:
+    def _root_of(self, salt: str) -> tuple[int, _Node | None]:
+        """The root hash of ``salt``'s tree and its node (None: nothing is cached under that salt)."""
+        if not salt:
+            return self._root_hash, self._root
+        h = salted_root(self._root_hash, salt)
+        return h, self._salted.get(h)
+
+    def _walk(self, token_ids: Sequence[int], salt: str = "") -> list[_Node]:
         limit = self.max_match_blocks(len(token_ids))
-        nodes, node = [], self._root
-        for h in block_hashes(token_ids[: limit * self.block_size], self.block_size, self._root_hash):
+        root_h, node = self._root_of(salt)
+        nodes: list[_Node] = []
+        if node is None:
+            return nodes
+        for h in block_hashes(token_ids[: limit * self.block_size], self.block_size, root_h):
             node = node.children.get(h)
             if node is None:
                 break
@@ -183,10 +201,10 @@ class PrefixCache:
             self._unlink(node)
             evicted.append(node)
         self.pool.free([n.block_id for n in evicted])
-        self._emit(KVEvent(REMOVED, [n.hash for n in evicted], None, self.block_size))
+        self._emit(KVEvent(REMOVED, [n.hash for n in evicted if not n.salted], None, self.block_size))
 
     def _evictable_leaf(self, node: _Node) -> bool:
-        return node.alive and node.ref == 0 and not node.children and node is not self._root
+        return node.alive and node.ref == 0 and not node.children and node.parent is not None
 
     def _push(self, node: _Node) -> None:
         if self._evictable_leaf(node):
@@ -199,6 +217,8 @@ class PrefixCache:
         """Remove an unreferenced leaf from the tree (its block is not freed here)."""
         parent = node.parent
         del parent.children[node.hash]
+        if parent.parent is None and parent is not self._root and not parent.children:
+            del self._salted[parent.hash]       # a cache_salt's tree emptied
         del self._by_hash[node.hash]
         del self._by_block[node.block_id]
         node.alive = False
@@ -206,12 +226,13 @@ class PrefixCache:
         self._push(parent)
 
     # ---- insert / release ------------------------------------------------------------------------
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], salt: str = "") -> None:
         """Cache the full blocks of a prefilled request; the request keeps holding all of them.
 
         Args:
             token_ids: the request's tokens whose KV is in its blocks (the prompt).
             block_ids: its whole block table: blocks from :meth:`match`, then from :meth:`allocate`.
+            salt: the request's ``cache_salt`` (its blocks go in that salt's tree, with no events; "": none).
         Block ``i`` (for ``i < len(token_ids) // block_size``) is either already the cached
         block of its hash (matched), or an owned block that becomes cached (ref 1, one
         ``stored`` event for all of them), or an owned duplicate of a block already cached
@@ -225,7 +246,8 @@ class PrefixCache:
         n = len(token_ids) // self.block_size
         if len(block_ids) < n or len(set(block_ids)) != len(block_ids):
             raise ValueError(f"block table of {len(block_ids)} blocks (or repeating) for {n} full blocks")
-        hashes = block_hashes(token_ids[: n * self.block_size], self.block_size, self._root_hash)
+        root_h = salted_root(self._root_hash, salt)
+        hashes = block_hashes(token_ids[: n * self.block_size], self.block_size, root_h)
         with self._lock:
             plan: list[tuple[str, int, int]] = []  # (action, position, block id)
             for i, (h, b) in enumerate(zip(hashes, block_ids)):
@@ -256,7 +278,7 @@ class PrefixCache:
                     node.last_access = tick
                     self._aliases[b] = node
                     continue
-                parent = self._by_hash[hashes[i - 1]] if i > 0 else self._root
+                parent = self._by_hash[hashes[i - 1]] if i > 0 else self._salt_root(salt, root_h)
                 node = _Node(h, b, parent, tick)
                 node.ref = 1
                 parent.children[h] = node
@@ -265,8 +287,16 @@ class PrefixCache:
                 if not stored:
                     parent_of_first = parent.hash
                 stored.append(h)
-            if stored:
+            if stored and not salt:
                 self._emit(KVEvent(STORED, stored, parent_of_first, self.block_size))
+
+    def _salt_root(self, salt: str, root_h: int) -> _Node:
+        """The root node of ``salt``'s tree (the model's for ""), made when its first block is cached."""
+        if not salt:
+            return self._root
+        if root_h not in self._salted:
+            self._salted[root_h] = _Node(root_h, -1, None, 0, salted=True)
+        return self._salted[root_h]
 
     def release(self, block_ids: Sequence[int]) -> None:
         """A request is done with its block table: cached blocks lose its reference (and stay
@@ -332,8 +362,11 @@ class PrefixCache:
             for n in nodes:
                 assert n.alive and self._by_block[n.block_id] is n, f"node of block {n.block_id} not indexed"
                 assert n.parent.children.get(n.hash) is n, f"node {n.hash:#x} not under its parent"
-                assert n.parent is self._root or n.parent.alive, "dangling parent"
-                assert 0 <= n.ref and (n.parent is self._root or n.ref <= n.parent.ref), \
+                root = n.parent.parent is None
+                assert not root or n.parent is self._root or self._salted.get(n.parent.hash) is n.parent, \
+                    "a root that is neither the model's nor a cache_salt's"
+                assert root or n.parent.alive, "dangling parent"
+                assert 0 <= n.ref and (root or n.ref <= n.parent.ref), \
                     f"block {n.block_id} has more references than its parent"
             assert self._num_unref == sum(n.ref == 0 for n in nodes), "num_evictable out of sync"
             assert set(self._aliases) <= self._owned, "alias of a block not owned"

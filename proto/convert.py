@@ -23,7 +23,7 @@ def sampling_to_wire(p: SamplingParams) -> worker_pb2.ResolvedSampling:
         return_prompt_logprobs=p.prompt_logprobs is not None, num_top_prompt_logprobs=p.prompt_logprobs or 0,
         structured_output=grammar_to_wire(p.grammar, p.grammar_after), min_p=p.min_p,
         bad_words=[pdserve_pb2.TokenIds(ids=w) for w in p.bad_words], allowed_token_ids=p.allowed_token_ids,
-        priority=p.priority)
+        priority=p.priority, cache_salt=p.cache_salt)
 
 
 def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
@@ -37,7 +37,7 @@ def sampling_from_wire(m: worker_pb2.ResolvedSampling) -> SamplingParams:
         prompt_logprobs=m.num_top_prompt_logprobs if m.return_prompt_logprobs else None,
         grammar=grammar_from_wire(m.structured_output), min_p=m.min_p,
         grammar_after=tuple(m.structured_output.start_after), bad_words=tuple(tuple(w.ids) for w in m.bad_words),
-        allowed_token_ids=tuple(m.allowed_token_ids), priority=m.priority)
+        allowed_token_ids=tuple(m.allowed_token_ids), priority=m.priority, cache_salt=m.cache_salt)
 
 
 def grammar_to_wire(grammar: tuple[str, str] | None, start_after: tuple[int, ...] = ()

@@ -102,7 +102,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id", "ttft_slo_s", "tpot_slo_s", "queue_timeout_s", "priority")
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "ttft_slo_s", "tpot_slo_s", "queue_timeout_s", "priority", "cache_salt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class GenerateRequest(_message.Message):
     TPOT_SLO_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
@@ -119,7 +120,8 @@ class GenerateRequest(_message.Message):
     tpot_slo_s: float
     queue_timeout_s: float
     priority: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., tpot_slo_s: _Optional[float] = ..., queue_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., tpot_slo_s: _Optional[float] = ..., queue_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")

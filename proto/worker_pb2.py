@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.proto import pdserve_pb2 as pdserve_dot_proto_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\x11pdserve.worker.v1\x1a\x1bpdserve/proto/pdserve.proto\"\x84\x05\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x08 \x01(\x08\x12\x18\n\x10num_top_logprobs\x18\t \x01(\x05\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x46\n\nlogit_bias\x18\r \x03(\x0b\x32\x32.pdserve.worker.v1.ResolvedSampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\x0f \x01(\x08\x12\x1f\n\x17num_top_prompt_logprobs\x18\x10 \x01(\x05\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\'\n\tbad_words\x18\x13 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x03\x12\x10\n\x08priority\x18\x15 \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.worker.v1.ResolvedSampling\x12\x16\n\x0e\x64st_kv_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\x05\x12\x1a\n\x12\x66irst_output_index\x18\x06 \x01(\x05\"\x9d\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x14\n\x0cnum_kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0ftransfer_tail_s\x18\x06 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x38\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\"\xc1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.worker.v1.ResolvedSampling\x12\x14\n\x0ckv_timeout_s\x18\x04 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x1e\n\x16prior_output_token_ids\x18\x06 \x03(\x03\"2\n\tAllocated\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x12\n\nkv_address\x18\x02 \x01(\t\"\x8e\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x32\n\x08logprobs\x18\x02 \x03(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\"\xa6\x01\n\x0e\x44\x65\x63odeFinished\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_wait_s\x18\x03 \x01(\x01\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"\xb1\x01\n\x0b\x44\x65\x63odeEvent\x12\x31\n\tallocated\x18\x01 \x01(\x0b\x32\x1c.pdserve.worker.v1.AllocatedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.pdserve.worker.v1.TokenDeltaH\x00\x12\x35\n\x08\x66inished\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.DecodeFinishedH\x00\x42\x07\n\x05\x65vent2a\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse2^\n\x0c\x44\x65\x63odeWorker\x12N\n\x08Generate\x12 .pdserve.worker.v1.DecodeRequest\x1a\x1e.pdserve.worker.v1.DecodeEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdserve/proto/worker.proto\x12\x11pdserve.worker.v1\x1a\x1bpdserve/proto/pdserve.proto\"\x98\x05\n\x10ResolvedSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x08 \x01(\x08\x12\x18\n\x10num_top_logprobs\x18\t \x01(\x05\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x46\n\nlogit_bias\x18\r \x03(\x0b\x32\x32.pdserve.worker.v1.ResolvedSampling.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x1e\n\x16return_prompt_logprobs\x18\x0f \x01(\x08\x12\x1f\n\x17num_top_prompt_logprobs\x18\x10 \x01(\x05\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\'\n\tbad_words\x18\x13 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x03\x12\x10\n\x08priority\x18\x15 \x01(\x05\x12\x12\n\ncache_salt\x18\x16 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\"\xb9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.worker.v1.ResolvedSampling\x12\x16\n\x0e\x64st_kv_address\x18\x04 \x01(\t\x12\x15\n\rdst_block_ids\x18\x05 \x03(\x05\x12\x1a\n\x12\x66irst_output_index\x18\x06 \x01(\x05\"\x9d\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x0f\n\x07queue_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x14\n\x0cnum_kv_bytes\x18\x05 \x01(\x03\x12\x17\n\x0ftransfer_tail_s\x18\x06 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\x12\x38\n\x0e\x66irst_logprobs\x18\x08 \x01(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\"\xc1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.pdserve.worker.v1.ResolvedSampling\x12\x14\n\x0ckv_timeout_s\x18\x04 \x01(\x01\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\x12\x1e\n\x16prior_output_token_ids\x18\x06 \x03(\x03\"2\n\tAllocated\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x12\n\nkv_address\x18\x02 \x01(\t\"\x8e\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x32\n\x08logprobs\x18\x02 \x03(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\x12\x39\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32 .pdserve.worker.v1.TokenLogprobs\"\xa6\x01\n\x0e\x44\x65\x63odeFinished\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_output_tokens\x18\x02 \x01(\x05\x12\x11\n\tkv_wait_s\x18\x03 \x01(\x01\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\x05\"\xb1\x01\n\x0b\x44\x65\x63odeEvent\x12\x31\n\tallocated\x18\x01 \x01(\x0b\x32\x1c.pdserve.worker.v1.AllocatedH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.pdserve.worker.v1.TokenDeltaH\x00\x12\x35\n\x08\x66inished\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.DecodeFinishedH\x00\x42\x07\n\x05\x65vent2a\n\rPrefillWorker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse2^\n\x0c\x44\x65\x63odeWorker\x12N\n\x08Generate\x12 .pdserve.worker.v1.DecodeRequest\x1a\x1e.pdserve.worker.v1.DecodeEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESOLVEDSAMPLING_LOGITBIASENTRY']._loaded_options = None
   _globals['_RESOLVEDSAMPLING_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_RESOLVEDSAMPLING']._serialized_start=79
-  _globals['_RESOLVEDSAMPLING']._serialized_end=723
-  _globals['_RESOLVEDSAMPLING_LOGITBIASENTRY']._serialized_start=675
-  _globals['_RESOLVEDSAMPLING_LOGITBIASENTRY']._serialized_end=723
-  _globals['_TOKENLOGPROBS']._serialized_start=725
-  _globals['_TOKENLOGPROBS']._serialized_end=816
-  _globals['_PREFILLREQUEST']._serialized_start=819
-  _globals['_PREFILLREQUEST']._serialized_end=1004
-  _globals['_PREFILLRESPONSE']._serialized_start=1007
-  _globals['_PREFILLRESPONSE']._serialized_end=1292
-  _globals['_DECODEREQUEST']._serialized_start=1295
-  _globals['_DECODEREQUEST']._serialized_end=1488
-  _globals['_ALLOCATED']._serialized_start=1490
-  _globals['_ALLOCATED']._serialized_end=1540
-  _globals['_TOKENDELTA']._serialized_start=1543
-  _globals['_TOKENDELTA']._serialized_end=1685
-  _globals['_DECODEFINISHED']._serialized_start=1688
-  _globals['_DECODEFINISHED']._serialized_end=1854
-  _globals['_DECODEEVENT']._serialized_start=1857
-  _globals['_DECODEEVENT']._serialized_end=2034
-  _globals['_PREFILLWORKER']._serialized_start=2036
-  _globals['_PREFILLWORKER']._serialized_end=2133
-  _globals['_DECODEWORKER']._serialized_start=2135
-  _globals['_DECODEWORKER']._serialized_end=2229
+  _globals['_RESOLVEDSAMPLING']._serialized_end=743
+  _globals['_RESOLVEDSAMPLING_LOGITBIASENTRY']._serialized_start=695
+  _globals['_RESOLVEDSAMPLING_LOGITBIASENTRY']._serialized_end=743
+  _globals['_TOKENLOGPROBS']._serialized_start=745
+  _globals['_TOKENLOGPROBS']._serialized_end=836
+  _globals['_PREFILLREQUEST']._serialized_start=839
+  _globals['_PREFILLREQUEST']._serialized_end=1024
+  _globals['_PREFILLRESPONSE']._serialized_start=1027
+  _globals['_PREFILLRESPONSE']._serialized_end=1312
+  _globals['_DECODEREQUEST']._serialized_start=1315
+  _globals['_DECODEREQUEST']._serialized_end=1508
+  _globals['_ALLOCATED']._serialized_start=1510
+  _globals['_ALLOCATED']._serialized_end=1560
+  _globals['_TOKENDELTA']._serialized_start=1563
+  _globals['_TOKENDELTA']._serialized_end=1705
+  _globals['_DECODEFINISHED']._serialized_start=1708
+  _globals['_DECODEFINISHED']._serialized_end=1874
+  _globals['_DECODEEVENT']._serialized_start=1877
+  _globals['_DECODEEVENT']._serialized_end=2054
+  _globals['_PREFILLWORKER']._serialized_start=2056
+  _globals['_PREFILLWORKER']._serialized_end=2153
+  _globals['_DECODEWORKER']._serialized_start=2155
+  _globals['_DECODEWORKER']._serialized_end=2249
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ResolvedSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "return_logprobs", "num_top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "return_prompt_logprobs", "num_top_prompt_logprobs", "structured_output", "min_p", "bad_words", "allowed_token_ids", "priority")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos", "return_logprobs", "num_top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "return_prompt_logprobs", "num_top_prompt_logprobs", "structured_output", "min_p", "bad_words", "allowed_token_ids", "priority", "cache_salt")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class ResolvedSampling(_message.Message):
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -58,7 +59,8 @@ class ResolvedSampling(_message.Message):
     bad_words: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenIds]
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., num_top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., num_top_prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_pdserve_pb2.StructuredOutput, _Mapping]] = ..., min_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[_pdserve_pb2.TokenIds, _Mapping]]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., num_top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., return_prompt_logprobs: _Optional[bool] = ..., num_top_prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_pdserve_pb2.StructuredOutput, _Mapping]] = ..., min_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[_pdserve_pb2.TokenIds, _Mapping]]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs", "rank")

@@ -245,8 +245,9 @@ def credited_cache(view: ClusterView, req: ValidRequest, progress: Progress, con
                    block_size: int) -> dict[str, int]:
     """The blocks of ``context`` each prefill worker's prefix cache holds, as the ranking and the work estimate
     credit them: none for an attempt that computes prompt log-probabilities, whose prefill worker runs the whole
-    prompt past its cache (until tokens have been streamed: :func:`attempt_sampling`)."""
-    if req.sampling.prompt_logprobs is not None and not progress.generated:
+    prompt past its cache (until tokens have been streamed: :func:`attempt_sampling`), and none for a salted
+    request (``cache_salt``), whose cached prefixes the index never hears of."""
+    if req.sampling.prompt_logprobs is not None and not progress.generated or req.sampling.cache_salt:
         return {}
     return view.cached_blocks(context, block_size)
 

@@ -268,7 +268,8 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
                                       dst_block_ids=decode.allocated.block_ids,
                                       first_output_index=len(progress.generated)),
             timeout=cfg.prefill_timeout_s)
-        view.on_routed(prefill.worker_id, chosen.context, chosen.block_size)
+        if not req.sampling.cache_salt:    # a salted prefix is cached apart: the index must not expect it
+            view.on_routed(prefill.worker_id, chosen.context, chosen.block_size)
         decode_read = asyncio.ensure_future(decode.call.read())  # D giving up is noticed while P works
         answer = await prefill_or_decode_end(view, chosen, prefill_call, decode_read)
         state = RequestState.DECODING

@@ -216,6 +216,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
         bad_words=bad_word_ids(s.bad_words, tokenizer),
         allowed_token_ids=tuple(s.allowed_token_ids),
         priority=req.priority,
+        cache_salt=req.cache_salt,
     )
     if req.priority and not priority_scheduling:
         raise ValueError(f"priority {req.priority} needs a router started with --scheduling-policy priority (this "

@@ -125,3 +125,5 @@ def test_a_prompt_logprobs_attempt_is_credited_no_cached_prefix():
     migrated = Progress()
     migrated.generated.append(7)
     assert first_choice(scored, migrated) == ("hot", {"hot": 100})
+    salted = ValidRequest("r", context, SamplingParams(cache_salt="tenant"), Slo(1.0, 0.1))
+    assert first_choice(salted, migrated) == ("cold", {})      # its prefixes are cached apart, never indexed

@@ -147,6 +147,8 @@ def problems(req: pdserve_pb2.GenerateRequest) -> set[str]:
             bad.add(name)
     if not (math.isfinite(req.queue_timeout_s) and req.queue_timeout_s >= 0):
         bad.add("queue_timeout_s")
+    if len(req.cache_salt) > 256:
+        bad.add("cache_salt")
     return bad
 
 
@@ -228,7 +230,8 @@ def requests(draw) -> pdserve_pb2.GenerateRequest:
         s.structured_output.start_after.extend(draw(st.lists(st.integers(-2, VOCAB + 2), max_size=18)))
     req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,
                                       request_id=draw(st.text(max_size=8) | st.text(min_size=250, max_size=300)),
-                                      queue_timeout_s=draw(st.just(0.0) | doubles))
+                                      queue_timeout_s=draw(st.just(0.0) | doubles),
+                                      cache_salt=draw(st.sampled_from(["", "", "tenant", "x" * 257])))
     for name in ("ttft_slo_s", "tpot_slo_s"):
         if draw(st.booleans()):
             setattr(req, name, draw(doubles))

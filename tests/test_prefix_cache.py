@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.model.block_hash import block_hashes, root_hash
+from pdserve.model.block_hash import block_hashes, root_hash, salted_root
 from pdserve.model.kv_cache import BlockPool, NoFreeBlocks
 from pdserve.prefill_worker.prefix_cache import PrefixCache
 
@@ -22,15 +22,15 @@ def make(num_blocks: int = 10, bs: int = BS):
     return pool, PrefixCache(pool, bs, on_event=events.append), events
 
 
-def run(cache: PrefixCache, prompt: list[int], bs: int = BS) -> list[int]:
+def run(cache: PrefixCache, prompt: list[int], bs: int = BS, salt: str = "") -> list[int]:
     """A request's life up to its prefill: match, allocate the rest, insert. Returns its block table."""
-    m = cache.match(prompt)
+    m = cache.match(prompt, salt)
     try:
         table = m.block_ids + cache.allocate(-(-len(prompt) // bs) - len(m.block_ids))
     except NoFreeBlocks:
         cache.release(m.block_ids)
         raise
-    cache.insert(prompt, table)
+    cache.insert(prompt, table, salt)
     return table
 
 
@@ -179,7 +179,8 @@ def test_clear_and_snapshot():
 
 
 PROMPTS = st.lists(st.integers(0, 1), min_size=1, max_size=11)  # 2 symbols: prefixes collide a lot
-OPS = st.lists(st.one_of(st.tuples(st.just("new"), PROMPTS, st.booleans()),  # bool: insert at once
+SALTS = st.sampled_from(["", "", "a", "b"])      # cache_salt: "" none
+OPS = st.lists(st.one_of(st.tuples(st.just("new"), PROMPTS, st.booleans(), SALTS),  # bool: insert at once
                          st.tuples(st.just("insert"), st.integers(0, 7)),
                          st.tuples(st.just("release"), st.integers(0, 7)), st.tuples(st.just("clear"))),
                min_size=4, max_size=40)
@@ -188,6 +189,8 @@ OPS = st.lists(st.one_of(st.tuples(st.just("new"), PROMPTS, st.booleans()),  # b
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, num_blocks=st.integers(3, 10))
 def test_random_operations_keep_the_invariants(ops, num_blocks):
+    """Any mix of requests with and without ``cache_salt``: exact block accounting, reused KV always the right
+    KV of the same salt, and the events (the router's view) describing exactly the unsalted tree."""
     bs = 2
     pool = BlockPool(num_blocks)
     mirror: set[int] = set()  # the cache as its events describe it
@@ -204,14 +207,15 @@ def test_random_operations_keep_the_invariants(ops, num_blocks):
 
     cache = PrefixCache(pool, bs, on_event=on_event)
     content: dict[int, int] = {}  # block id -> hash of the KV it holds (what a prefill wrote)
-    live: list[tuple[list[int], list[int]]] = []
+    live: list[tuple[list[int], list[int], str]] = []
     for op in ops:
         if op[0] == "new":
-            prompt = op[1]
-            m = cache.match(prompt)
+            prompt, salt = op[1], op[3]
+            m = cache.match(prompt, salt)
             assert len(m.block_ids) <= (len(prompt) - 1) // bs and m.num_cached_tokens == len(m.block_ids) * bs
-            hs = block_hashes(prompt, bs)
-            assert [content[b] for b in m.block_ids] == hs[:len(m.block_ids)]  # reused KV is the right KV
+            hs = block_hashes(prompt, bs, salted_root(root_hash(), salt))
+            # reused KV is the right KV, and cached under the same salt (the salt's root is in every hash)
+            assert [content[b] for b in m.block_ids] == hs[:len(m.block_ids)]
             need = -(-len(prompt) // bs) - len(m.block_ids)
             available = cache.num_available
             try:
@@ -222,13 +226,13 @@ def test_random_operations_keep_the_invariants(ops, num_blocks):
             else:
                 for i in range(len(m.block_ids), len(hs)):  # the prefill writes the blocks it computes
                     content[table[i]] = hs[i]
-                live.append((prompt, table))
+                live.append((prompt, table, salt))
                 if op[2]:
-                    cache.insert(prompt, table)
+                    cache.insert(prompt, table, salt)
         elif op[0] == "insert" and live:
             cache.insert(*live[op[1] % len(live)])
         elif op[0] == "release" and live:
-            _, table = live.pop(op[1] % len(live))
+            _, table, _ = live.pop(op[1] % len(live))
             cache.release(table)
             if set(table) & set(pool._free):  # released twice: refused, nothing changes
                 before = (pool.num_free, cache.num_evictable, cache.num_cached)
@@ -240,12 +244,29 @@ def test_random_operations_keep_the_invariants(ops, num_blocks):
         cache.check_invariants()
         assert mirror == set(cache.snapshot())
         assert cache.num_available == pool.num_free + cache.num_evictable
-    for _, table in live:
+    for _, table, _ in live:
         cache.release(table)
     cache.check_invariants()
     assert pool.num_free + cache.num_evictable == pool.num_blocks and cache.num_owned == 0
     cache.clear()
     assert pool.num_free == pool.num_blocks and not mirror
+
+
+def test_a_salted_prompt_matches_only_its_own_salt():
+    pool, cache, events = make()
+    a = list(range(10))
+    tables = {salt: run(cache, a, salt=salt) for salt in ("", "tenant-1", "tenant-2")}
+    assert len(set(map(tuple, tables.values()))) == 3                   # three copies: nothing shared
+    assert len(events) == 1 and events[0].parent == root_hash()          # only the unsalted one is published
+    for salt, table in tables.items():
+        assert cache.match(a, salt).block_ids == table[:2]
+        cache.release(table[:2])
+    assert cache.match(a, "tenant-3").block_ids == [] and cache.snapshot() == block_hashes(a, BS)
+    for table in tables.values():
+        cache.release(table)
+    assert cache.clear() == 6 and pool.num_free == pool.num_blocks and [e.type for e in events] == ["stored", "removed"]
+    assert len(events[1].hashes) == 2 and not cache._salted               # the salted trees went without events
+    cache.check_invariants()
 
 
 def test_two_threads_share_the_cache():

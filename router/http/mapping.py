@@ -151,7 +151,8 @@ def generate_request(body: SamplingBody, prompt: str | list[int], request_id: st
         given = body.max_completion_tokens
     if given is not None or max_tokens is not None:
         s.max_tokens = given if given is not None else max_tokens
-    req = pdserve_pb2.GenerateRequest(sampling=s, request_id=request_id, priority=body.priority or 0)
+    req = pdserve_pb2.GenerateRequest(sampling=s, request_id=request_id, priority=body.priority or 0,
+                                      cache_salt=body.cache_salt or "")
     if isinstance(prompt, str):
         req.text = prompt
     else:

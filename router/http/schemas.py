@@ -123,8 +123,8 @@ class SamplingBody(_UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``min_p``, ``truncate_prompt_tokens``, ``stop_token_ids``,
     ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-    ``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``, ``priority`` and ``return_token_ids`` (token ids
-    beside the text) are accepted too."""
+    ``bad_words``, ``allowed_token_ids``, ``prompt_logprobs``, ``priority``, ``cache_salt`` and ``return_token_ids``
+    (token ids beside the text) are accepted too."""
 
     model: str | None = None
     max_tokens: Int32 | None = None
@@ -146,6 +146,7 @@ class SamplingBody(_UnicodeBody):
     allowed_token_ids: list[TokenId] | None = None
     prompt_logprobs: Int32 | None = None
     priority: Int32 | None = None
+    cache_salt: str | None = None
     # stop strings and n sequences per prompt (router/http/mapping.py)
     stop: Stop = None
     n: Int32 | None = None
