@@ -200,8 +200,10 @@ def test_neutral_values_of_unimplemented_parameters_are_accepted(http_cluster, a
     # OpenAI fields that change no answer here, as SDKs and agents send them
     got = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, store=False,
                                       metadata={"team": "a"}, service_tier="auto", prompt_cache_key="conv-1",
-                                      safety_identifier="u-1")
+                                      safety_identifier="u-1", extra_body={"cache_salt": "tenant-1"})
     assert got.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError, match="cache_salt of 257 characters"):
+        api.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"cache_salt": "x" * 257})
 
 
 BAD = [  # the gRPC API's bad inputs, through HTTP: the same message
