@@ -129,6 +129,7 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                                    () if req.include_stop_str_in_output else stop_ids)
     matcher = StopMatcher(req.stop, req.include_stop_str_in_output)
     finished = False
+    first = True      # the sequence's first message carries the prompt's length
     try:
         while True:
             reason = progress.finish_reason(req.sampling, stop_ids)
@@ -136,6 +137,7 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                 last = _final(req, times, progress, FINISH_REASONS[reason], len(progress.generated))
                 last.text = matcher.flush()
                 _set_stop_reason(last.final, req, progress)
+                last.prompt_tokens = len(req.prompt_ids) if first else 0
                 yield last
                 finished = True
                 return
@@ -159,6 +161,7 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                             armed = len(progress.generated) - len(msg.token_ids) >= req.sampling.min_tokens
                             msg.text, matched = matcher.push(msg.text, armed)
                             if matched:  # leaving the loop closes the attempt: its calls are cancelled
+                                msg.prompt_tokens, first = len(req.prompt_ids) if first else 0, False
                                 yield msg
                                 last = _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,
                                               len(progress.generated))
@@ -166,6 +169,7 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                                 yield last
                                 finished = True
                                 return
+                        msg.prompt_tokens, first = len(req.prompt_ids) if first else 0, False
                         yield msg
                 finished = True
                 return

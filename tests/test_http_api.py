@@ -409,3 +409,21 @@ def test_priority_needs_the_priority_scheduling_policy(http_cluster, api, model_
     req.priority = -7
     valid = validate(req, cfg, tok, 16, priority_scheduling=True)
     assert valid.sampling.priority == -7 and sampling_from_wire(sampling_to_wire(valid.sampling)).priority == -7
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http_cluster, api):
+    """vLLM's ``stream_options.continuous_usage_stats``: each chunk's usage counts its choice's tokens so far."""
+    for options, has in (({"include_usage": True, "continuous_usage_stats": True}, True),
+                         ({"include_usage": True}, False)):
+        chunks = list(api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                             stream=True, stream_options=options, extra_body={"ignore_eos": True}))
+        last = chunks[-1].usage
+        assert last.completion_tokens == 6 and not chunks[-1].choices
+        body = [c for c in chunks if c.choices]
+        assert all((c.usage is not None) == has for c in body)
+        if has:
+            counts = [c.usage.completion_tokens for c in body]
+            assert counts == sorted(counts) and counts[-1] == 6
+            assert {c.usage.prompt_tokens for c in body} == {last.prompt_tokens}
+            assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in body)
+    http_cluster.assert_pools_free()

@@ -242,34 +242,45 @@ async def _answer(backend: Backend, request: Request, body: SamplingBody, reply:
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return EventSourceResponse(_events(streams, firsts, reply, include_usage), ping=15,
+    continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
+    return EventSourceResponse(_events(streams, firsts, reply, include_usage, continuous), ping=15,
                                client_close_handler_callable=lambda message: _close(streams))
 
 
 async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateResponse], reply: Reply,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """The SSE ``data`` of a streamed answer; closing it (client gone) cancels the choices."""
+                  include_usage: bool, continuous: bool = False) -> AsyncIterator[str]:
+    """The SSE ``data`` of a streamed answer; closing it (client gone) cancels the choices. ``continuous``
+    (vLLM's ``continuous_usage_stats``): every chunk carries its choice's usage so far."""
     finals: list[pdserve_pb2.Final | None] = [None] * (len(firsts) * reply.n)
     started: set[int] = set()
+    prompt_tokens = [m.prompt_tokens for m in firsts]            # per prompt (each first message carries it)
+    completion_tokens = [0] * len(finals)
+
+    def dump(chunk: dict, index: int) -> str:
+        if continuous:
+            p, c = prompt_tokens[index // reply.n], completion_tokens[index]
+            chunk["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return json.dumps(chunk)
 
     def chunks(stream: int, msg: pdserve_pb2.GenerateResponse) -> Iterable[str]:
         index = stream * reply.n + msg.index  # a prompt's n sequences are n choices
+        completion_tokens[index] += len(msg.token_ids)
         # reasoning and tool calls split off
         reasoning, text, calls = reply.stream_text(index, msg.text, end=msg.HasField("final"))
         if index not in started:       # a choice's first message: its echoed prompt first
             started.add(index)
             text = reply.echo_text(index) + text
         if text or calls or reasoning or (msg.token_ids and (reply.return_token_ids or reply.logprobs)):
-            yield json.dumps(reply.chunk(index, text, msg.token_ids, logprobs=msg.logprobs, tool_calls=calls,
-                                         prompt_logprobs=msg.prompt_logprobs, reasoning=reasoning))
+            yield dump(reply.chunk(index, text, msg.token_ids, logprobs=msg.logprobs, tool_calls=calls,
+                                   prompt_logprobs=msg.prompt_logprobs, reasoning=reasoning), index)
         if msg.HasField("final"):
             finals[index] = msg.final
-            yield json.dumps(reply.chunk(index, "" if not reply.chat else None, (), msg.final))
+            yield dump(reply.chunk(index, "" if not reply.chat else None, (), msg.final), index)
 
     try:
         if reply.chat:
             for index in range(len(finals)):
-                yield json.dumps(reply.chunk(index, "", (), role=True))
+                yield dump(reply.chunk(index, "", (), role=True), index)
         for index, msg in enumerate(firsts):
             for data in chunks(index, msg):
                 yield data

@@ -74,6 +74,7 @@ def _is_text(s: str) -> bool:
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None     # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _UnicodeBody(_Strict):
