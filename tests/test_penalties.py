@@ -176,12 +176,17 @@ def _run(engine: DecodeEngine, requests: dict[str, SamplingParams]) -> tuple[dic
     return out, finished
 
 
+def _engine(model_dir: str, speculative: str) -> DecodeEngine:
+    """A colocated engine on the embedded model: 64 blocks of 4 tokens, n-gram drafts of 3 when speculating."""
+    model, cfg = load_model(model_dir)
+    return DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
+                                           speculative=speculative, spec_adaptive=False, spec_k=3,
+                                           spec_max_batch_size=4), model, cfg)
+
+
 @pytest.mark.parametrize("speculative", ["off", "ngram"])
 def test_engine_greedy_tokens_with_penalties_equal_transformers(model_dir, hf_model, speculative):
-    model, cfg = load_model(model_dir)
-    engine = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
-                                             speculative=speculative, spec_adaptive=False, spec_k=3,
-                                             spec_max_batch_size=4), model, cfg)
+    engine = _engine(model_dir, speculative)
     n = 30
     try:
         # mild enough that the output still repeats: n-gram drafts are proposed and accepted under penalties
@@ -207,10 +212,7 @@ def test_engine_greedy_tokens_with_penalties_equal_transformers(model_dir, hf_mo
 def test_engine_bad_words_and_allowed_tokens_equal_transformers(model_dir, hf_model, speculative):
     """Greedy tokens under bad words (one one-token word, one two-token word) and under an allowed set equal
     transformers' ``bad_words_ids`` and ``prefix_allowed_tokens_fn``, beside a plain request in the same batches."""
-    model, cfg = load_model(model_dir)
-    engine = DecodeEngine(DecodeWorkerConfig(model_dir=model_dir, worker_id="t", num_blocks=64, block_size=4,
-                                             speculative=speculative, spec_adaptive=False, spec_k=3,
-                                             spec_max_batch_size=4), model, cfg)
+    engine = _engine(model_dir, speculative)
     n = 24
     try:
         plain, _ = _run(engine, {"p": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)})
