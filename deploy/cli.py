@@ -78,8 +78,8 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                    help="router: Jinja chat template file for /v1/chat/completions (default: the checkpoint's)")
     p.add_argument("--tool-call-parser", default="", choices=TOOL_CALL_PARSERS,
                    help="router: the format the model writes tool calls in (hermes: Hermes, Qwen2.5, Qwen3; "
-                        "llama3_json: Llama 3.1+; granite: Granite 3; mistral: Mistral v0.3, NeMo, Small); chat "
-                        "requests with tools then get OpenAI tool_calls back")
+                        "llama3_json: Llama 3.1+; granite: Granite 3; mistral: Mistral v0.3, NeMo, Small; pythonic: "
+                        "Llama 3.2, Llama 4); chat requests with tools then get OpenAI tool_calls back")
     p.add_argument("--reasoning-parser", default="", choices=REASONING_PARSERS,
                    help="router: how the model marks its reasoning (deepseek_r1: DeepSeek-R1, QwQ, Qwen3 "
                         "*-Thinking-2507; qwen3: Qwen3's hybrid models); chat answers then carry it as `reasoning`")

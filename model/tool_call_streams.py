@@ -14,6 +14,7 @@ client cannot take back what it was sent, so the whole answer reads it the same 
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Callable
 
@@ -308,3 +309,65 @@ class ArgumentsStream:
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         return "", self._calls.take()
+
+
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+class PythonicStream:
+    """An answer that is a Python list of calls with keyword arguments, ``[f(a=1, b="x"), g()]`` (Llama 3.2's
+    and Llama 4's pythonic tool calls; Llama 4 wraps it in ``<|python_start|>`` ... ``<|python_end|>``), as vLLM's
+    ``pythonic`` parser reads it: decided at the answer's first non-blank character (``[``, or the marker), held
+    to the end and parsed whole (:func:`pythonic_calls`); what does not parse stays content, all of it. Its
+    calls arrive in one piece each, at the end: Python literals cannot be streamed as JSON text."""
+
+    def __init__(self) -> None:
+        self._buf, self._calls = "", None      # _calls: None undecided, False content, True calls
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        if self._calls is False:
+            return text, []
+        self._buf += text
+        head = self._buf.lstrip()
+        if not head or (PYTHON_START.startswith(head) and head != PYTHON_START):   # not told apart yet
+            return "", []
+        if self._calls is None:
+            self._calls = head.startswith(("[", PYTHON_START))
+        if self._calls:
+            return "", []
+        out, self._buf = self._buf, ""
+        return out, []
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        text, self._buf = self._buf, ""
+        calls = pythonic_calls(text) if self._calls else None
+        if calls is None:
+            return text, []
+        out = Calls()
+        for call in calls:
+            out.whole(call)
+        return "", out.take()
+
+
+def pythonic_calls(text: str) -> list[ToolCall] | None:
+    """The calls of ``text``, a Python list of calls (optionally between ``<|python_start|>`` and
+    ``<|python_end|>``) whose functions are plain names and whose arguments are keyword arguments with literal
+    values that JSON can hold (``ast.literal_eval``: strings, numbers, booleans, None, lists, tuples, dicts);
+    None for anything else (or a parse nested deeper than Python's stack)."""
+    body = text.strip()
+    if body.startswith(PYTHON_START):
+        body = body[len(PYTHON_START):].removesuffix(PYTHON_END).strip() if body.endswith(PYTHON_END) else ""
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args \
+                    or any(k.arg is None for k in node.keywords):
+                return None
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        return calls
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None

@@ -10,6 +10,9 @@ chat template taught it, as vLLM's tool parsers (``--tool-call-parser``) split i
     mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
                  (Mistral 7B v0.3, NeMo, Small: likewise; call ids of 9 letters and digits, which Mistral's
                  templates require when the calls come back in the conversation)
+    pythonic     [get_weather(city="Paris"), get_time()]
+                 (Llama 3.2 / Llama 4's pythonic calls, Llama 4's between <|python_start|> and <|python_end|>:
+                 an answer that starts with them, read whole at its end)
 
 All work on a stream (:meth:`ToolCallStream.feed` text as it is decoded, :meth:`ToolCallStream.finish` at
 the end), and a whole answer is parsed by the same code in one feed (:func:`parse_tool_calls`), so a streamed
@@ -40,12 +43,12 @@ from pdserve.model.tool_call_json import (
     mistral_call_id,
     new_call_id,
 )
-from pdserve.model.tool_call_streams import ArgumentsStream, CallListStream, HermesStream
+from pdserve.model.tool_call_streams import ArgumentsStream, CallListStream, HermesStream, PythonicStream
 
 __all__ = ["CallDelta", "FORCED", "TOOL_CALL_PARSERS", "ToolCall", "ToolCallStream", "call_of", "forced_calls_schema",
            "json_object", "new_call_id", "parse_tool_calls", "tool_call_stream"]
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "granite", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "granite", "mistral", "pythonic")
 
 
 def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool = True) -> dict:
@@ -64,7 +67,8 @@ def forced_calls_schema(tools: list[dict], function: str | None, parallel: bool 
 
 STREAMS = {"hermes": HermesStream, "llama3_json": CallListStream,
            "granite": lambda: CallListStream(("arguments", "parameters"), marker="<|tool_call|>"),
-           "mistral": lambda: CallListStream(("arguments",), marker="[TOOL_CALLS]", new_id=mistral_call_id)}
+           "mistral": lambda: CallListStream(("arguments",), marker="[TOOL_CALLS]", new_id=mistral_call_id),
+           "pythonic": PythonicStream}
 FORCED = "forced"   # tool_call_stream's mode of an answer a grammar held to calls: "forced" or "forced:<name>"
 
 

@@ -99,8 +99,8 @@ class RouterConfig:
         served_model_name: the model's name in the HTTP API (empty: the checkpoint directory's name).
         chat_template: a Jinja chat template file for ``/v1/chat/completions`` (empty: the checkpoint's own).
         tool_call_parser: the format the model writes tool calls in (``hermes``, ``llama3_json``, ``granite``,
-            ``mistral``: :mod:`model.tool_calls`); chat requests with ``tools`` and ``tool_choice`` ``auto`` get
-            their calls back as OpenAI ``tool_calls`` (empty: no parsing, and such requests are refused).
+            ``mistral``, ``pythonic``: :mod:`model.tool_calls`); chat requests with ``tools`` and ``tool_choice``
+            ``auto`` get their calls back as OpenAI ``tool_calls`` (empty: no parsing, and such requests are refused).
         reasoning_parser: how the model marks its reasoning (``deepseek_r1``, ``qwen3``: :mod:`model.reasoning`);
             chat answers then carry it apart from their content, as ``reasoning`` (empty: no split).
         scheduling_policy: ``fcfs`` (arrival order; a request's non-zero ``priority`` is refused, as vLLM refuses

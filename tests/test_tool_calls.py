@@ -91,6 +91,29 @@ def test_granite(text, content, calls):
         "<|tool_ca", "[TOOL_CA"), calls)
 
 
+PYTHONIC = [
+    ('[get_weather(city="Paris", unit="°C")]', "", [("get_weather", {"city": "Paris", "unit": "°C"})]),
+    ('  [a(), b(k=[1, 2], d={"x": None, "y": True}, t=(1, 2.5))]', "", [("a", {}), ("b", {
+        "k": [1, 2], "d": {"x": None, "y": True}, "t": [1, 2.5]})]),
+    ('<|python_start|>[f(x=1)]<|python_end|>', "", [("f", {"x": 1})]),
+    ("It is sunny.", "It is sunny.", []),
+    ("[1, 2]", "[1, 2]", []),                                         # not calls
+    ('[f("positional")]', '[f("positional")]', []),                  # keyword arguments only
+    ("[f(x=g())]", "[f(x=g())]", []),                                 # not a literal
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),                           # a set: no JSON for it
+    ("[obj.f(x=1)]", "[obj.f(x=1)]", []),
+    ("[f(x=1)", "[f(x=1)", []),                                       # cut short
+    ("<|python_start|>[f(x=1)]", "<|python_start|>[f(x=1)]", []),     # never closed
+    ("<|python_st", "<|python_st", []),
+    ("[" * 3000 + "]" * 3000, "[" * 3000 + "]" * 3000, []),           # deeper than the parser's stack
+]
+
+
+@pytest.mark.parametrize("text, content, calls", PYTHONIC)
+def test_pythonic(text, content, calls):
+    assert calls_of("pythonic", text) == (content, calls)
+
+
 def test_mistral_call_ids_are_nine_letters_and_digits():
     """Mistral's chat templates refuse other ids when the calls come back in the conversation."""
     _, calls = parse_tool_calls("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"arguments": {}, '
@@ -99,12 +122,12 @@ def test_mistral_call_ids_are_nine_letters_and_digits():
 
 
 def test_unknown_parser_is_refused():
-    with pytest.raises(ValueError, match="hermes, llama3_json, granite, mistral"):
-        tool_call_stream("pythonic")
+    with pytest.raises(ValueError, match="hermes, llama3_json, granite, mistral, pythonic"):
+        tool_call_stream("deepseek_v3")
 
 
 PIECES = ["Hi ", "there.\n", "<tool_call>", "</tool_call>", WEATHER, TIME, "{", "}", " ", "\n", ";", "<tool_", "call>",
-          "<|tool_call|>", "<|tool", "[TOOL_CALLS]",
+          "<|tool_call|>", "<|tool", "[TOOL_CALLS]", "f(x=1)", "<|python_start|>", "<|python_end|>",
           '{"name": "x", "parameters": {"a": 1}}', "[", "]", ",", "text", "é✓"]
 
 

@@ -55,7 +55,7 @@ from pdserve.router.http.streams import ChoiceStreams, ClientGone, collect
 from pdserve.router.recovery import GenerateError
 
 MAX_PROMPTS = 128  # prompts of one completions request (each is a stream of its own)
-HOLDS_MARKERS = ("hermes", "granite", "mistral")   # tool call parsers whose markers some tokenizers mark special
+HOLDS_MARKERS = ("hermes", "granite", "mistral", "pythonic")   # parsers whose markers tokenizers may mark special
 LONG_IDS = 4096   # token ids /detokenize decodes on a worker thread beyond
 GUARDED = ("/tokenize", "/detokenize")   # outside /v1/, behind the bearer token and the body limit too
 
