@@ -52,7 +52,7 @@ def cluster(**kw):
     (router, "redis_url", "garbage"), (prefill, "redis_url", "http://127.0.0.1:6379"), (cluster, "redis_url", ""),
     (prefill, "device", "gpu"), (decode, "device", "cuda:x"), (decode, "device", ""),
     (prefill, "kv_transport", "rdma"), (decode, "kv_transport", "TCP"),
-    (router, "scheduling_policy", "lifo"), (router, "tool_call_parser", "pythonic"),
+    (router, "scheduling_policy", "lifo"), (router, "tool_call_parser", "deepseek_v3"),
 ])
 def test_out_of_range_flags_are_refused_naming_them(make, field, value):
     with pytest.raises(ValueError, match=field):
