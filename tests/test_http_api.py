@@ -427,3 +427,21 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http_cluster
             assert {c.usage.prompt_tokens for c in body} == {last.prompt_tokens}
             assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in body)
     http_cluster.assert_pools_free()
+
+
+def test_completions_add_special_tokens_false_leaves_the_bos_out(http_cluster, api):
+    """vLLM's ``add_special_tokens`` on completions: false tokenizes a text prompt without the BOS the router
+    adds, as ``/tokenize`` with the same flag counts it (the embedded model adds one)."""
+    from tests.http_helpers import raw
+
+    text = "Once upon a time, there was a little dog"
+    counts = {}
+    for add in (True, False):
+        status, _, out = raw(http_cluster.router.http_address, "/tokenize",
+                             {"model": MODEL, "prompt": text, "add_special_tokens": add})
+        assert status == 200, out
+        got = api.completions.create(model=MODEL, prompt=text, max_tokens=2, echo=True,
+                                     extra_body={"add_special_tokens": add})
+        counts[add] = got.usage.prompt_tokens
+        assert counts[add] == json.loads(out)["count"] and got.choices[0].text.startswith(text)
+    assert counts[False] == counts[True] - 1

@@ -40,7 +40,7 @@ from pdserve.model.reasoning import END, START, grammar_start
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
-from pdserve.router.http.chat import chat_prompt, tokenize_body
+from pdserve.router.http.chat import chat_prompt, encode_prompt, tokenize_body
 from pdserve.router.http.errors import ApiError, from_status, install_handlers
 from pdserve.router.http.mapping import check_supported, generate_request, prompts_of, tool_parser_for
 from pdserve.router.http.reply import Reply
@@ -140,6 +140,8 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         reply = Reply(False, model_name, bool(body.return_token_ids), body.n or 1, body.logprobs is not None,
                       echo=[_prompt_text(p, backend) for p in prompts] if body.echo else None,
                       prompt_logprobs=body.prompt_logprobs is not None)
+        if not body.add_special_tokens:   # text prompts tokenized here, without the special tokens the router adds
+            prompts = [await encode_prompt(p, backend, False) if isinstance(p, str) else p for p in prompts]
         return await _answer(backend, request, body, reply, [
             generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
 

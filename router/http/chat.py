@@ -140,6 +140,23 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
     return ids, max(1, min(context - len(ids), model.cfg.max_tokens_limit))
 
 
+async def encode_prompt(text: str, model: _Model, add_special_tokens: bool = True) -> list[int]:
+    """A completions prompt's token ids, as the router tokenizes a text prompt (its BOS only with
+    ``add_special_tokens``); a long text off the event loop.
+
+    Raises:
+        ApiError: 400, a text too long for the context (the gRPC API's message for a text prompt that long).
+    """
+    context = model.model_cfg.max_position_embeddings
+    limit = context * model.tokenizer.max_token_chars
+    if len(text) > limit:
+        raise ApiError(400, f"prompt text of {len(text)} characters exceeds the model's context of {context} "
+                            f"tokens (no text over {limit} characters fits)", param="prompt")
+    if len(text) > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(model.tokenizer.encode, text, add_special_tokens)
+    return model.tokenizer.encode(text, add_special_tokens)
+
+
 async def tokenize_body(body: TokenizeRequest, model: _Model, template: ChatTemplate | None) -> dict:
     """vLLM's ``/tokenize`` answer: ``{"count", "max_model_len", "tokens", "token_strs"}`` (``token_strs``
     None unless asked) for a prompt, tokenized as the completions endpoint tokenizes one, or for chat
@@ -156,12 +173,6 @@ async def tokenize_body(body: TokenizeRequest, model: _Model, template: ChatTemp
         ids, _ = await chat_prompt(template, body.messages, model, body.add_generation_prompt, body.tools,
                                    body.chat_template_kwargs, body.continue_final_message)
     else:
-        context = model.model_cfg.max_position_embeddings
-        limit = context * model.tokenizer.max_token_chars
-        if len(body.prompt) > limit:
-            raise ApiError(400, f"prompt text of {len(body.prompt)} characters exceeds the model's context of "
-                                f"{context} tokens (no text over {limit} characters fits)", param="prompt")
-        ids = await asyncio.to_thread(model.tokenizer.encode, body.prompt, body.add_special_tokens) \
-            if len(body.prompt) > LONG_TEXT_CHARS else model.tokenizer.encode(body.prompt, body.add_special_tokens)
+        ids = await encode_prompt(body.prompt, model, body.add_special_tokens)
     return {"count": len(ids), "max_model_len": model.model_cfg.max_position_embeddings, "tokens": ids,
             "token_strs": model.tokenizer.token_strs(ids) if body.return_token_strs else None}

@@ -180,6 +180,7 @@ class CompletionRequest(SamplingBody):
     best_of: Int32 | None = None
     echo: bool | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True      # vLLM's: false tokenizes text prompts without their BOS
 
 
 class ContentPart(BaseModel):
