@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,6 +21,7 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str,
         flag = "--" + f.name.replace("_", "-")
         has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         kind = {"int": int, "float": float, "str": str, "bool": _bool}.get(str(f.type).removesuffix(" | None"), str)
+        kind = FIELD_TYPES.get(f.name, kind)
         parser.add_argument(flag, dest=f.name, type=kind, required=not has_default, default=None,
                             help=f"(default: {_default_text(f)})" if has_default else "(required)")
 
@@ -41,6 +43,30 @@ def config_from_args(cls: type[T], ns: argparse.Namespace, parser: argparse.Argu
         if parser is None:
             raise
         parser.error(str(exc))
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def context_length(text: str) -> int:
+    """A token count as vLLM's ``--max-model-len`` reads it: ``4096``, or with a suffix, decimal in lower case
+    (``4k`` = 4,000, ``25.6k`` = 25,600) and binary in upper case (``4K`` = 4,096, ``1M`` = 1,048,576).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, a negative count, or a fraction of a token.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgKMG]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 4096, 4k or 4K, got {text!r}")
+    number, suffix = match.groups()
+    value = float(number) * _SUFFIXES.get(suffix, 1)
+    if value != int(value) or (not suffix and "." in number):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
+FIELD_TYPES = {"max_model_len": context_length}
+"""Config fields whose flags read their values with a parser of their own rather than their type's."""
 
 
 def _bool(text: str) -> bool:

@@ -31,6 +31,7 @@ from pdserve.cluster.registry import WorkerInfo, WorkerLease
 from pdserve.cluster.secret import InsecureReminder, check_exposure, cluster_secret, worker_rpc_token
 from pdserve.cluster.service import start_grpc_server
 from pdserve.cluster.warmup import WarmupReport
+from pdserve.model.config import check_max_model_len
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ class WorkerConfig:
         kv_transport: ``auto`` (every transport the KV cache's memory allows: NCCL first for a CUDA cache, then
             TCP), ``tcp`` or ``nccl`` (:mod:`kvtransfer.select`). Two workers that share one GPU need ``tcp``:
             NCCL cannot join two ranks on one device.
+        max_model_len: the context served, in tokens (vLLM's ``--max-model-len``): 0 (the default) serves the
+            checkpoint's ``max_position_embeddings``; a shorter one refuses longer requests and sizes the KV block
+            tables (and the prefill pool's one-prompt minimum) for it (:attr:`model.config.ModelConfig.max_model_len`).
+            Every worker and the router of a cluster serve the same one.
     """
 
     model_dir: str
@@ -89,6 +94,7 @@ class WorkerConfig:
     warmup: bool = True
     device: str = "auto"
     kv_transport: str = "auto"
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != AUTO_DTYPE:
@@ -103,6 +109,7 @@ class WorkerConfig:
         check_port("port", self.port)
         check_redis_url("redis_url", self.redis_url)
         check_port("metrics_port", self.metrics_port)
+        check_max_model_len(self.max_model_len)
 
     @property
     def resolved_device(self) -> torch.device:
@@ -142,7 +149,7 @@ def check_kv_memory(cfg: WorkerConfig, who: str, projection_bytes: float | None 
     from pdserve.model.checkpoint import weights_nbytes
     from pdserve.model.config import ModelConfig
     from pdserve.model.kv_cache import KVCacheSpec
-    model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
+    model_cfg = ModelConfig.from_hf_dir(cfg.model_dir, cfg.max_model_len)
     spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
     weights = weights_nbytes(cfg.model_dir, cfg.torch_dtype, projection_bytes)
     spec.check_fits(who, device_memory_bytes(cfg.resolved_device), beside=weights)

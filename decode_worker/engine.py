@@ -85,7 +85,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
         if self.max_batch_size < cfg.max_batch_size:
             log.info("max_batch_size %d is more than the %d usable KV blocks hold: batches stop at %d",
                      cfg.max_batch_size, self.max_batch_size, self.max_batch_size)
-        self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_position_embeddings),
+        self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_model_len),
                                  [b for b in DEFAULT_BUCKETS if b < self.max_batch_size] + [self.max_batch_size]
                                  ) if cfg.graph else None
         self.receiver = make_receiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
@@ -168,7 +168,7 @@ class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
     def _allocate(self, attempt_id: str, prompt_ids: list[int], sampling: SamplingParams,
                   emit: DecodeEventSink, prior_output_ids: list[int], state: RequestState,
                   constraint: Constraint | None = None) -> DecodeRequest:
-        max_ctx = self.model_cfg.max_position_embeddings
+        max_ctx = self.model_cfg.max_model_len
         if sampling.constrained and constraint is None:
             constraint = self.grammars.constraint(sampling.grammar, prior_output_ids, sampling.grammar_after)
         if len(prompt_ids) + sampling.max_tokens > max_ctx:

@@ -108,7 +108,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         failed or timed out (or the worker is shutting down)."""
         cfg = self.engine.model_cfg
         try:
-            req = check_decode_request(request, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_ids)
+            req = check_decode_request(request, cfg.vocab_size, cfg.max_model_len, cfg.eos_token_ids)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         attempt_id = req.attempt_id  # the router's attempt id
@@ -190,9 +190,10 @@ def load_decode_model(cfg: DecodeWorkerConfig):
     kernel layout there at first use), on a CPU with the bf16 projections packed for :mod:`kernels.cpu.gemv`
     (with INT4, the bf16 LM head is) and moved into huge pages, kernel layouts included."""
     if cfg.weights == "int4" and int4_checkpoint.is_int4_checkpoint(cfg.model_dir):
-        model, model_cfg = int4_checkpoint.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype)
+        model, model_cfg = int4_checkpoint.load_int4_checkpoint(cfg.model_dir, cfg.torch_dtype,
+                                                              max_model_len=cfg.max_model_len)
     else:
-        model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype)
+        model, model_cfg = load_model(cfg.model_dir, cfg.torch_dtype, max_model_len=cfg.max_model_len)
         if cfg.weights == "int4":
             int4.convert_for_runtime(model, group_size=cfg.int4_group_size, method=cfg.int4_method)
     device = cfg.resolved_device

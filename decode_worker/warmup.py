@@ -105,7 +105,7 @@ def warm_up_decode(engine: DecodeEngine) -> WarmupReport:
         raise RuntimeError("warm-up needs an idle decode engine")
     free_before = e.pool.num_free
     driver = _Driver(e)
-    max_ctx = e.model_cfg.max_position_embeddings
+    max_ctx = e.model_cfg.max_model_len
     report_prefill, report_buckets = 0, 0
 
     # decode buckets: with the graph runner, the smallest batch each bucket pads to; else the classes
@@ -142,7 +142,7 @@ def _warm_speculation(driver: _Driver) -> int:
     e, cfg = driver.engine, driver.engine.cfg
     k_max, prompt_len = cfg.spec_k, 12
     max_tokens = k_max + 3
-    if prompt_len + max_tokens + k_max > e.model_cfg.max_position_embeddings:
+    if prompt_len + max_tokens + k_max > e.model_cfg.max_model_len:
         return 0
     free = e.pool.num_free
     runs = 0

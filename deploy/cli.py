@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.cluster.args import context_length
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
@@ -97,6 +98,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=default_redis_url(), help="registry (env PDSERVE_REDIS_URL)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    p.add_argument("--max-model-len", type=context_length, default=0, metavar="TOKENS",
+                   help="context served, prompt and output (vLLM's: 4096, 4k = 4,000, 4K = 4,096; default: the "
+                        "checkpoint's max_position_embeddings); also serves a sliding-window checkpoint exactly "
+                        "up to its window")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight/KV dtype; auto (the default here, while WorkerConfig keeps float32 for the exactness "
                         "tests): the checkpoint's torch_dtype, an fp32 checkpoint in bfloat16 on an AVX-512 or AVX2 "
@@ -174,7 +179,7 @@ def _start_cluster(args: argparse.Namespace):
             detach=getattr(args, "detach", False), device=args.device, gpu_wait_s=args.gpu_wait,
             router_node=args.router_node, port=args.port, ray_address=args.ray_address, redis_url=args.redis_url,
             block_size=args.block_size,
-            num_blocks=args.num_blocks, dtype=args.dtype,
+            num_blocks=args.num_blocks, dtype=args.dtype, max_model_len=args.max_model_len,
             prefill_options={"max_num_batched_tokens": args.max_num_batched_tokens, "activations": args.activations,
                              "prefix_cache": not args.no_prefix_cache},
             decode_options={"max_batch_size": args.max_batch_size, "speculative": args.speculative,

@@ -14,6 +14,7 @@ from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy.planner import PlannerConfig
+from pdserve.model.config import ModelConfig, check_max_model_len
 from pdserve.router.config import TOKEN_ENV
 
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "models" / "tinystories-656k")
@@ -61,6 +62,8 @@ class ClusterConfig:
         cluster: registry namespace in Redis and controller name (default: a fresh id per launch).
         redis_url: the registry.
         block_size, num_blocks, dtype, num_threads: per-worker engine settings.
+        max_model_len: the context the router and every worker serve, in tokens (``--max-model-len``; 0: the
+            checkpoint's ``max_position_embeddings``).
         cpus_per_worker: Ray CPU resources each worker asks for.
         prefill_options: extra :class:`PrefillWorkerConfig` fields for every prefill worker.
         decode_options: extra :class:`DecodeWorkerConfig` fields for every decode worker
@@ -102,6 +105,7 @@ class ClusterConfig:
     num_blocks: int = 512
     dtype: str = "float32"
     num_threads: int = 1
+    max_model_len: int = 0
     cpus_per_worker: float = 1.0
     prefill_options: dict = field(default_factory=dict)
     decode_options: dict = field(default_factory=dict)
@@ -142,6 +146,7 @@ class ClusterConfig:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
         if min(self.drain_timeout_s, self.start_timeout_s, self.placement_timeout_s) <= 0 or self.unroute_s < 0:
             raise ValueError("drain, start and placement timeouts must be positive, unroute_s >= 0")
+        check_max_model_len(self.max_model_len)
         if self.autoscale is not None and self.num_colocated:
             raise ValueError("autoscaling needs the disaggregated pools (not --colocated)")
 
@@ -159,7 +164,8 @@ class ClusterConfig:
         from pdserve.router.config import RouterConfig
 
         return RouterConfig(model_dir=self.model_dir, cluster=self.cluster, redis_url=self.redis_url, host=self.host,
-                            port=self.port, **{"http_host": self.host, **self.router_options})
+                            port=self.port, max_model_len=self.max_model_len,
+                            **{"http_host": self.host, **self.router_options})
 
     def worker_config(self, role: str, worker_id: str, device: str = "auto"):
         """The config of a ``role`` worker (``prefill``, ``decode`` or ``both``) named ``worker_id``, computing
@@ -169,19 +175,22 @@ class ClusterConfig:
 
         common = dict(model_dir=self.model_dir, worker_id=worker_id, cluster=self.cluster, redis_url=self.redis_url,
                       host=self.host, block_size=self.block_size, num_blocks=self.num_blocks, dtype=self.dtype,
-                      num_threads=self.num_threads, device=device, **self.worker_options)
+                      num_threads=self.num_threads, device=device, max_model_len=self.max_model_len,
+                      **self.worker_options)
         if role == "prefill":
             return PrefillWorkerConfig(**common, **self.prefill_options)
         return DecodeWorkerConfig(**common, colocated=role == "both", **self.decode_options)
 
     def check_roles(self) -> None:
-        """Build the router's config and each worker role's this cluster runs, and read the router's token and
-        TLS files: what would fail inside the Ray actors, after Ray has started and the pools have loaded the
+        """Read the checkpoint's config at the served context (``max_model_len``), build the router's config and
+        each worker role's this cluster runs, and read the router's token and TLS files: what would fail inside
+        the Ray actors, after Ray has started and the pools have loaded the
         model, fails here at once.
 
         Raises:
             ValueError, FileNotFoundError: as the configs and files do (the message names the field or file).
         """
+        ModelConfig.from_hf_dir(self.model_dir, self.max_model_len)   # a context the checkpoint has, a window it fills
         router = self.router_config()
         router.bearer_tokens()
         router.tls_key_pair()

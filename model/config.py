@@ -33,6 +33,10 @@ class ModelConfig:
             embeddings times the first, each block's output times the second before its residual add, the
             logits divided by the third. :func:`model.loader.load_model` folds them into the weights and
             returns a config with them at 1.
+        max_model_len: the context served, in tokens (prompt and output together): vLLM's ``--max-model-len``,
+            at most ``max_position_embeddings``; 0 (the default) resolves to ``max_position_embeddings``.
+            Every context bound of the serving path reads this one (requests refused beyond it, KV block tables
+            and the prefill pool sized for it).
 
     Raises:
         ValueError: from ``__post_init__`` when sizes are inconsistent (e.g. the attention heads
@@ -62,12 +66,16 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
+        check_max_model_len(self.max_model_len, self.max_position_embeddings)
+        if not self.max_model_len:
+            object.__setattr__(self, "max_model_len", self.max_position_embeddings)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"config: {self.num_heads} attention heads is not a multiple of "
                              f"{self.num_kv_heads} KV heads")
@@ -117,21 +125,23 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     @classmethod
-    def from_hf_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_hf_dir(cls, model_dir: str | Path, max_model_len: int = 0) -> "ModelConfig":
         """Read ``config.json`` (and ``generation_config.json`` for EOS ids) of a checkpoint
-        directory or a hub repository id in the local cache (:func:`model.checkpoint.resolve_model_dir`).
+        directory or a hub repository id in the local cache (:func:`model.checkpoint.resolve_model_dir`),
+        served at ``max_model_len`` tokens (0: the checkpoint's ``max_position_embeddings``).
 
         Raises:
             FileNotFoundError: no such checkpoint, or no ``config.json``.
             ValueError: an unsupported family or setting (:mod:`model.families`; the message names the
-                field and the supported values), or inconsistent sizes.
+                field and the supported values), inconsistent sizes, or a ``max_model_len`` beyond the
+                checkpoint's context.
         """
         model_dir = resolve_model_dir(model_dir)
         raw = read_json(model_dir, "config.json")
         if raw is None:
             raise FileNotFoundError(f"{model_dir}: no config.json")
         try:
-            return cls._from_raw(raw, read_json(model_dir, "generation_config.json") or {})
+            return cls._from_raw(raw, read_json(model_dir, "generation_config.json") or {}, max_model_len)
         except KeyError as exc:
             raise ValueError(f"{model_dir}: config.json lacks {exc}") from None
         except (ValueError, TypeError, AttributeError, ZeroDivisionError, OverflowError) as exc:
@@ -139,14 +149,16 @@ class ModelConfig:
             raise ValueError(f"{model_dir}: {kind}{exc}") from None
 
     @classmethod
-    def _from_raw(cls, raw: dict, generation: dict) -> "ModelConfig":
+    def _from_raw(cls, raw: dict, generation: dict, max_model_len: int = 0) -> "ModelConfig":
         model_type = raw.get("model_type", "llama")
         options = family_options(model_type, raw)
+        positions = int(raw.get("max_position_embeddings", 2048))
+        check_max_model_len(max_model_len, positions)
         # transformers >= 5 writes `rope_parameters` (theta and scaling together); older ones
         # write `rope_theta` and `rope_scaling`.
         rope = _object(raw, "rope_parameters")
         scaling = _object(raw, "rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        check_supported(model_type, raw, scaling, options["head_dim"])
+        check_supported(model_type, raw, scaling, options["head_dim"], max_model_len or positions)
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         num_heads = int(raw["num_attention_heads"])
@@ -157,7 +169,8 @@ class ModelConfig:
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=positions,
+            max_model_len=max_model_len,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(raw["rope_theta"] if raw.get("rope_theta") is not None
                              else rope.get("rope_theta", 10000.0)),
@@ -169,6 +182,23 @@ class ModelConfig:
             **options,
             **multipliers(model_type, raw),
         )
+
+
+def check_max_model_len(max_model_len: int, max_position_embeddings: int | None = None) -> None:
+    """Refuse a served context (tokens; 0: the checkpoint's) that is negative or longer than the checkpoint's
+    ``max_position_embeddings`` (None: not known yet, as in a process config checked before the checkpoint is
+    read), as vLLM refuses a ``--max-model-len`` beyond the derived one.
+
+    Raises:
+        ValueError: naming both lengths.
+    """
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 0:
+        raise ValueError(f"max_model_len must be a whole number of tokens >= 0 (0: the checkpoint's), got "
+                         f"{max_model_len!r}")
+    if max_position_embeddings is not None and max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} is longer than the checkpoint's context "
+                         f"(max_position_embeddings {max_position_embeddings}); supported: 0 (the checkpoint's) "
+                         f"or 1..{max_position_embeddings}")
 
 
 def _object(raw: dict[str, Any], name: str) -> dict[str, Any]:

@@ -30,8 +30,10 @@ other than SiLU, a ``rope_scaling`` type other than default / linear / llama3 (o
 parameters; Phi-3's ``longrope`` among them), a ``partial_rotary_factor`` other than 1 (Phi-4-mini's: RoPE
 here rotates whole heads), any ``quantization_config`` (pdserve quantizes itself: INT4 decode weights, FP8 prefill),
 an odd ``head_dim`` (RoPE rotates pairs), and a sliding window shorter than the context the model is
-served at (``max_position_embeddings``): sliding-window attention is not implemented here, and a
-window at least as long as the context never masks anything, so such checkpoints run exactly.
+served at (``max_position_embeddings``, or ``--max-model-len`` where given): sliding-window attention is not
+implemented here, and a window at least as long as the context never masks anything (transformers' window
+masks key ``j`` of query ``i`` only where ``j <= i - window``), so such checkpoints run exactly: Mistral 7B v0.1
+(window 4,096) and Phi-3-mini-4k (window 2,047) at ``--max-model-len`` up to their windows.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ def check_model_type(model_type: str, raw: dict[str, Any]) -> None:
                          f"{', '.join(ARCHITECTURES.values())}")
 
 
-def check_supported(model_type: str, raw: dict[str, Any], rope_scaling: dict | None, head_dim: int) -> None:
-    """Refuse what the decoder cannot run exactly (see the module docstring).
+def check_supported(model_type: str, raw: dict[str, Any], rope_scaling: dict | None, head_dim: int,
+                    context: int | None = None) -> None:
+    """Refuse what the decoder cannot run exactly (see the module docstring). ``context``: the tokens the model
+    is served at (``--max-model-len``; None: ``max_position_embeddings``), which a sliding window must cover.
 
     Raises:
         ValueError: naming the ``config.json`` field and the supported values.
@@ -145,12 +149,13 @@ def check_supported(model_type: str, raw: dict[str, Any], rope_scaling: dict | N
     if head_dim % 2:
         raise ValueError(f"config.json head_dim {head_dim} is odd; supported: even head dims (RoPE rotates pairs)")
     window, layers = sliding_window(model_type, raw)
-    context = int(raw.get("max_position_embeddings", 2048))
+    context = int(raw.get("max_position_embeddings", 2048)) if context is None else context
     if window is not None and layers and window < context:
         raise ValueError(
             f"config.json sliding_window {window} (on layers {layers[0]}..{layers[-1]}) is shorter than the "
-            f"{context}-token context it would be served at (max_position_embeddings): sliding-window attention "
-            f"is not supported; supported: no sliding window, or sliding_window >= max_position_embeddings")
+            f"{context}-token context it would be served at: sliding-window attention is not supported; "
+            f"supported: no sliding window, or a window at least the served context (--max-model-len {window} "
+            f"or less serves this checkpoint exactly)")
 
 
 def sliding_window(model_type: str, raw: dict[str, Any]) -> tuple[int | None, list[int]]:

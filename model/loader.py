@@ -131,10 +131,11 @@ def finish_model(model: LlamaForCausalLM, cfg: ModelConfig, state: dict[str, tor
     return model.to(device).eval()
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               max_model_len: int = 0) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a checkpoint (a directory, or a hub repository id in the local cache)
-    with weights cast to ``dtype``, tensor by tensor.
+    with weights cast to ``dtype``, tensor by tensor, served at ``max_model_len`` tokens (0: the checkpoint's
+    context; :attr:`model.config.ModelConfig.max_model_len`).
 
     Raises:
         FileNotFoundError: no such checkpoint, or ``config.json`` or the weights are missing.
@@ -142,7 +143,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
             (names or shapes).
     """
     model_dir = resolve_model_dir(model_dir)
-    cfg = ModelConfig.from_hf_dir(model_dir)
+    cfg = ModelConfig.from_hf_dir(model_dir, max_model_len)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = expected_tensors(model, cfg)

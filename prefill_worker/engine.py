@@ -52,9 +52,10 @@ class PrefillEngine:
                  on_kv_event: Callable[[KVEvent], None] | None = None, secret: bytes | None = None) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.spec = KVCacheSpec.for_model(model_cfg, cfg.num_blocks, cfg.block_size, cfg.torch_dtype)
-        if self.spec.num_blocks_for(model_cfg.max_position_embeddings) > cfg.num_blocks:
+        if self.spec.num_blocks_for(model_cfg.max_model_len) > cfg.num_blocks:
             raise ValueError(f"num_blocks={cfg.num_blocks} cannot hold one prompt of the model's "
-                             f"{model_cfg.max_position_embeddings}-token context")
+                             f"{model_cfg.max_model_len}-token context (serve a shorter one with --max-model-len, or "
+                             f"give it more blocks)")
         self.runner = ModelRunner(model, self.spec)
         self.grammars = Grammars(cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)   # compiled on demand
         self.pool = BlockPool(cfg.num_blocks)

@@ -147,7 +147,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         UNAVAILABLE when the prefill or the transfer failed."""
         cfg = self.engine.model_cfg
         try:
-            checked = check_prefill_request(request, cfg.vocab_size, cfg.max_position_embeddings,
+            checked = check_prefill_request(request, cfg.vocab_size, cfg.max_model_len,
                                             self.engine.spec.block_size, self.engine.kv_sender.backends)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -187,14 +187,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "native", chunk_tokens: int = 512,
-                       device: torch.device | str = "cpu"):
+                       device: torch.device | str = "cpu", max_model_len: int = 0):
     """The model as a prefill worker runs it: FP8 activation matmuls where ``activations`` is ``"fp8"``
     (weights quantized on the CPU, bit-identical to the GPU's quantization); then on a GPU ``device`` moved
     to it; on the CPU, without FP8 and without AMX, bf16 projections packed for the AVX512-BF16 gemm without
     their dense copies (:func:`model.cpu_linear.dense_beats_packed_for_prefill`), and with AMX on oneDNN weights
     reordered once for chunks of ``chunk_tokens`` rows (:mod:`model.onednn_linear`); then weights in huge pages.
-    Returns ``(model, ModelConfig)``. Raises as :func:`model.loader.load_model`."""
-    model, model_cfg = load_model(model_dir, dtype)
+    Served at ``max_model_len`` tokens (0: the checkpoint's context). Returns ``(model, ModelConfig)``. Raises as
+    :func:`model.loader.load_model`."""
+    model, model_cfg = load_model(model_dir, dtype, max_model_len=max_model_len)
     if activations == "fp8":
         fp8.convert_for_runtime(model)
     if torch.device(device).type != "cpu":
@@ -218,7 +219,7 @@ class PrefillWorker(WorkerProcess):
                         1.0 if cfg.activations == "fp8" else None)
         torch.set_num_threads(cfg.num_threads)
         model, model_cfg = load_prefill_model(cfg.model_dir, cfg.torch_dtype, cfg.activations,
-                                              cfg.max_num_batched_tokens, cfg.resolved_device)
+                                              cfg.max_num_batched_tokens, cfg.resolved_device, cfg.max_model_len)
         self.events = None
         if cfg.prefix_cache and cfg.kv_events:
             self.events = KVEventPublisher(cfg.redis_url, cfg.cluster, cfg.worker_id, secret=secret)

@@ -111,7 +111,7 @@ def warm_up_prefill(engine: PrefillEngine) -> WarmupReport:
     if engine.num_queued or engine.num_in_flight:
         raise RuntimeError("warm-up needs an idle prefill engine")
     free_before = engine.pool.num_free
-    max_prompt = engine.model_cfg.max_position_embeddings - 1  # a prompt leaves room for one output token
+    max_prompt = engine.model_cfg.max_model_len - 1  # a prompt leaves room for one output token
     budget = min(cfg.max_num_batched_tokens, max_prompt)
     blocks = PrefixCache(engine.pool, spec.block_size) if cfg.prefix_cache else PlainBlocks(engine.pool)
     p = _Prefiller(engine, blocks, budget)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pdserve.cluster.args import check_port, check_redis_url, check_seconds
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
 from pdserve.cluster.worker_process import default_redis_url
+from pdserve.model.config import check_max_model_len
 from pdserve.model.reasoning import REASONING_PARSERS
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS
 
@@ -105,6 +106,9 @@ class RouterConfig:
             chat answers then carry it apart from their content, as ``reasoning`` (empty: no split).
         scheduling_policy: ``fcfs`` (arrival order; a request's non-zero ``priority`` is refused, as vLLM refuses
             it) or ``priority`` (vLLM's: the workers schedule lower ``priority`` values first).
+        max_model_len: the context served, in tokens (vLLM's ``--max-model-len``; 0: the checkpoint's
+            ``max_position_embeddings``): requests whose prompt and ``max_tokens`` exceed it are refused here,
+            and the HTTP API reports it. The workers are started with the same one.
     """
 
     model_dir: str
@@ -143,6 +147,7 @@ class RouterConfig:
     tool_call_parser: str = ""
     reasoning_parser: str = ""
     scheduling_policy: str = "fcfs"
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         for name in ("registry_poll_s", "prefill_timeout_s", "stream_idle_timeout_s"):
@@ -184,6 +189,7 @@ class RouterConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
+        check_max_model_len(self.max_model_len)
         self.tls_key_pair()  # fail at startup, not at the first connection
         if not self.bearer_tokens() and self.max_streams_per_token:
             raise ValueError("max_streams_per_token needs bearer tokens (token_file or PDSERVE_ROUTER_TOKEN)")

@@ -72,7 +72,7 @@ class Router:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.model_cfg = ModelConfig.from_hf_dir(cfg.model_dir)
+        self.model_cfg = ModelConfig.from_hf_dir(cfg.model_dir, cfg.max_model_len)
         self.tokenizer = Tokenizer(cfg.model_dir, self.model_cfg.bos_token_id)
         if self.tokenizer.max_token_id >= self.model_cfg.vocab_size:  # served, but some texts cannot be
             log.warning("the checkpoint's tokenizer has token ids up to %d but its model's vocabulary is [0, %d): "

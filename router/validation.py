@@ -164,7 +164,7 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             finite and positive; queue_timeout_s not finite and non-negative; a non-zero priority without
             ``priority_scheduling`` (``--scheduling-policy priority``).
     """
-    context = cfg.max_position_embeddings
+    context = cfg.max_model_len
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:  # before escaping it (escapes only lengthen it)
         raise ValueError(f"request_id of {len(req.request_id)} characters exceeds {MAX_REQUEST_ID_CHARS}")
     request_id = printable_id(req.request_id)  # what the router keeps, logs and echoes: bounded as kept
@@ -239,9 +239,9 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
     if max_tokens_limit is not None and sampling.max_tokens > max_tokens_limit:
         raise ValueError(f"max_tokens ({sampling.max_tokens}) exceeds this router's limit of {max_tokens_limit} "
                          f"tokens per request (max_tokens_limit)")
-    if len(ids) + sampling.max_tokens > cfg.max_position_embeddings:
+    if len(ids) + sampling.max_tokens > cfg.max_model_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
-                         f"model's context of {cfg.max_position_embeddings} tokens")
+                         f"model's context of {cfg.max_model_len} tokens")
     slo = Slo(req.ttft_slo_s if req.HasField("ttft_slo_s") else default_slo.ttft_s,
               req.tpot_slo_s if req.HasField("tpot_slo_s") else default_slo.tpot_s)
     checks = (("ttft_slo_s", slo.ttft_s), ("tpot_slo_s", slo.tpot_s), ("queue_timeout_s", req.queue_timeout_s))

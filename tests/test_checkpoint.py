@@ -146,7 +146,7 @@ def _edited(tmp_path: Path, src: str, **changes) -> Path:
      "low_freq_factor"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4}), "quantization_config", "supported: none"),
     (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1, layer_types=None), "sliding_window 64",
-     "sliding_window >= max_position_embeddings"),
+     "--max-model-len 64 or less"),
     (dict(head_dim=21), "head_dim 21", "even"),
     (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75", "supported: 1.0"),
 ])
@@ -166,6 +166,27 @@ def test_mistral_sliding_window_is_refused_only_when_shorter_than_the_context(tm
         raw = json.loads((Path(path) / "config.json").read_text()) | {"sliding_window": window}
         (Path(path) / "config.json").write_text(json.dumps(raw))
         assert ModelConfig.from_hf_dir(path).model_type == "mistral"
+
+
+def test_max_model_len_serves_a_shorter_context_and_a_window_that_covers_it(tmp_path):
+    """vLLM's --max-model-len: at most the checkpoint's context (0: all of it); a sliding window at least as
+    long as it masks nothing, so Mistral v0.1- and Phi-3-mini-4k-like checkpoints load at their window."""
+    path = write_checkpoint("mistral", tmp_path / "m", sliding_window=128)       # 256-token context
+    for served in (128, 64, 1):
+        cfg = ModelConfig.from_hf_dir(path, served)
+        assert (cfg.max_model_len, cfg.max_position_embeddings) == (served, 256)
+    for served in (129, 256):
+        with pytest.raises(ValueError, match=f"shorter than the {served}-token context.*--max-model-len 128 or less"):
+            load_model(path, max_model_len=served)
+    model, cfg = load_model(path, max_model_len=100)
+    assert cfg.max_model_len == model.cfg.max_model_len == 100
+    raw = json.loads((Path(path) / "config.json").read_text()) | {"sliding_window": None}
+    (Path(path) / "config.json").write_text(json.dumps(raw))
+    assert ModelConfig.from_hf_dir(path).max_model_len == 256                    # 0: the checkpoint's
+    for bad, match in ((257, "max_model_len 257 is longer than the checkpoint's context .*256"),
+                       (-1, "max_model_len must be a whole number"), (True, "max_model_len must be a whole number")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_dir(path, bad)
 
 
 def test_phi3_long_rope_and_short_windows_are_refused(tmp_path):

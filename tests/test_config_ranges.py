@@ -53,6 +53,8 @@ def cluster(**kw):
     (prefill, "device", "gpu"), (decode, "device", "cuda:x"), (decode, "device", ""),
     (prefill, "kv_transport", "rdma"), (decode, "kv_transport", "TCP"),
     (router, "scheduling_policy", "lifo"), (router, "tool_call_parser", "deepseek_v3"),
+    (router, "max_model_len", -1), (prefill, "max_model_len", -4096), (decode, "max_model_len", 2.5),
+    (cluster, "max_model_len", -1),
 ])
 def test_out_of_range_flags_are_refused_naming_them(make, field, value):
     with pytest.raises(ValueError, match=field):
@@ -85,6 +87,8 @@ def test_a_cuda_device_without_a_gpu_is_refused_at_start(model_dir):
     ("pdserve.router", ["--model-dir", "m", "--port", "70000"], "port must be in [0, 65535]"),
     ("pdserve.prefill_worker", ["--model-dir", "m", "--worker-id", "p", "--lease-s", "nan"], "lease_s"),
     ("pdserve.decode_worker", ["--model-dir", "m", "--worker-id", "d", "--redis-url", "x"], "redis_url"),
+    ("pdserve.prefill_worker", ["--model-dir", "m", "--worker-id", "p", "--max-model-len", "4kb"],
+     "expected a token count such as 4096, 4k or 4K"),
 ])
 def test_a_role_process_refuses_a_bad_flag_as_argparse_does(module, flags, words):
     """Usage and the config's message, exit status 2: no traceback."""

@@ -100,7 +100,7 @@ def test_no_more_entries_than_one_message_carries(model_dir):
     from pdserve.model.tokenizer import Tokenizer
     from pdserve.router.validation import MAX_PROMPT_LOGPROB_ENTRIES, validate
 
-    cfg = replace(ModelConfig.from_hf_dir(model_dir), max_position_embeddings=1 << 20)
+    cfg = replace(ModelConfig.from_hf_dir(model_dir), max_position_embeddings=1 << 20, max_model_len=1 << 20)
     tokenizer = Tokenizer(model_dir, 1)
     fits = MAX_PROMPT_LOGPROB_ENTRIES // 21
     assert validate(client.make_request([5] * fits, prompt_logprobs=20), cfg, tokenizer, 16).sampling.prompt_logprobs

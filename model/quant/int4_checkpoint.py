@@ -172,10 +172,11 @@ def read_quantization_metadata(model_dir: str | Path) -> dict:
     return settings
 
 
-def load_int4_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                         device: torch.device | str = "cpu") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_int4_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                         max_model_len: int = 0) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model from a pre-quantized checkpoint: :class:`Int4Linear` layers, every other
-    weight cast to ``dtype``; ``model.quantization`` holds the header settings.
+    weight cast to ``dtype``; ``model.quantization`` holds the header settings. Served at ``max_model_len``
+    tokens (0: the checkpoint's context).
 
     Raises:
         FileNotFoundError: ``config.json`` or the weights are missing.
@@ -183,7 +184,7 @@ def load_int4_checkpoint(model_dir: str | Path, dtype: torch.dtype = torch.float
     """
     model_dir = resolve_model_dir(model_dir)
     settings = read_quantization_metadata(model_dir)
-    cfg = ModelConfig.from_hf_dir(model_dir)
+    cfg = ModelConfig.from_hf_dir(model_dir, max_model_len)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
         for parent, attr, lin in iter_targets(model):

@@ -179,7 +179,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body)
-        context = backend.model_cfg.max_position_embeddings
+        context = backend.model_cfg.max_model_len
         if len(body.tokens) > context:
             raise ApiError(400, f"{len(body.tokens)} tokens exceed the model's context of {context}", param="tokens")
         bad = outside_vocabulary(body.tokens, backend.model_cfg.vocab_size)
@@ -225,7 +225,7 @@ def _prompt_text(prompt: str | list[int], backend: Backend) -> str:
 
 def _model_card(name: str, created: int, backend: Backend) -> dict:
     return {"id": name, "object": "model", "created": created, "owned_by": "pdserve",
-            "max_model_len": backend.model_cfg.max_position_embeddings}
+            "max_model_len": backend.model_cfg.max_model_len}
 
 
 async def _answer(backend: Backend, request: Request, body: SamplingBody, reply: Reply,

@@ -127,7 +127,7 @@ async def chat_prompt(template: ChatTemplate, messages: list[ChatMessage], model
             raise ApiError(400, "`continue_final_message` needs a last message whose text the chat template shows",
                            param="continue_final_message")
         text = text[:at + len(last)]
-    context = model.model_cfg.max_position_embeddings
+    context = model.model_cfg.max_model_len
     limit = context * model.tokenizer.max_token_chars
     if len(text) > limit:  # as router.validation refuses a long text before tokenizing it
         raise ApiError(400, f"prompt text of {len(text)} characters exceeds the model's context of {context} "
@@ -147,7 +147,7 @@ async def encode_prompt(text: str, model: _Model, add_special_tokens: bool = Tru
     Raises:
         ApiError: 400, a text too long for the context (the gRPC API's message for a text prompt that long).
     """
-    context = model.model_cfg.max_position_embeddings
+    context = model.model_cfg.max_model_len
     limit = context * model.tokenizer.max_token_chars
     if len(text) > limit:
         raise ApiError(400, f"prompt text of {len(text)} characters exceeds the model's context of {context} "
@@ -174,5 +174,5 @@ async def tokenize_body(body: TokenizeRequest, model: _Model, template: ChatTemp
                                    body.chat_template_kwargs, body.continue_final_message)
     else:
         ids = await encode_prompt(body.prompt, model, body.add_special_tokens)
-    return {"count": len(ids), "max_model_len": model.model_cfg.max_position_embeddings, "tokens": ids,
+    return {"count": len(ids), "max_model_len": model.model_cfg.max_model_len, "tokens": ids,
             "token_strs": model.tokenizer.token_strs(ids) if body.return_token_strs else None}
