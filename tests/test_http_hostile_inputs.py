@@ -53,6 +53,10 @@ SURROGATES = [  # (path, body, the field the 400 names)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "\ud800"}]}]},
      "messages.0.content.0.type"),
     ("/v1/chat/completions", {"messages": CHAT, "stop": "\udfff"}, "stop"),
+    ("/v1/responses", {"input": "a\ud800"}, "input"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": "\udc00"}]}]},
+     "input.0.content.0.text"),
+    ("/v1/responses", {"input": "a", "instructions": "\ud800"}, "instructions"),
 ]
 
 

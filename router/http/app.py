@@ -3,6 +3,8 @@
     POST /v1/completions        prompt (string, token ids, or a list of either: one choice per prompt)
     POST /v1/chat/completions   messages, rendered by the chat template (model/chat_template.py); with tools,
                                 the answer's calls as tool_calls (--tool-call-parser, model/tool_calls.py)
+    POST /v1/responses          OpenAI's Responses API, run as the chat request it amounts to
+                                (router/http/responses.py; its events: router/http/response_events.py)
     GET  /v1/models             the served model          GET /health    200 once workers of every role are listed
     GET  /metrics               the router's Prometheus registry
     POST /tokenize              vLLM's: a prompt's or a conversation's token ids, their count, the context
@@ -43,11 +45,14 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.http.chat import chat_prompt, encode_prompt, tokenize_body
 from pdserve.router.http.errors import ApiError, from_status, install_handlers
 from pdserve.router.http.mapping import check_supported, generate_request, prompts_of, tool_parser_for
-from pdserve.router.http.reply import Reply
+from pdserve.router.http.reply import Reply, usage
+from pdserve.router.http.response_events import ResponseEvents, response_events
+from pdserve.router.http.responses import chat_body, new_id, now, output_items, response_object
 from pdserve.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     SamplingBody,
     TokenizeRequest,
 )
@@ -145,9 +150,8 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         return await _answer(backend, request, body, reply, [
             generate_request(body, p, f"{reply.id}-{i}") for i, p in enumerate(prompts)])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body)
+    async def chat_call(body: ChatCompletionRequest) -> tuple[pdserve_pb2.GenerateRequest, Reply]:
+        """A chat body's request and the reply that reads its answer (reasoning, content, tool calls)."""
         if chat_template is None:
             raise ApiError(400, f"the model `{model_name}` has no chat template (none in its tokenizer_config.json "
                                 "or chat_template.jinja): use /v1/completions, or start the router with "
@@ -169,7 +173,20 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         req.request_id = reply.id
         if (parser in HOLDS_MARKERS or thinking) and body.skip_special_tokens is None:
             req.sampling.skip_special_tokens = False   # its markers may be special tokens (vLLM does the same)
+        return req, reply
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body)
+        req, reply = await chat_call(body)
         return await _answer(backend, request, body, reply, [req])
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        chat = chat_body(body)
+        check_model(chat)
+        req, reply = await chat_call(chat)
+        return await _respond(backend, request, body, req, reply)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -231,9 +248,7 @@ def _model_card(name: str, created: int, backend: Backend) -> dict:
 async def _answer(backend: Backend, request: Request, body: SamplingBody, reply: Reply,
                   requests: list[pdserve_pb2.GenerateRequest]) -> Response:
     """Run ``requests`` (one per choice) on the router and answer: JSON, or an event stream."""
-    auth = request.headers.get("authorization")
-    metadata = [("authorization", auth)] if auth is not None else []
-    streams = ChoiceStreams([backend.generate(r, None, metadata) for r in requests])
+    streams = _streams(backend, request, requests)
     try:
         if not body.stream:
             return JSONResponse(reply.response(await collect(streams, len(requests), _disconnect_of(request),
@@ -246,6 +261,36 @@ async def _answer(backend: Backend, request: Request, body: SamplingBody, reply:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
     return EventSourceResponse(_events(streams, firsts, reply, include_usage, continuous), ping=15,
+                               client_close_handler_callable=lambda message: _close(streams))
+
+
+def _streams(backend: Backend, request: Request, requests: list[pdserve_pb2.GenerateRequest]) -> ChoiceStreams:
+    """The choices of ``requests`` on the router's own path, with the client's bearer token."""
+    auth = request.headers.get("authorization")
+    metadata = [("authorization", auth)] if auth is not None else []
+    return ChoiceStreams([backend.generate(r, None, metadata) for r in requests])
+
+
+async def _respond(backend: Backend, request: Request, body: ResponsesRequest, req: pdserve_pb2.GenerateRequest,
+                   reply: Reply) -> Response:
+    """Run a Responses API request (as the chat request ``req``) and answer: a ``response`` object, or its
+    events (:mod:`router.http.response_events`)."""
+    response_id, created = new_id("resp"), now()
+    req.request_id = response_id
+    streams = _streams(backend, request, [req])
+    try:
+        if not body.stream:
+            choices = await collect(streams, 1, _disconnect_of(request))
+            items, status = output_items(reply.response(choices))
+            return JSONResponse(response_object(response_id, body, reply.model, created, status, items,
+                                                usage([c.final for c in choices])))
+        first, = await streams.first()
+    except GenerateError as exc:
+        raise from_status(exc.code, exc.message) from None
+    except ClientGone:
+        return Response(status_code=499)
+    events = ResponseEvents(body, reply.model, response_id, created)
+    return EventSourceResponse(response_events(streams, first, reply, events), ping=15,
                                client_close_handler_callable=lambda message: _close(streams))
 
 

@@ -261,6 +261,91 @@ class ChatCompletionRequest(SamplingBody):
     function_call: Any = None
 
 
+# OpenAI's Responses API (router/http/responses.py)
+
+class FunctionTool(_Strict):
+    """A Responses function tool: the chat API's ``function`` object, flat, beside ``type``."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its ``name`` and ``schema`` flat."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class TextOptions(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningOptions(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponsesStreamOptions(_Strict):
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(_UnicodeBody):
+    """``POST /v1/responses`` (:mod:`router.http.responses`): ``input`` is a string or a list of items, read
+    there. vLLM's sampling extras ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``seed``, ``stop``, ``priority`` and ``cache_salt`` are accepted too."""
+
+    model: str | None = None
+    input: Annotated[str | list[dict[str, Any]], _one_of("a string or a list of input items")]
+    instructions: str | None = None
+    max_output_tokens: Int32 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | FunctionChoice | None,
+                           _one_of('"none", "auto", "required" or an object naming a function')] = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    store: bool | None = None
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    include: list[str] | None = None
+    top_logprobs: Int32 | None = None
+    max_tool_calls: Int32 | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    prompt: Any = None
+    # vLLM's sampling extras
+    top_k: Int32 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    stop: Stop = None
+    priority: Int32 | None = None
+    cache_salt: str | None = None
+
+
 class TokenizeRequest(_UnicodeBody):
     """vLLM's ``POST /tokenize``: a ``prompt`` (tokenized as a completions prompt is, BOS included unless
     ``add_special_tokens`` is false) or chat ``messages`` (rendered by the chat template with ``tools``, the
