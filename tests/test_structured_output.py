@@ -287,6 +287,20 @@ def test_response_format_over_http(cluster):
     cluster.assert_pools_free()
 
 
+def test_text_format_over_the_responses_api(cluster):
+    """Responses' text.format json_schema holds the answer as chat's response_format does, whole and streamed."""
+    api = openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="unused", max_retries=0)
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
+    got = api.responses.create(model="tinystories-json", input=PROMPT, text=text, max_output_tokens=60,
+                               temperature=0.7, extra_body={"seed": 3})     # vLLM's extra
+    assert got.status == "completed" and valid(got.output_text), got.output_text
+    with api.responses.stream(model="tinystories-json", input=PROMPT, text=text, max_output_tokens=60,
+                              temperature=0) as stream:
+        final = stream.get_final_response()
+    assert valid(final.output_text) and final.text.format.type == "json_schema"
+    cluster.assert_pools_free()
+
+
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
     "additionalProperties": False}}}
