@@ -117,6 +117,18 @@ async def _fan_out(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, c
 async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,
                         times: RequestTimes, deadline: float | None = None, record_outcome: bool = True,
                         ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """One sequence of a request (:func:`_sequence_messages`), its first message carrying the prompt's length."""
+    first = True
+    async with aclosing(_sequence_messages(view, req, tokenizer, cfg, times, deadline, record_outcome)) as messages:
+        async for msg in messages:
+            if first:
+                msg.prompt_tokens, first = len(req.prompt_ids), False
+            yield msg
+
+
+async def _sequence_messages(view: ClusterView, req: ValidRequest, tokenizer: Tokenizer, cfg: RouterConfig,
+                             times: RequestTimes, deadline: float | None = None, record_outcome: bool = True,
+                             ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """One sequence of a request, across its attempts (see :func:`run_generate`). Stop strings are
     matched here (:class:`~router.stop_strings.StopMatcher`, one per sequence, so a migration keeps
     the held text): on a match the attempt is closed, which cancels its calls and frees its blocks,
@@ -129,7 +141,6 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                                    () if req.include_stop_str_in_output else stop_ids)
     matcher = StopMatcher(req.stop, req.include_stop_str_in_output)
     finished = False
-    first = True      # the sequence's first message carries the prompt's length
     try:
         while True:
             reason = progress.finish_reason(req.sampling, stop_ids)
@@ -137,7 +148,6 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                 last = _final(req, times, progress, FINISH_REASONS[reason], len(progress.generated))
                 last.text = matcher.flush()
                 _set_stop_reason(last.final, req, progress)
-                last.prompt_tokens = len(req.prompt_ids) if first else 0
                 yield last
                 finished = True
                 return
@@ -161,7 +171,6 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                             armed = len(progress.generated) - len(msg.token_ids) >= req.sampling.min_tokens
                             msg.text, matched = matcher.push(msg.text, armed)
                             if matched:  # leaving the loop closes the attempt: its calls are cancelled
-                                msg.prompt_tokens, first = len(req.prompt_ids) if first else 0, False
                                 yield msg
                                 last = _final(req, times, progress, pdserve_pb2.FINISH_REASON_STOP,
                                               len(progress.generated))
@@ -169,7 +178,6 @@ async def _run_sequence(view: ClusterView, req: ValidRequest, tokenizer: Tokeniz
                                 yield last
                                 finished = True
                                 return
-                        msg.prompt_tokens, first = len(req.prompt_ids) if first else 0, False
                         yield msg
                 finished = True
                 return

@@ -128,6 +128,8 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
     started = int(time.time())
+    thinking_marks = ((backend.tokenizer.encode(START, False), backend.tokenizer.encode(END, False))
+                      if backend.cfg.reasoning_parser else None)     # where a reasoning model's grammar may start
 
     def check_model(body: SamplingBody | TokenizeRequest | DetokenizeRequest) -> None:
         if body.model is not None and body.model != model_name:
@@ -162,7 +164,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         req = generate_request(body, ids, "", room)
         thinking = backend.cfg.reasoning_parser
         if thinking and req.sampling.HasField("structured_output"):   # the grammar starts after the reasoning
-            after = grammar_start(backend.tokenizer.encode(START, False), backend.tokenizer.encode(END, False), ids)
+            after = grammar_start(*thinking_marks, ids)
             if after is None:
                 thinking = ""    # the prompt closed the reasoning: the grammar holds the whole answer
             else:
