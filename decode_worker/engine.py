@@ -85,9 +85,11 @@ class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
         if self.max_batch_size < cfg.max_batch_size:
             log.info("max_batch_size %d is more than the %d usable KV blocks hold: batches stop at %d",
                      cfg.max_batch_size, self.max_batch_size, self.max_batch_size)
+        # a mixture's data-dependent expert routing cannot be captured in a CUDA graph: eager steps there
+        graphed = cfg.graph and not (model_cfg.num_experts and self.runner.kv_cache.is_cuda)
         self.graph = GraphRunner(self.runner, self.pool, self.spec.num_blocks_for(model_cfg.max_model_len),
                                  [b for b in DEFAULT_BUCKETS if b < self.max_batch_size] + [self.max_batch_size]
-                                 ) if cfg.graph else None
+                                 ) if graphed else None
         self.receiver = make_receiver(self.runner.kv_cache, self.spec, host=cfg.host, port=cfg.kv_port,
                                       io_timeout_s=cfg.kv_io_timeout_s, secret=secret, transport=cfg.kv_transport)
         # advertised in the registry entry: the receiver's own backend (the routers match P's against it)

@@ -190,7 +190,13 @@ class ClusterConfig:
         Raises:
             ValueError, FileNotFoundError: as the configs and files do (the message names the field or file).
         """
-        ModelConfig.from_hf_dir(self.model_dir, self.max_model_len)   # a context the checkpoint has, a window it fills
+        model = ModelConfig.from_hf_dir(self.model_dir, self.max_model_len)   # a context it has, a window it fills
+        quantized = [flag for flag, on in (("--weights int4", self.decode_options.get("weights") == "int4"),
+                                           ("--activations fp8", self.prefill_options.get("activations") == "fp8"))
+                     if on]
+        if model.num_experts and quantized:
+            raise ValueError(f"{' and '.join(quantized)}: not supported for mixture-of-experts checkpoints "
+                             f"({model.model_type}); serve them in bf16 or fp32")
         router = self.router_config()
         router.bearer_tokens()
         router.tls_key_pair()

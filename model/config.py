@@ -1,5 +1,6 @@
 """Model configuration read from a Hugging Face ``config.json`` of a supported family
-(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, Granite 3)."""
+(:mod:`model.families`: Llama, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, Granite 3, and the mixtures of experts
+Qwen3-MoE and Mixtral)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.model.checkpoint import read_json, resolve_model_dir
-from pdserve.model.families import FAMILIES, check_supported, family_options, flag, multipliers
+from pdserve.model.families import FAMILIES, check_supported, family_options, flag, moe_options, multipliers
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class ModelConfig:
     derives them from ``config.json``:
 
     Attributes:
-        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3`` or ``granite``.
+        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``granite``, ``qwen3_moe`` or ``mixtral``.
         qkv_bias: the q, k and v projections have biases (Qwen2; Llama/Qwen3 with ``attention_bias``).
         o_proj_bias: the output projection has a bias (Llama/Qwen3 with ``attention_bias``).
         mlp_bias: gate, up and down projections have biases (Llama's ``mlp_bias``).
@@ -33,6 +34,12 @@ class ModelConfig:
             embeddings times the first, each block's output times the second before its residual add, the
             logits divided by the third. :func:`model.loader.load_model` folds them into the weights and
             returns a config with them at 1.
+        num_experts, num_experts_per_tok, moe_intermediate_size: a mixture of experts (0: a dense model): experts
+            per sparse layer, experts each token runs, and their SwiGLU width (:mod:`model.moe`).
+        moe_layers: the sparse layers' indices (the others run a dense MLP of ``intermediate_size``).
+        norm_topk_prob: the top-k routing probabilities are renormalized to sum to 1.
+        moe_weights_in_float: the routing weights stay float32 (Mixtral's), else they are rounded to the model's
+            dtype first (Qwen3-MoE's).
         max_model_len: the context served, in tokens (prompt and output together): vLLM's ``--max-model-len``,
             at most ``max_position_embeddings``; 0 (the default) resolves to ``max_position_embeddings``.
             Every context bound of the serving path reads this one (requests refused beyond it, KV block tables
@@ -66,6 +73,12 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False
+    moe_weights_in_float: bool = False
     max_model_len: int = 0
 
     def __post_init__(self) -> None:
@@ -181,6 +194,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **options,
             **multipliers(model_type, raw),
+            **moe_options(model_type, raw),
         )
 
 

@@ -50,6 +50,8 @@ def build_decode_stack(model) -> DecodeStack | None:
     specs = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):      # a mixture of experts (model.moe) runs per operation
+            return None
         linears = [_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(s is None for s in linears):
             return None
@@ -87,7 +89,8 @@ def decode_stack(model) -> DecodeStack | None:
 
 def _fingerprint(model) -> tuple:
     """The types of the first and the last projection: where they change, the model is looked at again."""
-    return type(model.layers[0].self_attn.qkv_proj), type(model.layers[-1].mlp.down_proj)
+    last = model.layers[-1]
+    return type(model.layers[0].self_attn.qkv_proj), type(getattr(last.mlp, "down_proj", last.self_attn.o_proj))
 
 
 def decode_graph(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,

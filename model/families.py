@@ -11,6 +11,8 @@ which is the reference for token-exact output::
     qwen3       q, k, v, o: attention_bias                 yes       128                 see below
     phi3        none                                       no        hidden / heads      sliding_window, all layers
     granite     q, k, v, o: attention_bias; MLP: mlp_bias  no        hidden / heads      none
+    qwen3_moe   as qwen3                                   yes       128                 see below
+    mixtral     none                                       no        hidden / heads      sliding_window, all layers
 
     Phi-3 / Phi-4 checkpoints (``Phi3ForCausalLM``) store the projections fused as ours are, ``qkv_proj``
     (rows q | k | v) and ``gate_up_proj`` (rows gate | up): :func:`fused_in_checkpoint`.
@@ -20,6 +22,14 @@ which is the reference for token-exact output::
     embeddings times ``embedding_multiplier``, each block's output times ``residual_multiplier`` before
     its residual add, and the logits divided by ``logits_scaling``. The loader folds the last three into
     the weights (:func:`model.loader.fold_multipliers`), so every kernel runs them as Llama's.
+
+    Mixtures of experts (:func:`moe_options`; :mod:`model.moe`): Qwen3-MoE (``Qwen3MoeForCausalLM``: ``num_experts``
+    experts of ``moe_intermediate_size`` on the layers ``decoder_sparse_step`` and ``mlp_only_layers`` leave sparse,
+    the others a dense MLP; the top ``num_experts_per_tok`` softmax probabilities renormalized only with
+    ``norm_topk_prob``, then rounded to the model's dtype) and Mixtral (``MixtralForCausalLM``: ``num_local_experts``
+    experts of ``intermediate_size`` on every layer, the top-k probabilities always renormalized and kept in
+    float32; its checkpoints name the block ``block_sparse_moe`` and the experts' gate, down and up projections
+    ``w1``, ``w2``, ``w3``).
 
     Qwen sliding window: only with use_sliding_window, on the layers layer_types marks
     "sliding_attention", else on layers >= max_window_layers.
@@ -41,9 +51,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "qwen3_moe", "mixtral")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 MULTIPLIERS = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 HIDDEN_ACTS = ("silu", "swish")              # transformers' ACT2FN maps both to SiLU
 ROPE_TYPES = {"default": (), "linear": ("factor",),
@@ -64,7 +76,7 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
     heads = int(raw["num_attention_heads"])
     if heads <= 0:
         raise ValueError(f"config.json num_attention_heads must be positive, got {heads}")
-    default_head_dim = 128 if model_type == "qwen3" else int(raw["hidden_size"]) // heads
+    default_head_dim = 128 if model_type in ("qwen3", "qwen3_moe") else int(raw["hidden_size"]) // heads
     attention_bias = flag(raw, "attention_bias")
     options = {  # per family: (qkv_bias, o_proj_bias, mlp_bias, qk_norm)
         "llama": (attention_bias, attention_bias, flag(raw, "mlp_bias"), False),
@@ -73,9 +85,38 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
         "qwen3": (attention_bias, attention_bias, False, True),
         "phi3": (False, False, False, False),
         "granite": (attention_bias, attention_bias, flag(raw, "mlp_bias"), False),
+        "qwen3_moe": (attention_bias, attention_bias, False, True),
+        "mixtral": (False, False, False, False),
     }[model_type]
     return dict(zip(("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"), options),
                 head_dim=int(raw.get("head_dim") or default_head_dim))
+
+
+def moe_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts options of a :data:`MOE_FAMILIES` config (``{}`` for the others): ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``moe_layers`` (the sparse layers' indices),
+    ``norm_topk_prob`` and ``moe_weights_in_float`` (see the module docstring).
+
+    Raises:
+        ValueError: a non-positive expert count or size, or more experts per token than experts.
+    """
+    if model_type not in MOE_FAMILIES:
+        return {}
+    layers = int(raw["num_hidden_layers"])
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if model_type == "mixtral":
+        size, sparse, renorm = int(raw["intermediate_size"]), list(range(layers)), True
+    else:
+        size, step = int(raw.get("moe_intermediate_size") or 0), int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or ())
+        sparse = [i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0]
+        renorm = flag(raw, "norm_topk_prob")
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if experts <= 0 or size <= 0 or not 0 < top_k <= experts:
+        raise ValueError(f"config.json needs num_experts > 0, num_experts_per_tok in [1, num_experts] and a positive "
+                         f"expert size; got {experts} experts, {top_k} per token, size {size}")
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=size,
+                moe_layers=tuple(sparse), norm_topk_prob=renorm, moe_weights_in_float=model_type == "mixtral")
 
 
 def multipliers(model_type: str, raw: dict[str, Any]) -> dict[str, float]:
@@ -163,9 +204,9 @@ def sliding_window(model_type: str, raw: dict[str, Any]) -> tuple[int | None, li
     it applies to (``(None, [])`` when none does)."""
     num_layers = int(raw["num_hidden_layers"])
     window = raw.get("sliding_window")
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "phi3", "mixtral"):
         return (int(window), list(range(num_layers))) if window is not None else (None, [])
-    if model_type not in ("qwen2", "qwen3") or not raw.get("use_sliding_window") or window is None:
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe") or not raw.get("use_sliding_window") or window is None:
         return None, []
     types = raw.get("layer_types")
     if types:

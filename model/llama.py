@@ -28,6 +28,7 @@ from pdserve.kernels.cpu.attention import paged_attention_cpu, prefill_attention
 from pdserve.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_stack import decode_stack
+from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -128,11 +129,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer, 2020)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate: int | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate = intermediate or cfg.intermediate_size   # an expert's (model.moe) where given
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -161,7 +162,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoeBlock(cfg, MLP) if layer in cfg.moe_layers else MLP(cfg)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta, cpu_kernels: bool = False):
         """``x``: the previous layer's output ``[num_tokens, hidden]`` and ``residual`` the stream it adds to

@@ -28,10 +28,11 @@ from pdserve.model.families import fused_in_checkpoint
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.rope import RotaryEmbedding
 
-_FUSED = {  # our fused parameter -> the checkpoint's parts, in concatenation order
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+_FUSED = {  # our fused projection -> the checkpoint's parts, in concatenation order (an expert's too)
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
 }
+_MIXTRAL = {".mlp.": ".block_sparse_moe.", ".gate_proj.": ".w1.", ".down_proj.": ".w2.", ".up_proj.": ".w3."}
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
@@ -55,20 +56,31 @@ def expected_tensors(model: LlamaForCausalLM, cfg: ModelConfig) -> dict[str, tor
 
 def hf_layout(cfg: ModelConfig, expected: dict[str, torch.Tensor]) -> dict[str, Placement]:
     """Checkpoint tensor name (without the ``model.`` prefix) -> :class:`Placement`, for every
-    tensor a Hugging Face checkpoint of ``cfg`` must hold."""
-    part_rows = {"self_attn.q_proj": cfg.q_size, "self_attn.k_proj": cfg.kv_size, "self_attn.v_proj": cfg.kv_size,
-                 "mlp.gate_proj": cfg.intermediate_size, "mlp.up_proj": cfg.intermediate_size}
+    tensor a Hugging Face checkpoint of ``cfg`` must hold (a mixture's experts as ``mlp.experts.E.gate_proj``,
+    Mixtral's as ``block_sparse_moe.experts.E.w1``)."""
     layout: dict[str, Placement] = {}
     for name, tensor in expected.items():
         fused = None if fused_in_checkpoint(cfg.model_type) else next((f for f in _FUSED if f".{f}." in name), None)
         if fused is None:
             layout[name] = Placement(name, 0, tensor.shape[0])
             continue
+        rows = (cfg.q_size, cfg.kv_size, cfg.kv_size) if fused == "qkv_proj" else (tensor.shape[0] // 2,) * 2
         row = 0
-        for part in _FUSED[fused]:
-            layout[name.replace(fused, part)] = Placement(name, row, part_rows[part])
-            row += part_rows[part]
+        for part, n in zip(_FUSED[fused], rows):
+            layout[name.replace(f".{fused}.", f".{part}.")] = Placement(name, row, n)
+            row += n
+    if cfg.model_type == "mixtral":
+        layout = {_mixtral_name(name): place for name, place in layout.items()}
     return layout
+
+
+def _mixtral_name(name: str) -> str:
+    """A Mixtral checkpoint's name for our tensor ``name`` (its MoE block and experts' projections renamed)."""
+    if ".mlp." not in name:
+        return name
+    for ours, theirs in _MIXTRAL.items():
+        name = name.replace(ours, theirs)
+    return name
 
 
 def assemble_state(tensors: Iterable[tuple[str, torch.Tensor]], expected: dict[str, torch.Tensor],

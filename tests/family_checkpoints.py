@@ -8,6 +8,8 @@ model classes (so the checkpoint format is the reference's, not ours), for the f
     mistral       96  4 x 36 (!= 96 / 4)        2           120  untied   sliding_window = context (never masks)
     phi3          60  3 x 20                    1            88  untied   qkv_proj, gate_up_proj fused; theta 2.5e5
     granite       64  4 x 16                    2           112  tied     all biases; the four multipliers != 1
+    qwen3_moe     64  4 x 16                    2     6 x 48 (80) untied  top-2 of 6 experts renormalized; layer 1 dense
+    mixtral       64  4 x 16                    2        4 x 56  untied   top-2 of 4 experts
 
 Every model: 2 layers, vocab 1000, 256 positions, BOS 1, EOS 2, the embedded model's tokenizer.
 Weights N(0, 0.15) (larger than transformers' init, so greedy output is not flat), biases N(0, 0.3),
@@ -40,6 +42,13 @@ SHAPES = {
     "granite": dict(_COMMON, hidden_size=64, intermediate_size=112, num_attention_heads=4, num_key_value_heads=2,
                     tie_word_embeddings=True, rope_theta=1e4, attention_bias=True, mlp_bias=True,
                     embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=4.0),
+    # mixtures of experts (tests/test_moe.py)
+    "qwen3_moe": dict(_COMMON, hidden_size=64, intermediate_size=80, moe_intermediate_size=48, num_experts=6,
+                      num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, tie_word_embeddings=False, rope_theta=1e6, mlp_only_layers=[1]),
+    "mixtral": dict(_COMMON, hidden_size=64, intermediate_size=56, num_local_experts=4, num_experts_per_tok=2,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
+                    sliding_window=None),
 }
 
 

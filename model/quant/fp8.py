@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.model.moe import refuse_mixture
 from pdserve.model.quant.fp8_format import (
     check_group_size,
     dequantize_e4m3_blocks,
@@ -266,6 +267,7 @@ def convert_for_runtime(model: nn.Module, cpu_matmul_dtype: torch.dtype = torch.
     """
     if group_size is not None:
         check_group_size(group_size)
+    refuse_mixture(model, "FP8 activations (--activations fp8)")
     keep = _keep_set(keep_high_precision, len(model.layers))
     for i, layer in enumerate(model.layers):
         for path in _PROJECTIONS:

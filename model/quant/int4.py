@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.cpu.int4 import AMX_KERNEL, int4_available, int4_path, pack_int4_weight, run_unchecked
+from pdserve.model.moe import refuse_mixture
 from pdserve.model.quant.gptq import gptq_quantize_model
 from pdserve.model.quant.int4_format import (
     CALIBRATED,
@@ -240,7 +241,12 @@ class Int4Linear(nn.Module):
 
 
 def iter_targets(model: nn.Module):
-    """``(parent, attribute, module)`` of every quantized linear, in state-dict order."""
+    """``(parent, attribute, module)`` of every quantized linear, in state-dict order.
+
+    Raises:
+        ValueError: a mixture of experts (:func:`model.moe.refuse_mixture`).
+    """
+    refuse_mixture(model, "INT4 weights (--weights int4)")
     for layer in model.layers:
         for path in TARGET_MODULES:
             owner, attr = path.split(".")

@@ -1,0 +1,68 @@
+"""Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral), as their ``transformers`` modeling code
+computes them (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``; Shazeer et al. 2017, Jiang et al. 2024)::
+
+    logits = x @ gate^T                      [tokens, experts], in the model's dtype
+    p = softmax(logits) in float32;  w, e = top-k(p)          (renormalized: w / sum(w), where the family does)
+    y[t] = sum over the experts e of t, in ascending expert order, of  w[t, e] * expert_e(x[t])
+
+Each expert is a SwiGLU :class:`~model.llama.MLP` of ``moe_intermediate_size``, run only on the tokens routed to
+it, its output times the routing weight (rounded to the model's dtype first, or kept in float32: Mixtral's) added
+into ``y`` expert by expert, as ``transformers`` adds them (``index_add_``): float32 outputs equal its to rounding.
+The experts' projections are ordinary linears, so the CPU path packs them for the C GEMM/GEMV kernels as it
+packs the dense ones; the decode step's one-call C stack (:mod:`model.cpu_stack`) takes dense layers only, and
+a mixture runs per operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from pdserve.model.config import ModelConfig
+
+
+class SparseMoeBlock(nn.Module):
+    """``num_experts`` SwiGLU experts behind a top-k softmax router (see the module docstring).
+
+    ``expert``: the SwiGLU block class, called as ``expert(cfg, intermediate)`` (:class:`model.llama.MLP`).
+    ``forward``: ``x`` ``[tokens, hidden]`` -> ``[tokens, hidden]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, expert: Callable[[ModelConfig, int], nn.Module]) -> None:
+        super().__init__()
+        self.top_k, self.renormalize, self.float_weights = (cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                                            cfg.moe_weights_in_float)
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(expert(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)``, each ``[tokens, top_k]``: the routing weights (float32 or ``x``'s dtype) and
+        the experts' indices (int64), likeliest first."""
+        logits = self.gate(x)
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float_weights else weights.to(logits.dtype)), experts
+
+    def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():           # ascending, as transformers adds them
+            tokens, slot = torch.where(experts == e)
+            y = self.experts[e](x[tokens], cpu_kernels) * weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+def refuse_mixture(model: nn.Module, what: str) -> None:
+    """Refuse to quantize a mixture of experts, which ``what`` (``--weights int4``, ``--activations fp8``)
+    does not cover: its experts and router would stay in float while the option says otherwise.
+
+    Raises:
+        ValueError: naming ``what`` and the model type.
+    """
+    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
+        raise ValueError(f"{what} is not supported for mixture-of-experts checkpoints ({model.cfg.model_type}); "
+                         "supported: the float checkpoint (bf16 or fp32)")

@@ -1,0 +1,148 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral; model/moe.py) against ``transformers``: prefill logits of checkpoints
+its own classes wrote (experts saved under their hub names), chunked prefill and paged decode through the cache,
+the bf16 CPU path with the experts on the packed kernels, and greedy output through the disaggregated cluster,
+single and batched; quantization refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.deploy import client
+from pdserve.deploy.config import ClusterConfig
+from pdserve.kernels.cpu.gemv import packed_bf16_available
+from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_linear import PackedBF16Linear, pack_for_cpu_decode
+from pdserve.model.cpu_stack import build_decode_stack
+from pdserve.model.kv_cache import KVCacheSpec
+from pdserve.model.loader import load_model
+from pdserve.model.moe import SparseMoeBlock
+from pdserve.model.quant import int4
+from pdserve.model.runner import ModelRunner, StepInput
+from tests.conftest import Cluster, hf_greedy
+from tests.family_checkpoints import hf_model, random_prompt, write_checkpoint
+
+VARIANTS = {  # name -> (family, overrides)
+    "qwen3_moe": ("qwen3_moe", {}),                                   # renormalized top-2 of 6; layer 1 dense
+    "qwen3_moe-raw-top3": ("qwen3_moe", dict(norm_topk_prob=False, num_experts_per_tok=3, mlp_only_layers=[])),
+    "qwen3_moe-sparse-step-2": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[])),
+    "mixtral": ("mixtral", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    return {name: write_checkpoint(family, tmp_path_factory.mktemp(name), seed=30 + i, **over)
+            for i, (name, (family, over)) in enumerate(VARIANTS.items())}
+
+
+def _runner(path, dtype=torch.float32, block_size=4):
+    model, cfg = load_model(path, dtype)
+    return ModelRunner(model, KVCacheSpec(128, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype)), cfg
+
+
+def test_the_sparse_layers_follow_the_config(checkpoints):
+    layers = {name: ModelConfig.from_hf_dir(path).moe_layers for name, path in checkpoints.items()}
+    assert layers == {"qwen3_moe": (0,), "qwen3_moe-raw-top3": (0, 1), "qwen3_moe-sparse-step-2": (1,),
+                      "mixtral": (0, 1)}
+    model, cfg = load_model(checkpoints["qwen3_moe"])
+    assert isinstance(model.layers[0].mlp, SparseMoeBlock) and not isinstance(model.layers[1].mlp, SparseMoeBlock)
+    assert len(model.layers[0].mlp.experts) == 6 and model.layers[0].mlp.experts[0].intermediate == 48
+    assert model.layers[1].mlp.intermediate == cfg.intermediate_size == 80
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_logits_match_transformers(checkpoints, variant):
+    runner, _ = _runner(checkpoints[variant])
+    ids = random_prompt(120, seed=2)
+    logits = runner.run([StepInput(ids, 0, list(range(40, 80)))], all_logits=True)
+    with torch.no_grad():
+        ref = hf_model(checkpoints[variant])(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints, variant):
+    runner, _ = _runner(checkpoints[variant], block_size=5)
+    ids = random_prompt(31, seed=3)
+    table = [7, 3, 90, 11, 2, 40, 41]
+    full = runner.run([StepInput(ids, 0, table)], all_logits=True)
+    runner.kv_cache.zero_()
+    chunks = [runner.run([StepInput(ids[a:b], a, table)], all_logits=True) for a, b in ((0, 9), (9, 20), (20, 29))]
+    decoded = [runner.run([StepInput([ids[p]], p, table)]) for p in (29, 30)]
+    torch.testing.assert_close(torch.cat(chunks + decoded), full, rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not packed_bf16_available(), reason="needs the packed bf16 kernels (AVX-512 or AVX2)")
+def test_bf16_experts_run_on_the_packed_kernels(checkpoints):
+    """Every expert's projections are packed (the router stays a float linear); decode steps run per operation
+    (the one-call stack takes dense layers only), within bf16 rounding of the float32 model."""
+    path = checkpoints["mixtral"]
+    runner, _ = _runner(path, torch.bfloat16, block_size=5)
+    model = runner.model
+    pack_for_cpu_decode(model)
+    block = model.layers[0].mlp
+    assert all(type(e.gate_up_proj) is PackedBF16Linear and type(e.down_proj) is PackedBF16Linear
+               for e in block.experts)
+    assert build_decode_stack(model) is None
+    ref, _ = _runner(path, block_size=5)
+    ids = random_prompt(23, seed=4)
+    table = [3, 1, 8, 9, 0]
+    for r in (runner, ref):
+        r.run([StepInput(ids[:20], 0, table)])
+    steps = [(r.run([StepInput([ids[p]], p, table)]) for p in (20, 21, 22)) for r in (runner, ref)]
+    for got, want in zip(*steps):
+        assert got.argmax().item() == want.argmax().item()
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=0.15)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def cluster(request, checkpoints, redis_url):
+    c = Cluster(checkpoints[request.param], redis_url, block_size=5, prefill_flags={"max_num_batched_tokens": 8})
+    try:
+        yield request.param, c
+    finally:
+        c.stop()
+
+
+def test_greedy_matches_transformers_through_the_cluster(cluster, checkpoints):
+    """Single requests through chunked prefill, and six at once (batched decode steps routing their tokens to
+    different experts), each equal to transformers' greedy output."""
+    variant, c = cluster
+    hf = hf_model(checkpoints[variant])
+    cases = [(random_prompt(n, seed=40 + n), 20) for n in (1, 7, 13, 26)]
+    for ids, m in cases:
+        assert c.complete(ids, max_tokens=m, temperature=0.0).token_ids == hf_greedy(hf, ids, m), len(ids)
+
+    async def all_at_once(channel):
+        return await asyncio.gather(*[client.complete(channel, client.make_request(ids, max_tokens=m, temperature=0))
+                                      for ids, m in cases + [(random_prompt(9, seed=s), 16) for s in (60, 61)]])
+
+    together = c.run(all_at_once)
+    for (ids, m), done in zip(cases + [(random_prompt(9, seed=s), 16) for s in (60, 61)], together):
+        assert done.token_ids == hf_greedy(hf, ids, m), len(ids)
+    c.assert_pools_free()
+
+
+def test_quantizing_a_mixture_is_refused_by_name(checkpoints, tmp_path):
+    path = checkpoints["qwen3_moe"]
+    model, _ = load_model(path)
+    with pytest.raises(ValueError, match="INT4 weights .*not supported for mixture-of-experts checkpoints"):
+        int4.convert_for_runtime(model, group_size=32)
+    cfg = ClusterConfig(model_dir=path)
+    for change, flag in ((dict(decode_options={"weights": "int4"}), "--weights int4"),
+                         (dict(prefill_options={"activations": "fp8"}), "--activations fp8")):
+        with pytest.raises(ValueError, match=f"{flag}: not supported for mixture-of-experts"):
+            dataclasses.replace(cfg, **change).check_roles()
+    cfg.check_roles()
+    raw = json.loads((Path(path) / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(raw | {"num_experts_per_tok": 7}))
+    with pytest.raises(ValueError, match="num_experts_per_tok in \\[1, num_experts\\].*6 experts, 7 per token"):
+        ModelConfig.from_hf_dir(bad)
