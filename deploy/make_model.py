@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from pdserve.deploy.config import EMBEDDED_MODEL
-from pdserve.model.families import ARCHITECTURES, family_options, fused_in_checkpoint
+from pdserve.model.families import ARCHITECTURES, family_options, fused_in_checkpoint, moe_options
 
 _TINY = dict(num_hidden_layers=2, vocab_size=2048, max_position_embeddings=512, init_std=0.15, norm_std=0.1)
 PRESETS: dict[str, dict] = {
@@ -35,6 +35,12 @@ PRESETS: dict[str, dict] = {
     "bench-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                      tie_word_embeddings=True, rope_theta=500000.0),
+    # ~0.37B parameters, ~50M active per token, Qwen3-MoE-shaped: 32 experts of 384 per layer, 2 a token (Qwen3-30B-A3B
+    # runs 8 of 128), bench-80m-qwen3's attention: the mixture-of-experts benchmark model.
+    "bench-moe": dict(model_type="qwen3_moe", hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
+                      num_experts=32, num_experts_per_tok=2, num_hidden_layers=12, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=128, vocab_size=2048, max_position_embeddings=8192,
+                      tie_word_embeddings=True, rope_theta=1e6),
     # ~8.9M parameters: quick checks of the benchmark scripts.
     "bench-9m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096),
@@ -53,6 +59,10 @@ PRESETS: dict[str, dict] = {
                          num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1e4,       # head_dim 16
                          embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4,
                          logits_scaling=4.0),
+    "tiny-qwen3-moe": dict(_TINY, model_type="qwen3_moe", hidden_size=64, intermediate_size=96,
+                           moe_intermediate_size=40, num_experts=5, num_experts_per_tok=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, rope_theta=1e6,
+                           mlp_only_layers=[1]),
 }
 _PRIVATE = ("init_std", "norm_std")    # preset keys that shape the weights, not the config
 
@@ -68,7 +78,10 @@ def hf_config(preset: dict, dtype: str = "bfloat16") -> dict:
             "qwen2": {"use_sliding_window": False, "sliding_window": None},
             "qwen3": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
             "phi3": {"sliding_window": None, "pad_token_id": 0},
-            "granite": {"attention_bias": False, "mlp_bias": False}}[model_type]
+            "granite": {"attention_bias": False, "mlp_bias": False},
+            "qwen3_moe": {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                          "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+            "mixtral": {"sliding_window": None}}[model_type]
     return cfg | shape
 
 
@@ -81,7 +94,10 @@ def num_parameters(cfg: dict) -> int:
     per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
     per_layer += (q + 2 * kv) * opts["qkv_bias"] + h * opts["o_proj_bias"] + (2 * i + h) * opts["mlp_bias"]
     per_layer += 2 * opts["head_dim"] * opts["qk_norm"]
-    return cfg["num_hidden_layers"] * per_layer + (1 if cfg["tie_word_embeddings"] else 2) * v * h + h
+    moe = moe_options(cfg["model_type"], cfg)
+    experts = len(moe.get("moe_layers", ())) * (moe["num_experts"] * (3 * h * moe["moe_intermediate_size"] + h)
+                                                 - 3 * h * i) if moe else 0     # a sparse layer's MLP
+    return cfg["num_hidden_layers"] * per_layer + experts + (1 if cfg["tie_word_embeddings"] else 2) * v * h + h
 
 
 def make_model(preset: str, out: str | Path, seed: int = 0, dtype: str = "bfloat16",
@@ -118,7 +134,7 @@ def make_model(preset: str, out: str | Path, seed: int = 0, dtype: str = "bfloat
 
 def _random_tensors(cfg: dict, preset: dict, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under Hugging Face names (``model.layers.N....``)."""
-    opts = family_options(cfg["model_type"], cfg)
+    opts, moe = family_options(cfg["model_type"], cfg), moe_options(cfg["model_type"], cfg)
     h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], opts["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     std, norm_std = preset.get("init_std", 0.02), preset.get("norm_std", 0.0)
@@ -150,6 +166,15 @@ def _random_tensors(cfg: dict, preset: dict, seed: int, dtype: torch.dtype) -> d
             tensors |= {p + "mlp.gate_proj.bias": w(i), p + "mlp.up_proj.bias": w(i), p + "mlp.down_proj.bias": w(h)}
         if opts["qk_norm"]:
             tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d)}
+        if n in moe.get("moe_layers", ()):         # a sparse layer: the router and the experts (Qwen3-MoE's names)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del tensors[p + f"mlp.{name}.weight"]
+            size = moe["moe_intermediate_size"]
+            tensors[p + "mlp.gate.weight"] = w(moe["num_experts"], h)
+            for e in range(moe["num_experts"]):
+                tensors |= {p + f"mlp.experts.{e}.gate_proj.weight": w(size, h),
+                            p + f"mlp.experts.{e}.up_proj.weight": w(size, h),
+                            p + f"mlp.experts.{e}.down_proj.weight": w(h, size)}
         if fused_in_checkpoint(cfg["model_type"]):      # Phi-3: q | k | v and gate | up stored as one tensor each
             parts = [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
             tensors[p + "self_attn.qkv_proj.weight"] = torch.cat(parts)
