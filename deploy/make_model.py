@@ -35,12 +35,12 @@ PRESETS: dict[str, dict] = {
     "bench-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                      tie_word_embeddings=True, rope_theta=500000.0),
-    # ~0.37B parameters, ~50M active per token, Qwen3-MoE-shaped: 32 experts of 384 per layer, 2 a token (Qwen3-30B-A3B
-    # runs 8 of 128), bench-80m-qwen3's attention: the mixture-of-experts benchmark model.
-    "bench-moe": dict(model_type="qwen3_moe", hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
-                      num_experts=32, num_experts_per_tok=2, num_hidden_layers=12, num_attention_heads=8,
-                      num_key_value_heads=4, head_dim=128, vocab_size=2048, max_position_embeddings=8192,
-                      tie_word_embeddings=True, rope_theta=1e6),
+    # ~0.36B parameters, ~43M active per token, Mixtral-shaped (llama.cpp converts it with the embedded tokenizer;
+    # its Qwen3-MoE converter wants a Qwen tokenizer): bench-80m's attention, 32 experts of 384 per layer and 2 a
+    # token (Qwen3-30B-A3B runs 8 of 128): the mixture-of-experts benchmark model.
+    "bench-moe": dict(model_type="mixtral", hidden_size=768, intermediate_size=384, num_local_experts=32,
+                      num_experts_per_tok=2, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                      vocab_size=2048, max_position_embeddings=8192),
     # ~8.9M parameters: quick checks of the benchmark scripts.
     "bench-9m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=4096),
@@ -63,6 +63,8 @@ PRESETS: dict[str, dict] = {
                            moe_intermediate_size=40, num_experts=5, num_experts_per_tok=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, rope_theta=1e6,
                            mlp_only_layers=[1]),
+    "tiny-mixtral": dict(_TINY, model_type="mixtral", hidden_size=64, intermediate_size=40, num_local_experts=4,
+                         num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6),
 }
 _PRIVATE = ("init_std", "norm_std")    # preset keys that shape the weights, not the config
 
@@ -166,15 +168,17 @@ def _random_tensors(cfg: dict, preset: dict, seed: int, dtype: torch.dtype) -> d
             tensors |= {p + "mlp.gate_proj.bias": w(i), p + "mlp.up_proj.bias": w(i), p + "mlp.down_proj.bias": w(h)}
         if opts["qk_norm"]:
             tensors |= {p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d)}
-        if n in moe.get("moe_layers", ()):         # a sparse layer: the router and the experts (Qwen3-MoE's names)
+        if n in moe.get("moe_layers", ()):        # a sparse layer: the router and the experts, named as the family does
             for name in ("gate_proj", "up_proj", "down_proj"):
                 del tensors[p + f"mlp.{name}.weight"]
             size = moe["moe_intermediate_size"]
-            tensors[p + "mlp.gate.weight"] = w(moe["num_experts"], h)
+            block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if cfg["model_type"] == "mixtral"
+                                       else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+            tensors[p + f"{block}.gate.weight"] = w(moe["num_experts"], h)
             for e in range(moe["num_experts"]):
-                tensors |= {p + f"mlp.experts.{e}.gate_proj.weight": w(size, h),
-                            p + f"mlp.experts.{e}.up_proj.weight": w(size, h),
-                            p + f"mlp.experts.{e}.down_proj.weight": w(h, size)}
+                tensors |= {p + f"{block}.experts.{e}.{gate}.weight": w(size, h),
+                            p + f"{block}.experts.{e}.{up}.weight": w(size, h),
+                            p + f"{block}.experts.{e}.{down}.weight": w(h, size)}
         if fused_in_checkpoint(cfg["model_type"]):      # Phi-3: q | k | v and gate | up stored as one tensor each
             parts = [tensors.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
             tensors[p + "self_attn.qkv_proj.weight"] = torch.cat(parts)

@@ -188,7 +188,7 @@ def test_colocated_engine_with_speculation_matches_transformers(checkpoints, tmp
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-phi3",
-                                    "tiny-granite", "tiny-qwen3-moe"])
+                                    "tiny-granite", "tiny-qwen3-moe", "tiny-mixtral"])
 def test_make_model_presets_load_in_transformers_and_here_alike(tmp_path, preset):
     from pdserve.deploy.make_model import PRESETS, make_model, num_parameters
 
@@ -209,4 +209,4 @@ def test_qwen3_bench_preset_is_about_80m_parameters():
 
     assert 75e6 < num_parameters(PRESETS["bench-80m-qwen3"]) < 85e6
     assert PRESETS["bench-80m-qwen3"]["model_type"] == "qwen3"
-    assert 0.36e9 < num_parameters(PRESETS["bench-moe"]) < 0.38e9       # 32 experts a layer, 2 of them a token
+    assert 0.35e9 < num_parameters(PRESETS["bench-moe"]) < 0.37e9       # 32 experts a layer, 2 of them a token
