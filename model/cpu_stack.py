@@ -19,7 +19,7 @@ import torch
 
 from pdserve.kernels.cpu import KernelUnavailable, fused
 from pdserve.kernels.cpu.decode_graph import DecodeGraph
-from pdserve.kernels.cpu.decode_stack import DecodeStack, LayerSpec, LinearSpec, stack_available
+from pdserve.kernels.cpu.decode_stack import DecodeStack, LayerSpec, LinearSpec, MoeSpec, stack_available
 from pdserve.model.cpu_linear import PackedBF16Linear, gemv_max_rows
 from pdserve.model.quant.int4 import VNNI, Int4Linear
 
@@ -43,6 +43,18 @@ def _linear_spec(module: torch.nn.Module) -> LinearSpec | None:
     return None
 
 
+def _moe_spec(block) -> MoeSpec | None:
+    """A mixture's :class:`MoeSpec` (:class:`model.moe.SparseMoeBlock`), or None unless its router and every
+    expert's projections are on the C kernels."""
+    router = _linear_spec(block.gate)
+    gate_up = tuple(_linear_spec(e.gate_up_proj) for e in block.experts)
+    down = tuple(_linear_spec(e.down_proj) for e in block.experts)
+    if router is None or None in gate_up or None in down:
+        return None
+    return MoeSpec(router, gate_up, down, block.top_k, block.renormalize, block.float_weights,
+                   block.experts[0].intermediate)
+
+
 def build_decode_stack(model) -> DecodeStack | None:
     """A :class:`DecodeStack` over ``model``'s current weights, or ``None`` where one cannot serve it
     (a projection the stack does not take, a library that does not build)."""
@@ -50,15 +62,16 @@ def build_decode_stack(model) -> DecodeStack | None:
     specs = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):      # a mixture of experts (model.moe) runs per operation
-            return None
-        linears = [_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(s is None for s in linears):
+        sparse = hasattr(mlp, "experts")             # a mixture of experts (model.moe)
+        moe = _moe_spec(mlp) if sparse else None
+        linears = [_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj)]
+        linears += [None, None] if sparse else [_linear_spec(mlp.gate_up_proj), _linear_spec(mlp.down_proj)]
+        if (sparse and moe is None) or None in linears[:2] or (not sparse and None in linears[2:]):
             return None
         norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
         specs.append(LayerSpec(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
-                               q_norm=norms[0], k_norm=norms[1]))
-    kinds = {getattr(s, name).kind for s in specs for name in ("qkv", "o", "gate_up", "down")}
+                               q_norm=norms[0], k_norm=norms[1], moe=moe))
+    kinds = {spec.kind for s in specs for spec in (s.qkv, s.o, s.gate_up, s.down) if spec is not None}
     if not stack_available(int4="int4" in kinds, bf16_packed="bf16" in kinds):
         return None
     try:

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# the decoder layers' projections, a mixture's experts' too (mlp.experts.E.gate_up_proj); not its router (mlp.gate)
-LAYER_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "gate_up_proj", "down_proj")
+# the decoder layers' projections, a mixture's experts' (mlp.experts.E.gate_up_proj) and router (mlp.gate) too
+LAYER_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "gate_up_proj", "down_proj", "mlp.gate")
 TARGET_MODULES = (*LAYER_MODULES, "lm_head")
 
 

@@ -8,9 +8,9 @@ computes them (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``; Shazeer et
 Each expert is a SwiGLU :class:`~model.llama.MLP` of ``moe_intermediate_size``, run only on the tokens routed to
 it, its output times the routing weight (rounded to the model's dtype first, or kept in float32: Mixtral's) added
 into ``y`` expert by expert, as ``transformers`` adds them (``index_add_``): float32 outputs equal its to rounding.
-The experts' projections are ordinary linears, so the CPU path packs them for the C GEMM/GEMV kernels as it
-packs the dense ones; the decode step's one-call C stack (:mod:`model.cpu_stack`) takes dense layers only, and
-a mixture runs per operation.
+The router and the experts' projections are ordinary linears, so the CPU path packs them for the C GEMM/GEMV
+kernels as it packs the dense ones, and decode steps run a mixture inside the one-call C stack
+(``decode_stack.c: moe_mlp``, :mod:`model.cpu_stack`), bit-identical to this module's path on the same kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pdserve.kernels.cpu import available
+from pdserve.kernels.cpu.decode_stack import moe_route
 from pdserve.model.config import ModelConfig
 
 
@@ -37,17 +39,23 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(expert(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``, each ``[tokens, top_k]``: the routing weights (float32 or ``x``'s dtype) and
-        the experts' indices (int64), likeliest first."""
+        the experts' indices (int64), likeliest first. With ``cpu_kernels`` (decode steps on the C kernels) the
+        decode stack's C routing (:func:`kernels.cpu.decode_stack.moe_route`), so that the one-call stack and
+        this path pick the same experts with the same weights."""
         logits = self.gate(x)
-        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if cpu_kernels and self.top_k <= 64 and available("decode_stack") and logits.is_contiguous():
+            weights, experts = moe_route(logits, self.top_k, self.renormalize,
+                                         round_bf16=logits.dtype == torch.bfloat16 and not self.float_weights)
+        else:
+            weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+            if self.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float_weights else weights.to(logits.dtype)), experts
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, cpu_kernels)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():           # ascending, as transformers adds them
             tokens, slot = torch.where(experts == e)

@@ -79,26 +79,28 @@ def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="needs the packed bf16 kernels (AVX-512 or AVX2)")
-def test_bf16_experts_run_on_the_packed_kernels(checkpoints):
-    """Every expert's projections are packed (the router stays a float linear); decode steps run per operation
-    (the one-call stack takes dense layers only), within bf16 rounding of the float32 model."""
-    path = checkpoints["mixtral"]
-    runner, _ = _runner(path, torch.bfloat16, block_size=5)
-    model = runner.model
-    pack_for_cpu_decode(model)
-    block = model.layers[0].mlp
-    assert all(type(e.gate_up_proj) is PackedBF16Linear and type(e.down_proj) is PackedBF16Linear
-               for e in block.experts)
-    assert build_decode_stack(model) is None
-    ref, _ = _runner(path, block_size=5)
-    ids = random_prompt(23, seed=4)
-    table = [3, 1, 8, 9, 0]
-    for r in (runner, ref):
-        r.run([StepInput(ids[:20], 0, table)])
-    steps = [(r.run([StepInput([ids[p]], p, table)]) for p in (20, 21, 22)) for r in (runner, ref)]
-    for got, want in zip(*steps):
-        assert got.argmax().item() == want.argmax().item()
-        torch.testing.assert_close(got.float(), want, rtol=0, atol=0.15)
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+def test_bf16_decode_steps_run_the_mixture_in_the_one_call_stack(checkpoints, variant):
+    """Router and experts packed, decode steps of three sequences in the one-call C stack (decode_stack.c:
+    moe_mlp; Qwen3-MoE's dense layer beside a sparse one): bit-identical to the per-operation path on the same
+    kernels, and within bf16 rounding of the float32 model."""
+    path = checkpoints[variant]
+    stacked, per_op, ref = (_runner(path, dtype, 5)[0] for dtype in (torch.bfloat16, torch.bfloat16, torch.float32))
+    for r in (stacked, per_op):
+        pack_for_cpu_decode(r.model)
+    per_op.model.cpu_stack = False
+    block = stacked.model.layers[0].mlp
+    assert type(block.gate) is PackedBF16Linear and all(
+        type(e.gate_up_proj) is PackedBF16Linear and type(e.down_proj) is PackedBF16Linear for e in block.experts)
+    assert build_decode_stack(stacked.model) is not None
+    prompts = [random_prompt(n, seed=70 + n) for n in (20, 9, 14)]
+    tables = [[3, 1, 8, 9, 0], [11, 12], [20, 21, 22, 23]]
+    for r in (stacked, per_op, ref):
+        r.run([StepInput(p[:-1], 0, t) for p, t in zip(prompts, tables)])
+    steps = [r.run([StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)])
+             for r in (stacked, per_op, ref)]
+    assert torch.equal(steps[0], steps[1])
+    torch.testing.assert_close(steps[0].float(), steps[2], rtol=0, atol=0.15)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])

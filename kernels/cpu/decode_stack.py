@@ -59,18 +59,59 @@ class LinearSpec:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """A mixture of experts in a layer's MLP's place (:class:`model.moe.SparseMoeBlock`): the ``router``
+    ``[experts, hidden]``, each expert's ``gate_up`` ``[2 inter, hidden]`` and ``down`` ``[hidden, inter]``, the
+    experts a token runs (``top_k``), whether their weights are renormalized and kept in float32."""
+
+    router: LinearSpec
+    gate_up: tuple[LinearSpec, ...]
+    down: tuple[LinearSpec, ...]
+    top_k: int
+    renormalize: bool
+    float_weights: bool
+    inter: int
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: RMSNorm weights (``[hidden]``, and Qwen3's ``[head_dim]`` q/k norms or ``None``)
-    of the element type, and its four projections."""
+    of the element type, and its four projections; with ``moe``, a mixture of experts in place of the MLP
+    (``gate_up`` and ``down`` then None)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: LinearSpec
     o: LinearSpec
-    gate_up: LinearSpec
-    down: LinearSpec
+    gate_up: LinearSpec | None
+    down: LinearSpec | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    moe: MoeSpec | None = None
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, round_bf16: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture's routing in C (``pd_moe_route``, the decode stack's own): ``logits`` ``[n, experts]`` contiguous
+    bf16 or float32 on the CPU -> ``(weights, experts)``, float32 and int64 ``[n, top_k]``: per row the softmax's
+    ``top_k`` largest probabilities (ties: the lower expert first), renormalized to sum to 1 if ``renormalize``,
+    rounded to bf16 values if ``round_bf16``.
+
+    Raises:
+        ValueError: another layout or dtype, or ``top_k`` outside ``[1, min(experts, 64)]``.
+        KernelUnavailable: the library cannot be built here.
+    """
+    n, experts = logits.shape
+    if logits.dtype not in (torch.bfloat16, torch.float32) or not logits.is_contiguous() \
+            or logits.device.type != "cpu" or not 0 < top_k <= min(experts, 64):
+        raise ValueError(f"moe_route: needs contiguous bf16/float32 CPU logits and 1 <= top_k <= min(experts, 64), "
+                         f"got {logits.dtype} {tuple(logits.shape)}, top_k {top_k}")
+    weights, idx = torch.empty(n, top_k, dtype=torch.float32), torch.empty(n, top_k, dtype=torch.int32)
+    fn = library("decode_stack").pd_moe_route
+    fn.argtypes, fn.restype = [_p, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p], ctypes.c_int
+    fn(logits.data_ptr(), n, experts, top_k, int(renormalize), int(round_bf16), int(logits.dtype == torch.bfloat16),
+       idx.data_ptr(), weights.data_ptr())
+    return weights, idx.long()
 
 
 class _Linear(ctypes.Structure):
@@ -79,9 +120,15 @@ class _Linear(ctypes.Structure):
                 ("N", _i64), ("Np", _i64), ("K", _i64), ("Kp", _i64), ("G", _i64), ("bias", _p)]
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [("num_experts", _i32), ("top_k", _i32), ("renorm", _i32), ("float_weights", _i32), ("inter", _i64),
+                ("router", _Linear), ("gate_up", ctypes.POINTER(_Linear)), ("down", ctypes.POINTER(_Linear))]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("moe", ctypes.POINTER(_Moe))]
 
 
 class _Kernels(ctypes.Structure):
@@ -131,6 +178,7 @@ class DecodeStack:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self._tensors: list[torch.Tensor] = []
         self._ptrs: list[int] = []             # their data pointers when described to the C side
+        self._structs: list = []               # C arrays the layers point to (a mixture's)
         self._layers = (_Layer * len(layers))()
         self._model = _Model(hidden=self.hidden, H=num_heads, Hkv=num_kv_heads, D=head_dim, inter=intermediate_size,
                              num_layers=len(layers), bf16=int(dtype == torch.bfloat16), eps=eps, scale=scale,
@@ -152,10 +200,30 @@ class DecodeStack:
             c.q_norm = self._norm(spec.q_norm, head_dim) if spec.q_norm is not None else None
             c.k_norm = self._norm(spec.k_norm, head_dim) if spec.k_norm is not None else None
             for name, shape in shapes.items():
-                setattr(c, name, self.linear_struct(getattr(spec, name), shape, f"layer {i} {name}"))
+                if spec.moe is None or name in ("qkv", "o"):
+                    setattr(c, name, self.linear_struct(getattr(spec, name), shape, f"layer {i} {name}"))
+            if spec.moe is not None:
+                c.moe = ctypes.pointer(self._moe_struct(spec.moe, f"layer {i}"))
         self.num_layers = len(layers)
         self._fn = library("decode_stack").pd_decode_stack
         self._fn.argtypes, self._fn.restype = [_p, _p, _p, _p, _i64, _i64], ctypes.c_int
+
+    def _moe_struct(self, spec: MoeSpec, where: str) -> _Moe:
+        """The C description of a mixture (kept alive by the stack, as its tensors are)."""
+        experts = len(spec.gate_up)
+        if not experts or len(spec.down) != experts or not 0 < spec.top_k <= min(experts, 64):
+            raise ValueError(f"DecodeStack: {where}: {experts} experts ({len(spec.down)} down projections), top "
+                             f"{spec.top_k}: needs as many of each and 1 <= top_k <= min(experts, 64)")
+        gate_up, down = (_Linear * experts)(), (_Linear * experts)()
+        for e in range(experts):
+            gate_up[e] = self.linear_struct(spec.gate_up[e], (2 * spec.inter, self.hidden), f"{where} expert {e}")
+            down[e] = self.linear_struct(spec.down[e], (self.hidden, spec.inter), f"{where} expert {e}")
+        moe = _Moe(num_experts=experts, top_k=spec.top_k, renorm=int(spec.renormalize),
+                   float_weights=int(spec.float_weights), inter=spec.inter,
+                   router=self.linear_struct(spec.router, (experts, self.hidden), f"{where} router"),
+                   gate_up=gate_up, down=down)
+        self._structs.extend((gate_up, down, moe))
+        return moe
 
     def _resolve_kernels(self, kind: str) -> None:
         """The kernels of a projection ``kind``, resolved the first time one is described."""
