@@ -37,6 +37,7 @@ from pdserve.decode_worker.request import TokensEvent
 from pdserve.decode_worker.server import load_decode_model
 from pdserve.deploy.make_model import make_model
 from pdserve.model.loader import load_model
+from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.sampling import SamplingParams
 from pdserve.model.tokenizer import Tokenizer
 
@@ -54,12 +55,18 @@ def _engine(model_dir: str, dtype: str, weights: str, graph: bool, max_batch: in
     return DecodeEngine(wcfg, model, cfg), model
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weight a decode step reads: every linear (the LM head too, tied or not), norms; not the
-    embedding (one row per token). A module that keeps a kernel layout in non-persistent buffers (the
+def weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
+    """Bytes of weight a decode step of ``batch`` rows reads: every linear (the LM head too, tied or not), norms;
+    not the embedding (one row per token). A module that keeps a kernel layout in non-persistent buffers (the
     packed bf16 copy, an INT4 kernel layout) is counted by that layout and its bias, not its portable
-    or dense twin."""
-    total = 0
+    or dense twin. A mixture's experts count by the share of them ``batch`` tokens are expected to run with
+    uniform routing, ``1 - (1 - top_k / experts) ** batch`` (``top_k / experts`` at batch 1, exactly)."""
+    share = {}
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            fraction = 1 - (1 - block.top_k / len(block.experts)) ** batch
+            share |= {id(m): fraction for m in block.experts.modules()}
+    total = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
             continue
@@ -70,15 +77,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
             tensors = layout + ([bias] if isinstance(bias, torch.Tensor) else [])
         else:
             tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return total
+        total += share.get(id(module), 1.0) * sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return int(total)
 
 
 def step_flops(model: torch.nn.Module, batch: int, context: int) -> float:
     """Matmul FLOPs of one decode step of ``batch`` sequences at ``context`` tokens each: 2 x rows x
-    (N x K) per linear (the LM head included) + attention (QK^T and PV over the context)."""
+    (N x K) per linear (the LM head included; a mixture's experts ``top_k / experts`` of theirs: each row runs
+    ``top_k``) + attention (QK^T and PV over the context)."""
     cfg = model.cfg
-    linear = sum(m.in_features * m.out_features for m in model.modules()
+    share = {id(m): b.top_k / len(b.experts) for b in model.modules() if isinstance(b, SparseMoeBlock)
+             for m in b.experts.modules()}
+    linear = sum(share.get(id(m), 1.0) * m.in_features * m.out_features for m in model.modules()
                  if hasattr(m, "in_features") and hasattr(m, "out_features"))
     return 2.0 * batch * linear + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * batch
 
@@ -146,8 +156,8 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
         for graph in (False, True):
             engine, model = _engine(model_dir, dtype, weights, graph, max(batches), 64 * max(batches) + 8,
                                     multi_step=multi_step)
-            wbytes = weight_bytes(model)
             for b in batches:
+                wbytes = weight_bytes(model, b)
                 prompts = [[1] + torch.randint(3, 2000, (prompt_len - 1,),
                                                generator=torch.Generator().manual_seed(i)).tolist() for i in range(b)]
                 runs = sorted((run_decode(engine, prompts, steps) for _ in range(reps)), key=lambda r: r["step_s"])
