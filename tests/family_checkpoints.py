@@ -87,3 +87,18 @@ def hf_model(model_dir: str):
 def random_prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
     """``n`` seeded token ids in ``[3, vocab)`` (no BOS, no EOS)."""
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_chunked_prefill_and_decode(runner, seed: int) -> None:
+    """A 31-token prompt prefilled in chunks ending mid-block over scattered blocks (5-token blocks), then two
+    decode steps through the cache (the CPU kernels where they run), equal one unchunked pass of ``runner``
+    (a :class:`model.runner.ModelRunner`) within 2e-5."""
+    from pdserve.model.runner import StepInput
+
+    ids = random_prompt(31, seed=seed)
+    table = [7, 3, 90, 11, 2, 40, 41]
+    full = runner.run([StepInput(ids, 0, table)], all_logits=True)
+    runner.kv_cache.zero_()
+    chunks = [runner.run([StepInput(ids[a:b], a, table)], all_logits=True) for a, b in ((0, 9), (9, 20), (20, 29))]
+    decoded = [runner.run([StepInput([ids[p]], p, table)]) for p in (29, 30)]
+    torch.testing.assert_close(torch.cat(chunks + decoded), full, rtol=0, atol=2e-5)

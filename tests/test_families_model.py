@@ -23,7 +23,13 @@ from pdserve.model.rope import apply_rotary
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.sampling import SamplingParams
 from tests.conftest import hf_greedy
-from tests.family_checkpoints import FAMILIES, hf_model, random_prompt, write_checkpoint
+from tests.family_checkpoints import (
+    FAMILIES,
+    check_chunked_prefill_and_decode,
+    hf_model,
+    random_prompt,
+    write_checkpoint,
+)
 
 VARIANTS = {  # name -> (family, overrides): the families plus the options their real checkpoints vary
     "qwen2": ("qwen2", {}),
@@ -69,14 +75,7 @@ def test_prefill_logits_match_transformers(checkpoints, variant):
 def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints, variant):
     """Chunks ending mid-block over scattered blocks, and decode steps on the C kernels (fp32), equal
     one unchunked pass."""
-    runner, _ = _runner(checkpoints[variant], block_size=5)
-    ids = random_prompt(31, seed=1)
-    table = [7, 3, 90, 11, 2, 40, 41]
-    full = runner.run([StepInput(ids, 0, table)], all_logits=True)
-    runner.kv_cache.zero_()
-    chunks = [runner.run([StepInput(ids[a:b], a, table)], all_logits=True) for a, b in ((0, 9), (9, 20), (20, 29))]
-    decoded = [runner.run([StepInput([ids[p]], p, table)]) for p in (29, 30)]
-    torch.testing.assert_close(torch.cat(chunks + decoded), full, rtol=0, atol=2e-5)
+    check_chunked_prefill_and_decode(_runner(checkpoints[variant], block_size=5)[0], seed=1)
 
 
 @pytest.mark.skipif(not available("fused"), reason="no C compiler")

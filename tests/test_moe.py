@@ -25,7 +25,7 @@ from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.quant import int4
 from pdserve.model.runner import ModelRunner, StepInput
 from tests.conftest import Cluster, hf_greedy
-from tests.family_checkpoints import hf_model, random_prompt, write_checkpoint
+from tests.family_checkpoints import check_chunked_prefill_and_decode, hf_model, random_prompt, write_checkpoint
 
 VARIANTS = {  # name -> (family, overrides)
     "qwen3_moe": ("qwen3_moe", {}),                                   # renormalized top-2 of 6; layer 1 dense
@@ -68,14 +68,7 @@ def test_prefill_logits_match_transformers(checkpoints, variant):
 
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
 def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints, variant):
-    runner, _ = _runner(checkpoints[variant], block_size=5)
-    ids = random_prompt(31, seed=3)
-    table = [7, 3, 90, 11, 2, 40, 41]
-    full = runner.run([StepInput(ids, 0, table)], all_logits=True)
-    runner.kv_cache.zero_()
-    chunks = [runner.run([StepInput(ids[a:b], a, table)], all_logits=True) for a, b in ((0, 9), (9, 20), (20, 29))]
-    decoded = [runner.run([StepInput([ids[p]], p, table)]) for p in (29, 30)]
-    torch.testing.assert_close(torch.cat(chunks + decoded), full, rtol=0, atol=2e-5)
+    check_chunked_prefill_and_decode(_runner(checkpoints[variant], block_size=5)[0], seed=3)
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="needs the packed bf16 kernels (AVX-512 or AVX2)")
