@@ -34,7 +34,6 @@ from pathlib import Path
 from pdserve.bench.common import ROOT, machine
 from pdserve.bench.peers_llamacpp import REPORTED_FLAGS, build, convert, cpu_flags, cpu_model, quantize
 from pdserve.decode_worker.config import DecodeWorkerConfig
-from pdserve.model.config import ModelConfig
 
 GGUF_DIR = Path.home() / ".cache" / "pdserve" / "peers" / "gguf"
 PROMPT_TOKENS, DECODE_STEPS, PREFILL = 8, 128, (512, 2048)
@@ -149,12 +148,11 @@ def model_key(model_dir: str) -> str:
 
 
 def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dict:
-    """Build, convert, measure both peers ``reps`` times interleaved; returns the result dict (see module doc).
-    A mixture of experts is compared in bf16 only (pdserve refuses INT4 weights for one)."""
+    """Build, convert, measure both peers ``reps`` times interleaved; returns the result dict (see module doc)."""
     info = build(log=log)
-    key, moe = model_key(model_dir), ModelConfig.from_hf_dir(model_dir).num_experts > 0
+    key = model_key(model_dir)
     ggufs = {"bf16": convert(info, model_dir, GGUF_DIR / f"{key}-bf16.gguf", "bf16")}
-    for q in () if moe else QUANTS[1:]:
+    for q in QUANTS[1:]:
         ggufs[q] = quantize(info, ggufs["bf16"], GGUF_DIR / f"{key}-{q.lower()}.gguf", q)
     samples: dict[str, list[float]] = {}
     worker = PdserveWorker(model_dir, core)
@@ -162,7 +160,7 @@ def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dic
     try:
         for rep in range(reps):
             t0 = time.perf_counter()
-            order = ("bf16", "bf16 1") if moe else ("bf16", "int4", "bf16 1", "int4 1")   # every other rep reversed
+            order = ("bf16", "int4", "bf16 1", "int4 1")    # every other rep reversed: none always first
             for w in order if rep % 2 == 0 else order[::-1]:
                 reply = worker.ask(f"decode {w}")
                 if "error" in reply:
@@ -190,7 +188,6 @@ def run(model_dir: str, core: int, reps: int, llama_reps: int, log=print) -> dic
             _row("bf16 decode b1, multi-step off (tok/s)", stats, "pdserve decode bf16 1", "llama.cpp bf16 tg128"),
             _row("INT4 decode b1 vs Q4_0, multi-step off (tok/s)", stats, "pdserve decode int4 1",
                  "llama.cpp Q4_0 tg128")]
-    rows = [r for r in rows if not (moe and "INT4" in r["row"])]
     rows += [_row(f"bf16 prefill {n} (tok/s)", stats, f"pdserve prefill {n}", f"llama.cpp bf16 pp{n}")
              for n in PREFILL]
     flags = cpu_flags()

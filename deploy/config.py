@@ -191,12 +191,14 @@ class ClusterConfig:
             ValueError, FileNotFoundError: as the configs and files do (the message names the field or file).
         """
         model = ModelConfig.from_hf_dir(self.model_dir, self.max_model_len)   # a context it has, a window it fills
-        quantized = [flag for flag, on in (("--weights int4", self.decode_options.get("weights") == "int4"),
+        int4_gptq = self.decode_options.get("weights") == "int4" and self.decode_options.get("int4_method") == "gptq"
+        quantized = [flag for flag, on in (("--int4-method gptq", int4_gptq),
                                            ("--activations fp8", self.prefill_options.get("activations") == "fp8"))
                      if on]
         if model.num_experts and quantized:
             raise ValueError(f"{' and '.join(quantized)}: not supported for mixture-of-experts checkpoints "
-                             f"({model.model_type}); serve them in bf16 or fp32")
+                             f"({model.model_type}); serve them in bf16 or fp32, or with --weights int4 "
+                             f"(mse or rtn)")
         router = self.router_config()
         router.bearer_tokens()
         router.tls_key_pair()

@@ -23,6 +23,7 @@ from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.quant import int4
+from pdserve.model.quant.int4_checkpoint import create_quantized_state_dict
 from pdserve.model.runner import ModelRunner, StepInput
 from tests.conftest import Cluster, hf_greedy
 from tests.family_checkpoints import check_chunked_prefill_and_decode, hf_model, random_prompt, write_checkpoint
@@ -124,18 +125,47 @@ def test_greedy_matches_transformers_through_the_cluster(cluster, checkpoints):
     c.assert_pools_free()
 
 
-def test_quantizing_a_mixture_is_refused_by_name(checkpoints, tmp_path):
+def test_int4_experts_decode_in_the_stack_as_per_operation(checkpoints):
+    """--weights int4 (mse, load time) quantizes every expert and leaves the router in float; decode steps in the
+    one-call stack equal the per-operation path's, and stay near the float32 model's logits."""
+    path = checkpoints["qwen3_moe"]
+    stacked, per_op, ref = (_runner(path, dtype, 5)[0] for dtype in (torch.bfloat16, torch.bfloat16, torch.float32))
+    for r in (stacked, per_op):
+        int4.convert_for_runtime(r.model, group_size=32)
+        pack_for_cpu_decode(r.model)
+    per_op.model.cpu_stack = False
+    block = stacked.model.layers[0].mlp
+    assert all(type(e.gate_up_proj) is int4.Int4Linear and type(e.down_proj) is int4.Int4Linear
+               for e in block.experts) and type(block.gate) is PackedBF16Linear
+    stack = build_decode_stack(stacked.model)
+    prompts, tables = [random_prompt(n, seed=80 + n) for n in (12, 7)], [[4, 5, 6], [9, 10]]
+    for r in (stacked, per_op, ref):
+        r.run([StepInput(p[:-1], 0, t) for p, t in zip(prompts, tables)])
+    steps = [r.run([StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)])
+             for r in (stacked, per_op, ref)]
+    if stack is not None:                    # the INT4 C kernel runs here (AVX512-VNNI or AVX2)
+        assert torch.equal(steps[0], steps[1])
+    cos = torch.nn.functional.cosine_similarity(steps[0].float(), steps[2], dim=-1)
+    assert bool((cos > 0.98).all()), cos
+
+
+def test_what_a_mixture_cannot_be_quantized_with_is_refused_by_name(checkpoints):
     path = checkpoints["qwen3_moe"]
     model, _ = load_model(path)
-    with pytest.raises(ValueError, match="INT4 weights .*not supported for mixture-of-experts checkpoints"):
-        int4.convert_for_runtime(model, group_size=32)
+    with pytest.raises(ValueError, match="INT4 gptq calibration .*not supported for mixture-of-experts"):
+        int4.convert_for_runtime(model, group_size=32, method="gptq")
+    with pytest.raises(ValueError, match="a pre-quantized INT4 checkpoint .*not supported for mixture-of-experts"):
+        create_quantized_state_dict(model, 32, "mse")
     cfg = ClusterConfig(model_dir=path)
-    for change, flag in ((dict(decode_options={"weights": "int4"}), "--weights int4"),
+    for change, flag in ((dict(decode_options={"weights": "int4", "int4_method": "gptq"}), "--int4-method gptq"),
                          (dict(prefill_options={"activations": "fp8"}), "--activations fp8")):
         with pytest.raises(ValueError, match=f"{flag}: not supported for mixture-of-experts"):
             dataclasses.replace(cfg, **change).check_roles()
-    cfg.check_roles()
-    raw = json.loads((Path(path) / "config.json").read_text())
+    dataclasses.replace(cfg, decode_options={"weights": "int4"}).check_roles()
+
+
+def test_a_config_with_more_experts_a_token_than_experts_is_refused(checkpoints, tmp_path):
+    raw = json.loads((Path(checkpoints["qwen3_moe"]) / "config.json").read_text())
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps(raw | {"num_experts_per_tok": 7}))

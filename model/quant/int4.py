@@ -241,17 +241,15 @@ class Int4Linear(nn.Module):
 
 
 def iter_targets(model: nn.Module):
-    """``(parent, attribute, module)`` of every quantized linear, in state-dict order.
-
-    Raises:
-        ValueError: a mixture of experts (:func:`model.moe.refuse_mixture`).
-    """
-    refuse_mixture(model, "INT4 weights (--weights int4)")
+    """``(parent, attribute, module)`` of every quantized linear, layer by layer: the attention's projections,
+    then the MLP's, or a mixture's experts' (every expert's ``gate_up_proj``, then every ``down_proj``; its
+    router stays in float)."""
     for layer in model.layers:
         for path in TARGET_MODULES:
             owner, attr = path.split(".")
             parent = getattr(layer, owner)
-            yield parent, attr, getattr(parent, attr)
+            for holder in getattr(parent, "experts", None) or (parent,):
+                yield holder, attr, getattr(holder, attr)
 
 
 def convert_for_runtime(model: nn.Module, group_size: int = 128, method: str = DEFAULT_METHOD) -> None:
@@ -284,6 +282,7 @@ def calibrated_weights(model: nn.Module, group_size: int, method: str) -> dict[n
     (keyed by the module); ``{}`` for the data-free methods."""
     if method not in CALIBRATED:
         return {}
+    refuse_mixture(model, f"INT4 {method} calibration (experts see only the tokens routed to them)")
     return gptq_quantize_model(model, [mod for _, _, mod in iter_targets(model) if type(mod) is nn.Linear],
                                group_size)
 

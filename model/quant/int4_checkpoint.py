@@ -27,6 +27,7 @@ from pdserve.model.checkpoint import iter_tensors, open_safetensors, resolve_mod
 from pdserve.model.config import ModelConfig
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import FOLDED, Placement, assemble_state, expected_tensors, finish_model, load_model
+from pdserve.model.moe import refuse_mixture
 from pdserve.model.quant.int4 import Int4Linear, calibrated_weights, iter_targets
 from pdserve.model.quant.int4_format import (
     FORMAT_VERSION,
@@ -58,6 +59,7 @@ def create_quantized_state_dict(model: LlamaForCausalLM, group_size: int = 128,
     settings = quantization_settings(group_size, method) if method in METHODS else None
     if settings is None:
         raise ValueError(f"int4: method must be one of {sorted(METHODS)}, got {method!r}")
+    refuse_mixture(model, "a pre-quantized INT4 checkpoint (quantize at load: --weights int4)")
     state = dict(model.state_dict())
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
