@@ -99,7 +99,8 @@ def test_bf16_decode_steps_run_the_mixture_in_the_one_call_stack(checkpoints, va
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def cluster(request, checkpoints, redis_url):
-    c = Cluster(checkpoints[request.param], redis_url, block_size=5, prefill_flags={"max_num_batched_tokens": 8})
+    c = Cluster(checkpoints[request.param], redis_url, block_size=5, prefill_flags={"max_num_batched_tokens": 8},
+                decode_flags={"speculative": "ngram", "spec_k": 3, "spec_adaptive": "false", "spec_max_batch_size": 8})
     try:
         yield request.param, c
     finally:
@@ -108,10 +109,11 @@ def cluster(request, checkpoints, redis_url):
 
 def test_greedy_matches_transformers_through_the_cluster(cluster, checkpoints):
     """Single requests through chunked prefill, and six at once (batched decode steps routing their tokens to
-    different experts), each equal to transformers' greedy output."""
+    different experts; n-gram speculation verifying drafts through the mixture), each equal to transformers'
+    greedy output."""
     variant, c = cluster
     hf = hf_model(checkpoints[variant])
-    cases = [(random_prompt(n, seed=40 + n), 20) for n in (1, 7, 13, 26)]
+    cases = [(random_prompt(n, seed=40 + n), 20) for n in (1, 7, 13, 26)] + [([11, 12, 13, 14] * 4, 24)]
     for ids, m in cases:
         assert c.complete(ids, max_tokens=m, temperature=0.0).token_ids == hf_greedy(hf, ids, m), len(ids)
 
@@ -122,6 +124,7 @@ def test_greedy_matches_transformers_through_the_cluster(cluster, checkpoints):
     together = c.run(all_at_once)
     for (ids, m), done in zip(cases + [(random_prompt(9, seed=s), 16) for s in (60, 61)], together):
         assert done.token_ids == hf_greedy(hf, ids, m), len(ids)
+    assert sum(done.final.speculative.num_draft_tokens for done in together) > 0
     c.assert_pools_free()
 
 
