@@ -65,12 +65,14 @@ class SparseMoeBlock(nn.Module):
 
 
 def refuse_mixture(model: nn.Module, what: str) -> None:
-    """Refuse to quantize a mixture of experts, which ``what`` (``--weights int4``, ``--activations fp8``)
-    does not cover: its experts and router would stay in float while the option says otherwise.
+    """Refuse ``what`` for a mixture of experts where it does not cover one: FP8 activations (the experts would
+    stay in float while the option says otherwise), GPTQ's calibration (an expert sees only the tokens routed to
+    it, none for some) and the pre-quantized INT4 checkpoint format (dense projections' names only).
 
     Raises:
-        ValueError: naming ``what`` and the model type.
+        ValueError: naming ``what``, the model type and what is supported.
     """
     if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
         raise ValueError(f"{what} is not supported for mixture-of-experts checkpoints ({model.cfg.model_type}); "
-                         "supported: the float checkpoint (bf16 or fp32)")
+                         "supported: the float checkpoint (bf16 or fp32), or INT4 quantized at load "
+                         "(--weights int4 with the mse or rtn method)")
