@@ -5,6 +5,8 @@
                                 the answer's calls as tool_calls (--tool-call-parser, model/tool_calls.py)
     POST /v1/responses          OpenAI's Responses API, run as the chat request it amounts to
                                 (router/http/responses.py; its events: router/http/response_events.py)
+    POST /v1/messages           Anthropic's Messages API, the same way (router/http/anthropic.py, its events:
+                                router/http/anthropic_events.py; errors in its shape, the key as x-api-key too)
     GET  /v1/models             the served model          GET /health    200 once workers of every role are listed
     GET  /metrics               the router's Prometheus registry
     POST /tokenize              vLLM's: a prompt's or a conversation's token ids, their count, the context
@@ -42,8 +44,11 @@ from pdserve.model.reasoning import END, START, grammar_start
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
+from pdserve.router.http import anthropic
+from pdserve.router.http.anthropic import MessagesRequest
+from pdserve.router.http.anthropic_events import MessageEvents, message_events
 from pdserve.router.http.chat import chat_prompt, encode_prompt, tokenize_body
-from pdserve.router.http.errors import ApiError, from_status, install_handlers
+from pdserve.router.http.errors import ANTHROPIC_PATHS, ApiError, from_status, install_handlers
 from pdserve.router.http.mapping import check_supported, generate_request, prompts_of, tool_parser_for
 from pdserve.router.http.reply import Reply, usage
 from pdserve.router.http.response_events import ResponseEvents, response_events
@@ -90,13 +95,15 @@ class Guard:
         if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
-        error = self._check_token(headers.get("authorization"))
+        anthropic = scope["path"] in ANTHROPIC_PATHS      # its SDKs send the key as x-api-key
+        key = headers.get("x-api-key")
+        error = self._check_token(b"Bearer " + key if anthropic and key is not None else headers.get("authorization"))
         if error is not None:
             return await ApiError(401, error, code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"}).response()(scope, receive, send)
+                                  headers={"WWW-Authenticate": "Bearer"}).response(anthropic)(scope, receive, send)
         declared = headers.get("content-length", b"0")
         if not declared.isdigit() or int(declared) > self._max:
-            return await self._too_large().response()(scope, receive, send)
+            return await self._too_large().response(anthropic)(scope, receive, send)
         seen = 0
 
         async def limited() -> Message:
@@ -189,6 +196,13 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         check_model(chat)
         req, reply = await chat_call(chat)
         return await _respond(backend, request, body, req, reply)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        chat = anthropic.chat_body(body)
+        check_model(chat)
+        req, reply = await chat_call(chat)
+        return await _message(backend, request, body, req, reply)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -294,6 +308,28 @@ async def _respond(backend: Backend, request: Request, body: ResponsesRequest, r
     events = ResponseEvents(body, reply.model, response_id, created)
     return EventSourceResponse(response_events(streams, first, reply, events), ping=15,
                                client_close_handler_callable=lambda message: _close(streams))
+
+
+async def _message(backend: Backend, request: Request, body: MessagesRequest, req: pdserve_pb2.GenerateRequest,
+                   reply: Reply) -> Response:
+    """Run a Messages API request (as the chat request ``req``) and answer: a ``message`` object, or its events
+    (:mod:`router.http.anthropic_events`)."""
+    message_id = req.request_id = anthropic.new_id()
+    streams = _streams(backend, request, [req])
+    try:
+        if not body.stream:
+            choices = await collect(streams, 1, _disconnect_of(request))
+            chat = reply.response(choices)
+            content, stop, sequence = anthropic.content_blocks(chat)
+            return JSONResponse(anthropic.message_object(message_id, reply.model, content, stop, sequence,
+                                                         anthropic.usage_of(chat["usage"])))
+        first, = await streams.first()
+    except GenerateError as exc:
+        raise from_status(exc.code, exc.message) from None
+    except ClientGone:
+        return Response(status_code=499)
+    return EventSourceResponse(message_events(streams, first, reply, MessageEvents(reply.model, message_id)),
+                               ping=15, client_close_handler_callable=lambda message: _close(streams))
 
 
 async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateResponse], reply: Reply,

@@ -39,6 +39,13 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               429: "rate_limit_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
+# Anthropic's error types by status (its Messages API answers errors as {"type": "error", "error": {type, message}})
+ANTHROPIC_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                        404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                        503: "overloaded_error", 504: "api_error"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
 class ApiError(Exception):
     """An error answer: HTTP ``status`` and OpenAI's error fields (``type`` follows the status)."""
 
@@ -54,9 +61,17 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        """The whole answer: status, headers and body."""
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """The whole answer: status, headers and body (in Anthropic's shape for its Messages API)."""
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(), status_code=self.status,
+                            headers=self.headers)
+
+    def anthropic_body(self) -> dict:
+        """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}`` (the field at fault named in
+        the message, which has no ``param``)."""
+        where = f" (`{self.param}`)" if self.param and f"`{self.param}`" not in self.message else ""
+        return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPE.get(self.status, "api_error"),
+                                           "message": self.message + where}}
 
 
 def _text(s: str) -> str:
@@ -109,21 +124,25 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 
 def install_handlers(app: FastAPI) -> None:
-    """Answer every error of ``app`` in OpenAI's shape: :class:`ApiError`, bodies that do not parse,
-    Starlette's own (unknown path 404, wrong method 405) and unexpected exceptions (500, logged)."""
+    """Answer every error of ``app`` in OpenAI's shape (Anthropic's under :data:`ANTHROPIC_PATHS`): :class:`ApiError`,
+    bodies that do not parse, Starlette's own (unknown path 404, wrong method 405) and unexpected exceptions (500,
+    logged)."""
+
+    def shaped(request: Request) -> bool:
+        return request.url.path in ANTHROPIC_PATHS
 
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return exc.response(shaped(request))
 
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(shaped(request))
 
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response(shaped(request))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}").response()
+        return ApiError(500, f"internal error: {type(exc).__name__}").response(shaped(request))
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_body)

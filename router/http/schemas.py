@@ -21,7 +21,7 @@ TokenId = Annotated[int, Field(ge=INT64[0], le=INT64[1])]
 Int32 = Annotated[int, Field(ge=INT32[0], le=INT32[1])]
 
 
-def _one_of(description: str) -> WrapValidator:
+def one_of(description: str) -> WrapValidator:
     """One clear error for a union field instead of one per member type."""
     def check(value: Any, handler: Any) -> Any:
         try:
@@ -32,12 +32,12 @@ def _one_of(description: str) -> WrapValidator:
 
 
 Prompt = Annotated[str | list[TokenId] | list[str] | list[list[TokenId]],
-                   _one_of("a string, a list of token ids (64-bit integers), or a list of strings or of "
+                   one_of("a string, a list of token ids (64-bit integers), or a list of strings or of "
                            "token id lists")]
-Stop = Annotated[str | list[str] | None, _one_of("a string or a list of strings")]
+Stop = Annotated[str | list[str] | None, one_of("a string or a list of strings")]
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -72,12 +72,12 @@ def _is_text(s: str) -> bool:
     return True
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None     # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _UnicodeBody(_Strict):
+class UnicodeBody(Strict):
     """A request body whose every string must be Unicode text."""
 
     @model_validator(mode="before")
@@ -91,7 +91,7 @@ class _UnicodeBody(_Strict):
         return data
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     """``response_format.json_schema``: the answer must match ``schema`` (a JSON Schema object)."""
 
     name: str
@@ -100,7 +100,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's ``structured_outputs`` (exactly one key): ``json`` (a JSON Schema, object or text), ``regex``,
     ``choice`` (the answer is one of these strings), ``grammar`` (xgrammar's EBNF, start rule ``root``) or
     ``json_object`` (true: any JSON object). vLLM's ``whitespace_pattern`` and ``structural_tag`` are not
@@ -113,14 +113,14 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or ``json_schema``."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class SamplingBody(_UnicodeBody):
+class SamplingBody(UnicodeBody):
     """The fields both endpoints share: sampling, streaming, the model, and the parameters refused by
     name. The vLLM extensions ``top_k`` (-1 or 0: off), ``min_p``, ``truncate_prompt_tokens``, ``stop_token_ids``,
     ``ignore_eos``, ``repetition_penalty``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``,
@@ -191,7 +191,7 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     """A tool's function: OpenAI's name rule (letters, digits, ``_`` and ``-``, 1 to 64), a JSON Schema of
     its ``parameters``; shown to the model by the chat template as the client wrote it."""
 
@@ -201,34 +201,34 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class CalledFunction(_Strict):
+class CalledFunction(Strict):
     """The function an assistant message called: ``arguments`` is JSON text, as OpenAI sends it."""
 
     name: str
     arguments: str
 
 
-class MessageToolCall(_Strict):
+class MessageToolCall(Strict):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class FunctionName(_Strict):
+class FunctionName(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: FunctionName
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Strict):
     """One message: a ``tool`` message answers the assistant's call ``tool_call_id``; an assistant
     message may carry the ``tool_calls`` it made (its ``content`` then may be null)."""
 
@@ -248,7 +248,7 @@ class ChatCompletionRequest(SamplingBody):
     top_logprobs: Int32 | None = None
     tools: list[Tool] | None = None
     tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | None,
-                           _one_of('"none", "auto", "required" or an object naming a function')
+                           one_of('"none", "auto", "required" or an object naming a function')
                            ] = None
     parallel_tool_calls: bool | None = None
     # vLLM's chat extras (router/http/chat.py): template variables, and a prompt that continues the last message
@@ -263,7 +263,7 @@ class ChatCompletionRequest(SamplingBody):
 
 # OpenAI's Responses API (router/http/responses.py)
 
-class FunctionTool(_Strict):
+class FunctionTool(Strict):
     """A Responses function tool: the chat API's ``function`` object, flat, beside ``type``."""
 
     type: Literal["function"]
@@ -273,12 +273,12 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(Strict):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Strict):
+class TextFormat(Strict):
     """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its ``name`` and ``schema`` flat."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -288,28 +288,28 @@ class TextFormat(_Strict):
     strict: bool | None = None
 
 
-class TextOptions(_Strict):
+class TextOptions(Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class ReasoningOptions(_Strict):
+class ReasoningOptions(Strict):
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class ResponsesStreamOptions(_Strict):
+class ResponsesStreamOptions(Strict):
     include_obfuscation: bool | None = None
 
 
-class ResponsesRequest(_UnicodeBody):
+class ResponsesRequest(UnicodeBody):
     """``POST /v1/responses`` (:mod:`router.http.responses`): ``input`` is a string or a list of items, read
     there. vLLM's sampling extras ``top_k``, ``min_p``,
     ``repetition_penalty``, ``seed``, ``stop``, ``priority`` and ``cache_salt`` are accepted too."""
 
     model: str | None = None
-    input: Annotated[str | list[dict[str, Any]], _one_of("a string or a list of input items")]
+    input: Annotated[str | list[dict[str, Any]], one_of("a string or a list of input items")]
     instructions: str | None = None
     max_output_tokens: Int32 | None = None
     temperature: float | None = None
@@ -318,7 +318,7 @@ class ResponsesRequest(_UnicodeBody):
     stream_options: ResponsesStreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Annotated[Literal["none", "auto", "required"] | FunctionChoice | None,
-                           _one_of('"none", "auto", "required" or an object naming a function')] = None
+                           one_of('"none", "auto", "required" or an object naming a function')] = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
@@ -346,7 +346,7 @@ class ResponsesRequest(_UnicodeBody):
     cache_salt: str | None = None
 
 
-class TokenizeRequest(_UnicodeBody):
+class TokenizeRequest(UnicodeBody):
     """vLLM's ``POST /tokenize``: a ``prompt`` (tokenized as a completions prompt is, BOS included unless
     ``add_special_tokens`` is false) or chat ``messages`` (rendered by the chat template with ``tools``, the
     assistant's turn opened unless ``add_generation_prompt`` is false), exactly one of them."""
@@ -368,7 +368,7 @@ class TokenizeRequest(_UnicodeBody):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """vLLM's ``POST /detokenize``: the text of ``tokens``."""
 
     model: str | None = None
