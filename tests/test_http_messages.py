@@ -65,6 +65,17 @@ def test_text_answer_equals_the_chat_answer(text_api, http_cluster):
     assert got.usage.output_tokens == 12
 
 
+def test_a_last_assistant_message_is_continued(text_api, http_cluster):
+    """Anthropic's prefill: the answer continues the assistant's text, as chat's continue_final_message does."""
+    chat_api = openai.OpenAI(base_url=f"http://{http_cluster.router.http_address}/v1", api_key="unused")
+    turns = [{"role": "user", "content": "Tell me about Lily."}, {"role": "assistant", "content": "Lily was a"}]
+    chat = chat_api.chat.completions.create(model=CHAT_MODEL, max_tokens=8, temperature=0, messages=turns,
+                                            extra_body={"add_generation_prompt": False,
+                                                        "continue_final_message": True})
+    got = text_api.messages.create(model=CHAT_MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=turns)
+    assert got.content[0].text == chat.choices[0].message.content and got.content[0].text
+
+
 def test_streamed_text_adds_up_to_the_whole_answer(text_api):
     kw = dict(model=CHAT_MODEL, max_tokens=10, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Once"}]}])

@@ -5,11 +5,13 @@ A Messages request is read as the chat request it amounts to (:func:`chat_body`)
 message, each message's ``text`` blocks its content, an assistant's ``tool_use`` blocks its ``tool_calls`` and a
 user's ``tool_result`` blocks ``tool`` messages (before the user's text), ``tools`` (``name``, ``description``,
 ``input_schema``) OpenAI's function tools, ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` chat's ``auto``
-/ ``required`` / a named function / ``none``, ``stop_sequences`` ``stop``. The answer comes back as a ``message``
-(:func:`message_object`) whose ``content`` holds a ``thinking`` block (with ``--reasoning-parser``), a ``text``
-block and a ``tool_use`` block per call, with Anthropic's ``stop_reason`` (``end_turn``, ``max_tokens``,
-``stop_sequence``, ``tool_use``) and usage; streams are in :mod:`router.http.anthropic_events`. Errors take
-Anthropic's shape there (:mod:`router.http.errors`), and the key may come as ``x-api-key``.
+/ ``required`` / a named function / ``none``, ``stop_sequences`` ``stop``; a last assistant message with text is
+an answer begun, which the model continues (vLLM's ``continue_final_message``), as Anthropic's prefill does. The
+answer comes back as a ``message`` (:func:`message_object`) whose ``content`` holds a ``thinking`` block (with
+``--reasoning-parser``), a ``text`` block and a ``tool_use`` block per call, with Anthropic's ``stop_reason``
+(``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``) and usage; streams are in
+:mod:`router.http.anthropic_events`. Errors take Anthropic's shape there (:mod:`router.http.errors`), and the key
+may come as ``x-api-key``.
 
 Refused by name: image and document blocks, server tools (``web_search``, ``bash``, ... : a ``type`` other than
 ``custom``), and ``thinking`` budgets are not enforced (a reasoning model thinks as its template lets it).
@@ -93,6 +95,9 @@ def chat_body(body: MessagesRequest) -> ChatCompletionRequest:
     if body.tools:
         fields["tools"] = [_tool(t, i) for i, t in enumerate(body.tools)]
     choice = body.tool_choice
+    last = messages[-1]
+    if last.role == "assistant" and last.content and not last.tool_calls:   # a prefilled answer, continued
+        fields |= {"add_generation_prompt": False, "continue_final_message": True}
     if choice is not None:
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "`tool_choice` of type tool needs the tool's `name`", param="tool_choice.name")
