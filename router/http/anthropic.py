@@ -225,3 +225,9 @@ def content_blocks(chat: dict[str, Any]) -> tuple[list[dict], str, str | None]:
     blocks += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                 "input": json_object(c["function"]["arguments"]) or {}} for c in calls]
     return (blocks, *stop_of(choice["finish_reason"], choice.get("stop_reason"), bool(calls)))
+
+
+def whole_message(message_id: str, model: str, chat: dict[str, Any]) -> dict[str, Any]:
+    """The ``message`` object of a whole chat completion body (one choice)."""
+    content, stop, sequence = content_blocks(chat)
+    return message_object(message_id, model, content, stop, sequence, usage_of(chat["usage"]))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Protocol
 
 import anyio
@@ -50,9 +50,9 @@ from pdserve.router.http.anthropic_events import MessageEvents, message_events
 from pdserve.router.http.chat import chat_prompt, encode_prompt, tokenize_body
 from pdserve.router.http.errors import ANTHROPIC_PATHS, ApiError, from_status, install_handlers
 from pdserve.router.http.mapping import check_supported, generate_request, prompts_of, tool_parser_for
-from pdserve.router.http.reply import Reply, usage
+from pdserve.router.http.reply import Reply
 from pdserve.router.http.response_events import ResponseEvents, response_events
-from pdserve.router.http.responses import chat_body, new_id, now, output_items, response_object
+from pdserve.router.http.responses import chat_body, new_id, now, whole_response
 from pdserve.router.http.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -195,14 +195,23 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         chat = chat_body(body)
         check_model(chat)
         req, reply = await chat_call(chat)
-        return await _respond(backend, request, body, req, reply)
+        response_id, created = new_id("resp"), now()
+        req.request_id = response_id
+        return await _one_choice(backend, request, req, reply, bool(body.stream),
+                                 lambda whole: whole_response(response_id, body, reply.model, created, whole),
+                                 lambda streams, first: response_events(streams, first, reply, ResponseEvents(
+                                     body, reply.model, response_id, created)))
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         chat = anthropic.chat_body(body)
         check_model(chat)
         req, reply = await chat_call(chat)
-        return await _message(backend, request, body, req, reply)
+        message_id = req.request_id = anthropic.new_id()
+        return await _one_choice(backend, request, req, reply, bool(body.stream),
+                                 lambda whole: anthropic.whole_message(message_id, reply.model, whole),
+                                 lambda streams, first: message_events(streams, first, reply, MessageEvents(
+                                     reply.model, message_id)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -281,55 +290,31 @@ async def _answer(backend: Backend, request: Request, body: SamplingBody, reply:
 
 
 def _streams(backend: Backend, request: Request, requests: list[pdserve_pb2.GenerateRequest]) -> ChoiceStreams:
-    """The choices of ``requests`` on the router's own path, with the client's bearer token."""
-    auth = request.headers.get("authorization")
+    """The choices of ``requests`` on the router's own path, with the client's bearer token (an Anthropic
+    client's ``x-api-key`` as one)."""
+    key = request.headers.get("x-api-key") if request.url.path in ANTHROPIC_PATHS else None
+    auth = request.headers.get("authorization") if key is None else f"Bearer {key}"
     metadata = [("authorization", auth)] if auth is not None else []
     return ChoiceStreams([backend.generate(r, None, metadata) for r in requests])
 
 
-async def _respond(backend: Backend, request: Request, body: ResponsesRequest, req: pdserve_pb2.GenerateRequest,
-                   reply: Reply) -> Response:
-    """Run a Responses API request (as the chat request ``req``) and answer: a ``response`` object, or its
-    events (:mod:`router.http.response_events`)."""
-    response_id, created = new_id("resp"), now()
-    req.request_id = response_id
+async def _one_choice(backend: Backend, request: Request, req: pdserve_pb2.GenerateRequest, reply: Reply,
+                      stream: bool, whole: Callable[[dict], dict],
+                      events: Callable[[ChoiceStreams, pdserve_pb2.GenerateResponse], AsyncIterator[dict]]) -> Response:
+    """Run a request of one choice (the Responses and Messages APIs, read as chat requests) and answer:
+    ``whole(the chat completion body reply makes)`` as JSON, or ``events(streams, first message)`` as server-sent
+    events."""
     streams = _streams(backend, request, [req])
     try:
-        if not body.stream:
-            choices = await collect(streams, 1, _disconnect_of(request))
-            items, status = output_items(reply.response(choices))
-            return JSONResponse(response_object(response_id, body, reply.model, created, status, items,
-                                                usage([c.final for c in choices])))
+        if not stream:
+            return JSONResponse(whole(reply.response(await collect(streams, 1, _disconnect_of(request)))))
         first, = await streams.first()
     except GenerateError as exc:
         raise from_status(exc.code, exc.message) from None
     except ClientGone:
         return Response(status_code=499)
-    events = ResponseEvents(body, reply.model, response_id, created)
-    return EventSourceResponse(response_events(streams, first, reply, events), ping=15,
+    return EventSourceResponse(events(streams, first), ping=15,
                                client_close_handler_callable=lambda message: _close(streams))
-
-
-async def _message(backend: Backend, request: Request, body: MessagesRequest, req: pdserve_pb2.GenerateRequest,
-                   reply: Reply) -> Response:
-    """Run a Messages API request (as the chat request ``req``) and answer: a ``message`` object, or its events
-    (:mod:`router.http.anthropic_events`)."""
-    message_id = req.request_id = anthropic.new_id()
-    streams = _streams(backend, request, [req])
-    try:
-        if not body.stream:
-            choices = await collect(streams, 1, _disconnect_of(request))
-            chat = reply.response(choices)
-            content, stop, sequence = anthropic.content_blocks(chat)
-            return JSONResponse(anthropic.message_object(message_id, reply.model, content, stop, sequence,
-                                                         anthropic.usage_of(chat["usage"])))
-        first, = await streams.first()
-    except GenerateError as exc:
-        raise from_status(exc.code, exc.message) from None
-    except ClientGone:
-        return Response(status_code=499)
-    return EventSourceResponse(message_events(streams, first, reply, MessageEvents(reply.model, message_id)),
-                               ping=15, client_close_handler_callable=lambda message: _close(streams))
 
 
 async def _events(streams: ChoiceStreams, firsts: list[pdserve_pb2.GenerateResponse], reply: Reply,

@@ -239,5 +239,11 @@ def output_items(chat: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     return items, "incomplete" if choice["finish_reason"] == "length" else "completed"
 
 
+def whole_response(response_id: str, body: ResponsesRequest, model: str, created: float, chat: dict) -> dict:
+    """The ``response`` object of a whole chat completion body (one choice)."""
+    items, status = output_items(chat)
+    return response_object(response_id, body, model, created, status, items, chat["usage"])
+
+
 def now() -> float:
     return float(int(time.time()))
