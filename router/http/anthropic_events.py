@@ -17,16 +17,13 @@ chat streams are; a block closes when text of another kind starts. An error afte
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
-
-import anyio
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.anthropic import message_object, stop_of, usage_of
 from pdserve.router.http.errors import from_status
-from pdserve.router.http.reply import FINISH_REASON, Reply, stop_reason, usage
-from pdserve.router.http.streams import ChoiceStreams
+from pdserve.router.http.reply import FINISH_REASON, stop_reason
 from pdserve.router.recovery import GenerateError
 
 Event = dict[str, str]
@@ -35,7 +32,7 @@ DELTA = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "tex
 
 
 class MessageEvents:
-    """The events of one streamed message; see the module docstring."""
+    """The events of one streamed message (a :class:`router.http.streams.EventWriter`); see the module docstring."""
 
     def __init__(self, model: str, message_id: str) -> None:
         self.model, self.id = model, message_id
@@ -47,8 +44,8 @@ class MessageEvents:
     def event(kind: str, **fields: Any) -> Event:
         return {"event": kind, "data": json.dumps({"type": kind, **fields})}
 
-    def start(self, prompt_tokens: int) -> Iterator[Event]:
-        usage = usage_of({"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+    def start(self, first: pdserve_pb2.GenerateResponse) -> Iterator[Event]:
+        usage = usage_of({"prompt_tokens": first.prompt_tokens, "completion_tokens": 0,
                           "prompt_tokens_details": {"cached_tokens": 0}})
         yield self.event("message_start", message=message_object(self.id, self.model, [], None, None, usage))
 
@@ -66,15 +63,19 @@ class MessageEvents:
             if piece["function"]["arguments"]:
                 yield from self._write("tool_use", piece["function"]["arguments"])
 
-    def finish(self, final: pdserve_pb2.Final, usage: dict) -> Iterator[Event]:
+    def finish(self, final: pdserve_pb2.Final) -> Iterator[Event]:
         """Close the last block (an empty text block if the answer wrote nothing) and end the message."""
         if self._open is None and self._index < 0:
             yield from self._start({"type": "text", "text": ""})
         yield from self._close()
         reason, sequence = stop_of(FINISH_REASON.get(final.finish_reason), stop_reason(final), bool(self._calls))
         yield self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                         usage={"output_tokens": usage["completion_tokens"]})
+                         usage={"output_tokens": final.usage.completion_tokens})
         yield self.event("message_stop")
+
+    @staticmethod
+    def error(exc: GenerateError) -> Event:
+        return {"event": "error", "data": json.dumps(from_status(exc.code, exc.message).anthropic_body())}
 
     def _write(self, kind: str, text: str) -> Iterator[Event]:
         if self._open != kind:
@@ -96,28 +97,3 @@ class MessageEvents:
                                  delta={"type": "signature_delta", "signature": ""})
             yield self.event("content_block_stop", index=self._index)
             self._open = None
-
-
-async def message_events(streams: ChoiceStreams, first: pdserve_pb2.GenerateResponse, reply: Reply,
-                         events: MessageEvents) -> AsyncIterator[Event]:
-    """The events of a streamed message whose first message the caller has awaited (so that a refusal is an HTTP
-    status); closing it (the client gone) cancels the request."""
-    def of(msg: pdserve_pb2.GenerateResponse) -> Iterator[Event]:
-        end = msg.HasField("final")
-        yield from events.text(*reply.stream_text(0, msg.text, end=end))
-        if end:
-            yield from events.finish(msg.final, usage([msg.final]))
-
-    try:
-        for e in events.start(first.prompt_tokens):
-            yield e
-        for e in of(first):
-            yield e
-        async for _, msg in streams.rest():
-            for e in of(msg):
-                yield e
-    except GenerateError as exc:   # after the first event: an error event, never a silently short answer
-        yield {"event": "error", "data": json.dumps(from_status(exc.code, exc.message).anthropic_body())}
-    finally:
-        with anyio.CancelScope(shield=True):   # runs while the response's task group is being cancelled
-            await streams.aclose()

@@ -46,12 +46,12 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.http import anthropic
 from pdserve.router.http.anthropic import MessagesRequest
-from pdserve.router.http.anthropic_events import MessageEvents, message_events
+from pdserve.router.http.anthropic_events import MessageEvents
 from pdserve.router.http.chat import chat_prompt, encode_prompt, tokenize_body
 from pdserve.router.http.errors import ANTHROPIC_PATHS, ApiError, from_status, install_handlers
 from pdserve.router.http.mapping import check_supported, generate_request, prompts_of, tool_parser_for
 from pdserve.router.http.reply import Reply
-from pdserve.router.http.response_events import ResponseEvents, response_events
+from pdserve.router.http.response_events import ResponseEvents
 from pdserve.router.http.responses import chat_body, new_id, now, whole_response
 from pdserve.router.http.schemas import (
     ChatCompletionRequest,
@@ -61,7 +61,7 @@ from pdserve.router.http.schemas import (
     SamplingBody,
     TokenizeRequest,
 )
-from pdserve.router.http.streams import ChoiceStreams, ClientGone, collect
+from pdserve.router.http.streams import ChoiceStreams, ClientGone, EventWriter, collect, typed_events
 from pdserve.router.recovery import GenerateError
 
 MAX_PROMPTS = 128  # prompts of one completions request (each is a stream of its own)
@@ -199,8 +199,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         req.request_id = response_id
         return await _one_choice(backend, request, req, reply, bool(body.stream),
                                  lambda whole: whole_response(response_id, body, reply.model, created, whole),
-                                 lambda streams, first: response_events(streams, first, reply, ResponseEvents(
-                                     body, reply.model, response_id, created)))
+                                 ResponseEvents(body, reply.model, response_id, created))
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
@@ -210,8 +209,7 @@ def make_app(backend: Backend, model_name: str, chat_template: ChatTemplate | No
         message_id = req.request_id = anthropic.new_id()
         return await _one_choice(backend, request, req, reply, bool(body.stream),
                                  lambda whole: anthropic.whole_message(message_id, reply.model, whole),
-                                 lambda streams, first: message_events(streams, first, reply, MessageEvents(
-                                     reply.model, message_id)))
+                                 MessageEvents(reply.model, message_id))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -299,11 +297,10 @@ def _streams(backend: Backend, request: Request, requests: list[pdserve_pb2.Gene
 
 
 async def _one_choice(backend: Backend, request: Request, req: pdserve_pb2.GenerateRequest, reply: Reply,
-                      stream: bool, whole: Callable[[dict], dict],
-                      events: Callable[[ChoiceStreams, pdserve_pb2.GenerateResponse], AsyncIterator[dict]]) -> Response:
+                      stream: bool, whole: Callable[[dict], dict], writer: EventWriter) -> Response:
     """Run a request of one choice (the Responses and Messages APIs, read as chat requests) and answer:
-    ``whole(the chat completion body reply makes)`` as JSON, or ``events(streams, first message)`` as server-sent
-    events."""
+    ``whole(the chat completion body reply makes)`` as JSON, or ``writer``'s server-sent events
+    (:func:`router.http.streams.typed_events`)."""
     streams = _streams(backend, request, [req])
     try:
         if not stream:
@@ -313,7 +310,7 @@ async def _one_choice(backend: Backend, request: Request, req: pdserve_pb2.Gener
         raise from_status(exc.code, exc.message) from None
     except ClientGone:
         return Response(status_code=499)
-    return EventSourceResponse(events(streams, first), ping=15,
+    return EventSourceResponse(typed_events(streams, first, reply, writer), ping=15,
                                client_close_handler_callable=lambda message: _close(streams))
 
 

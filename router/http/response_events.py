@@ -18,14 +18,12 @@ chat streams are; an item closes when text of another kind starts. An error afte
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
-
-import anyio
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.http.errors import from_status
-from pdserve.router.http.reply import Reply, usage
+from pdserve.router.http.reply import usage
 from pdserve.router.http.responses import (
     call_item,
     message_item,
@@ -35,14 +33,14 @@ from pdserve.router.http.responses import (
     response_object,
 )
 from pdserve.router.http.schemas import ResponsesRequest
-from pdserve.router.http.streams import ChoiceStreams
 from pdserve.router.recovery import GenerateError
 
 Event = dict[str, str]
 
 
 class ResponseEvents:
-    """The events of one streamed response (one choice); see the module docstring."""
+    """The events of one streamed response (a :class:`router.http.streams.EventWriter`); see the module
+    docstring."""
 
     def __init__(self, body: ResponsesRequest, model: str, response_id: str, created: float) -> None:
         self.body, self.model, self.id, self.created = body, model, response_id, created
@@ -56,7 +54,7 @@ class ResponseEvents:
         self._seq += 1
         return {"event": kind, "data": json.dumps(data)}
 
-    def start(self) -> Iterator[Event]:
+    def start(self, first: pdserve_pb2.GenerateResponse) -> Iterator[Event]:
         empty = response_object(self.id, self.body, self.model, self.created, "in_progress", [])
         yield self.event("response.created", response=empty)
         yield self.event("response.in_progress", response=empty)
@@ -83,6 +81,10 @@ class ResponseEvents:
         status = "incomplete" if final.finish_reason == pdserve_pb2.FINISH_REASON_LENGTH else "completed"
         whole = response_object(self.id, self.body, self.model, self.created, status, self.items, usage([final]))
         yield self.event("response.completed" if status == "completed" else "response.incomplete", response=whole)
+
+    def error(self, exc: GenerateError) -> Event:
+        error = from_status(exc.code, exc.message).body()["error"]
+        return self.event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
 
     def _write(self, kind: str, text: str) -> Iterator[Event]:
         if not text and kind != "call":
@@ -133,29 +135,3 @@ class ResponseEvents:
             return call_item(item["call_id"], item["name"], item["text"], status, item["id"])
         make = reasoning_item if item["kind"] == "reasoning" else message_item
         return make(item["text"], status, item["id"])
-
-
-async def response_events(streams: ChoiceStreams, first: pdserve_pb2.GenerateResponse, reply: Reply,
-                          events: ResponseEvents) -> AsyncIterator[Event]:
-    """The events of a streamed response whose first message the caller has awaited (so that a refusal is an
-    HTTP status); closing it (the client gone) cancels the request."""
-    def of(msg: pdserve_pb2.GenerateResponse) -> Iterator[Event]:
-        end = msg.HasField("final")
-        yield from events.text(*reply.stream_text(0, msg.text, end=end))
-        if end:
-            yield from events.finish(msg.final)
-
-    try:
-        for e in events.start():
-            yield e
-        for e in of(first):
-            yield e
-        async for _, msg in streams.rest():
-            for e in of(msg):
-                yield e
-    except GenerateError as exc:   # after the first event: an error event, never a silently short answer
-        error = from_status(exc.code, exc.message).body()["error"]
-        yield events.event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
-    finally:
-        with anyio.CancelScope(shield=True):   # runs while the response's task group is being cancelled
-            await streams.aclose()

@@ -14,12 +14,14 @@ client disconnects.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Protocol
 
 import anyio
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.http.reply import Choice
+from pdserve.router.http.reply import Choice, Reply
+from pdserve.router.recovery import GenerateError
 
 Message = pdserve_pb2.GenerateResponse
 
@@ -149,3 +151,44 @@ async def collect(streams: ChoiceStreams, num_choices: int, disconnected: Callab
             t.cancel()
         await asyncio.gather(work, gone, return_exceptions=True)
         await streams.aclose()
+
+
+class EventWriter(Protocol):
+    """The typed server-sent events of one streamed answer (the Responses and Messages APIs), each a
+    ``{"event", "data"}`` dict."""
+
+    def start(self, first: Message) -> Iterator[dict]:
+        """The events before any text (``first``: the answer's first message, with the prompt's length)."""
+
+    def text(self, reasoning: str, content: str, calls: list[dict]) -> Iterator[dict]:
+        """The events of one message's pieces, as :meth:`Reply.stream_text` split them."""
+
+    def finish(self, final: pdserve_pb2.Final) -> Iterator[dict]:
+        """The closing events."""
+
+    def error(self, exc: GenerateError) -> dict:
+        """The error event of a failure after the first event."""
+
+
+async def typed_events(streams: ChoiceStreams, first: Message, reply: Reply, writer: EventWriter
+                       ) -> AsyncIterator[dict]:
+    """The events of a streamed one-choice answer whose first message the caller has awaited (so that a refusal
+    is an HTTP status): ``writer``'s, over the text ``reply``'s parsers split; an error after the first event is
+    ``writer``'s error event, and the stream ends there. Closing it (the client gone) cancels the request."""
+    def of(msg: Message) -> Iterator[dict]:
+        end = msg.HasField("final")
+        yield from writer.text(*reply.stream_text(0, msg.text, end=end))
+        if end:
+            yield from writer.finish(msg.final)
+
+    try:
+        for e in (*writer.start(first), *of(first)):
+            yield e
+        async for _, msg in streams.rest():
+            for e in of(msg):
+                yield e
+    except GenerateError as exc:   # never a silently short answer
+        yield writer.error(exc)
+    finally:
+        with anyio.CancelScope(shield=True):   # runs while the response's task group is being cancelled
+            await streams.aclose()
