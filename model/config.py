@@ -22,7 +22,8 @@ class ModelConfig:
     derives them from ``config.json``:
 
     Attributes:
-        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``granite``, ``qwen3_moe`` or ``mixtral``.
+        model_type: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``granite``, ``qwen3_moe``, ``mixtral``
+            or ``qwen2_moe``.
         qkv_bias: the q, k and v projections have biases (Qwen2; Llama/Qwen3 with ``attention_bias``).
         o_proj_bias: the output projection has a bias (Llama/Qwen3 with ``attention_bias``).
         mlp_bias: gate, up and down projections have biases (Llama's ``mlp_bias``).
@@ -40,6 +41,8 @@ class ModelConfig:
         norm_topk_prob: the top-k routing probabilities are renormalized to sum to 1.
         moe_weights_in_float: the routing weights stay float32 (Mixtral's), else they are rounded to the model's
             dtype first (Qwen3-MoE's).
+        shared_expert_intermediate_size: Qwen2-MoE's shared expert, which every token runs beside its routed ones,
+            gated by ``sigmoid(shared_expert_gate(x))`` (0: none).
         max_model_len: the context served, in tokens (prompt and output together): vLLM's ``--max-model-len``,
             at most ``max_position_embeddings``; 0 (the default) resolves to ``max_position_embeddings``.
             Every context bound of the serving path reads this one (requests refused beyond it, KV block tables
@@ -79,6 +82,7 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     norm_topk_prob: bool = False
     moe_weights_in_float: bool = False
+    shared_expert_intermediate_size: int = 0
     max_model_len: int = 0
 
     def __post_init__(self) -> None:

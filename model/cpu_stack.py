@@ -45,7 +45,9 @@ def _linear_spec(module: torch.nn.Module) -> LinearSpec | None:
 
 def _moe_spec(block) -> MoeSpec | None:
     """A mixture's :class:`MoeSpec` (:class:`model.moe.SparseMoeBlock`), or None unless its router and every
-    expert's projections are on the C kernels."""
+    expert's projections are on the C kernels and it has no shared expert (Qwen2-MoE's runs per operation)."""
+    if block.shared_expert is not None:
+        return None
     router = _linear_spec(block.gate)
     gate_up = tuple(_linear_spec(e.gate_up_proj) for e in block.experts)
     down = tuple(_linear_spec(e.down_proj) for e in block.experts)

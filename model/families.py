@@ -12,6 +12,7 @@ which is the reference for token-exact output::
     phi3        none                                       no        hidden / heads      sliding_window, all layers
     granite     q, k, v, o: attention_bias; MLP: mlp_bias  no        hidden / heads      none
     qwen3_moe   as qwen3                                   yes       128                 see below
+    qwen2_moe   q, k, v: qkv_bias (default on)             no        hidden / heads      see below
     mixtral     none                                       no        hidden / heads      sliding_window, all layers
 
     Phi-3 / Phi-4 checkpoints (``Phi3ForCausalLM``) store the projections fused as ours are, ``qkv_proj``
@@ -29,7 +30,9 @@ which is the reference for token-exact output::
     ``norm_topk_prob``, then rounded to the model's dtype) and Mixtral (``MixtralForCausalLM``: ``num_local_experts``
     experts of ``intermediate_size`` on every layer, the top-k probabilities always renormalized and kept in
     float32; its checkpoints name the block ``block_sparse_moe`` and the experts' gate, down and up projections
-    ``w1``, ``w2``, ``w3``).
+    ``w1``, ``w2``, ``w3``) and Qwen2-MoE (``Qwen2MoeForCausalLM``, Qwen1.5-MoE, Qwen2-57B-A14B: Qwen3-MoE's routing
+    and layers plus a shared expert of ``shared_expert_intermediate_size`` that every token runs, its output times
+    ``sigmoid(shared_expert_gate(x))``).
 
     Qwen sliding window: only with use_sliding_window, on the layers layer_types marks
     "sliding_attention", else on layers >= max_window_layers.
@@ -51,11 +54,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "qwen3_moe", "mixtral", "qwen2_moe")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 MULTIPLIERS = ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling")
 HIDDEN_ACTS = ("silu", "swish")              # transformers' ACT2FN maps both to SiLU
 ROPE_TYPES = {"default": (), "linear": ("factor",),
@@ -87,6 +91,7 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
         "granite": (attention_bias, attention_bias, flag(raw, "mlp_bias"), False),
         "qwen3_moe": (attention_bias, attention_bias, False, True),
         "mixtral": (False, False, False, False),
+        "qwen2_moe": (flag(raw, "qkv_bias", True), False, False, False),
     }[model_type]
     return dict(zip(("qkv_bias", "o_proj_bias", "mlp_bias", "qk_norm"), options),
                 head_dim=int(raw.get("head_dim") or default_head_dim))
@@ -95,7 +100,8 @@ def family_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
 def moe_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts options of a :data:`MOE_FAMILIES` config (``{}`` for the others): ``num_experts``,
     ``num_experts_per_tok``, ``moe_intermediate_size``, ``moe_layers`` (the sparse layers' indices),
-    ``norm_topk_prob`` and ``moe_weights_in_float`` (see the module docstring).
+    ``norm_topk_prob``, ``moe_weights_in_float`` and ``shared_expert_intermediate_size`` (0: none; see the module
+    docstring).
 
     Raises:
         ValueError: a non-positive expert count or size, or more experts per token than experts.
@@ -115,8 +121,10 @@ def moe_options(model_type: str, raw: dict[str, Any]) -> dict[str, Any]:
     if experts <= 0 or size <= 0 or not 0 < top_k <= experts:
         raise ValueError(f"config.json needs num_experts > 0, num_experts_per_tok in [1, num_experts] and a positive "
                          f"expert size; got {experts} experts, {top_k} per token, size {size}")
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=size,
-                moe_layers=tuple(sparse), norm_topk_prob=renorm, moe_weights_in_float=model_type == "mixtral")
+                moe_layers=tuple(sparse), norm_topk_prob=renorm, moe_weights_in_float=model_type == "mixtral",
+                shared_expert_intermediate_size=shared)
 
 
 def multipliers(model_type: str, raw: dict[str, Any]) -> dict[str, float]:
@@ -206,7 +214,8 @@ def sliding_window(model_type: str, raw: dict[str, Any]) -> tuple[int | None, li
     window = raw.get("sliding_window")
     if model_type in ("mistral", "phi3", "mixtral"):
         return (int(window), list(range(num_layers))) if window is not None else (None, [])
-    if model_type not in ("qwen2", "qwen3", "qwen3_moe") or not raw.get("use_sliding_window") or window is None:
+    if model_type not in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe") or not raw.get("use_sliding_window") \
+            or window is None:
         return None, []
     types = raw.get("layer_types")
     if types:

@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral), as their ``transformers`` modeling code
-computes them (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``; Shazeer et al. 2017, Jiang et al. 2024)::
+"""Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE, Mixtral, Qwen2-MoE), as their ``transformers`` modeling
+code computes them (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``, ``Qwen2MoeSparseMoeBlock``; Shazeer et
+al. 2017, Jiang et al. 2024)::
 
     logits = x @ gate^T                      [tokens, experts], in the model's dtype
     p = softmax(logits) in float32;  w, e = top-k(p)          (renormalized: w / sum(w), where the family does)
@@ -10,7 +11,9 @@ it, its output times the routing weight (rounded to the model's dtype first, or 
 into ``y`` expert by expert, as ``transformers`` adds them (``index_add_``): float32 outputs equal its to rounding.
 The router and the experts' projections are ordinary linears, so the CPU path packs them for the C GEMM/GEMV
 kernels as it packs the dense ones, and decode steps run a mixture inside the one-call C stack
-(``decode_stack.c: moe_mlp``, :mod:`model.cpu_stack`), bit-identical to this module's path on the same kernels.
+(``decode_stack.c: moe_mlp``, :mod:`model.cpu_stack`), bit-identical to this module's path on the same kernels;
+Qwen2-MoE's shared expert (``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` added last) keeps its mixtures
+on the per-operation path.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class SparseMoeBlock(nn.Module):
                                                             cfg.moe_weights_in_float)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(expert(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_expert = self.shared_expert_gate = None            # Qwen2-MoE's: every token runs it
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = expert(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor, cpu_kernels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)``, each ``[tokens, top_k]``: the routing weights (float32 or ``x``'s dtype) and
@@ -61,6 +68,8 @@ class SparseMoeBlock(nn.Module):
             tokens, slot = torch.where(experts == e)
             y = self.experts[e](x[tokens], cpu_kernels) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared_expert is not None:       # transformers' order: the routed sum, then the gated shared one
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, cpu_kernels)
         return out
 
 

@@ -10,6 +10,7 @@ model classes (so the checkpoint format is the reference's, not ours), for the f
     granite       64  4 x 16                    2           112  tied     all biases; the four multipliers != 1
     qwen3_moe     64  4 x 16                    2     6 x 48 (80) untied  top-2 of 6 experts renormalized; layer 1 dense
     mixtral       64  4 x 16                    2        4 x 56  untied   top-2 of 4 experts
+    qwen2_moe     64  4 x 16                    2     5 x 40 (+72) untied q/k/v biases; top-2 of 5 and a shared expert
 
 Every model: 2 layers, vocab 1000, 256 positions, BOS 1, EOS 2, the embedded model's tokenizer.
 Weights N(0, 0.15) (larger than transformers' init, so greedy output is not flat), biases N(0, 0.3),
@@ -46,6 +47,9 @@ SHAPES = {
     "qwen3_moe": dict(_COMMON, hidden_size=64, intermediate_size=80, moe_intermediate_size=48, num_experts=6,
                       num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, tie_word_embeddings=False, rope_theta=1e6, mlp_only_layers=[1]),
+    "qwen2_moe": dict(_COMMON, hidden_size=64, intermediate_size=80, moe_intermediate_size=40, num_experts=5,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=72, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6),
     "mixtral": dict(_COMMON, hidden_size=64, intermediate_size=56, num_local_experts=4, num_experts_per_tok=2,
                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6,
                     sliding_window=None),

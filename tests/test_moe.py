@@ -33,6 +33,7 @@ VARIANTS = {  # name -> (family, overrides)
     "qwen3_moe-raw-top3": ("qwen3_moe", dict(norm_topk_prob=False, num_experts_per_tok=3, mlp_only_layers=[])),
     "qwen3_moe-sparse-step-2": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[])),
     "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),                                   # a shared expert beside top-2 of 5
 }
 
 
@@ -50,7 +51,7 @@ def _runner(path, dtype=torch.float32, block_size=4):
 def test_the_sparse_layers_follow_the_config(checkpoints):
     layers = {name: ModelConfig.from_hf_dir(path).moe_layers for name, path in checkpoints.items()}
     assert layers == {"qwen3_moe": (0,), "qwen3_moe-raw-top3": (0, 1), "qwen3_moe-sparse-step-2": (1,),
-                      "mixtral": (0, 1)}
+                      "mixtral": (0, 1), "qwen2_moe": (0, 1)}
     model, cfg = load_model(checkpoints["qwen3_moe"])
     assert isinstance(model.layers[0].mlp, SparseMoeBlock) and not isinstance(model.layers[1].mlp, SparseMoeBlock)
     assert len(model.layers[0].mlp.experts) == 6 and model.layers[0].mlp.experts[0].intermediate == 48
@@ -67,17 +68,17 @@ def test_prefill_logits_match_transformers(checkpoints, variant):
     torch.testing.assert_close(logits, ref, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints, variant):
     check_chunked_prefill_and_decode(_runner(checkpoints[variant], block_size=5)[0], seed=3)
 
 
 @pytest.mark.skipif(not packed_bf16_available(), reason="needs the packed bf16 kernels (AVX-512 or AVX2)")
-@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_bf16_decode_steps_run_the_mixture_in_the_one_call_stack(checkpoints, variant):
     """Router and experts packed, decode steps of three sequences in the one-call C stack (decode_stack.c:
     moe_mlp; Qwen3-MoE's dense layer beside a sparse one): bit-identical to the per-operation path on the same
-    kernels, and within bf16 rounding of the float32 model."""
+    kernels, and within bf16 rounding of the float32 model. Qwen2-MoE's shared expert keeps it per operation."""
     path = checkpoints[variant]
     stacked, per_op, ref = (_runner(path, dtype, 5)[0] for dtype in (torch.bfloat16, torch.bfloat16, torch.float32))
     for r in (stacked, per_op):
@@ -86,7 +87,7 @@ def test_bf16_decode_steps_run_the_mixture_in_the_one_call_stack(checkpoints, va
     block = stacked.model.layers[0].mlp
     assert type(block.gate) is PackedBF16Linear and all(
         type(e.gate_up_proj) is PackedBF16Linear and type(e.down_proj) is PackedBF16Linear for e in block.experts)
-    assert build_decode_stack(stacked.model) is not None
+    assert (build_decode_stack(stacked.model) is None) == (variant == "qwen2_moe")
     prompts = [random_prompt(n, seed=70 + n) for n in (20, 9, 14)]
     tables = [[3, 1, 8, 9, 0], [11, 12], [20, 21, 22, 23]]
     for r in (stacked, per_op, ref):
@@ -97,7 +98,7 @@ def test_bf16_decode_steps_run_the_mixture_in_the_one_call_stack(checkpoints, va
     torch.testing.assert_close(steps[0].float(), steps[2], rtol=0, atol=0.15)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
 def cluster(request, checkpoints, redis_url):
     c = Cluster(checkpoints[request.param], redis_url, block_size=5, prefill_flags={"max_num_batched_tokens": 8},
                 decode_flags={"speculative": "ngram", "spec_k": 3, "spec_adaptive": "false", "spec_max_batch_size": 8})
