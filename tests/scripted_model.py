@@ -108,3 +108,19 @@ def json_capable_model(out: Path, template: str | None = None) -> Path:
         tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
         (out / "tokenizer_config.json").write_text(json.dumps({**tok_cfg, "chat_template": template}, indent=2))
     return out
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+THOUGHT = "The user wants the weather."
+THINKING_ANSWER = ["<think>", THOUGHT, "</think>", "Checking.", "<tool_call>", CALL, "</tool_call>"]
+
+
+def thinking_cluster(redis_url: str, out: Path):
+    """A cluster (tests.conftest.Cluster) serving at ``out`` a scripted checkpoint whose answer thinks, says
+    "Checking." and calls ``get_weather`` for Paris (:data:`THINKING_ANSWER`), behind a router that serves HTTP
+    with ``--reasoning-parser qwen3 --tool-call-parser hermes``."""
+    from tests.conftest import Cluster
+
+    path = scripted_chat_model(out, THINKING_ANSWER)
+    return Cluster(str(path), redis_url, router_flags={"http_port": 0, "tool_call_parser": "hermes",
+                                                       "reasoning_parser": "qwen3"})

@@ -13,15 +13,12 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import CHAT_MODEL, Cluster, spawn_role
+from tests.conftest import CHAT_MODEL, spawn_role
 from tests.http_helpers import raw
-from tests.scripted_model import scripted_chat_model
+from tests.scripted_model import THOUGHT, thinking_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
-CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-THOUGHT = "The user wants the weather."
-ANSWER = ["<think>", THOUGHT, "</think>", "Checking.", "<tool_call>", CALL, "</tool_call>"]
 MODEL, TOKEN = "thinker", "messages-test-token"
 WEATHER = {"name": "get_weather", "description": "The weather in a city now.", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -37,9 +34,7 @@ def text_api(http_cluster):
 
 @pytest.fixture(scope="module")
 def thinker(redis_url, tmp_path_factory):
-    path = scripted_chat_model(tmp_path_factory.mktemp("messages") / MODEL, ANSWER)
-    c = Cluster(str(path), redis_url, router_flags={"http_port": 0, "tool_call_parser": "hermes",
-                                                    "reasoning_parser": "qwen3"})
+    c = thinking_cluster(redis_url, tmp_path_factory.mktemp("messages") / MODEL)
     yield c
     c.stop()
 

@@ -11,15 +11,12 @@ import json
 import openai
 import pytest
 
-from tests.conftest import CHAT_MODEL, Cluster
+from tests.conftest import CHAT_MODEL
 from tests.http_helpers import raw
-from tests.scripted_model import scripted_chat_model
+from tests.scripted_model import THOUGHT, thinking_cluster
 
 pytestmark = pytest.mark.timeout(180)
 
-CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-THOUGHT = "The user wants the weather."
-ANSWER = ["<think>", THOUGHT, "</think>", "Checking.", "<tool_call>", CALL, "</tool_call>"]
 MODEL = "thinker"
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -34,9 +31,7 @@ def text_api(http_cluster):
 
 @pytest.fixture(scope="module")
 def thinker(redis_url, tmp_path_factory):
-    path = scripted_chat_model(tmp_path_factory.mktemp("responses") / MODEL, ANSWER)
-    c = Cluster(str(path), redis_url, router_flags={"http_port": 0, "tool_call_parser": "hermes",
-                                                    "reasoning_parser": "qwen3"})
+    c = thinking_cluster(redis_url, tmp_path_factory.mktemp("responses") / MODEL)
     yield c
     c.stop()
 
