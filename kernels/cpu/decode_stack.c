@@ -165,35 +165,29 @@ static void *carve(char **p, size_t bytes) {            /* 64-byte aligned slice
  * probabilities into w [n, top_k] (divided by their sum if renorm; rounded to bf16 if round_bf16). torch's
  * softmax / topk compute the same up to an ulp of the softmax; model/moe.py routes decode steps here too,
  * so the stack and the per-operation path pick the same experts with the same weights. Returns 0, -1 for
- * top_k outside [1, min(E, 64)]. */
+ * top_k outside [1, min(E, 64)], -2 when its scratch memory is short. */
 int pd_moe_route(const void *logits, int64_t n, int64_t E, int64_t top_k, int renorm, int round_bf16, int bf16,
                  int32_t *idx, float *w) {
     if (top_k < 1 || top_k > E || top_k > 64) return -1;
+    float *prob = malloc(4 * (size_t)E);           /* one row's softmax; a chosen expert's set to -1 */
+    if (!prob) return -2;
     for (int64_t r = 0; r < n; r++) {
         float mx = -INFINITY, sum = 0.f, p[64];
         int32_t *ir = idx + r * top_k;
         float *wr = w + r * top_k;
         for (int64_t j = 0; j < E; j++) {
-            const float v = bf16 ? bf16_to_f32(((const uint16_t *)logits)[r * E + j]) : ((const float *)logits)[r * E + j];
-            mx = v > mx ? v : mx;
+            prob[j] = bf16 ? bf16_to_f32(((const uint16_t *)logits)[r * E + j]) : ((const float *)logits)[r * E + j];
+            mx = prob[j] > mx ? prob[j] : mx;
         }
-        for (int64_t j = 0; j < E; j++) {
-            const float v = bf16 ? bf16_to_f32(((const uint16_t *)logits)[r * E + j]) : ((const float *)logits)[r * E + j];
-            sum += expf(v - mx);
-        }
-        for (int64_t t = 0; t < top_k; t++) {         /* top_k passes: E and k are small */
+        for (int64_t j = 0; j < E; j++) sum += expf(prob[j] - mx);
+        for (int64_t j = 0; j < E; j++) prob[j] = expf(prob[j] - mx) / sum;
+        for (int64_t t = 0; t < top_k; t++) {         /* top_k passes: k is small */
             int32_t best = -1;
             float bv = -1.f;
-            for (int64_t j = 0; j < E; j++) {
-                int taken = 0;
-                for (int64_t u = 0; u < t; u++) taken |= ir[u] == j;
-                if (taken) continue;
-                const float v = bf16 ? bf16_to_f32(((const uint16_t *)logits)[r * E + j])
-                                     : ((const float *)logits)[r * E + j];
-                const float pj = expf(v - mx) / sum;
-                if (pj > bv) bv = pj, best = (int32_t)j;
-            }
+            for (int64_t j = 0; j < E; j++)
+                if (prob[j] > bv) bv = prob[j], best = (int32_t)j;
             ir[t] = best, p[t] = bv;
+            if (best >= 0) prob[best] = -1.f;
         }
         float s = 0.f;
         for (int64_t t = 0; t < top_k; t++) s += p[t];
@@ -202,6 +196,7 @@ int pd_moe_route(const void *logits, int64_t n, int64_t E, int64_t top_k, int re
             wr[t] = round_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v;
         }
     }
+    free(prob);
     return 0;
 }
 
@@ -222,7 +217,8 @@ static int moe_mlp(const Model *m, const Moe *me, const void *h, void *out, int6
     void *xs = carve(&p, e * hidden * n), *gu = carve(&p, e * 2 * I * n), *act = carve(&p, e * I * n);
     void *y = carve(&p, e * hidden * n);
     int rc = linear(m, &me->router, h, rl, n);
-    if (!rc) rc = pd_moe_route(rl, n, (int64_t)E, k, me->renorm, m->bf16 && !me->float_weights, m->bf16, idx, w);
+    if (!rc && pd_moe_route(rl, n, (int64_t)E, k, me->renorm, m->bf16 && !me->float_weights, m->bf16, idx, w))
+        rc = -1;                                     /* top_k was checked when the stack was built: memory */
     memset(out, 0, e * hidden * n);
     for (int64_t ex = 0; !rc && ex < (int64_t)E; ex++) {
         int64_t cnt = 0;

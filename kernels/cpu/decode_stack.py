@@ -100,6 +100,7 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, round_bf16: b
     Raises:
         ValueError: another layout or dtype, or ``top_k`` outside ``[1, min(experts, 64)]``.
         KernelUnavailable: the library cannot be built here.
+        MemoryError: the kernel's scratch memory could not be allocated.
     """
     n, experts = logits.shape
     if logits.dtype not in (torch.bfloat16, torch.float32) or not logits.is_contiguous() \
@@ -109,8 +110,9 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, round_bf16: b
     weights, idx = torch.empty(n, top_k, dtype=torch.float32), torch.empty(n, top_k, dtype=torch.int32)
     fn = library("decode_stack").pd_moe_route
     fn.argtypes, fn.restype = [_p, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _p, _p], ctypes.c_int
-    fn(logits.data_ptr(), n, experts, top_k, int(renormalize), int(round_bf16), int(logits.dtype == torch.bfloat16),
-       idx.data_ptr(), weights.data_ptr())
+    if fn(logits.data_ptr(), n, experts, top_k, int(renormalize), int(round_bf16),
+          int(logits.dtype == torch.bfloat16), idx.data_ptr(), weights.data_ptr()):
+        raise MemoryError("moe_route: its scratch memory could not be allocated")
     return weights, idx.long()
 
 
