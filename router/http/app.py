@@ -86,7 +86,9 @@ class Backend(Protocol):
 
 class Guard:
     """ASGI middleware in front of the routes: under ``/v1/``, the bearer token (401 in OpenAI's shape,
-    before the body is read) and the body size (413 beyond ``max_body_bytes``, declared or streamed)."""
+    before the body is read) and the body size (413 beyond ``max_body_bytes``, declared or streamed). On
+    Anthropic's paths an ``x-api-key`` header (what its SDKs send) stands for ``Authorization: Bearer <key>``, here
+    and for the routes behind (the request's headers are rewritten so)."""
 
     def __init__(self, app: ASGIApp, tokens: Sequence[str], max_body_bytes: int) -> None:
         self.app, self._tokens, self._max = app, [t.encode() for t in tokens], max_body_bytes
@@ -95,9 +97,12 @@ class Guard:
         if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
-        anthropic = scope["path"] in ANTHROPIC_PATHS      # its SDKs send the key as x-api-key
-        key = headers.get("x-api-key")
-        error = self._check_token(b"Bearer " + key if anthropic and key is not None else headers.get("authorization"))
+        anthropic = scope["path"] in ANTHROPIC_PATHS
+        if anthropic and "x-api-key" in headers:
+            headers["authorization"] = b"Bearer " + headers["x-api-key"]
+            scope = {**scope, "headers": [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"authorization"]
+                     + [(b"authorization", headers["authorization"])]}
+        error = self._check_token(headers.get("authorization"))
         if error is not None:
             return await ApiError(401, error, code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"}).response(anthropic)(scope, receive, send)
@@ -288,10 +293,9 @@ async def _answer(backend: Backend, request: Request, body: SamplingBody, reply:
 
 
 def _streams(backend: Backend, request: Request, requests: list[pdserve_pb2.GenerateRequest]) -> ChoiceStreams:
-    """The choices of ``requests`` on the router's own path, with the client's bearer token (an Anthropic
-    client's ``x-api-key`` as one)."""
-    key = request.headers.get("x-api-key") if request.url.path in ANTHROPIC_PATHS else None
-    auth = request.headers.get("authorization") if key is None else f"Bearer {key}"
+    """The choices of ``requests`` on the router's own path, with the client's bearer token (:class:`Guard` has
+    made an Anthropic client's ``x-api-key`` one)."""
+    auth = request.headers.get("authorization")
     metadata = [("authorization", auth)] if auth is not None else []
     return ChoiceStreams([backend.generate(r, None, metadata) for r in requests])
 
