@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from pdserve.model.tool_calls import json_object
-from pdserve.router.http.errors import ApiError
+from pdserve.router.http.errors import ApiError, validate_part
 from pdserve.router.http.schemas import (
     CalledFunction,
     ChatCompletionRequest,
@@ -113,10 +113,7 @@ def _tool(tool: dict[str, Any], i: int) -> Tool:
     if tool.get("type") not in (None, "custom"):
         raise ApiError(400, f"only custom tools (name, description, input_schema) are served, got type "
                             f"`{tool.get('type')}`", param=f"tools.{i}.type")
-    try:
-        t = AnthropicTool.model_validate(tool)
-    except ValueError as exc:
-        raise ApiError(400, f"`tools.{i}`: {str(exc).splitlines()[0]} ({exc})", param=f"tools.{i}") from None
+    t = validate_part(AnthropicTool, tool, f"tools.{i}")
     given = {"name": t.name, "parameters": t.input_schema} | ({"description": t.description} if t.description else {})
     return Tool(type="function", function=FunctionDefinition(**given))
 

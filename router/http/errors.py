@@ -11,12 +11,16 @@ from __future__ import annotations
 import logging
 import math
 import re
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,20 @@ def from_status(code: grpc.StatusCode, message: str) -> ApiError:
         hint = _HINT.search(message)
         headers["Retry-After"] = str(max(1, math.ceil(float(hint.group(1)))) if hint else RETRY_AFTER_S)
     return ApiError(status, message, code=code.name.lower(), headers=headers)
+
+
+def validate_part(model: type[ModelT], value: Any, where: str) -> ModelT:
+    """``value`` (a part of a body the route reads itself, e.g. ``tools.2``) as ``model``.
+
+    Raises:
+        ApiError: 400 naming the first field that does not parse (``tools.2.name``) and pydantic's complaint.
+    """
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        at = ".".join([where, *(str(p) for p in err["loc"])])
+        raise ApiError(400, f"`{at}`: {err['msg']}", param=at) from None
 
 
 def _field(loc: tuple) -> str:

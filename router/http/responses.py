@@ -21,9 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
-
-from pdserve.router.http.errors import ApiError
+from pdserve.router.http.errors import ApiError, validate_part
 from pdserve.router.http.schemas import (
     CalledFunction,
     ChatCompletionRequest,
@@ -98,17 +96,8 @@ def _tool(tool: dict[str, Any], i: int) -> Tool:
     if tool.get("type") != "function":
         raise ApiError(400, f"only function tools are served, got type `{tool.get('type')}`", param=f"tools.{i}.type",
                        code="unsupported_parameter")
-    t = _parse(FunctionTool, tool, f"tools.{i}")    # the fields the client gave only: the template shows them
+    t = validate_part(FunctionTool, tool, f"tools.{i}")    # the fields the client gave only: the template shows them
     return Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude_unset=True, exclude={"type"})))
-
-
-def _parse(model: type[FunctionTool], value: dict[str, Any], where: str) -> FunctionTool:
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        at = ".".join([where, *(str(p) for p in err["loc"])])
-        raise ApiError(400, f"`{at}`: {err['msg']}", param=at) from None
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
