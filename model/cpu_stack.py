@@ -65,14 +65,14 @@ def build_decode_stack(model) -> DecodeStack | None:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         sparse = hasattr(mlp, "experts")             # a mixture of experts (model.moe)
-        moe = _moe_spec(mlp) if sparse else None
-        linears = [_linear_spec(m) for m in (attn.qkv_proj, attn.o_proj)]
-        linears += [None, None] if sparse else [_linear_spec(mlp.gate_up_proj), _linear_spec(mlp.down_proj)]
-        if (sparse and moe is None) or None in linears[:2] or (not sparse and None in linears[2:]):
+        attention = [_linear_spec(attn.qkv_proj), _linear_spec(attn.o_proj)]
+        ffn = [_moe_spec(mlp)] if sparse else [_linear_spec(mlp.gate_up_proj), _linear_spec(mlp.down_proj)]
+        if None in attention + ffn:
             return None
         norms = (attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm else (None, None)
-        specs.append(LayerSpec(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *linears,
-                               q_norm=norms[0], k_norm=norms[1], moe=moe))
+        specs.append(LayerSpec(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *attention,
+                               *((None, None) if sparse else ffn), q_norm=norms[0], k_norm=norms[1],
+                               moe=ffn[0] if sparse else None))
     kinds = {spec.kind for s in specs for spec in (s.qkv, s.o, s.gate_up, s.down) if spec is not None}
     if not stack_available(int4="int4" in kinds, bf16_packed="bf16" in kinds):
         return None
