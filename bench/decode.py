@@ -55,17 +55,21 @@ def _engine(model_dir: str, dtype: str, weights: str, graph: bool, max_batch: in
     return DecodeEngine(wcfg, model, cfg), model
 
 
+def expert_shares(model: torch.nn.Module, rows: int) -> dict[int, float]:
+    """``id(module)`` -> the share of its mixture's experts that ``rows`` tokens are expected to run with uniform
+    routing, ``1 - (1 - top_k / experts) ** rows`` (``top_k / experts`` for one row), for every module inside a
+    mixture's experts (:class:`model.moe.SparseMoeBlock`)."""
+    return {id(m): 1 - (1 - b.top_k / len(b.experts)) ** rows for b in model.modules()
+            if isinstance(b, SparseMoeBlock) for m in b.experts.modules()}
+
+
 def weight_bytes(model: torch.nn.Module, batch: int = 1) -> int:
     """Bytes of weight a decode step of ``batch`` rows reads: every linear (the LM head too, tied or not), norms;
     not the embedding (one row per token). A module that keeps a kernel layout in non-persistent buffers (the
     packed bf16 copy, an INT4 kernel layout) is counted by that layout and its bias, not its portable
-    or dense twin. A mixture's experts count by the share of them ``batch`` tokens are expected to run with
-    uniform routing, ``1 - (1 - top_k / experts) ** batch`` (``top_k / experts`` at batch 1, exactly)."""
-    share = {}
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            fraction = 1 - (1 - block.top_k / len(block.experts)) ** batch
-            share |= {id(m): fraction for m in block.experts.modules()}
+    or dense twin. A mixture's experts count by the share of them ``batch`` tokens are expected to run
+    (:func:`expert_shares`)."""
+    share = expert_shares(model, batch)
     total = 0.0
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding):
@@ -86,8 +90,7 @@ def step_flops(model: torch.nn.Module, batch: int, context: int) -> float:
     (N x K) per linear (the LM head included; a mixture's experts ``top_k / experts`` of theirs: each row runs
     ``top_k``) + attention (QK^T and PV over the context)."""
     cfg = model.cfg
-    share = {id(m): b.top_k / len(b.experts) for b in model.modules() if isinstance(b, SparseMoeBlock)
-             for m in b.experts.modules()}
+    share = expert_shares(model, 1)
     linear = sum(share.get(id(m), 1.0) * m.in_features * m.out_features for m in model.modules()
                  if hasattr(m, "in_features") and hasattr(m, "out_features"))
     return 2.0 * batch * linear + 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * batch
