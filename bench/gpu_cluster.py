@@ -1,19 +1,21 @@
 """A prefill and a decode worker on one CUDA GPU, with the router and Redis: the whole serving path
 (router -> prefill -> KV pages -> decode -> client) as an operator runs it, on a GPU. Not run in CI.
 
-Both workers share the GPU, so their KV pages move over TCP through host staging buffers
-(``--kv-transport tcp``; NCCL cannot join two ranks on one device). Parts, each recorded even when an
+Both workers share the GPU, so their KV pages move device to device through CUDA IPC (``--kv-transport
+cuda-ipc``, the default here) or over TCP through host staging buffers (``--transport tcp``); NCCL cannot
+join two ranks on one device. Parts, each recorded even when an
 earlier one fails:
 
 - ``exact``: greedy tokens of the embedded TinyStories model (float32) through the cluster against
-  ``transformers`` on the same GPU.
+  ``transformers`` on the same GPU; ``exact_moe`` the same for a small random mixture of experts
+  (``pdserve make-model --preset tiny-qwen3-moe``).
 - ``pair``: a Llama-3.2-1B-shaped random checkpoint (``pdserve make-model --preset bench-1b``, bf16):
   TTFT at 512 and 2,048 prompt tokens and batch-1 TPOT through the cluster; 32 concurrent streams;
   then, with the cluster stopped, the same model's prefill step and batch-1 decode step in this process
   (the decode engine as the worker loads it): what the path adds.
 - ``int4``: the decode worker with ``--weights int4`` (RTN, group 128): batch-1 TPOT through the cluster.
 
-    python bench/gpu_cluster.py --out DIR            # DIR/gpu_cluster.json; a summary on stdout
+    python bench/gpu_cluster.py --out DIR [--transport tcp]   # DIR/gpu_cluster.json; a summary on stdout
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ from pdserve.deploy.redis_server import ensure_redis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 DEVICE = "cuda"  # --device: cpu runs the same script on a small model, to check it without a GPU
+TRANSPORT = "cuda-ipc"  # --transport
 
 
 def start_cluster(model: str, dtype: str, decode_flags: dict | None = None, max_batch_size: int = 64) -> list:
     """Router, one prefill and one decode worker on :data:`DEVICE`; returns the processes, router last."""
     name = "gpu-" + uuid.uuid4().hex[:8]
     common = dict(model_dir=model, cluster=name, redis_url=REDIS_URL, dtype=dtype, device=DEVICE,
-                  kv_transport="tcp", num_blocks=4096)
+                  kv_transport=TRANSPORT if DEVICE != "cpu" else "tcp", num_blocks=4096)
     procs = []
     try:
         procs.append(spawn_role("decode_worker", dict(worker_id="d0", max_batch_size=max_batch_size,
@@ -86,15 +89,15 @@ def prompts_of(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[list
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def exact(new_tokens: int = 48) -> dict:
+def exact(new_tokens: int = 48, model: str = EMBEDDED_MODEL) -> dict:
     """Greedy tokens through the cluster (float32, both workers on the GPU) against ``transformers``."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.bench.gpu_model import hf_greedy
 
-    cfg = json.loads((Path(EMBEDDED_MODEL) / "config.json").read_text())
+    cfg = json.loads((Path(model) / "config.json").read_text())
     prompts = prompts_of(cfg["vocab_size"], (5, 23, 61, 200), seed=1)
-    procs = start_cluster(EMBEDDED_MODEL, "float32")
+    procs = start_cluster(model, "float32")
     try:
         async def run() -> list[list[int]]:
             async with grpc.aio.insecure_channel(procs[-1].address) as ch:
@@ -103,11 +106,18 @@ def exact(new_tokens: int = 48) -> dict:
     finally:
         stop(procs)
     dev = torch.device(DEVICE)
-    hf = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).to(dev).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(dev).eval()
     want = [hf_greedy(hf, p, new_tokens, dev) for p in prompts]
     match = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w))) for g, w in zip(got, want)]
     return {"prompt_tokens": [len(p) for p in prompts], "new_tokens": new_tokens, "matching_prefix": match,
             "all_equal": got == want}
+
+
+def exact_moe() -> dict:
+    """:func:`exact` on a random Qwen3-MoE-shaped checkpoint (float32)."""
+    from pdserve.deploy.make_model import make_model
+
+    return exact(model=str(make_model("tiny-qwen3-moe", "/tmp/tiny-qwen3-moe", dtype="float32")))
 
 
 def cluster_figures(address: str, vocab: int, reps: int = 5, concurrency: int = 32) -> dict:
@@ -210,23 +220,27 @@ def main() -> None:
     ap.add_argument("--parts", default="exact,pair,int4")
     ap.add_argument("--preset", default="bench-1b", help="the checkpoint made when --model is not given")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (with a small --preset)")
+    ap.add_argument("--transport", default="cuda-ipc", choices=["cuda-ipc", "tcp"],
+                    help="the KV transport between the two workers on the GPU")
     args = ap.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, TRANSPORT
+    DEVICE, TRANSPORT = args.device, args.transport
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     redis = ensure_redis(REDIS_URL)
     results: dict = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "none", "device": DEVICE,
+                     "kv_transport": TRANSPORT,
                      "torch": torch.__version__, "seconds": {}}
     model = args.model
     try:
         for part in args.parts.split(","):
             started = time.perf_counter()
             try:
-                if part != "exact" and not model:
+                if part in ("pair", "int4") and not model:
                     from pdserve.deploy.make_model import make_model
                     model = str(make_model(args.preset, f"/tmp/{args.preset}", dtype="bfloat16"))
-                results[part] = {"exact": exact, "pair": lambda: pair(model), "int4": lambda: int4(model)}[part]()
+                results[part] = {"exact": exact, "exact_moe": exact_moe, "pair": lambda: pair(model),
+                                 "int4": lambda: int4(model)}[part]()
             except Exception:                  # noqa: BLE001 - every part reports, whatever breaks
                 results[part] = {"error": traceback.format_exc(), "logs": dict(LOGS)}
             LOGS.clear()

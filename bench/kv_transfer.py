@@ -1,12 +1,13 @@
-"""KV page transfer over the TCP transport between two caches in this process: the rate a prompt's pages
-move at, and on a GPU how much of it the host staging copies take (:mod:`kvtransfer.tcp.pages`). Not run
-in CI.
+"""KV page transfer between two caches in this process over one transport (``--transport tcp``, the default;
+``cuda-ipc`` between two caches on one GPU): the rate a prompt's pages move at, and for TCP on a GPU how much
+of it the host staging copies take (:mod:`kvtransfer.tcp.pages`). Not run in CI. (In one process a CUDA IPC
+receiver maps memory of its own process; the copies and the protocol are those of two processes.)
 
 Caches of Llama-3.2-1B's KV shape (16 layers, 8 KV heads of 64, 16-token blocks, bf16: 512 KiB a block).
 For each prompt size: the whole transfer (connect, pages, done, ack; median of 5), and on a GPU the staging
 copies alone (device -> pinned host for the sender, host -> device for the receiver).
 
-    python bench/kv_transfer.py --out DIR [--device cuda]      # DIR/kv_transfer.json
+    python bench/kv_transfer.py --out DIR [--device cuda] [--transport cuda-ipc]   # DIR/kv_transfer.json
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def _median_s(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def run(device: str, prompt_tokens: tuple[int, ...] = (512, 2048, 8192)) -> list[dict]:
+def run(device: str, transport: str = "tcp", prompt_tokens: tuple[int, ...] = (512, 2048, 8192)) -> list[dict]:
     src = torch.randn(SPEC.shape, device=device).to(SPEC.dtype)
     dst = torch.zeros(SPEC.shape, dtype=SPEC.dtype, device=device)
-    rx = make_receiver(dst, SPEC, transport="tcp")
-    tx = make_sender(src, SPEC, transport="tcp")
+    rx = make_receiver(dst, SPEC, transport=transport)
+    tx = make_sender(src, SPEC, transport=transport)
     rows, seq = [], iter(range(10**6))
     try:
         for tokens in prompt_tokens:
@@ -59,7 +60,7 @@ def run(device: str, prompt_tokens: tuple[int, ...] = (512, 2048, 8192)) -> list
             row = {"prompt_tokens": tokens, "blocks": len(blocks), "bytes": nbytes, "transfer_s": _median_s(transfer)}
             row["transfer_gbs"] = nbytes / row["transfer_s"] / 1e9
             assert torch.equal(dst[blocks], src[blocks])
-            if device != "cpu":
+            if device != "cpu" and transport == "tcp":
                 staged = StagedPageMemory(src, SPEC)
                 row["stage_read_s"] = _median_s(lambda: [None for _ in staged.read(blocks, 0, SPEC.num_layers)])
                 landing = StagedPageMemory(dst, SPEC)
@@ -76,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--transport", default="tcp", choices=["tcp", "cuda-ipc"])
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,9 +85,10 @@ def main() -> None:
         host = machine()
     except Exception as exc:                  # noqa: BLE001 - a GPU host without a C compiler still measures
         host = {"error": repr(exc)}
-    result = {"machine": host, "device": args.device,
-              "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None, "rows": run(args.device)}
-    (out / "kv_transfer.json").write_text(json.dumps(result, indent=1))
+    result = {"machine": host, "device": args.device, "transport": args.transport,
+              "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
+              "rows": run(args.device, args.transport)}
+    (out / f"kv_transfer_{args.transport}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ class WorkerConfig:
         device: ``auto`` (the first CUDA GPU the process sees, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``:
             where the weights, the KV cache and the steps live (:func:`cluster.compute.resolve_device`).
         kv_transport: ``auto`` (every transport the KV cache's memory allows: NCCL first for a CUDA cache, then
-            TCP), ``tcp`` or ``nccl`` (:mod:`kvtransfer.select`). Two workers that share one GPU need ``tcp``:
+            TCP), ``cuda-ipc``, ``tcp`` or ``nccl`` (:mod:`kvtransfer.select`). Two workers that share one GPU
+            need ``cuda-ipc`` (device-to-device copies) or ``tcp`` (through host memory) on the decode worker:
             NCCL cannot join two ranks on one device.
         max_model_len: the context served, in tokens (vLLM's ``--max-model-len``): 0 (the default) serves the
             checkpoint's ``max_position_embeddings``; a shorter one refuses longer requests and sizes the KV block

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.cluster.args import context_length
+from pdserve.cluster.compute import KV_TRANSPORTS
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
@@ -88,9 +89,10 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="workers on GPUs (cuda: one each; waits --gpu-wait seconds for the GPU nodes the pools "
                         "need to join), on CPUs, or auto: CUDA when the Ray cluster has a GPU at start")
-    p.add_argument("--kv-transport", default="auto", choices=["auto", "nccl", "tcp"],
+    p.add_argument("--kv-transport", default="auto", choices=list(KV_TRANSPORTS),
                    help="KV pages between workers: auto (NCCL between GPU caches where it loads, else TCP), "
-                        "tcp (GPU caches through host staging buffers too), or nccl")
+                        "cuda-ipc (GPU to GPU copies between workers on GPUs one process sees, e.g. sharing "
+                        "one GPU), tcp (GPU caches through host staging buffers too), or nccl")
     p.add_argument("--gpu-wait", type=float, default=600.0,
                    help="--device cuda: seconds to wait for GPU nodes to join the Ray cluster")
     p.add_argument("--router-node", default=None, metavar="IP",

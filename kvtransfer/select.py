@@ -24,25 +24,43 @@ import torch
 
 from pdserve.cluster.compute import KV_TRANSPORTS
 from pdserve.kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError
+from pdserve.kvtransfer.cudaipc.control import SCHEME as CUDA_IPC_SCHEME
 from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS
 from pdserve.model.kv_cache import KVCacheSpec
 
-BACKEND_PREFERENCE = ("nccl", "tcp")
+BACKEND_PREFERENCE = ("nccl", "cuda-ipc", "tcp")
 """Known backends, best first."""
+AUTO_RECEIVERS = ("nccl", "tcp")
+"""Backends a receiver under ``--kv-transport auto`` listens on: CUDA IPC only when asked, since it reaches
+senders on the receiver's own machine alone (workers sharing a GPU); NCCL and TCP reach any node."""
+SCHEMES = {"nccl": NCCL_SCHEME, "cuda-ipc": CUDA_IPC_SCHEME}
+"""Address prefix of each backend but TCP (a bare ``host:port``)."""
 
 
 def backend_of_address(address: str) -> str:
-    """The backend a receiver address names: ``"nccl"`` for ``nccl://host:port``, ``"tcp"`` for ``host:port``.
+    """The backend a receiver address names: ``"nccl"`` for ``nccl://host:port``, ``"cuda-ipc"`` for
+    ``cuda-ipc://host:port``, ``"tcp"`` for ``host:port``.
 
     Raises:
         ValueError: an unknown ``scheme://`` prefix.
     """
-    if address.startswith(NCCL_SCHEME):
-        return "nccl"
+    for backend, scheme in SCHEMES.items():
+        if address.startswith(scheme):
+            return backend
     if "://" in address:
-        raise ValueError(f"unknown KV transport in address {address!r} (known: 'nccl://host:port', 'host:port')")
+        raise ValueError(f"unknown KV transport in address {address!r} (known: 'nccl://host:port', "
+                         "'cuda-ipc://host:port', 'host:port')")
     return "tcp"
+
+
+def host_port(address: str) -> str:
+    """``host:port`` of a receiver address, its backend's scheme removed.
+
+    Raises:
+        ValueError: an unknown ``scheme://`` prefix.
+    """
+    return address.removeprefix(SCHEMES.get(backend_of_address(address), ""))
 
 
 def nccl_status(library_path: str | None = None) -> str | None:
@@ -59,9 +77,9 @@ def nccl_status(library_path: str | None = None) -> str | None:
 def local_backends(kv_cache: torch.Tensor, nccl_library_path: str | None = None,
                    transport: str = "auto") -> tuple[str, ...]:
     """Backends that can move pages in and out of ``kv_cache``, best first, among those ``transport``
-    (``auto``, ``nccl`` or ``tcp``) allows: TCP for a CPU or CUDA cache (a CUDA cache's pages staged through
-    host memory), NCCL first for a CUDA cache when NCCL loads; ``()`` when none is left (see
-    :func:`explain_no_backend`).
+    (``auto``, ``nccl``, ``cuda-ipc`` or ``tcp``) allows: TCP for a CPU or CUDA cache (a CUDA cache's pages
+    staged through host memory), for a CUDA cache NCCL first when NCCL loads, and CUDA IPC; ``()`` when none
+    is left (see :func:`explain_no_backend`).
 
     Raises:
         ValueError: an unknown ``transport``.
@@ -71,8 +89,10 @@ def local_backends(kv_cache: torch.Tensor, nccl_library_path: str | None = None,
     if kv_cache.device.type not in ("cpu", "cuda"):
         return ()
     found = ["tcp"]
-    if kv_cache.device.type == "cuda" and transport != "tcp" and nccl_status(nccl_library_path) is None:
-        found.insert(0, "nccl")
+    if kv_cache.device.type == "cuda":
+        found.insert(0, "cuda-ipc")
+        if transport in ("auto", "nccl") and nccl_status(nccl_library_path) is None:
+            found.insert(0, "nccl")
     return tuple(b for b in found if transport in ("auto", b))
 
 
@@ -81,7 +101,8 @@ def explain_no_backend(kv_cache: torch.Tensor, nccl_library_path: str | None = N
     if kv_cache.device.type not in ("cpu", "cuda"):
         return f"no KV transport handles a {kv_cache.device.type} KV cache (TCP and NCCL need CPU or CUDA memory)"
     if kv_cache.device.type != "cuda":
-        return (f"--kv-transport {transport}: NCCL moves CUDA memory only, and this KV cache is on "
+        what = "CUDA IPC shares" if transport == "cuda-ipc" else "NCCL moves"
+        return (f"--kv-transport {transport}: {what} CUDA memory only, and this KV cache is on "
                 f"{kv_cache.device}; use tcp or auto")
     return f"--kv-transport {transport}: NCCL is unavailable: {nccl_status(nccl_library_path)}; use tcp or auto"
 
@@ -111,6 +132,18 @@ def _backends(kv_cache: torch.Tensor, nccl_library_path: str | None, transport: 
     return backends
 
 
+def receiver_backend(kv_cache: torch.Tensor, nccl_library_path: str | None = None, transport: str = "auto") -> str:
+    """The backend a receiver of ``kv_cache`` listens on: ``transport`` when it names one this cache can
+    use, else (``auto``) the first of :func:`local_backends` in :data:`AUTO_RECEIVERS`.
+
+    Raises:
+        RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
+        ValueError: an unknown ``transport``.
+    """
+    backends = _backends(kv_cache, nccl_library_path, transport)
+    return next(b for b in backends if transport != "auto" or b in AUTO_RECEIVERS)
+
+
 def make_receiver(kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.0.1", port: int = 0,
                   io_timeout_s: float = 10.0, nccl_library_path: str | None = None,
                   secret: bytes | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
@@ -129,7 +162,13 @@ def make_receiver(kv_cache: torch.Tensor, spec: KVCacheSpec, host: str = "127.0.
             prove; None: no authentication) is shorter than 16 bytes; ``max_connections < 1``; unknown transport.
         OSError: the address cannot be bound.
     """
-    if _backends(kv_cache, nccl_library_path, transport)[0] == "nccl":
+    backend = receiver_backend(kv_cache, nccl_library_path, transport)
+    if backend == "cuda-ipc":
+        from pdserve.kvtransfer.cudaipc import CudaIpcKVReceiver
+
+        return CudaIpcKVReceiver(kv_cache, spec, host, port, io_timeout_s, secret=secret,
+                                 max_connections=max_connections)
+    if backend == "nccl":
         from pdserve.kvtransfer.nccl import NcclKVReceiver, load_library
 
         return NcclKVReceiver(kv_cache, spec, host, port, io_timeout_s, library=load_library(nccl_library_path),
@@ -195,10 +234,10 @@ def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: fl
                 secret: bytes | None = None, sender_id: str | None = None,
                 transport: str = "auto") -> SelectingKVSender:
     """A sender of every backend :func:`local_backends` gives for ``kv_cache`` and ``transport`` (a CUDA
-    cache: NCCL and TCP; a CPU cache: TCP), picking per receiver address; opening a channel to a receiver
-    of another backend fails with a clear :class:`TransferError`. ``sender_id`` (the worker id) names this
-    sender to NCCL receivers, which then drop its communicators once it leaves the registry; None: a
-    random id.
+    cache: NCCL, CUDA IPC and TCP; a CPU cache: TCP), picking per receiver address; opening a channel to a
+    receiver of another backend fails with a clear :class:`TransferError`. ``sender_id`` (the worker id)
+    names this sender to NCCL and CUDA IPC receivers, which then drop its communicators or mapped cache once
+    it leaves the registry; None: a random id.
 
     Raises:
         RuntimeError: no backend handles this cache (message from :func:`explain_no_backend`).
@@ -213,6 +252,11 @@ def make_sender(kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: fl
             senders["nccl"] = NcclKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s,
                                            library=load_library(nccl_library_path), secret=secret,
                                            sender_id=sender_id)
+        elif backend == "cuda-ipc":
+            from pdserve.kvtransfer.cudaipc import CudaIpcKVSender
+
+            senders["cuda-ipc"] = CudaIpcKVSender(kv_cache, spec, connect_timeout_s, io_timeout_s, secret=secret,
+                                                  sender_id=sender_id)
         else:
             from pdserve.kvtransfer.tcp import TcpKVSender
 

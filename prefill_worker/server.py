@@ -32,8 +32,7 @@ from pdserve.cluster.rpc_fields import (
 )
 from pdserve.cluster.warmup import WarmupReport
 from pdserve.cluster.worker_process import WorkerProcess, check_kv_memory, worker_secret
-from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
-from pdserve.kvtransfer.select import backend_of_address
+from pdserve.kvtransfer.select import backend_of_address, host_port
 from pdserve.kvtransfer.wire.channel import parse_address
 from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages
@@ -57,8 +56,8 @@ _HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Za-z.:%_-]+\]")  # a name, an IPv4 
 
 def check_kv_address(address: str, backends: Collection[str]) -> str:
     """Return ``address`` if it is a KV receiver address this worker can send to: ``host:port``
-    (TCP), ``[v6]:port`` or ``nccl://host:port``, a port in [1, 65535], a host of name or address
-    characters only, of a transport in ``backends``.
+    (TCP), ``[v6]:port``, ``nccl://host:port`` or ``cuda-ipc://host:port``, a port in [1, 65535], a host
+    of name or address characters only, of a transport in ``backends``.
 
     Raises:
         ValueError: empty, over :data:`MAX_KV_ADDRESS_CHARS` characters, malformed, or a transport this
@@ -72,7 +71,7 @@ def check_kv_address(address: str, backends: Collection[str]) -> str:
     if backend not in backends:
         raise ValueError(f"dst_kv_address {address!r} names the {backend} KV transport; this prefill worker has "
                          f"{', '.join(backends) or 'none'}")
-    hostport = address.removeprefix(NCCL_SCHEME)
+    hostport = host_port(address)
     parse_address(hostport)  # the port
     host = hostport.rpartition(":")[0]
     if not _HOST.fullmatch(host):

@@ -6,6 +6,7 @@ and byte checks. Each test file turns :data:`BACKENDS` and :func:`pair_factory` 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -13,12 +14,16 @@ import pytest
 import torch
 
 from pdserve.kvtransfer.base import KVReceiver
-from pdserve.kvtransfer.select import make_receiver, make_sender, nccl_status
+from pdserve.kvtransfer.cudaipc import CudaIpcKVReceiver, CudaIpcKVSender
+from pdserve.kvtransfer.cudaipc.control import CacheShare
+from pdserve.kvtransfer.cudaipc.handles import PeerCacheError, check_share
+from pdserve.kvtransfer.select import SCHEMES, SelectingKVSender, host_port, make_receiver, make_sender, nccl_status
+from pdserve.kvtransfer.wire.frames import dtype_name
 from pdserve.model.kv_cache import KVCacheSpec
 from tests.kv_helpers import Outcome, make_spec
 
 SRC, DST = [5, 1, 6], [2, 7, 0]  # source ids differ from destination ids on purpose
-RECEIVER_CLASS = {"tcp": "TcpKVReceiver", "nccl": "NcclKVReceiver"}
+RECEIVER_CLASS = {"tcp": "TcpKVReceiver", "nccl": "NcclKVReceiver", "cuda-ipc": "CudaIpcKVReceiver"}
 
 
 def _nccl_skip_reason() -> str | None:
@@ -28,8 +33,32 @@ def _nccl_skip_reason() -> str | None:
 
 
 BACKENDS = [pytest.param(("tcp", "cpu", "cpu"), id="tcp"),
+            pytest.param(("cuda-ipc", "cpu", "cpu"), id="cuda-ipc-host"),
+            pytest.param(("cuda-ipc", "cuda:0", "cuda:0"), id="cuda-ipc",
+                         marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")),
             pytest.param(("nccl", "cuda:0", "cuda:1"), id="nccl",
                          marks=pytest.mark.skipif(_nccl_skip_reason() is not None, reason=str(_nccl_skip_reason())))]
+"""(backend, sender device, receiver device). ``cuda-ipc`` on the CPU ("cuda-ipc-host") is the CUDA IPC
+transport's protocol, checks and copies with the driver's two calls (export a cache, map a peer's) done by
+:func:`host_export` / :func:`host_open` on CPU caches: everything but ``cudaIpcOpenMemHandle`` runs."""
+
+_HOST_SHARES: dict[bytes, torch.Tensor] = {}
+
+
+def host_export(cache: torch.Tensor) -> CacheShare:
+    """Stand-in for :func:`kvtransfer.cudaipc.handles.export_cache` on a CPU cache (module doc)."""
+    handle = uuid.uuid4().bytes
+    _HOST_SHARES[handle] = cache
+    return CacheShare("host", handle, cache.untyped_storage().nbytes(), 0, b"/torch_1_2", 0, b"", False,
+                      cache.storage_offset(), cache.shape[0], dtype_name(cache.dtype), list(cache.shape[1:]))
+
+
+def host_open(share: CacheShare, spec: KVCacheSpec) -> torch.Tensor:
+    """Stand-in for :func:`kvtransfer.cudaipc.handles.open_peer_cache`: the same checks, then the CPU cache."""
+    check_share(share, spec)
+    if share.device_uuid != "host" or share.handle not in _HOST_SHARES:
+        raise PeerCacheError(f"no shared cache {share.handle.hex()} on device {share.device_uuid}")
+    return _HOST_SHARES[share.handle]
 
 
 def random_cache(spec: KVCacheSpec, device: str, seed: int = 0) -> torch.Tensor:
@@ -64,10 +93,10 @@ class Pair:
         return ch.finish(token)
 
     def address_for(self, hostport: str) -> str:
-        return ("nccl://" if self.backend == "nccl" else "") + hostport
+        return SCHEMES.get(self.backend, "") + hostport
 
     def hostport(self) -> tuple[str, int]:
-        host, port = self.rx.address.removeprefix("nccl://").rsplit(":", 1)
+        host, port = host_port(self.rx.address).rsplit(":", 1)
         return host, int(port)
 
     def close(self) -> None:
@@ -85,8 +114,13 @@ def pair_factory(backend: tuple[str, str, str]) -> Iterator[Callable[..., Pair]]
              **kw: int) -> Pair:
         spec = make_spec(dtype, **kw)
         src, dst = random_cache(spec, tx_device), spec.allocate(rx_device)
-        rx = make_receiver(dst, spec, io_timeout_s=rx_io_timeout_s)
-        tx = make_sender(src, spec, connect_timeout_s=1.0, io_timeout_s=tx_io_timeout_s)
+        if name == "cuda-ipc" and tx_device == "cpu":
+            rx = CudaIpcKVReceiver(dst, spec, io_timeout_s=rx_io_timeout_s, open_peer=host_open)
+            tx = SelectingKVSender({name: CudaIpcKVSender(src, spec, 1.0, tx_io_timeout_s, export=host_export)})
+        else:
+            transport = "cuda-ipc" if name == "cuda-ipc" else "auto"
+            rx = make_receiver(dst, spec, io_timeout_s=rx_io_timeout_s, transport=transport)
+            tx = make_sender(src, spec, connect_timeout_s=1.0, io_timeout_s=tx_io_timeout_s, transport=transport)
         assert type(rx).__name__ == RECEIVER_CLASS[name] and tx.backends == (name,)
         made.append(Pair(name, spec, src, dst, rx, tx))
         return made[-1]

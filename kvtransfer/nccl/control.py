@@ -21,15 +21,12 @@ created on the first request between them and cached on both sides::
 from __future__ import annotations
 
 import socket
-import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+from pdserve.kvtransfer.wire.control import ControlCodec
+from pdserve.kvtransfer.wire.frames import Frame
 
-from pdserve.kvtransfer.wire.frames import Frame, FrameError, decode_tagged, read_header_bytes, unpack_header
-
-_LEN = struct.Struct(">I")  # the frames' length prefix
 SCHEME = "nccl://"  # prefix of an NCCL receiver's address: "nccl://host:port" (a bare "host:port" is TCP)
 
 
@@ -70,53 +67,24 @@ class Bye:
 
 
 ControlFrame = Hello | Welcome | ClearToSend | Bye
-_FIELDS: dict[str, tuple[type, dict[str, type]]] = {
+_CODEC = ControlCodec({
     "nccl_hello": (Hello, {"request_id": str, "comm_id": str, "sender_id": str, "nccl_version": int,
                            "unique_id": bytes}),
     "nccl_welcome": (Welcome, {"request_id": str, "ok": bool, "init": bool, "need_unique_id": bool, "error": str}),
     "nccl_cts": (ClearToSend, {"request_id": str}),
     "nccl_bye": (Bye, {"comm_id": str}),
-}
-_TYPE_NAME = {cls: name for name, (cls, _) in _FIELDS.items()}
+})
 
 
 def encode_control(frame: ControlFrame) -> bytes:
     """Length prefix + msgpack header of one control frame."""
-    body = msgpack.packb({"type": _TYPE_NAME[type(frame)], **asdict(frame)}, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
-
-
-def _decode_control(kind: str, header: dict[str, Any]) -> ControlFrame:
-    cls, fields = _FIELDS[kind]
-    values = {}
-    for name, typ in fields.items():
-        value = header.get(name)
-        if type(value) is not typ:  # exact: a bool is not an int here
-            raise FrameError(f"{kind} frame: field {name!r} must be {typ.__name__}, got {type(value).__name__}",
-                             header.get("request_id") if isinstance(header.get("request_id"), str) else None)
-        values[name] = value
-    return cls(**values)
+    return _CODEC.encode(frame)
 
 
 def read_any(sock: socket.socket, deadline: float | None = None) -> Frame | ControlFrame | None:
-    """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.wire.frames`.
-    Returns None on a clean EOF before the frame starts.
-
-    Args:
-        deadline: ``time.monotonic()`` by which the whole header must have arrived (see
-            :func:`kvtransfer.wire.frames.read_header_bytes`); None: the socket's timeout, per ``recv``.
-    Raises:
-        FrameError: oversize, not msgpack (or a repeated map key), unknown type or bad fields.
-        PeerClosed: EOF inside the header.
-        OSError: socket error or timeout (``TimeoutError``, also when ``deadline`` passed).
-    """
-    body = read_header_bytes(sock, deadline)
-    if body is None:
-        return None
-    header = unpack_header(body)
-    if isinstance(header, dict) and header.get("type") in _FIELDS:
-        return _decode_control(header["type"], header)
-    return decode_tagged(header)
+    """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.wire.frames`
+    (see :meth:`kvtransfer.wire.control.ControlCodec.read_any`, which says what it raises)."""
+    return _CODEC.read_any(sock, deadline)
 
 
 def expect(frame: object, cls: type, request_id: str | None = None) -> Any:
@@ -125,7 +93,4 @@ def expect(frame: object, cls: type, request_id: str | None = None) -> Any:
     Raises:
         FrameError: anything else (None meaning the peer closed).
     """
-    if not isinstance(frame, cls) or (request_id is not None and getattr(frame, "request_id", None) != request_id):
-        raise FrameError(f"expected {_TYPE_NAME.get(cls, cls.__name__)}"
-                         + (f" for request {request_id!r}" if request_id else "") + f", got {frame!r}", request_id)
-    return frame
+    return _CODEC.expect(frame, cls, request_id)

@@ -152,8 +152,22 @@ class TcpKVSender(SocketSender):
                 in time; the message says which); or the sender is closed.
             ValueError: ``dst_address`` is not "host:port".
         """
-        host, port = parse_address(dst_address)
         started = time.monotonic()
+        sock = self._open_socket(request_id, dst_address, dst_address)
+        channel = TcpKVChannel(sock, request_id, dst_address, self._pages, self._io_timeout_s, started,
+                               self._forget)
+        self._adopt(channel)
+        return channel
+
+    def _open_socket(self, request_id: str, dst_address: str, hostport: str) -> socket.socket:
+        """A connection to ``hostport`` ("host:port"), authenticated both ways with a secret, set to
+        ``io_timeout_s`` with Nagle off.
+
+        Raises:
+            TransferError: cannot connect, or the handshake failed (see :meth:`open`).
+            ValueError: ``hostport`` is not "host:port".
+        """
+        host, port = parse_address(hostport)
         sock = self._connect(request_id, dst_address, host, port)
         if self._secret is not None:
             try:
@@ -164,10 +178,7 @@ class TcpKVSender(SocketSender):
                                     f"failed: {e}") from None
         sock.settimeout(self._io_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        channel = TcpKVChannel(sock, request_id, dst_address, self._pages, self._io_timeout_s, started,
-                               self._forget)
-        self._adopt(channel)
-        return channel
+        return sock
 
     def close(self) -> None:
         """Abort every open channel (reason "sender closed"); later :meth:`open` calls fail. Idempotent."""
