@@ -124,12 +124,13 @@ def _event_ms(fn, reps: int) -> float:
 def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of the weights a decode step reads (the tied head counted once; of an INT4 projection
     only its kernel layout, not the checkpoint-format copy it keeps beside it)."""
-    from pdserve.model.quant.int4 import _LAYOUT_BUFFERS, Int4Linear
+    from pdserve.model.quant.int4 import _LAYOUT_BUFFERS, TINYGEMM, Int4Linear
     seen, total = set(), 0
     for mod in model.modules():
         tensors = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
-        if isinstance(mod, Int4Linear):
-            tensors = [getattr(mod, name) for name in _LAYOUT_BUFFERS[mod._layout]]
+        if isinstance(mod, Int4Linear):  # the buffers its decode rows read
+            names = _LAYOUT_BUFFERS[mod._layout]
+            tensors = [getattr(mod, name) for name in (names[2:] if mod._layout == TINYGEMM else names)]
         for t in tensors:
             if t is not None and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -206,5 +207,12 @@ def run_model(dev: torch.device, model_dir: str) -> dict:
     del model
     model = random_model(cfg, torch.bfloat16, dev)
     int4.convert_for_runtime(model, group_size=128, method="rtn")
-    out["speed"].append(speed(model, cfg, torch.bfloat16, dev, "int4 rtn g128"))
+    out["int4_kernel_b1"] = next(m for m in model.modules() if isinstance(m, int4.Int4Linear)).kernel_for(1)
+    out["speed"].append(speed(model, cfg, torch.bfloat16, dev, f"int4 rtn g128 ({out['int4_kernel_b1']})"))
+    if out["int4_kernel_b1"] == int4.TINYGEMM:  # the same weights on the Triton kernel at every row
+        int4.Int4Linear.cuda_tinygemm = False
+        try:
+            out["speed"].append(speed(model, cfg, torch.bfloat16, dev, "int4 rtn g128 (int4-triton)"))
+        finally:
+            int4.Int4Linear.cuda_tinygemm = True
     return out

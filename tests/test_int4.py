@@ -362,3 +362,32 @@ def test_gptq_with_an_identity_hessian_is_the_clip_search(k):
     w = torch.rand(24, k) + 0.5                                # all positive: padding zeros would widen the range
     for got, want in zip(gptq_quantize_weight(w, torch.eye(k), 32), quantize_weight(w, 32, "mse")):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's CUDA tinygemm needs a CUDA GPU")
+@pytest.mark.parametrize("k", [2048, 1000])  # 1000: padded to the group
+def test_cuda_decode_rows_run_tinygemm_and_match_the_dequantized_weight(k):
+    from pdserve.model.quant.int4 import TINYGEMM, TINYGEMM_MAX_ROWS, TRITON
+
+    torch.manual_seed(0)
+    lin = nn.Linear(k, 768, bias=True).to(torch.bfloat16)
+    mod = Int4Linear.from_linear(lin, group_size=128, method="rtn").cuda()
+    mod.prepare()
+    assert mod.kernel_for(1) == mod.kernel_for(TINYGEMM_MAX_ROWS) == TINYGEMM
+    assert mod.kernel_for(TINYGEMM_MAX_ROWS + 1) == TRITON
+    w = dequantize_weight(mod.qweight, mod.scales, mod.zeros, k).float()
+    for rows in (1, 7, TINYGEMM_MAX_ROWS, TINYGEMM_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+        want = F.linear(x.float(), w, mod.bias.float())
+        got = mod(x)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        got = got.float()
+        assert (got - want).norm() / want.norm() < 1e-2, rows
+    Int4Linear.cuda_tinygemm = False
+    try:
+        triton_only = Int4Linear.from_linear(lin, group_size=128, method="rtn").cuda()
+        assert triton_only.kernel_for(1) == TRITON
+        x = torch.randn(3, k, device="cuda").to(torch.bfloat16)
+        assert (mod(x).float() - triton_only(x).float()).norm() / triton_only(x).float().norm() < 1e-2
+    finally:
+        Int4Linear.cuda_tinygemm = True

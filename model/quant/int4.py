@@ -41,9 +41,21 @@ from pdserve.model.quant.int4_format import (
 _CPU_N_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 # kernel_for() names, recorded by benchmarks
 VNNI, TORCH, DEQUANT, TRITON = "int4-vnni", "int4-torch", "int4-dequant-F.linear", "int4-triton"
+TINYGEMM = "int4-tinygemm"
 _VNNI_DTYPES = (torch.float32, torch.bfloat16)
 _LAYOUT_BUFFERS = {VNNI: ("vnni_wq", "vnni_scales", "vnni_zc"), TORCH: ("tinygemm_packed", "tinygemm_sz"),
-                   TRITON: ("triton_qweight_t", "triton_sz")}
+                   TRITON: ("triton_qweight_t", "triton_sz"),
+                   TINYGEMM: ("triton_qweight_t", "triton_sz", "tinygemm_packed", "tinygemm_sz")}
+TINYGEMM_MAX_ROWS = 8
+"""CUDA: bf16 activations of at most this many rows (decode) run torch's tinygemm; more rows run Triton."""
+
+
+def tinygemm_cuda_supported(device: torch.device, kp: int, out_features: int, group_size: int) -> bool:
+    """Whether ``aten._weight_int4pack_mm`` (torch's tinygemm, CUDA sm80+) takes this weight: padded
+    ``kp`` a multiple of 32, ``out_features`` of 8, a group of 32-256."""
+    return (device.type == "cuda" and hasattr(torch.ops.aten, "_weight_int4pack_mm")
+            and torch.cuda.get_device_capability(device) >= (8, 0) and kp % 32 == 0 and out_features % 8 == 0
+            and group_size in (32, 64, 128, 256))
 
 
 class Int4Linear(nn.Module):
@@ -72,12 +84,17 @@ class Int4Linear(nn.Module):
       :func:`dequantize_weight` in fp32, cast to ``x.dtype``, then a dense ``F.linear``.
     * ``"int4-triton"``, CUDA: :func:`kernels.w4a16_triton.w4a16_matmul` on ``qweight.T``
       (``[Kp // 2, N]``) and float32 ``sz [Kp // G, N, 2]``.
+    * ``"int4-tinygemm"``, CUDA sm80+ (:func:`tinygemm_cuda_supported`, ``cuda_tinygemm``): bf16 activations
+      of at most :data:`TINYGEMM_MAX_ROWS` rows run torch's tinygemm (``aten._weight_int4pack_mm`` over
+      ``_convert_weight_to_int4pack``'s layout, the kernel behind gpt-fast's and torchao's INT4 decode) with
+      bf16 ``sz [Kp // G, N, 2]``; other rows run ``"int4-triton"``, whose layout it keeps beside its own.
 
     Output dtype is ``x.dtype`` (float32, bfloat16 or float16; other dtypes run in float32).
     ``bias`` (``[N]``, float, or ``None``) is added in the output dtype.
     """
 
     exact_cpu: bool = False       # CPU: torch's kernel in x.dtype (exact activations; slow except for bf16)
+    cuda_tinygemm: bool = True    # CUDA: torch's tinygemm for decode rows where it runs (else Triton at every row)
     # CPU: from this many rows on, dequantize + dense bf16 matmul (1 thread, Xeon without AMX, the
     # 768x4096 + 2048x768 pair): VNNI 1.9 / 33 / 145 ms vs 62 / 170 / 508 ms at 64 / 1024 / 4096 rows,
     # so VNNI serves everything short of very long prefills (AMX CPUs may cross over sooner);
@@ -139,7 +156,9 @@ class Int4Linear(nn.Module):
 
     def _wanted_layout(self) -> str:
         if self.qweight.device.type == "cuda":
-            return TRITON
+            ok = self.cuda_tinygemm and tinygemm_cuda_supported(self.qweight.device, self.qweight.shape[1] * 2,
+                                                                 self.out_features, self.group_size)
+            return TINYGEMM if ok else TRITON
         return VNNI if not self.exact_cpu and int4_available() else TORCH
 
     def _drop_layout(self) -> None:
@@ -158,6 +177,8 @@ class Int4Linear(nn.Module):
         self._drop_layout()
         if want == TRITON:
             tensors = self.triton_operands()
+        elif want == TINYGEMM:
+            tensors = (*self.triton_operands(), *self.tinygemm_cuda_operands())
         elif want == VNNI:
             tensors = pack_int4_weight(self.qweight, self.scales, self.zeros, self.group_size)
         else:
@@ -178,6 +199,8 @@ class Int4Linear(nn.Module):
         ``"int4-vnni"``, ``"int4-amx"``, ``"int4-torch"``, ``"int4-dequant-F.linear"`` or ``"int4-triton"``
         (class docstring)."""
         want = self._wanted_layout()
+        if want == TINYGEMM:
+            return TINYGEMM if rows <= TINYGEMM_MAX_ROWS else TRITON
         if want == TRITON:
             return TRITON
         if rows >= (self.dequant_min_rows_vnni if want == VNNI else self.dequant_min_rows):
@@ -188,6 +211,18 @@ class Int4Linear(nn.Module):
         """``(qweight_t uint8 [Kp // 2, N], sz float32 [Kp // G, N, 2])`` for :func:`w4a16_matmul`."""
         sz = torch.stack([self.scales.float().t(), self.zeros.float().t()], dim=-1)
         return self.qweight.t().contiguous(), sz.contiguous()
+
+    def tinygemm_cuda_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(packed, sz bf16 [Kp // G, N, 2])`` for ``aten._weight_int4pack_mm`` on CUDA: the codes two to a
+        byte, even k in the high nibble (torchao's tensor-core tiled layout), tiled by
+        ``aten._convert_weight_to_int4pack``; ``w = (q - 8) * scale + zero`` as on the CPU path."""
+        q = unpack_int4(self.qweight).to(torch.int32)                            # [N, Kp] in 0..15
+        kp = q.shape[1]
+        inner_k_tiles = 8 if kp % 128 == 0 else 4 if kp % 64 == 0 else 2
+        u8 = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
+        sz = torch.stack([self.scales.float().t(), self.zeros.float().t()], dim=-1)
+        return (torch.ops.aten._convert_weight_to_int4pack(u8, inner_k_tiles),
+                sz.to(torch.bfloat16).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         vnni, k = self._vnni, x.shape[-1]
@@ -208,7 +243,15 @@ class Int4Linear(nn.Module):
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             x = x.float()
         x2 = x.reshape(-1, k)
-        if x2.device.type == "cuda":
+        if (self._layout == TINYGEMM and x2.is_cuda and x2.dtype == torch.bfloat16
+                and x2.shape[0] <= TINYGEMM_MAX_ROWS):
+            kp = self.qweight.shape[1] * 2
+            xk = x2 if kp == k else F.pad(x2, (0, kp - k))                 # zero activations x padded columns
+            y = torch.ops.aten._weight_int4pack_mm(xk.contiguous(), self.tinygemm_packed, self.group_size,
+                                                   self.tinygemm_sz)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        elif x2.device.type == "cuda":
             from pdserve.kernels.w4a16_triton import w4a16_matmul  # triton only where it can run natively
             y = w4a16_matmul(x2, self.triton_qweight_t, self.triton_sz, self.group_size, self.bias)
         else:
