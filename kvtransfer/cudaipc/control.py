@@ -19,12 +19,9 @@ The hello's sharing fields are those of ``torch.UntypedStorage._share_cuda_`` (w
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.kvtransfer.wire.control import ControlCodec
-from pdserve.kvtransfer.wire.frames import Frame
 
 SCHEME = "cuda-ipc://"
 """Prefix of a CUDA IPC receiver's address: ``cuda-ipc://host:port``."""
@@ -93,21 +90,10 @@ _CODEC = ControlCodec({
 })
 
 
-def encode_control(frame: ControlFrame) -> bytes:
-    """Length prefix + msgpack header of one control frame."""
-    return _CODEC.encode(frame)
-
-
-def read_any(sock: socket.socket, deadline: float | None = None) -> Frame | ControlFrame | None:
-    """Read one frame header: a control frame of this module or a frame of :mod:`kvtransfer.wire.frames`
-    (see :meth:`kvtransfer.wire.control.ControlCodec.read_any`, which says what it raises)."""
-    return _CODEC.read_any(sock, deadline)
-
-
-def expect(frame: object, cls: type, request_id: str | None = None) -> Any:
-    """``frame`` if it is a ``cls`` (for ``request_id`` when given).
-
-    Raises:
-        FrameError: anything else (None meaning the peer closed).
-    """
-    return _CODEC.expect(frame, cls, request_id)
+encode_control = _CODEC.encode
+"""Length prefix + msgpack header of one control frame (:meth:`~kvtransfer.wire.control.ControlCodec.encode`)."""
+read_any = _CODEC.read_any
+"""One frame header: a control frame of this module or a frame of :mod:`kvtransfer.wire.frames`
+(:meth:`~kvtransfer.wire.control.ControlCodec.read_any`, which says what it raises)."""
+expect = _CODEC.expect
+"""``frame`` if it is a given class (:meth:`~kvtransfer.wire.control.ControlCodec.expect`)."""
