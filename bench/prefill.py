@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from pdserve.bench.common import ROOT, LocalCluster, median_time, timed_stream, write_result
+from pdserve.bench.decode import expert_shares
 from pdserve.bench.limits import ROWS, gemm_rate_at, kernel_paths, linear_shapes, measure_limits, summary
 from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
@@ -49,9 +50,11 @@ def prompt(n: int, seed: int, vocab: int = 2048) -> list[int]:
 
 
 def prefill_flops(model, num_tokens: int) -> float:
-    """Matmul FLOPs of one prefill: 2 x (linear weights) per token + causal attention (QK^T and PV)."""
+    """Matmul FLOPs of one prefill: 2 x (linear weights) per token + causal attention (QK^T and PV); a mixture's
+    experts count ``top_k / experts`` of theirs (each token runs ``top_k``; :func:`bench.decode.expert_shares`)."""
     cfg = model.cfg
-    linear = sum(m.in_features * m.out_features for n, m in model.named_modules()   # dense or packed alike
+    share = expert_shares(model, 1)
+    linear = sum(share.get(id(m), 1.0) * m.in_features * m.out_features for n, m in model.named_modules()
                  if n.startswith("layers") and hasattr(m, "in_features") and hasattr(m, "out_features"))
     linear += cfg.hidden_size * cfg.vocab_size / num_tokens  # logits only for the last token of each chunk
     attention = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_tokens * num_tokens / 2

@@ -50,7 +50,7 @@ from pdserve.kernels.cpu.gemv import (
     run_unchecked,
     unpack_weight,
 )
-from pdserve.model.linear_swap import swap_bf16_linears
+from pdserve.model.linear_swap import TARGET_MODULES, swap_bf16_linears
 from pdserve.model.onednn_linear import KERNEL as ONEDNN_KERNEL
 from pdserve.model.onednn_linear import OneDNNLinear, onednn_prepack_available
 
@@ -144,10 +144,11 @@ def dense_beats_packed_for_prefill() -> bool:
     return gemm_amx_available()
 
 
-def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
+def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False, names: tuple[str, ...] = TARGET_MODULES) -> int:
     """Swap the decoder layers' bf16 projections and the LM head for :class:`PackedBF16Linear` in place
     (a tied head gets a packed copy; the embedding keeps the dense weight). ``keep_dense``: see
-    :class:`PackedBF16Linear` (a colocated worker keeps it for its prefill chunks).
+    :class:`PackedBF16Linear` (a colocated worker keeps it for its prefill chunks). ``names``: the modules
+    swapped, by the end of their names (:func:`model.linear_swap.swap_bf16_linears`).
 
     A no-op (returns 0) where no packed kernel can run (no compiler, no AVX-512; an AVX-512 CPU
     without AVX512-BF16 runs the float32-FMA gemm), for non-bf16 or non-CPU weights, and for already
@@ -157,4 +158,4 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False) -> int:
         return 0
     # the LM head sees a few rows per step (those sampled): no prefill copy, and a tied one stays shared
     return swap_bf16_linears(model, lambda name, linear: PackedBF16Linear(
-        linear, keep_dense, prepack=not name.endswith("lm_head")))
+        linear, keep_dense, prepack=not name.endswith("lm_head")), names)

@@ -20,6 +20,7 @@ import torch
 from pdserve.kernels.cpu import KernelUnavailable, fused
 from pdserve.kernels.cpu.decode_graph import DecodeGraph
 from pdserve.kernels.cpu.decode_stack import DecodeStack, LayerSpec, LinearSpec, MoeSpec, stack_available
+from pdserve.kernels.cpu.moe_block import MoeBlock
 from pdserve.model.cpu_linear import PackedBF16Linear, gemv_max_rows
 from pdserve.model.quant.int4 import VNNI, Int4Linear
 
@@ -55,6 +56,29 @@ def _moe_spec(block) -> MoeSpec | None:
         return None
     return MoeSpec(router, gate_up, down, block.top_k, block.renormalize, block.float_weights,
                    block.experts[0].intermediate)
+
+
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # mixture -> (what it was built for, block)
+
+
+def moe_block(block, dtype: torch.dtype) -> MoeBlock | None:
+    """The mixture ``block`` (:class:`model.moe.SparseMoeBlock`) as one C call for activations of ``dtype``
+    (:class:`~kernels.cpu.moe_block.MoeBlock`), built on first use and again once its weights have moved or its
+    projections were replaced; None where its router or an expert is not on the C kernels, it has a shared
+    expert, or no library builds here."""
+    key = (dtype, type(block.gate), type(block.experts[0].gate_up_proj), type(block.experts[0].down_proj))
+    cached = _BLOCKS.get(block)
+    if cached is not None and cached[0] == key and (cached[1] is None or cached[1].valid()):
+        return cached[1]
+    built, spec = None, _moe_spec(block)
+    kinds = {s.kind for s in (spec.router, *spec.gate_up, *spec.down)} if spec is not None else set()
+    if spec is not None and stack_available(int4="int4" in kinds, bf16_packed="bf16" in kinds):
+        try:
+            built = MoeBlock(spec, spec.router.in_features, dtype)
+        except (ValueError, KernelUnavailable) as exc:
+            log.info("no C mixture block for this model: %s", exc)
+    _BLOCKS[block] = (key, built)
+    return built
 
 
 def build_decode_stack(model) -> DecodeStack | None:

@@ -11,7 +11,8 @@ it, its output times the routing weight (rounded to the model's dtype first, or 
 into ``y`` expert by expert, as ``transformers`` adds them (``index_add_``): float32 outputs equal its to rounding.
 The router and the experts' projections are ordinary linears, so the CPU path packs them for the C GEMM/GEMV
 kernels as it packs the dense ones, and decode steps run a mixture inside the one-call C stack
-(``decode_stack.c: moe_mlp``, :mod:`model.cpu_stack`), bit-identical to this module's path on the same kernels;
+(``decode_stack.c: moe_mlp``, :mod:`model.cpu_stack`), other steps on the C kernels (prefill chunks) in one C call
+of it (:class:`kernels.cpu.moe_block.MoeBlock`), bit-identical to this module's path on the same kernels;
 Qwen2-MoE's shared expert (``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` added last) keeps its mixtures
 on the per-operation path.
 """
@@ -32,8 +33,12 @@ class SparseMoeBlock(nn.Module):
     """``num_experts`` SwiGLU experts behind a top-k softmax router (see the module docstring).
 
     ``expert``: the SwiGLU block class, called as ``expert(cfg, intermediate)`` (:class:`model.llama.MLP`).
-    ``forward``: ``x`` ``[tokens, hidden]`` -> ``[tokens, hidden]`` in ``x``'s dtype.
+    ``forward``: ``x`` ``[tokens, hidden]`` -> ``[tokens, hidden]`` in ``x``'s dtype; on the CPU, for a step of
+    any size, in one C call where its router and experts are packed for the C kernels and ``c_block`` is on
+    (routed as ``cpu_kernels`` routes), else operation by operation (:meth:`forward_per_op`).
     """
+
+    c_block: bool = True
 
     def __init__(self, cfg: ModelConfig, expert: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
@@ -62,6 +67,16 @@ class SparseMoeBlock(nn.Module):
         return (weights if self.float_weights else weights.to(logits.dtype)), experts
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
+        if self.c_block and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous():
+            from pdserve.model.cpu_stack import moe_block  # (imports model.quant, which imports this module)
+
+            block = moe_block(self, x.dtype)
+            if block is not None:
+                return block(x)               # the same kernels in the same order in one C call
+        return self.forward_per_op(x, cpu_kernels)
+
+    def forward_per_op(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
+        """The mixture operation by operation: the routing, then each expert over its rows (module docstring)."""
         weights, experts = self.route(x, cpu_kernels)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():           # ascending, as transformers adds them
@@ -71,6 +86,16 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:       # transformers' order: the routed sum, then the gated shared one
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, cpu_kernels)
         return out
+
+
+def mixture_module_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of the routers and experts' projections of ``model``'s mixtures that can run in one C call
+    (:class:`kernels.cpu.moe_block.MoeBlock`: every mixture but one with a shared expert), for a loader that packs
+    them for the C kernels where it gives the dense projections to another library (a prefill worker with AMX)."""
+    return tuple(name for name, module in model.named_modules()
+                 if isinstance(module, SparseMoeBlock) and module.shared_expert is None
+                 for name in (f"{name}.gate", *(f"{name}.experts.{e}.{proj}" for e in range(len(module.experts))
+                                                for proj in ("gate_up_proj", "down_proj"))))
 
 
 def refuse_mixture(model: nn.Module, what: str) -> None:

@@ -171,3 +171,20 @@ def test_prefill_flops_count_packed_and_dense_projections_alike(model_dir):
     assert dense > per_token * 512
     if pack_for_cpu_decode(model):
         assert prefill_flops(model, 512) == dense
+
+
+def test_prefill_flops_count_the_experts_each_token_runs(tmp_path):
+    """A mixture's prefill FLOPs count top_k of its experts a token, not all of them (an MFU over 100% else)."""
+    from pdserve.bench.prefill import prefill_flops
+    from pdserve.deploy.make_model import make_model
+    from pdserve.model.loader import load_model
+
+    model, cfg = load_model(make_model("tiny-mixtral", tmp_path / "m", dtype="float32"), torch.float32)
+    n, h = 64, cfg.hidden_size
+    expert = 3 * h * cfg.moe_intermediate_size
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n
+    per_token = cfg.num_layers * ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * h
+                                  + cfg.num_heads * cfg.head_dim * h + cfg.num_experts * h
+                                  + cfg.num_experts_per_tok * expert)
+    want = 2 * per_token * n + 2 * h * cfg.vocab_size + attention
+    assert prefill_flops(model, n) == pytest.approx(want, rel=1e-9)

@@ -77,25 +77,33 @@ def test_chunked_prefill_and_decode_through_the_cache_match_one_pass(checkpoints
 @pytest.mark.parametrize("variant", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_bf16_decode_steps_run_the_mixture_in_the_one_call_stack(checkpoints, variant):
     """Router and experts packed, decode steps of three sequences in the one-call C stack (decode_stack.c:
-    moe_mlp; Qwen3-MoE's dense layer beside a sparse one): bit-identical to the per-operation path on the same
-    kernels, and within bf16 rounding of the float32 model. Qwen2-MoE's shared expert keeps it per operation."""
+    moe_mlp; Qwen3-MoE's dense layer beside a sparse one), and their prefill and decode steps with each mixture
+    in one C call (MoeBlock): bit-identical to the per-operation path in Python on the same kernels, and within
+    bf16 rounding of the float32 model. Qwen2-MoE's shared expert keeps it per operation."""
     path = checkpoints[variant]
-    stacked, per_op, ref = (_runner(path, dtype, 5)[0] for dtype in (torch.bfloat16, torch.bfloat16, torch.float32))
-    for r in (stacked, per_op):
+    stacked, blocked, per_op, ref = (_runner(path, dtype, 5)[0] for dtype in (torch.bfloat16,) * 3 + (torch.float32,))
+    for r in (stacked, blocked, per_op):
         pack_for_cpu_decode(r.model)
-    per_op.model.cpu_stack = False
+    blocked.model.cpu_stack = per_op.model.cpu_stack = False
+    for layer in per_op.model.layers:                 # the mixture in Python, not in one C call (MoeBlock)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.c_block = False
     block = stacked.model.layers[0].mlp
     assert type(block.gate) is PackedBF16Linear and all(
         type(e.gate_up_proj) is PackedBF16Linear and type(e.down_proj) is PackedBF16Linear for e in block.experts)
     assert (build_decode_stack(stacked.model) is None) == (variant == "qwen2_moe")
     prompts = [random_prompt(n, seed=70 + n) for n in (20, 9, 14)]
     tables = [[3, 1, 8, 9, 0], [11, 12], [20, 21, 22, 23]]
-    for r in (stacked, per_op, ref):
-        r.run([StepInput(p[:-1], 0, t) for p, t in zip(prompts, tables)])
+    prefills = [r.run([StepInput(p[:-1], 0, t) for p, t in zip(prompts, tables)])
+                for r in (stacked, blocked, per_op, ref)]
     steps = [r.run([StepInput([p[-1]], len(p) - 1, t) for p, t in zip(prompts, tables)])
-             for r in (stacked, per_op, ref)]
-    assert torch.equal(steps[0], steps[1])
-    torch.testing.assert_close(steps[0].float(), steps[2], rtol=0, atol=0.15)
+             for r in (stacked, blocked, per_op, ref)]
+    assert torch.equal(prefills[0], prefills[1]) and torch.equal(prefills[1], prefills[2])
+    assert torch.equal(steps[0], steps[1]) and torch.equal(steps[1], steps[2])
+    torch.testing.assert_close(steps[0].float(), steps[3], rtol=0, atol=0.15)
+    from pdserve.model.cpu_stack import moe_block
+    sparse = next(layer.mlp for layer in blocked.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+    assert (moe_block(sparse, torch.bfloat16) is None) == (variant == "qwen2_moe")
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
@@ -138,6 +146,9 @@ def test_int4_experts_decode_in_the_stack_as_per_operation(checkpoints):
         int4.convert_for_runtime(r.model, group_size=32)
         pack_for_cpu_decode(r.model)
     per_op.model.cpu_stack = False
+    for layer in per_op.model.layers:                 # the mixture in Python, not in one C call (MoeBlock)
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.c_block = False
     block = stacked.model.layers[0].mlp
     assert all(type(e.gate_up_proj) is int4.Int4Linear and type(e.down_proj) is int4.Int4Linear
                for e in block.experts) and type(block.gate) is PackedBF16Linear
@@ -149,6 +160,9 @@ def test_int4_experts_decode_in_the_stack_as_per_operation(checkpoints):
              for r in (stacked, per_op, ref)]
     if stack is not None:                    # the INT4 C kernel runs here (AVX512-VNNI or AVX2)
         assert torch.equal(steps[0], steps[1])
+        from pdserve.model.cpu_stack import moe_block
+        x = torch.randn(9, block.gate.in_features).to(torch.bfloat16)
+        assert torch.equal(moe_block(block, torch.bfloat16)(x), block.forward_per_op(x, True))  # INT4 experts
     cos = torch.nn.functional.cosine_similarity(steps[0].float(), steps[2], dim=-1)
     assert bool((cos > 0.98).all()), cos
 

@@ -248,6 +248,12 @@ static int moe_mlp(const Model *m, const Moe *me, const void *h, void *out, int6
     return rc;
 }
 
+/* One mixture over n rows of h outside a decode step (a prefill chunk's MLP, model/moe.py's SparseMoeBlock):
+ * moe_mlp with the model's kernels; out [n, hidden] of the element type. Returns as moe_mlp. */
+int pd_moe_block(const Model *m, const Moe *me, const void *h, void *out, int64_t n) {
+    return moe_mlp(m, me, h, out, n);
+}
+
 /* Scratch of one step, element counts per row (float32 counts for q and attn). */
 static size_t row_bytes(const Model *m) {
     const size_t e = m->bf16 ? 2 : 4, qkv = (size_t)((m->H + 2 * m->Hkv) * m->D), hd = (size_t)(m->H * m->D);

@@ -154,68 +154,34 @@ def _symbol(lib: str, name: str) -> int:
     return ctypes.cast(getattr(library(lib), name), _p).value
 
 
-class DecodeStack:
-    """Every decoder layer plus the final norm of one model, run by one C call per step.
+class StackStructs:
+    """C descriptions (``Linear``, ``Moe`` and the kernels of ``Model`` in ``decode_stack.c``) of projections
+    and mixtures, over tensors it keeps alive: what :class:`DecodeStack` and
+    :class:`~kernels.cpu.moe_block.MoeBlock` build on.
 
     Args:
-        layers: the layers, in order.
-        final_norm: ``[hidden]`` weight of the last RMSNorm.
-        num_heads, num_kv_heads, head_dim, intermediate_size: the shapes (``head_dim`` even, at most 512).
-        eps: the RMSNorm epsilon (every norm of the model uses it).
-        scale: the attention softmax scale.
-        dtype: the element type of activations, norms and cache, float32 or bfloat16
-            (bf16-packed projections need bfloat16).
-    Raises:
-        ValueError: specs that do not fit each other or the kernels.
-        KernelUnavailable: a library it needs cannot be built here.
+        hidden: the model's hidden size.
+        dtype: the element type of activations, float32 or bfloat16.
+        model: the C ``Model`` whose kernel table the projections described fill in.
     """
 
-    def __init__(self, layers: list[LayerSpec], final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 head_dim: int, intermediate_size: int, eps: float, scale: float, dtype: torch.dtype) -> None:
-        if dtype not in (torch.float32, torch.bfloat16) or not layers:
-            raise ValueError(f"DecodeStack: needs at least one layer and a float32/bf16 dtype, got {dtype}")
-        if head_dim % 2 or head_dim > 512 or num_heads % num_kv_heads:
-            raise ValueError(f"DecodeStack: head_dim {head_dim} / heads {num_heads}/{num_kv_heads} not supported")
-        self.hidden, self.dtype = final_norm.shape[0], dtype
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    def __init__(self, hidden: int, dtype: torch.dtype, model: _Model) -> None:
+        self.hidden, self.dtype = hidden, dtype
         self._tensors: list[torch.Tensor] = []
         self._ptrs: list[int] = []             # their data pointers when described to the C side
-        self._structs: list = []               # C arrays the layers point to (a mixture's)
-        self._layers = (_Layer * len(layers))()
-        self._model = _Model(hidden=self.hidden, H=num_heads, Hkv=num_kv_heads, D=head_dim, inter=intermediate_size,
-                             num_layers=len(layers), bf16=int(dtype == torch.bfloat16), eps=eps, scale=scale,
-                             layers=self._layers, final_norm=self._norm(final_norm, self.hidden), k=_Kernels(
-                                 rms_norm=_symbol("fused", "pd_rms_norm"),
-                                 rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
-                                 silu_mul=_symbol("fused", "pd_silu_mul"),
-                                 argmax_rows=_symbol("fused", "pd_argmax_rows"),
-                                 attention=_symbol("paged_attention", "pd_paged_attention")))
-        qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
-        shapes = {"qkv": (qkv_width, self.hidden), "o": (self.hidden, num_heads * head_dim),
-                  "gate_up": (2 * intermediate_size, self.hidden), "down": (self.hidden, intermediate_size)}
-        for i, spec in enumerate(layers):
-            c = self._layers[i]
-            c.input_norm = self._norm(spec.input_norm, self.hidden)
-            c.post_norm = self._norm(spec.post_norm, self.hidden)
-            if (spec.q_norm is None) != (spec.k_norm is None):
-                raise ValueError("DecodeStack: q_norm and k_norm must both be given or both be None")
-            c.q_norm = self._norm(spec.q_norm, head_dim) if spec.q_norm is not None else None
-            c.k_norm = self._norm(spec.k_norm, head_dim) if spec.k_norm is not None else None
-            for name, shape in shapes.items():
-                if spec.moe is None or name in ("qkv", "o"):
-                    setattr(c, name, self.linear_struct(getattr(spec, name), shape, f"layer {i} {name}"))
-            if spec.moe is not None:
-                c.moe = ctypes.pointer(self._moe_struct(spec.moe, f"layer {i}"))
-        self.num_layers = len(layers)
-        self._fn = library("decode_stack").pd_decode_stack
-        self._fn.argtypes, self._fn.restype = [_p, _p, _p, _p, _i64, _i64], ctypes.c_int
+        self._structs: list = []               # C arrays the structures point to (a mixture's)
+        self._model = model
+
+    @property
+    def _who(self) -> str:
+        return type(self).__name__            # names the class in error messages
 
     def _moe_struct(self, spec: MoeSpec, where: str) -> _Moe:
         """The C description of a mixture (kept alive by the stack, as its tensors are)."""
         experts = len(spec.gate_up)
         if not experts or len(spec.down) != experts or not 0 < spec.top_k <= min(experts, 64):
-            raise ValueError(f"DecodeStack: {where}: {experts} experts ({len(spec.down)} down projections), top "
-                             f"{spec.top_k}: needs as many of each and 1 <= top_k <= min(experts, 64)")
+            raise ValueError(f"{self._who}: {where}: {experts} experts ({len(spec.down)} down projections), "
+                             f"top {spec.top_k}: needs as many of each and 1 <= top_k <= min(experts, 64)")
         gate_up, down = (_Linear * experts)(), (_Linear * experts)()
         for e in range(experts):
             gate_up[e] = self.linear_struct(spec.gate_up[e], (2 * spec.inter, self.hidden), f"{where} expert {e}")
@@ -246,7 +212,7 @@ class DecodeStack:
 
     def _norm(self, w: torch.Tensor, dim: int) -> int:
         if w.dtype != self.dtype or w.shape != (dim,) or not w.is_contiguous() or w.device.type != "cpu":
-            raise ValueError(f"DecodeStack: a norm weight must be contiguous [{dim}] {self.dtype} on the CPU, "
+            raise ValueError(f"{self._who}: a norm weight must be contiguous [{dim}] {self.dtype} on the CPU, "
                              f"got {tuple(w.shape)} {w.dtype}")
         return self._keep(w)
 
@@ -260,38 +226,38 @@ class DecodeStack:
         """
         n, k = shape
         if (spec.out_features, spec.in_features) != shape:
-            raise ValueError(f"DecodeStack: {where} is {spec.out_features} x {spec.in_features}, expected {n} x {k}")
+            raise ValueError(f"{self._who}: {where} is {spec.out_features} x {spec.in_features}, expected {n} x {k}")
         c = _Linear(N=n, K=k, gemv_max_rows=spec.gemv_max_rows, amx=int(spec.amx))
         w = spec.weight
         if spec.kind == "bf16":
             if w.dtype != torch.bfloat16 or w.dim() != 4 or w.shape[2:] != (16, 2) or not w.is_contiguous() \
                     or w.shape[1] * 2 != k or not w.shape[0] * 16 - 16 < n <= w.shape[0] * 16:
-                raise ValueError(f"DecodeStack: {where}: not a packed bf16 weight of {n} x {k} (K must be even)")
+                raise ValueError(f"{self._who}: {where}: not a packed bf16 weight of {n} x {k} (K must be even)")
             if self.dtype != torch.bfloat16:
-                raise ValueError(f"DecodeStack: {where}: bf16-packed projections need bf16 activations")
+                raise ValueError(f"{self._who}: {where}: bf16-packed projections need bf16 activations")
             if (spec.gemv_max_rows > 0 and not gemv_available()) or (spec.amx and not gemm_amx_available()):
-                raise ValueError(f"DecodeStack: {where}: asks for the gemv or AMX tiles, which this CPU lacks")
+                raise ValueError(f"{self._who}: {where}: asks for the gemv or AMX tiles, which this CPU lacks")
             c.kind, c.Np, c.Kp = 0, w.shape[0] * 16, k
         elif spec.kind == "int4":
             g, kp = spec.group_size, w.shape[1] * 8
             if w.dtype != torch.uint8 or w.dim() != 4 or w.shape[2:] != (16, 4) or not w.is_contiguous() \
                     or not g or g % 16 or kp % g or k > kp or not w.shape[0] * 16 - 16 < n <= w.shape[0] * 16:
-                raise ValueError(f"DecodeStack: {where}: not a packed INT4 weight of {n} x {k}")
+                raise ValueError(f"{self._who}: {where}: not a packed INT4 weight of {n} x {k}")
             for t in (spec.scales, spec.zc):
                 if t is None or t.dtype != torch.float32 or t.shape != (w.shape[0], kp // g, 16) \
                         or not t.is_contiguous():
-                    raise ValueError(f"DecodeStack: {where}: INT4 scales and zc must be float32 "
+                    raise ValueError(f"{self._who}: {where}: INT4 scales and zc must be float32 "
                                      f"[{w.shape[0]}, {kp // g}, 16]")
             c.kind, c.Np, c.Kp, c.G = 1, w.shape[0] * 16, kp, g
             c.sc, c.zc = self._keep(spec.scales), self._keep(spec.zc)
         else:
-            raise ValueError(f"DecodeStack: {where}: unknown kind {spec.kind!r}")
+            raise ValueError(f"{self._who}: {where}: unknown kind {spec.kind!r}")
         self._resolve_kernels(spec.kind)
         c.w = self._keep(w)
         if spec.bias is not None:
             if spec.bias.dtype not in (torch.float32, torch.bfloat16) or spec.bias.shape != (n,) \
                     or not spec.bias.is_contiguous():
-                raise ValueError(f"DecodeStack: {where}: bias must be contiguous [{n}] float32 or bf16")
+                raise ValueError(f"{self._who}: {where}: bias must be contiguous [{n}] float32 or bf16")
             c.bias, c.bias_bf16 = self._keep(spec.bias), int(spec.bias.dtype == torch.bfloat16)
         return c
 
@@ -303,6 +269,59 @@ class DecodeStack:
     def valid(self) -> bool:
         """Whether every tensor the stack points to still has the storage it was built on (~60 ns a tensor)."""
         return list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs
+
+
+class DecodeStack(StackStructs):
+    """Every decoder layer plus the final norm of one model, run by one C call per step.
+
+    Args:
+        layers: the layers, in order.
+        final_norm: ``[hidden]`` weight of the last RMSNorm.
+        num_heads, num_kv_heads, head_dim, intermediate_size: the shapes (``head_dim`` even, at most 512).
+        eps: the RMSNorm epsilon (every norm of the model uses it).
+        scale: the attention softmax scale.
+        dtype: the element type of activations, norms and cache, float32 or bfloat16
+            (bf16-packed projections need bfloat16).
+    Raises:
+        ValueError: specs that do not fit each other or the kernels.
+        KernelUnavailable: a library it needs cannot be built here.
+    """
+
+    def __init__(self, layers: list[LayerSpec], final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate_size: int, eps: float, scale: float, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float32, torch.bfloat16) or not layers:
+            raise ValueError(f"DecodeStack: needs at least one layer and a float32/bf16 dtype, got {dtype}")
+        if head_dim % 2 or head_dim > 512 or num_heads % num_kv_heads:
+            raise ValueError(f"DecodeStack: head_dim {head_dim} / heads {num_heads}/{num_kv_heads} not supported")
+        hidden = final_norm.shape[0]
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self._layers = (_Layer * len(layers))()
+        super().__init__(hidden, dtype, _Model(
+            hidden=hidden, H=num_heads, Hkv=num_kv_heads, D=head_dim, inter=intermediate_size,
+            num_layers=len(layers), bf16=int(dtype == torch.bfloat16), eps=eps, scale=scale, layers=self._layers,
+            k=_Kernels(rms_norm=_symbol("fused", "pd_rms_norm"), rope_write_kv=_symbol("fused", "pd_rope_write_kv"),
+                       silu_mul=_symbol("fused", "pd_silu_mul"), argmax_rows=_symbol("fused", "pd_argmax_rows"),
+                       attention=_symbol("paged_attention", "pd_paged_attention"))))
+        self._model.final_norm = self._norm(final_norm, self.hidden)
+        qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+        shapes = {"qkv": (qkv_width, self.hidden), "o": (self.hidden, num_heads * head_dim),
+                  "gate_up": (2 * intermediate_size, self.hidden), "down": (self.hidden, intermediate_size)}
+        for i, spec in enumerate(layers):
+            c = self._layers[i]
+            c.input_norm = self._norm(spec.input_norm, self.hidden)
+            c.post_norm = self._norm(spec.post_norm, self.hidden)
+            if (spec.q_norm is None) != (spec.k_norm is None):
+                raise ValueError("DecodeStack: q_norm and k_norm must both be given or both be None")
+            c.q_norm = self._norm(spec.q_norm, head_dim) if spec.q_norm is not None else None
+            c.k_norm = self._norm(spec.k_norm, head_dim) if spec.k_norm is not None else None
+            for name, shape in shapes.items():
+                if spec.moe is None or name in ("qkv", "o"):
+                    setattr(c, name, self.linear_struct(getattr(spec, name), shape, f"layer {i} {name}"))
+            if spec.moe is not None:
+                c.moe = ctypes.pointer(self._moe_struct(spec.moe, f"layer {i}"))
+        self.num_layers = len(layers)
+        self._fn = library("decode_stack").pd_decode_stack
+        self._fn.argtypes, self._fn.restype = [_p, _p, _p, _p, _i64, _i64], ctypes.c_int
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
             slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
