@@ -238,3 +238,18 @@ def flag(raw: dict[str, Any], name: str, default: bool = False) -> bool:
         raise ValueError(f"config.json {name} must be true or false, got {value!r}")
     return value
 
+
+def refuse_mixture(model: Any, what: str) -> None:
+    """Refuse ``what`` for a mixture of experts (a model whose ``cfg.moe_layers`` names sparse layers) where it does
+    not cover one: FP8 activations (the experts would stay in float while the option says otherwise), GPTQ's
+    calibration (an expert sees only the tokens routed to it, none for some) and the pre-quantized INT4 checkpoint
+    format (dense projections' names only). Here, not in :mod:`model.moe`, so that the quantizers that call it do
+    not import the mixture's module (which imports the C kernels' model code, which imports them).
+
+    Raises:
+        ValueError: naming ``what``, the model type and what is supported.
+    """
+    if model.cfg.moe_layers:
+        raise ValueError(f"{what} is not supported for mixture-of-experts checkpoints ({model.cfg.model_type}); "
+                         "supported: the float checkpoint (bf16 or fp32), or INT4 quantized at load "
+                         "(--weights int4 with the mse or rtn method)")

@@ -27,6 +27,7 @@ from torch import nn
 from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu.decode_stack import moe_route
 from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_stack import moe_block
 
 
 class SparseMoeBlock(nn.Module):
@@ -68,11 +69,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
         if self.c_block and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous():
-            from pdserve.model.cpu_stack import moe_block  # (imports model.quant, which imports this module)
-
             block = moe_block(self, x.dtype)
             if block is not None:
-                return block(x)               # the same kernels in the same order in one C call
+                try:
+                    return block(x)           # the same kernels in the same order in one C call
+                except MemoryError:           # its scratch (rows x experts' widths) could not be had: per operation
+                    pass
         return self.forward_per_op(x, cpu_kernels)
 
     def forward_per_op(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
@@ -96,17 +98,3 @@ def mixture_module_names(model: nn.Module) -> tuple[str, ...]:
                  if isinstance(module, SparseMoeBlock) and module.shared_expert is None
                  for name in (f"{name}.gate", *(f"{name}.experts.{e}.{proj}" for e in range(len(module.experts))
                                                 for proj in ("gate_up_proj", "down_proj"))))
-
-
-def refuse_mixture(model: nn.Module, what: str) -> None:
-    """Refuse ``what`` for a mixture of experts where it does not cover one: FP8 activations (the experts would
-    stay in float while the option says otherwise), GPTQ's calibration (an expert sees only the tokens routed to
-    it, none for some) and the pre-quantized INT4 checkpoint format (dense projections' names only).
-
-    Raises:
-        ValueError: naming ``what``, the model type and what is supported.
-    """
-    if any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.layers):
-        raise ValueError(f"{what} is not supported for mixture-of-experts checkpoints ({model.cfg.model_type}); "
-                         "supported: the float checkpoint (bf16 or fp32), or INT4 quantized at load "
-                         "(--weights int4 with the mse or rtn method)")

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.moe import refuse_mixture
+from pdserve.model.families import refuse_mixture
 from pdserve.model.quant.fp8_format import (
     check_group_size,
     dequantize_e4m3_blocks,

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.cpu.int4 import AMX_KERNEL, int4_available, int4_path, pack_int4_weight, run_unchecked
-from pdserve.model.moe import refuse_mixture
+from pdserve.model.families import refuse_mixture
 from pdserve.model.quant.gptq import gptq_quantize_model
 from pdserve.model.quant.int4_format import (
     CALIBRATED,
