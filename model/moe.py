@@ -94,7 +94,7 @@ def mixture_module_names(model: nn.Module) -> tuple[str, ...]:
     """The names of the routers and experts' projections of ``model``'s mixtures that can run in one C call
     (:class:`kernels.cpu.moe_block.MoeBlock`: every mixture but one with a shared expert), for a loader that packs
     them for the C kernels where it gives the dense projections to another library (a prefill worker with AMX)."""
-    return tuple(name for name, module in model.named_modules()
+    return tuple(sub for name, module in model.named_modules()
                  if isinstance(module, SparseMoeBlock) and module.shared_expert is None
-                 for name in (f"{name}.gate", *(f"{name}.experts.{e}.{proj}" for e in range(len(module.experts))
-                                                for proj in ("gate_up_proj", "down_proj"))))
+                 for sub in (f"{name}.gate", *(f"{name}.experts.{e}.{proj}" for e in range(len(module.experts))
+                                               for proj in ("gate_up_proj", "down_proj"))))

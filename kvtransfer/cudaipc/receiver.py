@@ -12,6 +12,7 @@ import torch
 from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.cudaipc.control import SCHEME, CacheShare, IpcHello, IpcPages, expect, read_any
 from pdserve.kvtransfer.cudaipc.handles import PeerCacheError, PeerCaches, copy_pages, open_peer_cache
+from pdserve.kvtransfer.tcp.pages import check_cache
 from pdserve.kvtransfer.tcp.receiver import TcpKVReceiver
 from pdserve.kvtransfer.wire.conn import Conn
 from pdserve.kvtransfer.wire.frames import Abort, Done, FrameError, Pages, PeerClosed, dtype_name
@@ -60,9 +61,7 @@ class CudaIpcKVReceiver(TcpKVReceiver):
                  io_timeout_s: float = 10.0, secret: bytes | None = None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  open_peer: Callable[[CacheShare, KVCacheSpec], torch.Tensor] = open_peer_cache) -> None:
-        if tuple(kv_cache.shape) != spec.shape or kv_cache.dtype != spec.dtype or not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache is {tuple(kv_cache.shape)} {kv_cache.dtype} (contiguous="
-                             f"{kv_cache.is_contiguous()}), spec wants a contiguous {spec.shape} {spec.dtype}")
+        check_cache(kv_cache, spec)
         secret = check_secret(secret, "the KV receiver's secret")
         self._cache = kv_cache
         self._spec = spec
@@ -87,9 +86,8 @@ class CudaIpcKVReceiver(TcpKVReceiver):
             return
         hello = expect(first, IpcHello)
         self._bind_transfer(conn, hello.request_id)
-        share = CacheShare(**{k: getattr(hello, k) for k in CacheShare.__dataclass_fields__})
         try:
-            conn.peer = self._peers.get(hello.sender_id, share)
+            conn.peer = self._peers.get(hello.sender_id, hello)   # an IpcHello is the sender's CacheShare
         except PeerCacheError as e:
             raise FrameError(f"request {hello.request_id!r}: {e}", hello.request_id) from None
         while True:

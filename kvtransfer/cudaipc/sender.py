@@ -15,6 +15,7 @@ from pdserve.cluster.secret import check_secret
 from pdserve.kvtransfer.base import TransferError
 from pdserve.kvtransfer.cudaipc.control import SCHEME, CacheShare, IpcHello, IpcPages, encode_control
 from pdserve.kvtransfer.cudaipc.handles import export_cache
+from pdserve.kvtransfer.tcp.pages import check_cache
 from pdserve.kvtransfer.tcp.sender import TcpKVChannel, TcpKVSender
 from pdserve.kvtransfer.wire.channel import MAX_BLOCKS_PER_FRAME, SocketChannel, check_send_args
 from pdserve.model.kv_cache import KVCacheSpec
@@ -78,9 +79,7 @@ class CudaIpcKVSender(TcpKVSender):
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, connect_timeout_s: float = 5.0,
                  io_timeout_s: float = 10.0, secret: bytes | None = None, sender_id: str | None = None,
                  export: Callable[[torch.Tensor], CacheShare] = export_cache) -> None:
-        if tuple(kv_cache.shape) != spec.shape or kv_cache.dtype != spec.dtype or not kv_cache.is_contiguous():
-            raise ValueError(f"kv_cache is {tuple(kv_cache.shape)} {kv_cache.dtype} (contiguous="
-                             f"{kv_cache.is_contiguous()}), spec wants a contiguous {spec.shape} {spec.dtype}")
+        check_cache(kv_cache, spec)
         self._cache = kv_cache
         self._spec = spec
         self.sender_id = sender_id or uuid.uuid4().hex

@@ -29,7 +29,8 @@ STAGE_BYTES = 16 << 20
 """Bytes a staged copy moves at most (at least one page): bounds each pooled host buffer."""
 
 
-def _check_cache(kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
+def check_cache(kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
+    """Raise ValueError unless ``kv_cache`` has ``spec``'s shape and dtype and is contiguous (any device)."""
     if tuple(kv_cache.shape) != spec.shape or kv_cache.dtype != spec.dtype:
         raise ValueError(f"kv_cache is {tuple(kv_cache.shape)} {kv_cache.dtype}, "
                          f"spec wants {spec.shape} {spec.dtype}")
@@ -54,7 +55,7 @@ class PageMemory:
     """
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec) -> None:
-        _check_cache(kv_cache, spec)
+        check_cache(kv_cache, spec)
         if kv_cache.device.type != "cpu":
             raise ValueError(f"PageMemory needs a CPU tensor (device {kv_cache.device}): see StagedPageMemory")
         self.spec = spec
@@ -98,7 +99,7 @@ class StagedPageMemory:
     """
 
     def __init__(self, kv_cache: torch.Tensor, spec: KVCacheSpec, stage_bytes: int = STAGE_BYTES) -> None:
-        _check_cache(kv_cache, spec)
+        check_cache(kv_cache, spec)
         self.spec, self._cache, self._stage_bytes = spec, kv_cache, stage_bytes
         self._pool: list[torch.Tensor] = []   # idle staging buffers (as many as transfers ran at once)
         self._lock = threading.Lock()
