@@ -19,6 +19,7 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
+    taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention --base HEAD --heads 8,4,128
 """
 
 from __future__ import annotations
@@ -128,22 +129,24 @@ def decode_attention_cases(builds: dict, reps: int, cases=((32, 140), (32, 1024)
     return rows
 
 
-def prefill_attention_cases(builds: dict, reps: int) -> list[dict]:
-    rows = []
+def prefill_attention_cases(builds: dict, reps: int, heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM)
+                            ) -> list[dict]:
+    rows, (nh, nkv, dim) = [], heads
     for n in (512, 2048):
         blocks = n // BLOCK
-        cache = torch.randn(blocks, 1, 2, BLOCK, KV_HEADS, DIM).bfloat16()
+        cache = torch.randn(blocks, 1, 2, BLOCK, nkv, dim).bfloat16()
         meta = build_attention_metadata([n], [n], [list(range(blocks))], BLOCK)
-        q = torch.randn(n, HEADS, DIM).bfloat16()
+        q = torch.randn(n, nh, dim).bfloat16()
         s_block, _, s_kv, s_tok, s_head, _ = cache.stride()
 
         def run(fn) -> torch.Tensor:
             out = torch.empty_like(q)
-            fn(q.data_ptr(), out.data_ptr(), HEADS, KV_HEADS, DIM, meta.query_start_loc.data_ptr(),
+            fn(q.data_ptr(), out.data_ptr(), nh, nkv, dim, meta.query_start_loc.data_ptr(),
                meta.seq_lens.data_ptr(), 1, cache.data_ptr(), s_block, s_tok, s_head, s_kv,
-               meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, 0.125)
+               meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, dim ** -0.5)
             return out
-        rows.append({"case": f"prefill attention, one layer, {n} tokens", **interleaved(builds, run, reps)})
+        rows.append({"case": f"prefill attention, one layer, {n} tokens, {nh} heads / {nkv} KV heads of {dim}",
+                     **interleaved(builds, run, reps)})
     return rows
 
 
@@ -207,6 +210,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--rows", default=None, help="activation row counts of the gemm and gemv kernels' cases, e.g. 3,4 "
                                                  "(default: the kernel's own)")
+    ap.add_argument("--heads", default=None, help="query heads, KV heads, head size of the prefill attention cases, "
+                                                  "e.g. 8,4,128 (bench-80m-qwen3; default: bench-80m's 12,4,64)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available}.get(args.kernel)
@@ -219,6 +224,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"A": build(args.kernel, args.base, Path(tmp)), "B": build(args.kernel, args.head, Path(tmp))}
         cases = CASES[args.kernel]
+        if args.heads and args.kernel.startswith("prefill_attention"):
+            cases = functools.partial(prefill_attention_cases, heads=tuple(int(h) for h in args.heads.split(",")))
         if args.rows and args.kernel.startswith(("gemm", "gemv")):
             cases = functools.partial(int4_cases if args.kernel == "gemv_int4" else gemm_cases,
                                       row_counts=tuple(int(r) for r in args.rows.split(",")))

@@ -139,8 +139,32 @@ def converter_deps() -> Path:
     return deps
 
 
+# convert_hf_to_gguf.py run with one fallback: a BPE tokenizer whose pre-tokenizer llama.cpp does not know by its
+# hash (the bench checkpoints' embedded tokenizer in a Qwen-family config: the Qwen converters read the vocabulary
+# as GPT-2 BPE and look the pre-tokenizer up) is written as llama.cpp's "default" one instead of refused. It only
+# decides how llama.cpp would split text; llama-bench times token ids, and the perplexity runs use the Llama
+# converter's path, which never asks.
+CONVERTER = """
+import runpy, sys
+script = sys.argv.pop(1)
+sys.path.insert(0, str(__import__("pathlib").Path(script).parent))
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        print("pdserve: pre-tokenizer not recognized, written as 'default'", file=sys.stderr)
+        return "default"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv[0] = script
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def convert(info: dict, model_dir: str | Path, out: Path, outtype: str = "bf16") -> Path:
-    """``convert_hf_to_gguf.py`` on a Hugging Face checkpoint (``outtype`` f32/f16/bf16); cached by path.
+    """``convert_hf_to_gguf.py`` on a Hugging Face checkpoint (``outtype`` f32/f16/bf16); cached by path. A BPE
+    pre-tokenizer the converter does not recognize is written as llama.cpp's ``default`` (:data:`CONVERTER`).
 
     Raises:
         subprocess.CalledProcessError: the converter failed.
@@ -150,7 +174,7 @@ def convert(info: dict, model_dir: str | Path, out: Path, outtype: str = "bf16")
     out.parent.mkdir(parents=True, exist_ok=True)
     model_dir = _with_input_embedding(Path(model_dir), out.parent / f"{out.stem}.hf")
     env = dict(os.environ, PYTHONPATH=f"{Path(info['src']) / 'gguf-py'}{os.pathsep}{converter_deps()}")
-    subprocess.run([sys.executable, str(Path(info["src"]) / "convert_hf_to_gguf.py"), str(model_dir),
+    subprocess.run([sys.executable, "-c", CONVERTER, str(Path(info["src"]) / "convert_hf_to_gguf.py"), str(model_dir),
                     "--outtype", outtype, "--outfile", str(out)], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".log"), "w"))
     return out

@@ -90,18 +90,19 @@ class Attention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, cpu_kernels: bool = False) -> torch.Tensor:
         n, cfg = x.shape[0], self.cfg
         qkv = self.qkv_proj(x)
+        norms = (self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps) if cfg.qk_norm else ()
         if cpu_kernels:
             # CPU, decode-sized: (q/k norm +) RoPE + cache write and attention in two C calls
-            norms = (self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps) if cfg.qk_norm else ()
             q = fused.rope_write_kv(qkv, cos, sin, kv_cache, self.layer, meta.slot_mapping,
                                     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, *norms)
             out = paged_attention_cpu(q, kv_cache, self.layer, meta.query_start_loc, meta.seq_lens,
                                       meta.block_tables, self.scale)
             return self.o_proj(out.view(n, self.q_size).to(x.dtype))
         if self._c_prefill(qkv, kv_cache):
-            # CPU, bf16 rows of a prefill chunk: RoPE + cache write in C, the C prefill attention on bf16 q
+            # CPU, bf16 rows of a prefill chunk: (q/k norm +) RoPE + cache write in C, the C prefill attention
+            # on bf16 q
             q = fused.rope_write_kv(qkv, cos, sin, kv_cache, self.layer, meta.slot_mapping, cfg.num_heads,
-                                    cfg.num_kv_heads, cfg.head_dim, q_dtype=qkv.dtype)
+                                    cfg.num_kv_heads, cfg.head_dim, *norms, q_dtype=qkv.dtype)
             out = paged_attention(q, None, None, kv_cache, self.layer, meta, self.scale)
             return self.o_proj(out.reshape(n, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -118,11 +119,14 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
     def _c_prefill(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether a step's RoPE + KV write runs in C ahead of the C prefill attention: bf16 rows and cache
-        on a CPU where both run vectorized (AVX-512; heads a multiple of 32, no q/k norm), bit-identical
-        to the torch code (``apply_rotary``, ``write_kv``)."""
+        """Whether a step's (q/k norm +) RoPE + KV write runs in C ahead of the C prefill attention: bf16 rows,
+        cache (and q/k norm weights) on a CPU where both run vectorized (AVX-512; heads a multiple of 32),
+        bit-identical to the torch code (``apply_rotary``, ``write_kv``); a q/k norm (Qwen3) as the C
+        RMSNorm (:func:`kernels.cpu.fused.rms_norm`) normalizes each head, within the order of its sum
+        of squares of torch's."""
         return (qkv.dtype == kv_cache.dtype == torch.bfloat16 and qkv.is_cpu and qkv.stride(1) == 1
-                and not self.cfg.qk_norm and self.cfg.head_dim % 32 == 0 and self.cfg.head_dim <= fused.MAX_HEAD_DIM
+                and (not self.cfg.qk_norm or self.q_norm.weight.dtype == self.k_norm.weight.dtype == qkv.dtype)
+                and self.cfg.head_dim % 32 == 0 and self.cfg.head_dim <= fused.MAX_HEAD_DIM
                 and fused.vectorized() and prefill_attention_available(self.cfg.head_dim))
 
 

@@ -107,3 +107,82 @@ def _counting(fn, calls: list):
         calls.append(args[0].shape[0])
         return fn(*args, **kwargs)
     return wrapped
+
+
+@needs_vector
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_with_qk_norms_is_the_c_rms_norm_of_each_head_then_rope(dtype):
+    """Qwen3's per-head q/k RMSNorm on the AVX-512 path (head_dim 128): bit for bit the C RMSNorm of every
+    head, then the norm-free RoPE and cache write; within two roundings of torch's norm."""
+    heads, kv_heads, dim, n, eps = 8, 4, 128, 40, 1e-6
+    g = torch.Generator().manual_seed(4)
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
+    wq, wk = (1 + torch.randn(dim, generator=g) * 0.3).to(dtype), torch.randn(dim, generator=g).to(dtype)
+    pos = torch.arange(n) * 5
+    inv = 1.0 / (1e6 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat((pos[:, None] * inv, pos[:, None] * inv), -1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    slots = torch.randperm(64, generator=g)[:n]
+    cache, ref_cache = (torch.zeros(16, 2, 2, 4, kv_heads, dim, dtype=dtype) for _ in range(2))
+    q = cfused.rope_write_kv(qkv, cos, sin, cache, 1, slots, heads, kv_heads, dim, wq, wk, eps, q_dtype=dtype)
+    qr, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    normed = torch.cat([cfused.rms_norm(qr.reshape(-1, dim), wq, eps).reshape(n, -1),
+                        cfused.rms_norm(k.reshape(-1, dim), wk, eps).reshape(n, -1), v], -1)
+    q_ref = cfused.rope_write_kv(normed, cos, sin, ref_cache, 1, slots, heads, kv_heads, dim, q_dtype=dtype)
+    assert torch.equal(q, q_ref) and torch.equal(cache, ref_cache)
+    norm = llama.RMSNorm(dim, eps).to(dtype)
+    norm.weight.data = wq
+    torch_q = apply_rotary(norm(qr.reshape(n, heads, dim)), cos, sin)      # torch's own float32 sum
+    ulp = 2.0 ** (torch.floor(torch.log2(torch_q.float().abs().clamp_min(2 ** -126))) - (7 if dtype == torch.bfloat16
+                                                                                         else 23))
+    assert ((q.float() - torch_q.float()).abs() <= 4 * ulp + 1e-6).all()
+
+
+@pytest.fixture(scope="module")
+def qwen3_128(tmp_path_factory) -> str:
+    """A random-weight bf16 Qwen3 with 128-dim heads and q/k norms."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = tmp_path_factory.mktemp("qwen3-128")
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=128, vocab_size=500, max_position_embeddings=512,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    for layer in model.model.layers:         # norms away from 1, so that a missing or misplaced one shows
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.data = 1 + torch.randn(128) * 0.5
+    model.to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
+@needs_vector
+def test_qwen3_bf16_prefill_takes_the_c_qk_norm_and_rope_and_keeps_the_torch_result(qwen3_128, monkeypatch):
+    """A Qwen3 prefill in two chunks runs its q/k norms, RoPE and cache writes in C on every layer, and its
+    logits and cache stay within the RMS sums' order of the torch operations' (the greedy tokens equal)."""
+    model, cfg = load_model(qwen3_128, torch.bfloat16)
+    assert cfg.qk_norm
+    ids = torch.randint(3, cfg.vocab_size, (240,), generator=torch.Generator().manual_seed(3)).tolist()
+    table = list(range(20, 36))
+
+    def prefill() -> tuple[torch.Tensor, torch.Tensor]:
+        runner = ModelRunner(model, KVCacheSpec(40, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                torch.bfloat16))
+        runner.run([StepInput(ids[:150], 0, table)])
+        return runner.run([StepInput(ids[150:], 150, table)]), runner.kv_cache
+
+    calls = []
+    monkeypatch.setattr(cfused, "rope_write_kv", _counting(cfused.rope_write_kv, calls))
+    fused_logits, fused_cache = prefill()
+    assert len(calls) == 2 * cfg.num_layers
+    monkeypatch.setattr(llama.Attention, "_c_prefill", lambda self, qkv, kv_cache: False)
+    torch_logits, torch_cache = prefill()
+    assert len(calls) == 2 * cfg.num_layers
+    fused0, torch0 = fused_cache[20:36, 0], torch_cache[20:36, 0]       # layer 0 of the table's blocks
+    assert torch.equal(fused0[:, 1], torch0[:, 1]) and fused0[:, 1].abs().sum() > 0      # its values as written
+    keys_differ = fused0[:, 0] != torch0[:, 0]   # its keys but where a sum's order moved a rounding (~5e-5)
+    assert keys_differ.float().mean() < 1e-3
+    ulp = 2.0 ** (torch.floor(torch.log2(torch0[:, 0].float().abs().clamp_min(2 ** -126))) - 7)
+    assert ((fused0[:, 0].float() - torch0[:, 0].float()).abs() <= 2 * ulp).all()
+    torch.testing.assert_close(fused_logits, torch_logits, rtol=0.02, atol=0.05)
+    assert torch.equal(fused_logits.argmax(-1), torch_logits.argmax(-1))

@@ -21,8 +21,8 @@
  * update is a compare in the common case; exponentials inline, exp16.h) and the chunk's V
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
  * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
- * On Zen 4 each group of pairs walks all its pages with its state in registers (head-major), elsewhere the
- * groups take one page at a time (page-major). The cache is read ahead of the arithmetic: a page further on in
+ * On Zen 4 each group of pairs of heads of up to 64 dims walks all its pages with its state in registers
+ * (head-major), elsewhere the groups take one page at a time (page-major). The cache is read ahead of the arithmetic: a page further on in
  * the walk (through the block table, into the next kv head or sequence) is prefetched into L2 a row at a time
  * while this page is computed. See sequence_avx512.
  * AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass softmax below
@@ -319,14 +319,19 @@ int pd_attention_force(int path) {
     return 0;
 }
 
-/* The AVX-512 path's walk: head-major on Zen 4 (AMD family 19h), where it was measured faster (see
- * sequence_avx512); page-major elsewhere, where a group-major walk with a page of prefetch lead had measured
- * 1.24-1.32x slower on Zen 5 (docs/benchmarks.md) and the two-page lead has not been measured. */
-static int head_major_walk(void) {
+/* The AVX-512 path's walk: head-major on Zen 4 (AMD family 19h) for heads of up to 64 dims, where it was measured
+ * faster (see sequence_avx512); page-major elsewhere, where a group-major walk with a page of prefetch lead had
+ * measured 1.24-1.32x slower on Zen 5 (docs/benchmarks.md) and the two-page lead has not been measured, and for
+ * larger heads: with 128 dims a group's queries and accumulators (2 x 2 x 8 vectors) no longer fit in registers
+ * beside a K row, and head-major took 1.11x / 1.08x the time of page-major at 8 heads / 4 KV heads (Qwen3's
+ * grouping) over a cold cache of 32 x 164 / 32 x 1,024 tokens, 1.02x / 1.08x at 16 / 4 (Llama 3's), where with
+ * 64 dims it took 0.88x / 0.83x at 12 / 4 (bench-80m) and 0.89x / 0.81x at 16 / 4 (Zen 4, 11 layers,
+ * interleaved, medians of 11). */
+static int head_major_walk(int64_t D) {
     if (forced_path >= 3) return forced_path == 4;
     static int family = -1;                             /* CPUID leaves a VM: read once */
     if (family < 0) family = amd_family();
-    return family == 0x19;
+    return family == 0x19 && D <= 64;
 }
 
 /* q, out: float32 [num_tokens, H, D] contiguous. qs: int32 [B+1] row offsets. seq_lens: int32 [B].
@@ -336,7 +341,7 @@ int pd_paged_attention(const float *q, float *out, int64_t H, int64_t Hkv, int64
                        const void *cache, int bf16, int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v,
                        const int32_t *tables, int64_t max_blocks, int64_t block_size, float scale) {
     __builtin_cpu_init();
-    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, head_major_walk() };
+    Ctx c = { cache, bf16, s_block, s_tok, s_head, s_v, block_size, D, NULL, head_major_walk(D) };
     const int fast = (!forced_path || forced_path >= 3) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                      && D % 16 == 0 && D / 16 <= MAX_VECS;
     const int avx2 = !fast && forced_path != 2 && avx2_takes(&c);

@@ -79,13 +79,15 @@ TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const f
     }
     for (int j = 0; j < keys; j += 2) {
 #if PD_DPBF16
-        __m512bh vv[16];
-        for (int v = 0; v < NVC; v++) vv[v] = (__m512bh)_mm512_loadu_si512(vt + j * D + 32 * v);
+        __m512bh pj[6];
         for (int r = 0; r < RG; r++) {
             int32_t pair;
             memcpy(&pair, P[r] + j, 4);
-            const __m512bh pj = (__m512bh)_mm512_set1_epi32(pair);
-            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_dpbf16_ps(o[r][v], pj, vv[v]);
+            pj[r] = (__m512bh)_mm512_set1_epi32(pair);
+        }
+        for (int v = 0; v < NVC; v++) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512(vt + j * D + 32 * v);
+            for (int r = 0; r < RG; r++) o[r][v] = _mm512_dpbf16_ps(o[r][v], pj[r], vv);
         }
 #else
         for (int v = 0; v < NVC; v++) {
