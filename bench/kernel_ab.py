@@ -9,7 +9,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
 * ``paged_attention``: a decode step's attention over 12 layers of a KV cache in huge pages whose blocks
   are shuffled, the L3 evicted first (cold) and the same step at once again (warm), per batch x context;
 * ``prefill_attention`` / ``prefill_attention_fma`` / ``prefill_attention_amx``: one layer's causal attention
-  over a 512- and a 2,048-token prompt;
+  over a 512- and a 2,048-token prompt (``--heads`` sets other head counts and sizes for the attention
+  kernels, e.g. ``8,4,128`` for bench-80m-qwen3);
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
   evicted before each pass (``gemm_bf16_avx2`` at 8, 32 and 512 rows); ``gemm_bf16_amx`` (AMX tiles)
   the same at 1, 8 and 32 rows, ``gemm_bf16_avx512`` (``vdpbf16ps``) at 32 and 512, ``gemv_bf16`` at
@@ -108,19 +109,19 @@ def interleaved(builds: dict[str, Callable], run: Callable[[Callable], torch.Ten
 
 
 def decode_attention_cases(builds: dict, reps: int, cases=((32, 140), (32, 1024), (4, 512), (1, 140)),
-                           layers: int = 12) -> list[dict]:
-    rows, evict = [], l3_evictor()
+                           layers: int = 12, heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM)) -> list[dict]:
+    rows, evict, (nh, nkv, dim) = [], l3_evictor(), heads
     for batch, context in cases:
-        cache, meta = scattered_decode_cache(batch, context, layers, KV_HEADS, DIM, BLOCK)
-        q = torch.randn(batch, HEADS, DIM)
+        cache, meta = scattered_decode_cache(batch, context, layers, nkv, dim, BLOCK)
+        q = torch.randn(batch, nh, dim)
         s_block, s_layer, s_kv, s_tok, s_head, _ = cache.stride()
 
         def step(fn) -> torch.Tensor:
             out = torch.empty_like(q)
             for layer in range(layers):
-                fn(q.data_ptr(), out.data_ptr(), HEADS, KV_HEADS, DIM, meta.query_start_loc.data_ptr(),
+                fn(q.data_ptr(), out.data_ptr(), nh, nkv, dim, meta.query_start_loc.data_ptr(),
                    meta.seq_lens.data_ptr(), batch, cache.data_ptr() + layer * s_layer * 2, 1, s_block, s_tok,
-                   s_head, s_kv, meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, 0.125)
+                   s_head, s_kv, meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, dim ** -0.5)
             return out
         rows.append({"case": f"decode attention, {layers} layers, batch {batch} x {context + 1} tokens, cold",
                      **interleaved(builds, step, reps, evict)})
@@ -210,7 +211,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--rows", default=None, help="activation row counts of the gemm and gemv kernels' cases, e.g. 3,4 "
                                                  "(default: the kernel's own)")
-    ap.add_argument("--heads", default=None, help="query heads, KV heads, head size of the prefill attention cases, "
+    ap.add_argument("--heads", default=None, help="query heads, KV heads, head size of the attention cases, "
                                                   "e.g. 8,4,128 (bench-80m-qwen3; default: bench-80m's 12,4,64)")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -224,8 +225,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"A": build(args.kernel, args.base, Path(tmp)), "B": build(args.kernel, args.head, Path(tmp))}
         cases = CASES[args.kernel]
-        if args.heads and args.kernel.startswith("prefill_attention"):
-            cases = functools.partial(prefill_attention_cases, heads=tuple(int(h) for h in args.heads.split(",")))
+        if args.heads and "attention" in args.kernel:
+            cases = functools.partial(cases, heads=tuple(int(h) for h in args.heads.split(",")))
         if args.rows and args.kernel.startswith(("gemm", "gemv")):
             cases = functools.partial(int4_cases if args.kernel == "gemv_int4" else gemm_cases,
                                       row_counts=tuple(int(r) for r in args.rows.split(",")))
