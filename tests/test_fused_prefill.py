@@ -80,7 +80,17 @@ def model_64(tmp_path_factory) -> str:
 def test_bf16_prefill_through_the_fused_kernels_equals_the_torch_operations(model_64, monkeypatch):
     """Two chunks (the second attends to the first through the cache) of 150 and 90 rows: the hidden
     states and the KV cache equal those of the torch RoPE, cache write and SiLU, bit for bit."""
-    model, cfg = load_model(model_64, torch.bfloat16)
+    (fused_logits, fused_cache), (torch_logits, torch_cache) = _fused_and_torch_prefill(model_64, monkeypatch,
+                                                                                        torch_silu=True)
+    assert torch.equal(fused_cache, torch_cache)
+    assert torch.equal(fused_logits, torch_logits)
+
+
+def _fused_and_torch_prefill(model_dir: str, monkeypatch, torch_silu: bool = False):
+    """((logits, cache) with the C RoPE + KV write, (logits, cache) without it (and with torch's SiLU where
+    ``torch_silu``)) of a bf16 prefill in two chunks (the second attends to the first through the cache) of 150
+    and 90 rows; every layer of both chunks must have taken the C kernel in the first."""
+    model, cfg = load_model(model_dir, torch.bfloat16)
     ids = torch.randint(3, cfg.vocab_size, (240,), generator=torch.Generator().manual_seed(3)).tolist()
     table = list(range(20, 36))
 
@@ -92,14 +102,14 @@ def test_bf16_prefill_through_the_fused_kernels_equals_the_torch_operations(mode
 
     calls = []
     monkeypatch.setattr(cfused, "rope_write_kv", _counting(cfused.rope_write_kv, calls))
-    fused_logits, fused_cache = prefill()
+    fused = prefill()
     assert len(calls) == 2 * cfg.num_layers                         # every layer of both chunks took it
     monkeypatch.setattr(llama.Attention, "_c_prefill", lambda self, qkv, kv_cache: False)
-    monkeypatch.setattr(llama.MLP, "_c_silu", staticmethod(lambda gate_up: False))
-    torch_logits, torch_cache = prefill()
+    if torch_silu:
+        monkeypatch.setattr(llama.MLP, "_c_silu", staticmethod(lambda gate_up: False))
+    reference = prefill()
     assert len(calls) == 2 * cfg.num_layers
-    assert torch.equal(fused_cache, torch_cache)
-    assert torch.equal(fused_logits, torch_logits)
+    return fused, reference
 
 
 def _counting(fn, calls: list):
@@ -160,24 +170,8 @@ def qwen3_128(tmp_path_factory) -> str:
 def test_qwen3_bf16_prefill_takes_the_c_qk_norm_and_rope_and_keeps_the_torch_result(qwen3_128, monkeypatch):
     """A Qwen3 prefill in two chunks runs its q/k norms, RoPE and cache writes in C on every layer, and its
     logits and cache stay within the RMS sums' order of the torch operations' (the greedy tokens equal)."""
-    model, cfg = load_model(qwen3_128, torch.bfloat16)
-    assert cfg.qk_norm
-    ids = torch.randint(3, cfg.vocab_size, (240,), generator=torch.Generator().manual_seed(3)).tolist()
-    table = list(range(20, 36))
-
-    def prefill() -> tuple[torch.Tensor, torch.Tensor]:
-        runner = ModelRunner(model, KVCacheSpec(40, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
-                                                torch.bfloat16))
-        runner.run([StepInput(ids[:150], 0, table)])
-        return runner.run([StepInput(ids[150:], 150, table)]), runner.kv_cache
-
-    calls = []
-    monkeypatch.setattr(cfused, "rope_write_kv", _counting(cfused.rope_write_kv, calls))
-    fused_logits, fused_cache = prefill()
-    assert len(calls) == 2 * cfg.num_layers
-    monkeypatch.setattr(llama.Attention, "_c_prefill", lambda self, qkv, kv_cache: False)
-    torch_logits, torch_cache = prefill()
-    assert len(calls) == 2 * cfg.num_layers
+    assert load_model(qwen3_128, torch.bfloat16)[1].qk_norm
+    (fused_logits, fused_cache), (torch_logits, torch_cache) = _fused_and_torch_prefill(qwen3_128, monkeypatch)
     fused0, torch0 = fused_cache[20:36, 0], torch_cache[20:36, 0]       # layer 0 of the table's blocks
     assert torch.equal(fused0[:, 1], torch0[:, 1]) and fused0[:, 1].abs().sum() > 0      # its values as written
     keys_differ = fused0[:, 0] != torch0[:, 0]   # its keys but where a sum's order moved a rounding (~5e-5)
