@@ -22,9 +22,9 @@
  * rows are added with weights exp(s - m); out = acc / l at the end. This is the split-free
  * form of flash-decoding (Dao et al. 2023) / the per-block softmax of vLLM's paged attention.
  * On Zen 4 each group of pairs of heads of up to 64 dims walks all its pages with its state in registers
- * (head-major), elsewhere the groups take one page at a time (page-major). The cache is read ahead of the arithmetic: a page further on in
- * the walk (through the block table, into the next kv head or sequence) is prefetched into L2 a row at a time
- * while this page is computed. See sequence_avx512.
+ * (head-major), elsewhere the groups take one page at a time (page-major). The cache is read ahead of the
+ * arithmetic: a page further on in the walk (through the block table, into the next kv head or sequence) is
+ * prefetched into L2 a row at a time while this page is computed. See sequence_avx512.
  * AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass softmax below
  * on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into L2 while the
  * one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
