@@ -157,13 +157,9 @@ static inline void head_rms_norm(float *x, const void *w, int64_t D, float eps, 
 }
 
 #ifdef PD_VECTOR_NORM
-/* One head's D elements (D % 16 == 0) from src into x as float32: as they are, or with a q/k norm weight w
- * RMS-normalized exactly as pd_rms_norm normalizes a row (the same 16-lane sum, roundings and products). */
-static inline void head_in16(const void *qkv, int64_t src, int64_t D, const void *w, float eps, int bf16, float *x) {
-    if (!w) {
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(x + d, load16(qkv, src + d, bf16, 0xffff));
-        return;
-    }
+/* One head's D elements (D % 16 == 0) from src into x as float32, RMS-normalized with the q/k norm weight w
+ * exactly as pd_rms_norm normalizes a row (the same 16-lane sum, roundings and products). */
+static inline void head_norm16(const void *qkv, int64_t src, int64_t D, const void *w, float eps, int bf16, float *x) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
         const __m512 v = load16(qkv, src + d, bf16, 0xffff);
@@ -189,7 +185,7 @@ static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t
                                  const void *q_norm_w, const void *k_norm_w, float eps) {
     const int64_t half = D / 2, esz = bf16 ? 2 : 4;
     const __m512 sign = _mm512_set1_ps(-0.f);
-    float c[512], s[512], x[512];       /* the row's cos and sin as the element type holds them; one head's input */
+    float c[512], s[512], x[512];       /* the row's cos and sin as the element type holds them; a normed head */
     for (int64_t i = 0; i < n; i++) {
         for (int64_t d = 0; d < D; d += 16) {
             _mm512_storeu_ps(c + d, rnd16(_mm512_loadu_ps(cos_t + i * D + d), bf16));
@@ -198,9 +194,12 @@ static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t
         const int64_t row = i * ld;
         const int64_t base = (slots[i] / block_size) * s_block + (slots[i] % block_size) * s_tok;
         for (int64_t h = 0; h < H + Hkv; h++) {                /* query heads, then key heads */
-            head_in16(qkv, row + h * D, D, h < H ? q_norm_w : k_norm_w, eps, bf16, x);
+            const int64_t src = row + h * D;
+            const void *norm_w = h < H ? q_norm_w : k_norm_w;
+            if (norm_w) head_norm16(qkv, src, D, norm_w, eps, bf16, x);
             for (int64_t d = 0; d < half; d += 16) {           /* rotate_half: (-x2, x1) */
-                const __m512 x1 = _mm512_loadu_ps(x + d), x2 = _mm512_loadu_ps(x + half + d);
+                const __m512 x1 = norm_w ? _mm512_loadu_ps(x + d) : load16(qkv, src + d, bf16, 0xffff);
+                const __m512 x2 = norm_w ? _mm512_loadu_ps(x + half + d) : load16(qkv, src + half + d, bf16, 0xffff);
                 const __m512 c1 = _mm512_loadu_ps(c + d), s1 = _mm512_loadu_ps(s + d);
                 const __m512 c2 = _mm512_loadu_ps(c + half + d), s2 = _mm512_loadu_ps(s + half + d);
                 const __m512 lo = rnd16(_mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1), bf16),
