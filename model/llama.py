@@ -140,6 +140,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
+        fused_silu = getattr(self.gate_up_proj, "silu_mul", None)     # model.onednn_linear.OneDNNGateUp
+        if fused_silu is not None:
+            return self.down_proj(fused_silu(x))
         gate_up = self.gate_up_proj(x)
         if cpu_kernels or self._c_silu(gate_up):
             return self.down_proj(fused.silu_and_mul(gate_up))

@@ -8,15 +8,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.cpu import fused as cfused
 from pdserve.kernels.cpu.gemv import packed_bf16_available
 from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
-from pdserve.model.onednn_linear import KERNEL, OneDNNLinear, onednn_prepack_available, prepack_for_cpu_prefill
+from pdserve.model.onednn_linear import (
+    KERNEL,
+    OneDNNGateUp,
+    OneDNNLinear,
+    choose_gate_up_pieces,
+    onednn_prepack_available,
+    prepack_for_cpu_prefill,
+)
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.prefill_worker.server import load_prefill_model
 
 needs_prepack = pytest.mark.skipif(not onednn_prepack_available(), reason="no oneDNN bf16 prepacking here")
+needs_pieces = pytest.mark.skipif(not (onednn_prepack_available() and cfused.vectorized()),
+                                  reason="no oneDNN bf16 prepacking or no AVX-512 SiLU-and-mul here")
 
 
 @needs_prepack
@@ -97,3 +107,67 @@ def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_th
                                                 torch.bfloat16))
         outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
     assert torch.equal(*outs)
+
+
+def test_gate_up_pieces_follow_the_width_rule():
+    assert choose_gate_up_pieces(2048, 512) == 4              # bench-80m: pieces of 1,024 columns
+    assert choose_gate_up_pieces(2048, 2048) == 4
+    assert choose_gate_up_pieces(2048, 256) == 1              # short chunks keep the whole weight
+    assert choose_gate_up_pieces(5632, 512) == 8              # TinyLlama: 1,408
+    assert choose_gate_up_pieces(11008, 512) == 16            # Llama 2 7B: 1,376
+    assert choose_gate_up_pieces(768, 512) == 1               # 1,536 wide already
+    assert choose_gate_up_pieces(1000, 512) == 1              # halves of 500: not a multiple of 16
+
+
+@needs_pieces
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_in_pieces_is_f_linear_piece_by_piece(bias):
+    """Each piece's projection is F.linear on its gate and up rows bit for bit, its SiLU-and-mul the C kernel's
+    on that output; the whole projection from forward equals F.linear on the whole weight within bf16 rounding
+    (oneDNN may sum a piece's columns in another order than the whole weight's)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 2 * 256, bias=bias, dtype=torch.bfloat16)
+    gu = OneDNNGateUp(linear, rows_hint=64, pieces=4)
+    w, b, c = linear.weight, linear.bias, 64
+    for shape in ((1, 96), (70, 96), (3, 5, 96)):
+        x = torch.randn(*shape).bfloat16()
+        ref_act, ref_whole = [], [[], []]
+        for p in range(4):
+            rows = torch.cat([w[p * c:(p + 1) * c], w[256 + p * c:256 + (p + 1) * c]])
+            bias_p = None if b is None else torch.cat([b[p * c:(p + 1) * c], b[256 + p * c:256 + (p + 1) * c]])
+            out = F.linear(x.reshape(-1, 96), rows, bias_p)
+            ref_act.append(cfused.silu_and_mul(out))
+            ref_whole[0].append(out[:, :c]), ref_whole[1].append(out[:, c:])
+        assert torch.equal(gu.silu_mul(x), torch.cat(ref_act, 1).view(*shape[:-1], 256))
+        assert torch.equal(gu(x), torch.cat(ref_whole[0] + ref_whole[1], 1).view(*shape[:-1], 512))
+        torch.testing.assert_close(gu(x), F.linear(x, w, b), rtol=1.6e-2, atol=1e-2)
+    assert gu.kernel_for(64) == f"{KERNEL} x4 pieces" and (gu.in_features, gu.out_features) == (96, 512)
+    with pytest.raises(ValueError, match="bf16"):
+        gu.silu_mul(torch.randn(3, 96))
+    with pytest.raises(ValueError, match="divisible"):
+        OneDNNGateUp(nn.Linear(96, 2 * 100, dtype=torch.bfloat16), pieces=8)
+    wide = torch.zeros(4, 300, dtype=torch.bfloat16)
+    cfused.silu_and_mul(torch.ones(4, 200, dtype=torch.bfloat16), wide[:, 50:150])      # into a column slice
+    assert wide[:, :50].eq(0).all() and wide[:, 150:].eq(0).all() and wide[:, 50:150].ne(0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        cfused.silu_and_mul(torch.ones(4, 200, dtype=torch.bfloat16), wide[:, :99])
+
+
+@needs_pieces
+def test_a_wide_mlp_is_prepacked_in_pieces_and_prefills_as_the_dense_model(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=100, tie_word_embeddings=True)
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    dense, cfg = load_model(tmp_path, torch.bfloat16)
+    packed, _ = load_model(tmp_path, torch.bfloat16)
+    assert prepack_for_cpu_prefill(packed, 512) == 4 * cfg.num_layers
+    gate_up = packed.layers[0].mlp.gate_up_proj
+    assert type(gate_up) is OneDNNGateUp and gate_up.pieces == 2           # 2,048 columns in two of 1,024
+    ids = torch.randint(3, cfg.vocab_size, (90,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for model in (dense, packed):
+        runner = ModelRunner(model, KVCacheSpec(8, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16))
+        outs.append(runner.run([StepInput(ids, 0, list(range(6)))]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)

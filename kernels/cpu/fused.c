@@ -8,7 +8,7 @@
  *   pd_rope_write_kv  q_out = rope(q); cache[slot] = (rope(k), v)               (RoPE, Su et al. 2021)
  *                     (q_out float32 for the decode attention, or the element type for the prefill one)
  *                     optionally q, k = rmsnorm per head first (Qwen3's q_norm / k_norm)
- *   pd_silu_mul       out = silu(gate) * up                                     (SwiGLU, Shazeer 2020)
+ *   pd_silu_mul(_to)  out = silu(gate) * up (_to: into rows of a given stride)   (SwiGLU, Shazeer 2020)
  *   pd_argmax_rows    out[i] = argmax_j x[i, j], as torch.argmax picks       (greedy sampling)
  *   pd_mask_logits    x[j] = -inf where a grammar's token bitmask clears bit j     (structured output)
  *
@@ -263,7 +263,7 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
     }
 }
 
-/* gate_up: [n, 2 inter] rows of stride ld (gate first); out: [n, inter] contiguous.
+/* gate_up: [n, 2 inter] rows of stride ld (gate first); out: [n, inter] rows of stride ldo.
  * silu(g) = g / (1 + e^-g) in float32, rounded to the element type, times up (torch's F.silu(gate) * up).
  * On AVX-512 16 lanes at a time with exp16.h's exp (Cephes' polynomial, within ~1 ulp, as torch's Sleef
  * and glibc's are: a result lying within a few float32 ulps of a bf16 rounding midpoint can round the
@@ -271,7 +271,8 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
  * -g > 88.72, as expf's, so silu is -0 there, as torch's); for g > 87 e^-g is 0 and silu g, as torch's.
  * bench-80m's 512 x 2,048 per layer, Xeon model 167: 0.51 ms, torch 0.82 (bench/cpu_kernels.py part 5).
  * Elsewhere through a buffer, so the expf loop vectorizes (glibc libmvec). */
-void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16) {
+void pd_silu_mul_to(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int64_t ldo,
+                    int bf16) {
 #ifdef PD_VECTOR_NORM
     const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f), cap = _mm512_set1_ps(100.f);
     for (int64_t i = 0; i < n; i++)
@@ -280,7 +281,7 @@ void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void
             const __m512 g = load16(gate_up, i * ld + d, bf16, m), u = load16(gate_up, i * ld + inter + d, bf16, m);
             const __m512 e = exp16(_mm512_min_ps(_mm512_xor_ps(g, sign), cap));       /* e^-g */
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
-            store16(out, i * inter + d, _mm512_mul_ps(rnd16(silu, bf16), u), bf16, m);
+            store16(out, i * ldo + d, _mm512_mul_ps(rnd16(silu, bf16), u), bf16, m);
         }
 #else
     float buf[256];
@@ -291,9 +292,14 @@ void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void
 #pragma omp simd
             for (int64_t d = 0; d < m; d++) buf[d] = buf[d] / (1.f + expf(-buf[d]));
             for (int64_t d = 0; d < m; d++)
-                put(out, i * inter + d0 + d, rnd(buf[d], bf16) * get(gate_up, i * ld + inter + d0 + d, bf16), bf16);
+                put(out, i * ldo + d0 + d, rnd(buf[d], bf16) * get(gate_up, i * ld + inter + d0 + d, bf16), bf16);
         }
 #endif
+}
+
+/* pd_silu_mul_to with out contiguous ([n, inter]): the decode stack's and a mixture's call. */
+void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16) {
+    pd_silu_mul_to(gate_up, n, inter, ld, out, inter, bf16);
 }
 
 /* x: float32 [n, vocab] rows of stride ld; out: int64 [n]. The index torch.argmax gives: the first

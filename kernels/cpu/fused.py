@@ -132,17 +132,24 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     return q
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` (gate first) -> ``[rows, I]``.
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` ``[rows, 2 I]`` (gate first) -> ``[rows, I]``, written into ``out``
+    where given (``[rows, I]`` of ``gate_up``'s dtype with unit column stride, e.g. a column slice of a wider
+    tensor: :class:`model.onednn_linear.OneDNNGateUp` fills its slices piece by piece).
 
     Raises:
-        ValueError: layouts or dtypes the kernel does not take.
+        ValueError: layouts or dtypes the kernel does not take, or an ``out`` that does not match.
     """
     _check_rows("silu_and_mul", gate_up)
     inter = gate_up.shape[1] // 2
-    out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
-    _fn("pd_silu_mul", [_p, _i64, _i64, _i64, _p, _int])(
-        gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr(),
+    if out is None:
+        out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype)
+    elif out.dtype != gate_up.dtype or out.shape != (gate_up.shape[0], inter) or out.device.type != "cpu" \
+            or out.stride(1) != 1:
+        raise ValueError(f"silu_and_mul: out must be {gate_up.dtype} [{gate_up.shape[0]}, {inter}] with unit "
+                         f"column stride, got {out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    _fn("pd_silu_mul_to", [_p, _i64, _i64, _i64, _p, _i64, _int])(
+        gate_up.data_ptr(), gate_up.shape[0], inter, gate_up.stride(0), out.data_ptr(), out.stride(0),
         int(gate_up.dtype == torch.bfloat16))
     return out
 
