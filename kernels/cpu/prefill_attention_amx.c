@@ -11,7 +11,9 @@
  *       S = Q Kp^T                                   two C tiles (keys 0-15, 16-31), D/32 steps each
  *       softmax step as prefill_attention.c (scale, causal mask, conditional rescale past SLACK)
  *       P = bf16(exp(S - m))                         one A tile (R rows x 32 keys)
- *       O = alpha O + P Vp                           one C tile per 16 dims, added into float32 O rows
+ *       O = alpha O + P Vp                           dims 0-63 in C tiles 4-7 across key tiles (rescaled
+ *                                                    when a row's max moves); dims past 64 one C tile per
+ *                                                    16 dims, added into float32 O rows
  *     out = O / l, rounded to bf16
  *
  * P is rounded to bf16 for the value sums as FlashAttention rounds it for its matrix units (the
@@ -37,12 +39,12 @@
 
 int pd_cpu_supported(void) { return amx_bf16_granted(); }      /* asked by kernels.cpu.available */
 
-/* Tiles 0-1 S, 2 the A operand (Q; P too with 64-dim heads), 3 the B operand (K; V too with 64-dim heads):
- * R rows but the B operands (16 pair rows). Other heads: 4 P, 5 V (16 rows), 6 a part of O, 7 unused;
- * 64-dim heads: 4-7 O (16 dims each). */
-AMX static void tile_config(int R, int d64) {
+/* Tiles 0-1 S (R rows), 2 the A operand (Q, then P; R rows), 3 the B operand (K, then V; 16 pair rows), 4-7 the
+ * first dt = min(D, 64) dims of O (16 dims each, R rows). Past dt, tile 0 holds each 16 dims of P V a moment
+ * (it is free between the scores' store and the next key tile's issue). */
+AMX static void tile_config(int R) {
     const uint8_t r = (uint8_t)R;
-    amx_config((const uint8_t[8]){r, r, r, 16, r, d64 ? r : 16, r, r});
+    amx_config((const uint8_t[8]){r, r, r, 16, r, r, r, r});
 }
 
 /* Key tile kt's raw scores of the query tile Q into tiles 0-1 (keys 0-15, 16-31): Q (tile 2) x K (tile 3),
@@ -76,22 +78,48 @@ AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, flo
     return rescale;
 }
 
-/* 64-dim heads: O (tiles 4-7, 16 dims each) += P (tile 2) x Vp of the key tile (tile 3). */
-AMX static void accumulate_pv64(uint16_t (*P)[NK], const uint16_t *vt) {
+/* P V of one key tile (P: its bf16 rows, loaded into tile 2; vt: its packed values): the first dt dims added in
+ * tiles 4-7 (rescaled by the caller when a row's max moves), each 16 dims past dt through tile 0 into the
+ * float32 O rows as O = alpha O + P V, alpha the rows' factors of that key tile's softmax step. */
+AMX static void accumulate_pv(int R, uint16_t (*P)[NK], const uint16_t *vt, int64_t D, int64_t dt,
+                              float *const *O, const float *alpha, float (*Ot)[16]) {
     _tile_loadd(2, P[0], NK * 2);
-    _tile_loadd(3, vt, 64 * 4); _tile_dpbf16ps(4, 2, 3);
-    _tile_loadd(3, vt + 32, 64 * 4); _tile_dpbf16ps(5, 2, 3);
-    _tile_loadd(3, vt + 64, 64 * 4); _tile_dpbf16ps(6, 2, 3);
-    _tile_loadd(3, vt + 96, 64 * 4); _tile_dpbf16ps(7, 2, 3);
+    _tile_loadd(3, vt, D * 4); _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(3, vt + 32, D * 4); _tile_dpbf16ps(5, 2, 3);
+    if (dt == 64) {
+        _tile_loadd(3, vt + 64, D * 4); _tile_dpbf16ps(6, 2, 3);
+        _tile_loadd(3, vt + 96, D * 4); _tile_dpbf16ps(7, 2, 3);
+    }
+    for (int64_t d0 = dt; d0 < D; d0 += 16) {
+        _tile_zero(0);
+        _tile_loadd(3, vt + 2 * d0, D * 4);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_stored(0, Ot[0], 64);
+        for (int r = 0; r < R; r++)
+            _mm512_storeu_ps(O[r] + d0, _mm512_fmadd_ps(_mm512_loadu_ps(O[r] + d0), _mm512_set1_ps(alpha[r]),
+                                                         _mm512_load_ps(Ot[r])));
+    }
+}
+
+/* The first dt dims of O between tiles 4-7 and the float32 rows Ob (to: tiles -> rows). */
+AMX static void o_tiles(float (*Ob)[MAX_D], int64_t dt, int to_rows) {
+    if (to_rows) {
+        _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
+        if (dt == 64) { _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4); }
+    } else {
+        _tile_loadd(4, Ob[0], MAX_D * 4); _tile_loadd(5, Ob[0] + 16, MAX_D * 4);
+        if (dt == 64) { _tile_loadd(6, Ob[0] + 32, MAX_D * 4); _tile_loadd(7, Ob[0] + 48, MAX_D * 4); }
+    }
 }
 
 /* One query tile of R rows (bf16 query vectors qr[r], positions pos[r]) against keys [0, max pos],
  * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). Software-pipelined by one key tile: the
  * scores of tile t + 1 are issued to the tiles before the vector softmax of tile t runs, so the matrix
- * unit works while the vector units do; with D = 64 P V of tile t is issued in the next step too, after
- * tile t + 1's scores are stored, and O stays in tiles 4-7 across key tiles, through memory only when a
- * row rescales (with SLACK, rarely after its first tiles); otherwise each 16 dims of P V are added
- * into float32 O rows, scaled, at every key tile. */
+ * unit works while the vector units do, and P V of tile t is issued in the next step, after tile t + 1's
+ * scores are stored. The first min(D, 64) dims of O stay in tiles 4-7 across key tiles, through memory
+ * only when a row rescales (with SLACK, rarely after its first tiles); the dims past 64 (128-dim heads:
+ * Llama, Qwen, Mistral) are added into float32 O rows at every key tile. Until 2026-11-30 every head
+ * size but 64 took all of O through memory: 128-dim heads 0.8x the time a layer since (bench/kernel_ab.py). */
 AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                      const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
@@ -101,7 +129,7 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
     uint16_t P[RMAX][NK] __attribute__((aligned(64)));
     float *O[RMAX];
     int64_t last = 0;
-    const int d64 = D == 64;
+    const int64_t dt = D < 64 ? D : 64;
     for (int r = 0; r < R; r++) {
         memcpy(Q[r], qr[r], sizeof(uint16_t) * (size_t)D);
         O[r] = Ob[r];
@@ -109,46 +137,27 @@ AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint1
         soft_row_init(&rows[r]);
         last = pos[r] > last ? pos[r] : last;
     }
-    tile_config(R, d64);
+    tile_config(R);
     const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
-    if (d64) { _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7); }
+    _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     const int64_t tiles = last / NK + 1;
     issue_scores(Q, kp, D);
     for (int64_t t = 0; t < tiles; t++) {
-        const uint16_t *vt = vp + t * NK * D;
         _tile_stored(0, S[0], NK * 4);
         _tile_stored(1, S[0] + 16, NK * 4);
-        if (d64 && t > 0) accumulate_pv64(P, vt - NK * D);    /* tile t - 1's values */
+        if (t > 0) accumulate_pv(R, P, vp + (t - 1) * NK * D, D, dt, O, alpha, Ot);   /* tile t - 1's values */
         if (t + 1 < tiles) issue_scores(Q, kp + (t + 1) * NK * D, D);
         const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S, P, rows, alpha);
-        if (d64) {
-            if (rescale) {                                    /* O through memory, each row scaled */
-                _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
-                _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4);
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < 64; j += 16)
-                        _mm512_store_ps(O[r] + j, _mm512_mul_ps(_mm512_load_ps(O[r] + j), _mm512_set1_ps(alpha[r])));
-                _tile_loadd(4, Ob[0], MAX_D * 4); _tile_loadd(5, Ob[0] + 16, MAX_D * 4);
-                _tile_loadd(6, Ob[0] + 32, MAX_D * 4); _tile_loadd(7, Ob[0] + 48, MAX_D * 4);
-            }
-            continue;
-        }
-        _tile_loadd(4, P[0], NK * 2);
-        for (int64_t d0 = 0; d0 < D; d0 += 16) {              /* 16 dims a tile */
-            _tile_zero(6);
-            _tile_loadd(5, vt + 2 * d0, D * 4);
-            _tile_dpbf16ps(6, 4, 5);
-            _tile_stored(6, Ot[0], 64);
+        if (rescale && t > 0) {                               /* O's tiles through memory, each row scaled */
+            o_tiles(Ob, dt, 1);
             for (int r = 0; r < R; r++)
-                _mm512_storeu_ps(O[r] + d0, _mm512_fmadd_ps(_mm512_loadu_ps(O[r] + d0), _mm512_set1_ps(alpha[r]),
-                                                             _mm512_load_ps(Ot[r])));
+                for (int j = 0; j < dt; j += 16)
+                    _mm512_store_ps(O[r] + j, _mm512_mul_ps(_mm512_load_ps(O[r] + j), _mm512_set1_ps(alpha[r])));
+            o_tiles(Ob, dt, 0);
         }
     }
-    if (d64) {
-        accumulate_pv64(P, vp + (tiles - 1) * NK * D);
-        _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
-        _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4);
-    }
+    accumulate_pv(R, P, vp + (tiles - 1) * NK * D, D, dt, O, alpha, Ot);
+    o_tiles(Ob, dt, 1);
     _tile_release();
     for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(rows[r].lv);
     write_rows(R, O, l, orow, D);
