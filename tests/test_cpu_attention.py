@@ -212,7 +212,7 @@ def _check_prefill(cache, meta, q, scale=0.2):
 
 @needs_prefill
 @pytest.mark.parametrize("group", [1, 3, 4, 8, 16])          # 16 heads per KV head: wider than a 12-row tile
-@pytest.mark.parametrize("head_dim", [16, 48, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 96, 128, 256])      # AMX: 96-256 walk the keys again per 64 dims
 def test_prefill_kernel_matches_torch_for_every_group_and_head_size(group, head_dim, prefill_build):
     # whole prompts around the 16- and 32-key tile edges, a later chunk, and three sequences in one step
     for query_lens, seq_lens in ([1], [1]), ([15], [15]), ([17], [17]), ([31], [31]), ([33], [33]), ([40], [130]), \

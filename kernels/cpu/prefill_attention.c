@@ -168,8 +168,8 @@ TARGET static void qk(int R, const qval (*q)[MAX_D], const uint16_t *kt, int64_t
 
 /* One query tile of R rows (their bf16 query vectors qr[r], positions pos[r]) against keys
  * [0, max pos], writing out rows or[r]. */
-TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
-                        const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
+TARGET static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                       const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     float Obuf[RMAX][MAX_D] __attribute__((aligned(64))), l[RMAX], alpha[RMAX];
     SoftRow rows[RMAX];                                  /* each row's running sum, reduced once at the end */
     pval P[RMAX][NK] __attribute__((aligned(64)));
@@ -206,6 +206,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
     }
     for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(rows[r].lv);
     write_rows(R, O, l, orow, D);
+    return 0;
 }
 
 PD_PREFILL_ENTRY(tile)

@@ -64,8 +64,9 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
 }
 
 /* One query tile of R <= RMAX rows (their bf16 query vectors qr[r] at positions pos[r]) against keys
- * [0, max pos] of the packed kp / vp, writing bf16 rows orow[r]. */
-typedef void (*tile_fn)(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+ * [0, max pos] of the packed kp / vp, writing bf16 rows orow[r]. Returns 0, or -1 if it could not allocate
+ * scratch memory. */
+typedef int (*tile_fn)(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                         const uint16_t *kp, const uint16_t *vp, int64_t D, float scale);
 
 /* out rows = O / l, rounded to bf16 (nearest even): the last step of a query tile. */
@@ -106,7 +107,7 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
                             qr[R] = q + row * D; orow[R] = out + row * D; pos[R] = first + i;
                             R++;
                         }
-                    tile(R, qr, pos, orow, kp, vp, D, scale);
+                    if (tile(R, qr, pos, orow, kp, vp, D, scale)) { free(kp); free(vp); return -1; }
                     if (G <= RMAX) break;
                 }
             }

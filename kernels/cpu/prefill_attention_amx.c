@@ -11,9 +11,9 @@
  *       S = Q Kp^T                                   two C tiles (keys 0-15, 16-31), D/32 steps each
  *       softmax step as prefill_attention.c (scale, causal mask, conditional rescale past SLACK)
  *       P = bf16(exp(S - m))                         one A tile (R rows x 32 keys)
- *       O = alpha O + P Vp                           dims 0-63 in C tiles 4-7 across key tiles (rescaled
- *                                                    when a row's max moves); dims past 64 one C tile per
- *                                                    16 dims, added into float32 O rows
+ *       O = alpha O + P Vp                           64 dims in C tiles 4-7 across key tiles (rescaled
+ *                                                    when a row's max moves); heads over 64 dims walk the
+ *                                                    key tiles again per further 64, on the P kept
  *     out = O / l, rounded to bf16
  *
  * P is rounded to bf16 for the value sums as FlashAttention rounds it for its matrix units (the
@@ -39,9 +39,8 @@
 
 int pd_cpu_supported(void) { return amx_bf16_granted(); }      /* asked by kernels.cpu.available */
 
-/* Tiles 0-1 S (R rows), 2 the A operand (Q, then P; R rows), 3 the B operand (K, then V; 16 pair rows), 4-7 the
- * first dt = min(D, 64) dims of O (16 dims each, R rows). Past dt, tile 0 holds each 16 dims of P V a moment
- * (it is free between the scores' store and the next key tile's issue). */
+/* Tiles 0-1 S (R rows), 2 the A operand (Q, then P; R rows), 3 the B operand (K, then V; 16 pair rows), 4-7 64
+ * dims of O (16 dims each, R rows). */
 AMX static void tile_config(int R) {
     const uint8_t r = (uint8_t)R;
     amx_config((const uint8_t[8]){r, r, r, 16, r, r, r, r});
@@ -78,101 +77,121 @@ AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, flo
     return rescale;
 }
 
-/* P V of one key tile (P: its bf16 rows, loaded into tile 2; vt: its packed values): the first dt dims added in
- * tiles 4-7 (rescaled by the caller when a row's max moves), each 16 dims past dt through tile 0 into the
- * float32 O rows as O = alpha O + P V, alpha the rows' factors of that key tile's softmax step. */
-AMX static void accumulate_pv(int R, uint16_t (*P)[NK], const uint16_t *vt, int64_t D, int64_t dt,
-                              float *const *O, const float *alpha, float (*Ot)[16]) {
+/* O tiles 4.. (w = 32 or 64 dims) += P (loaded into tile 2) x the packed values vt, dims d1..d1+w. */
+AMX static void accumulate_pv(uint16_t (*P)[NK], const uint16_t *vt, int64_t D, int64_t d1, int64_t w) {
     _tile_loadd(2, P[0], NK * 2);
-    _tile_loadd(3, vt, D * 4); _tile_dpbf16ps(4, 2, 3);
-    _tile_loadd(3, vt + 32, D * 4); _tile_dpbf16ps(5, 2, 3);
-    if (dt == 64) {
-        _tile_loadd(3, vt + 64, D * 4); _tile_dpbf16ps(6, 2, 3);
-        _tile_loadd(3, vt + 96, D * 4); _tile_dpbf16ps(7, 2, 3);
-    }
-    for (int64_t d0 = dt; d0 < D; d0 += 16) {
-        _tile_zero(0);
-        _tile_loadd(3, vt + 2 * d0, D * 4);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_stored(0, Ot[0], 64);
-        for (int r = 0; r < R; r++)
-            _mm512_storeu_ps(O[r] + d0, _mm512_fmadd_ps(_mm512_loadu_ps(O[r] + d0), _mm512_set1_ps(alpha[r]),
-                                                         _mm512_load_ps(Ot[r])));
+    _tile_loadd(3, vt + 2 * d1, D * 4); _tile_dpbf16ps(4, 2, 3);
+    _tile_loadd(3, vt + 2 * d1 + 32, D * 4); _tile_dpbf16ps(5, 2, 3);
+    if (w == 64) {
+        _tile_loadd(3, vt + 2 * d1 + 64, D * 4); _tile_dpbf16ps(6, 2, 3);
+        _tile_loadd(3, vt + 2 * d1 + 96, D * 4); _tile_dpbf16ps(7, 2, 3);
     }
 }
 
-/* The first dt dims of O between tiles 4-7 and the float32 rows Ob (to: tiles -> rows). */
-AMX static void o_tiles(float (*Ob)[MAX_D], int64_t dt, int to_rows) {
-    if (to_rows) {
-        _tile_stored(4, Ob[0], MAX_D * 4); _tile_stored(5, Ob[0] + 16, MAX_D * 4);
-        if (dt == 64) { _tile_stored(6, Ob[0] + 32, MAX_D * 4); _tile_stored(7, Ob[0] + 48, MAX_D * 4); }
-    } else {
-        _tile_loadd(4, Ob[0], MAX_D * 4); _tile_loadd(5, Ob[0] + 16, MAX_D * 4);
-        if (dt == 64) { _tile_loadd(6, Ob[0] + 32, MAX_D * 4); _tile_loadd(7, Ob[0] + 48, MAX_D * 4); }
+/* O tiles 4.. (w dims) -> the float32 rows' columns d1.. (Ob, MAX_D floats a row). */
+AMX static void o_store(float (*Ob)[MAX_D], int64_t d1, int64_t w) {
+    _tile_stored(4, Ob[0] + d1, MAX_D * 4); _tile_stored(5, Ob[0] + d1 + 16, MAX_D * 4);
+    if (w == 64) { _tile_stored(6, Ob[0] + d1 + 32, MAX_D * 4); _tile_stored(7, Ob[0] + d1 + 48, MAX_D * 4); }
+}
+
+/* O tiles 4.. (w dims) times each row's alpha, through the rows' columns d1.. (a row's max moved). */
+AMX static void o_rescale(int R, float (*Ob)[MAX_D], int64_t d1, int64_t w, const float *alpha) {
+    o_store(Ob, d1, w);
+    for (int r = 0; r < R; r++)
+        for (int64_t j = d1; j < d1 + w; j += 16)
+            _mm512_store_ps(Ob[r] + j, _mm512_mul_ps(_mm512_load_ps(Ob[r] + j), _mm512_set1_ps(alpha[r])));
+    _tile_loadd(4, Ob[0] + d1, MAX_D * 4); _tile_loadd(5, Ob[0] + d1 + 16, MAX_D * 4);
+    if (w == 64) { _tile_loadd(6, Ob[0] + d1 + 32, MAX_D * 4); _tile_loadd(7, Ob[0] + d1 + 48, MAX_D * 4); }
+}
+
+/* One key tile's softmax output, kept by heads over 64 dims for the passes over their further dims. */
+typedef struct { uint16_t P[RMAX][NK] __attribute__((aligned(64))); float alpha[RMAX]; int rescale; } KeyTile;
+
+/* This thread's history of at least n key tiles (grown, kept), or NULL if it cannot be allocated. */
+static KeyTile *history(int64_t n) {
+    static __thread KeyTile *h;
+    static __thread int64_t cap;
+    if (n > cap) {
+        KeyTile *grown = aligned_alloc(64, (size_t)n * sizeof(KeyTile));
+        if (!grown) return NULL;
+        free(h);
+        h = grown;
+        cap = n;
     }
+    return h;
 }
 
 /* One query tile of R rows (bf16 query vectors qr[r], positions pos[r]) against keys [0, max pos],
  * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). Software-pipelined by one key tile: the
  * scores of tile t + 1 are issued to the tiles before the vector softmax of tile t runs, so the matrix
  * unit works while the vector units do, and P V of tile t is issued in the next step, after tile t + 1's
- * scores are stored. The first min(D, 64) dims of O stay in tiles 4-7 across key tiles, through memory
- * only when a row rescales (with SLACK, rarely after its first tiles); the dims past 64 (128-dim heads:
- * Llama, Qwen, Mistral) are added into float32 O rows at every key tile. Until 2026-11-30 every head
- * size but 64 took all of O through memory: 128-dim heads 0.8x the time a layer since (bench/kernel_ab.py). */
-AMX static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
-                     const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
+ * scores are stored. 64 dims of O stay in tiles 4-7 across key tiles, through memory only when a row
+ * rescales (with SLACK, rarely after its first tiles). Heads over 64 dims (128: Llama, Qwen, Mistral) keep
+ * each key tile's P and alphas in this first walk and add the further dims' P V in one more walk over the
+ * key tiles per 64 dims, tile products only. Until 2026-11-30 every head size but 64 added all of O into
+ * float32 rows at every key tile; since, one layer at 512 / 2,048 tokens takes 0.81x / 0.75x the time with
+ * 128-dim heads, 0.71x / 0.69x with 256, 0.94x / 1.00x with 64 (bit-identical; bench/kernel_ab.py, AMX Xeon
+ * model 167). Returns 0, or -1 if the history could not be allocated. */
+AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                    const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
     float S[RMAX][NK] __attribute__((aligned(64))), Ob[RMAX][MAX_D] __attribute__((aligned(64)));
-    float Ot[RMAX][16] __attribute__((aligned(64))), l[RMAX], alpha[RMAX];
+    float l[RMAX], alpha[RMAX];
     SoftRow rows[RMAX];                                 /* per-lane running sums: reduced once at the end */
     uint16_t P[RMAX][NK] __attribute__((aligned(64)));
     float *O[RMAX];
     int64_t last = 0;
-    const int64_t dt = D < 64 ? D : 64;
     for (int r = 0; r < R; r++) {
         memcpy(Q[r], qr[r], sizeof(uint16_t) * (size_t)D);
         O[r] = Ob[r];
-        memset(O[r], 0, sizeof(float) * (size_t)D);
         soft_row_init(&rows[r]);
         last = pos[r] > last ? pos[r] : last;
     }
+    const int64_t tiles = last / NK + 1, w0 = D < 64 ? D : 64;
+    KeyTile *h = NULL;
+    if (D > 64 && !(h = history(tiles))) return -1;
     tile_config(R);
     const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
     _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-    const int64_t tiles = last / NK + 1;
     issue_scores(Q, kp, D);
+    uint16_t (*prev)[NK] = P;
     for (int64_t t = 0; t < tiles; t++) {
         _tile_stored(0, S[0], NK * 4);
         _tile_stored(1, S[0] + 16, NK * 4);
-        if (t > 0) accumulate_pv(R, P, vp + (t - 1) * NK * D, D, dt, O, alpha, Ot);   /* tile t - 1's values */
+        if (t > 0) accumulate_pv(prev, vp + (t - 1) * NK * D, D, 0, w0);       /* tile t - 1's values */
         if (t + 1 < tiles) issue_scores(Q, kp + (t + 1) * NK * D, D);
-        const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S, P, rows, alpha);
-        if (rescale && t > 0) {                               /* O's tiles through memory, each row scaled */
-            o_tiles(Ob, dt, 1);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < dt; j += 16)
-                    _mm512_store_ps(O[r] + j, _mm512_mul_ps(_mm512_load_ps(O[r] + j), _mm512_set1_ps(alpha[r])));
-            o_tiles(Ob, dt, 0);
-        }
+        uint16_t (*p)[NK] = h ? h[t].P : P;
+        float *a = h ? h[t].alpha : alpha;
+        const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S, p, rows, a);
+        if (h) h[t].rescale = rescale;
+        if (rescale && t > 0) o_rescale(R, Ob, 0, w0, a);      /* at t = 0 the tiles hold zeros */
+        prev = p;
     }
-    accumulate_pv(R, P, vp + (tiles - 1) * NK * D, D, dt, O, alpha, Ot);
-    o_tiles(Ob, dt, 1);
+    accumulate_pv(prev, vp + (tiles - 1) * NK * D, D, 0, w0);
+    o_store(Ob, 0, w0);
+    for (int64_t d1 = 64; d1 < D; d1 += 64) {                  /* heads over 64 dims: the rest, 64 at a time */
+        const int64_t w = D - d1 < 64 ? D - d1 : 64;
+        _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+        for (int64_t t = 0; t < tiles; t++) {
+            if (t > 0 && h[t].rescale) o_rescale(R, Ob, d1, w, h[t].alpha);
+            accumulate_pv(h[t].P, vp + t * NK * D, D, d1, w);
+        }
+        o_store(Ob, d1, w);
+    }
     _tile_release();
     for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(rows[r].lv);
     write_rows(R, O, l, orow, D);
+    return 0;
 }
 
 /* A head size the tiles cannot take (D % 32) writes NaN rows rather than reading past them; the caller
  * (kernels/cpu/attention.py: prefill_library) sends such heads to the other builds. */
-static void tile_any(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
-                     const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
-    if (D % 32 == 0) {
-        tile(R, qr, pos, orow, kp, vp, D, scale);
-        return;
-    }
+static int tile_any(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                    const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
+    if (D % 32 == 0) return tile(R, qr, pos, orow, kp, vp, D, scale);
     for (int r = 0; r < R; r++)
         for (int64_t d = 0; d < D; d++) orow[r][d] = 0x7fc0;
+    return 0;
 }
 
 PD_PREFILL_ENTRY(tile_any)

@@ -121,8 +121,8 @@ TARGET static int softmax_tile(int R, const int64_t *pos, int64_t t, float scale
 }
 
 /* One query tile (prefill_attention.h's tile_fn). */
-TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
-                        const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
+TARGET static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
+                       const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     float Obuf[RMAX][MAX_D] __attribute__((aligned(32))), qf[RMAX][MAX_D] __attribute__((aligned(32)));
     float S[RMAX][NK] __attribute__((aligned(32))), P[RMAX][NK] __attribute__((aligned(32)));
     float m[RMAX], l[RMAX], alpha[RMAX], *O[RMAX];
@@ -149,6 +149,7 @@ TARGET static void tile(int R, const uint16_t *const *qr, const int64_t *pos, ui
             }
     }
     write_rows(R, O, l, orow, D);
+    return 0;
 }
 
 PD_PREFILL_ENTRY(tile)
