@@ -16,7 +16,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   the same at 1, 8 and 32 rows, ``gemm_bf16_avx512`` (``vdpbf16ps``) at 32 and 512, ``gemv_bf16`` at
   1 and 2 (all three in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these four);
   ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
-  the L3 evicted and without (its 45 MiB fit many L3s).
+  the L3 evicted and without (its 45 MiB fit many L3s);
+* ``silu_mul``: bench-80m's SiLU-and-mul at 512 rows over 12 layers, whole and in four pieces.
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -63,6 +64,7 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "gemv_bf16": ("pd_gemv_bf16", _GEMM),
     "gemv_int4": ("pd_int4_gemv", [_p, ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p,
                                    ctypes.c_int, _i64]),
+    "silu_mul": ("pd_silu_mul_to", [_p, _i64, _i64, _i64, _p, _i64, ctypes.c_int], "fused"),
 }
 SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention_amx"] = SIGNATURES["prefill_attention"]
 HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
@@ -151,6 +153,22 @@ def prefill_attention_cases(builds: dict, reps: int, heads: tuple[int, int, int]
     return rows
 
 
+def silu_mul_cases(builds: dict, reps: int, rows: int = 512, inter: int = 2048, layers: int = 12) -> list[dict]:
+    g, out = torch.Generator().manual_seed(0), []
+    for pieces in (1, 4):             # the whole gate_up output, and model.onednn_linear's pieces into their columns
+        c = inter // pieces
+        ins = [(torch.randn(rows, 2 * c, generator=g) * 3).bfloat16() for _ in range(layers * pieces)]
+
+        def run(fn, ins=ins, c=c) -> torch.Tensor:
+            act = torch.empty(rows, inter, dtype=torch.bfloat16)
+            for i, x in enumerate(ins):
+                fn(x.data_ptr(), rows, c, 2 * c, act[:, (i % (inter // c)) * c:].data_ptr(), inter, 1)
+            return act
+        out.append({"case": f"SiLU-and-mul, {layers} layers of {rows} x {inter} bf16 in {pieces} piece(s)",
+                    **interleaved(builds, run, reps)})
+    return out
+
+
 def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
     packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
@@ -200,7 +218,8 @@ CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill
          "gemm_bf16_fma": gemm_cases, "gemm_bf16_avx2": lambda builds, reps: gemm_cases(builds, reps, (8, 32, 512)),
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
          "gemm_bf16_avx512": lambda builds, reps: gemm_cases(builds, reps, (32, 512)),
-         "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases}
+         "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases,
+         "silu_mul": silu_mul_cases}
 
 
 def main() -> None:
@@ -215,7 +234,8 @@ def main() -> None:
                                                   "e.g. 8,4,128 (bench-80m-qwen3; default: bench-80m's 12,4,64)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available}.get(args.kernel)
+    runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available,
+            "silu_mul": lambda: available("fused")}.get(args.kernel)
     if not (runs() if runs else available(args.kernel)):
         raise SystemExit(f"{args.kernel} does not run on this CPU (kernels.cpu.available)")
     facts = cpu_facts()
