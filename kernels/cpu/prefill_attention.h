@@ -78,7 +78,8 @@ static inline void write_rows(int R, float *const *O, const float *l, uint16_t *
 }
 
 /* pd_prefill_attention's walk (arguments as there): per sequence and KV head, pack its keys and values,
- * then run tile over query tiles of up to RMAX rows (tokens x the heads of the group). */
+ * then run tile over query tiles of RMAX rows (the group's heads of consecutive tokens). Until 2026-11-30 a
+ * tile held whole tokens only (bench-80m's 3 heads a KV head: 15 of the AMX build's 16 rows). */
 static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H, int64_t Hkv, int64_t D,
                        const int32_t *qs, const int32_t *seq_lens, int64_t B, const uint16_t *cache,
                        int64_t s_block, int64_t s_tok, int64_t s_head, int64_t s_v, const int32_t *tables,
@@ -90,26 +91,22 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
     uint16_t *kp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
     uint16_t *vp = aligned_alloc(64, ((size_t)(tiles * NK * D) * 2 + 63) / 64 * 64);
     if (!kp || !vp) { free(kp); free(vp); return -1; }
-    const int64_t G = H / Hkv, rows_per = RMAX / G > 0 ? RMAX / G : 1;   /* tokens per tile */
+    const int64_t G = H / Hkv;
     for (int64_t b = 0; b < B; b++) {
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], L = seq_lens[b], first = L - nq;
         Paged c = { cache, s_block, s_tok, s_head, s_v, block_size, tables + b * max_blocks };
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             pack_kv(&c, kvh, L, D, kp, vp);
-            for (int64_t i0 = 0; i0 < nq; i0 += rows_per) {
-                const int64_t nt = nq - i0 < rows_per ? nq - i0 : rows_per;
-                for (int64_t g0 = 0; g0 < G; g0 += RMAX) {          /* groups wider than a tile */
-                    const uint16_t *qr[RMAX]; uint16_t *orow[RMAX]; int64_t pos[RMAX];
-                    int R = 0;
-                    for (int64_t i = i0; i < i0 + nt; i++)
-                        for (int64_t g = g0; g < G && g < g0 + RMAX && R < RMAX; g++) {
-                            const int64_t h = kvh * G + g, row = (q0 + i) * H + h;
-                            qr[R] = q + row * D; orow[R] = out + row * D; pos[R] = first + i;
-                            R++;
-                        }
-                    if (tile(R, qr, pos, orow, kp, vp, D, scale)) { free(kp); free(vp); return -1; }
-                    if (G <= RMAX) break;
+            /* the (token, head) rows of the group in token-major order, RMAX a tile: a tile may span tokens
+             * (each row has its own causal limit), so no tile is short but the last */
+            for (int64_t f0 = 0; f0 < nq * G; f0 += RMAX) {
+                const uint16_t *qr[RMAX]; uint16_t *orow[RMAX]; int64_t pos[RMAX];
+                const int R = (int)(nq * G - f0 < RMAX ? nq * G - f0 : RMAX);
+                for (int r = 0; r < R; r++) {
+                    const int64_t i = (f0 + r) / G, h = kvh * G + (f0 + r) % G, row = (q0 + i) * H + h;
+                    qr[r] = q + row * D; orow[r] = out + row * D; pos[r] = first + i;
                 }
+                if (tile(R, qr, pos, orow, kp, vp, D, scale)) { free(kp); free(vp); return -1; }
             }
         }
     }
