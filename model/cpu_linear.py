@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.cpu import fused
 from pdserve.kernels.cpu.gemv import (
     KERNELS,
     bf16_gemm_kernel,
@@ -52,7 +53,12 @@ from pdserve.kernels.cpu.gemv import (
 )
 from pdserve.model.linear_swap import TARGET_MODULES, swap_bf16_linears
 from pdserve.model.onednn_linear import KERNEL as ONEDNN_KERNEL
-from pdserve.model.onednn_linear import OneDNNLinear, onednn_prepack_available
+from pdserve.model.onednn_linear import (
+    OneDNNGateUp,
+    OneDNNLinear,
+    choose_gate_up_pieces,
+    onednn_prepack_available,
+)
 
 GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 gemm per bench-80m step, Zen 4,
                        # 1-4 rows: 5.1 / 5.4 / 6.5 / 7.4 vs 6.3 / 6.9 / 7.3 / 8.2 ms, 5 rows 13.2 vs 7.5 (two
@@ -73,22 +79,30 @@ class PackedBF16Linear(nn.Module):
     :data:`GEMM_MAX_ROWS`), where oneDNN is faster (prefill chunks of a colocated worker): ``F.linear``
     on it, or, with ``prepack`` where :func:`model.onednn_linear.onednn_prepack_available`, oneDNN on a
     copy reordered once in its place (:class:`~model.onednn_linear.OneDNNLinear`, bit-identical to
-    ``F.linear``; the dense weight is then not kept). Without ``keep_dense`` every row count runs on the
-    packed weight. A float32 input goes through ``F.linear`` (on the dense weight, or one unpacked for
-    the call).
+    ``F.linear``; the dense weight is then not kept). ``gate_up``: the module is a SwiGLU MLP's gate_up,
+    whose prepacked copy is then cut in pieces where :func:`model.onednn_linear.choose_gate_up_pieces` says so
+    (:class:`~model.onednn_linear.OneDNNGateUp`), and ``silu_mul`` (set only then) runs the MLP's
+    SiLU-and-mul piece by piece for those rows. Without ``keep_dense`` every row count runs on the packed
+    weight. A float32 input goes through ``F.linear`` (on the dense weight, or one unpacked for the call).
 
     Raises:
         ValueError: ``linear``'s weight is not bf16 on the CPU.
     """
 
-    def __init__(self, linear: nn.Linear, keep_dense: bool = True, prepack: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, keep_dense: bool = True, prepack: bool = False,
+                 gate_up: bool = False) -> None:
         super().__init__()
         if linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
             raise ValueError(f"PackedBF16Linear needs a bf16 CPU weight, got {linear.weight.dtype} "
                              f"on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = gemm_amx_available() and self.in_features % 32 == 0
-        self.onednn = OneDNNLinear(linear) if keep_dense and prepack and onednn_prepack_available() else None
+        self.onednn = None
+        if keep_dense and prepack and onednn_prepack_available():
+            pieces = choose_gate_up_pieces(self.out_features // 2, 512) if gate_up and fused.vectorized() else 1
+            self.onednn = OneDNNGateUp(linear, pieces=pieces) if pieces > 1 else OneDNNLinear(linear)
+            if pieces > 1:
+                self.silu_mul = self._silu_mul
         self.weight = linear.weight if keep_dense and self.onednn is None else None
         self.bias = linear.bias
         self.register_buffer("packed", pack_weight(linear.weight), persistent=False)
@@ -100,7 +114,7 @@ class PackedBF16Linear(nn.Module):
         ``"gemm-fma"``, ``"gemm-amx"``, ``"onednn-prepacked"`` or ``"F.linear"`` (recorded by the benchmarks
         next to their numbers)."""
         if self.max_rows is not None and rows > self.max_rows:
-            return "F.linear" if self.onednn is None else ONEDNN_KERNEL
+            return "F.linear" if self.onednn is None else self.onednn.kernel_for(rows)
         if rows <= gemv_max_rows(self.amx):
             return KERNELS[0]
         return KERNELS[2] if self.amx else bf16_gemm_kernel()
@@ -108,7 +122,7 @@ class PackedBF16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         kernel = self.kernel_for(rows)
-        if kernel == ONEDNN_KERNEL and x.dtype == torch.bfloat16:
+        if kernel.startswith(ONEDNN_KERNEL) and x.dtype == torch.bfloat16:
             return self.onednn(x)
         if x.dtype != torch.bfloat16 or kernel == "F.linear":
             dense = self.weight if self.weight is not None else unpack_weight(
@@ -123,6 +137,13 @@ class PackedBF16Linear(nn.Module):
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this gate_up's output for ``x`` ``[rows, in_features]`` bf16 -> ``[rows, I]``:
+        the prepacked pieces past :attr:`max_rows` rows, else the packed kernels then the C SiLU-and-mul."""
+        if x.dim() == 2 and x.shape[0] > self.max_rows and x.dtype == torch.bfloat16:
+            return self.onednn.silu_mul(x)
+        return fused.silu_and_mul(self(x).reshape(-1, self.out_features)).view(*x.shape[:-1], -1)
 
 
 def gemv_max_rows(amx: bool) -> int:
@@ -158,4 +179,4 @@ def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False, names: tuple
         return 0
     # the LM head sees a few rows per step (those sampled): no prefill copy, and a tied one stays shared
     return swap_bf16_linears(model, lambda name, linear: PackedBF16Linear(
-        linear, keep_dense, prepack=not name.endswith("lm_head")), names)
+        linear, keep_dense, prepack=not name.endswith("lm_head"), gate_up=name.endswith("mlp.gate_up_proj")), names)

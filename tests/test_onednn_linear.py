@@ -171,3 +171,38 @@ def test_a_wide_mlp_is_prepacked_in_pieces_and_prefills_as_the_dense_model(tmp_p
         runner = ModelRunner(model, KVCacheSpec(8, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16))
         outs.append(runner.run([StepInput(ids, 0, list(range(6)))]))
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
+
+
+@needs_pieces
+def test_a_colocated_worker_runs_a_wide_mlps_prefill_rows_in_pieces(tmp_path):
+    """pack_for_cpu_decode(keep_dense=True) on a model whose gate_up the rule cuts: the prepacked copy is in
+    pieces, rows past the packed kernels' range take them piece by piece (close to the dense model), and rows
+    within it take the packed kernels then the C SiLU-and-mul, as the MLP runs them without pieces."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not packed_bf16_available():
+        pytest.skip("no packed bf16 kernels here")
+    hf = LlamaConfig(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, vocab_size=100, tie_word_embeddings=True)
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    dense, cfg = load_model(tmp_path, torch.bfloat16)
+    packed, _ = load_model(tmp_path, torch.bfloat16)
+    pack_for_cpu_decode(packed, keep_dense=True)
+    gate_up = packed.layers[0].mlp.gate_up_proj
+    assert type(gate_up.onednn) is OneDNNGateUp and gate_up.onednn.pieces == 2
+    assert gate_up.kernel_for(100_000) == f"{KERNEL} x2 pieces"
+    assert not hasattr(packed.layers[0].mlp.down_proj, "silu_mul")
+    few = torch.randn(3, 64).bfloat16()
+    assert torch.equal(gate_up.silu_mul(few), cfused.silu_and_mul(gate_up(few)))
+    rows = gate_up.max_rows + 44
+    packed.lm_head = dense.lm_head
+    calls, pieces_silu_mul = [], gate_up.onednn.silu_mul
+    gate_up.onednn.silu_mul = lambda x: calls.append(x.shape[0]) or pieces_silu_mul(x)
+    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(4)).tolist()
+    outs = []
+    for model in (dense, packed):
+        runner = ModelRunner(model, KVCacheSpec(rows // 16 + 1, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                torch.bfloat16))
+        outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
+    assert calls == [rows]                                  # layer 0's MLP ran its chunk in pieces
