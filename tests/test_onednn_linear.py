@@ -29,6 +29,27 @@ needs_pieces = pytest.mark.skipif(not (onednn_prepack_available() and cfused.vec
                                   reason="no oneDNN bf16 prepacking or no AVX-512 SiLU-and-mul here")
 
 
+def _tiny_llama(path, intermediate: int, tied: bool, layers: int):
+    """A transformers Llama of hidden size 64 saved at ``path`` (returned)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers,
+                                 num_attention_heads=2, num_key_value_heads=1, vocab_size=100,
+                                 tie_word_embeddings=tied)).save_pretrained(path)
+    return path
+
+
+def _prefill_each(models, cfg, rows: int, seed: int) -> list:
+    """One ``rows``-token prefill of the same random prompt on each model (bf16 cache): their outputs."""
+    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(seed)).tolist()
+    outs = []
+    for model in models:
+        runner = ModelRunner(model, KVCacheSpec(rows // 16 + 1, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
+                                                torch.bfloat16))
+        outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
+    return outs
+
+
 @needs_prepack
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_is_f_linear_bit_for_bit_at_any_row_count(bias):
@@ -65,12 +86,7 @@ def test_a_prepacked_model_prefills_as_the_dense_one(model_dir):
 
 @needs_prepack
 def test_an_untied_head_is_prepacked_too(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1, vocab_size=100, tie_word_embeddings=False)
-    LlamaForCausalLM(hf).save_pretrained(tmp_path)
-    model, _ = load_model(tmp_path, torch.bfloat16)
+    model, _ = load_model(_tiny_llama(tmp_path, 128, tied=False, layers=1), torch.bfloat16)
     assert prepack_for_cpu_prefill(model, 16) == 5 and type(model.lm_head) is OneDNNLinear
 
 
@@ -100,13 +116,7 @@ def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_th
         return
     rows = down.max_rows + 44
     packed.lm_head = dense.lm_head          # the head's one sampled row runs on the gemv: compare what precedes it
-    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(2)).tolist()
-    outs = []
-    for model in (dense, packed):
-        runner = ModelRunner(model, KVCacheSpec(rows // 16 + 1, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
-                                                torch.bfloat16))
-        outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
-    assert torch.equal(*outs)
+    assert torch.equal(*_prefill_each((dense, packed), cfg, rows, seed=2))
 
 
 def test_gate_up_pieces_follow_the_width_rule():
@@ -155,11 +165,7 @@ def test_gate_up_in_pieces_is_f_linear_piece_by_piece(bias):
 
 @needs_pieces
 def test_a_wide_mlp_is_prepacked_in_pieces_and_prefills_as_the_dense_model(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf = LlamaConfig(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, vocab_size=100, tie_word_embeddings=True)
-    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    _tiny_llama(tmp_path, 1024, tied=True, layers=2)
     dense, cfg = load_model(tmp_path, torch.bfloat16)
     packed, _ = load_model(tmp_path, torch.bfloat16)
     assert prepack_for_cpu_prefill(packed, 512) == 4 * cfg.num_layers
@@ -178,13 +184,9 @@ def test_a_colocated_worker_runs_a_wide_mlps_prefill_rows_in_pieces(tmp_path):
     """pack_for_cpu_decode(keep_dense=True) on a model whose gate_up the rule cuts: the prepacked copy is in
     pieces, rows past the packed kernels' range take them piece by piece (close to the dense model), and rows
     within it take the packed kernels then the C SiLU-and-mul, as the MLP runs them without pieces."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if not packed_bf16_available():
         pytest.skip("no packed bf16 kernels here")
-    hf = LlamaConfig(hidden_size=64, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, vocab_size=100, tie_word_embeddings=True)
-    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    _tiny_llama(tmp_path, 1024, tied=True, layers=2)
     dense, cfg = load_model(tmp_path, torch.bfloat16)
     packed, _ = load_model(tmp_path, torch.bfloat16)
     pack_for_cpu_decode(packed, keep_dense=True)
@@ -198,11 +200,6 @@ def test_a_colocated_worker_runs_a_wide_mlps_prefill_rows_in_pieces(tmp_path):
     packed.lm_head = dense.lm_head
     calls, pieces_silu_mul = [], gate_up.onednn.silu_mul
     gate_up.onednn.silu_mul = lambda x: calls.append(x.shape[0]) or pieces_silu_mul(x)
-    ids = torch.randint(3, cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(4)).tolist()
-    outs = []
-    for model in (dense, packed):
-        runner = ModelRunner(model, KVCacheSpec(rows // 16 + 1, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim,
-                                                torch.bfloat16))
-        outs.append(runner.run([StepInput(ids, 0, list(range(rows // 16 + 1)))]))
-    torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
+    want, got = _prefill_each((dense, packed), cfg, rows, seed=4)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
     assert calls == [rows]                                  # layer 0's MLP ran its chunk in pieces
