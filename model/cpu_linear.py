@@ -111,8 +111,8 @@ class PackedBF16Linear(nn.Module):
 
     def kernel_for(self, rows: int) -> str:
         """The kernel a bf16 input of ``rows`` rows runs on: ``"gemv-avx512bf16"``, ``"gemm-avx512bf16"``,
-        ``"gemm-fma"``, ``"gemm-amx"``, ``"onednn-prepacked"`` or ``"F.linear"`` (recorded by the benchmarks
-        next to their numbers)."""
+        ``"gemm-fma"``, ``"gemm-amx"``, ``"onednn-prepacked"`` (``"onednn-prepacked xN pieces"``) or ``"F.linear"``
+        (recorded by the benchmarks next to their numbers)."""
         if self.max_rows is not None and rows > self.max_rows:
             return "F.linear" if self.onednn is None else self.onednn.kernel_for(rows)
         if rows <= gemv_max_rows(self.amx):

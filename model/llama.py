@@ -140,7 +140,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, cpu_kernels: bool = False) -> torch.Tensor:
-        fused_silu = getattr(self.gate_up_proj, "silu_mul", None)     # model.onednn_linear.OneDNNGateUp
+        # a gate_up held in pieces (model.onednn_linear.OneDNNGateUp, a colocated worker's PackedBF16Linear)
+        fused_silu = getattr(self.gate_up_proj, "silu_mul", None)
         if fused_silu is not None:
             return self.down_proj(fused_silu(x))
         gate_up = self.gate_up_proj(x)
