@@ -156,7 +156,8 @@ def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, q
 
     Raises:
         ValueError: dtypes, shapes or a head size it does not take (:func:`prefill_attention_available`).
-        MemoryError: its packed K/V scratch could not be allocated.
+        MemoryError: its scratch (the packed K/V; the AMX build's P history for heads over 64 dims) could
+            not be allocated.
     """
     n, heads, dim = q.shape
     if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or kv_cache.device.type != "cpu" \
@@ -178,5 +179,5 @@ def prefill_attention_cpu(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, q
             seq_lens.data_ptr(), seq_lens.shape[0], base, s_block, s_tok, s_head, s_kv, block_tables.data_ptr(),
             block_tables.shape[1], kv_cache.shape[3], float(scale))
     if rc != 0:
-        raise MemoryError("prefill_attention_cpu: could not allocate the packed K/V")
+        raise MemoryError("prefill_attention_cpu: could not allocate its scratch (packed K/V, P history)")
     return out

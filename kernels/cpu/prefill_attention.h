@@ -67,7 +67,7 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
  * [0, max pos] of the packed kp / vp, writing bf16 rows orow[r]. Returns 0, or -1 if it could not allocate
  * scratch memory. */
 typedef int (*tile_fn)(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
-                        const uint16_t *kp, const uint16_t *vp, int64_t D, float scale);
+                       const uint16_t *kp, const uint16_t *vp, int64_t D, float scale);
 
 /* out rows = O / l, rounded to bf16 (nearest even): the last step of a query tile. */
 static inline void write_rows(int R, float *const *O, const float *l, uint16_t *const *orow, int64_t D) {
