@@ -15,7 +15,7 @@ import time
 import torch
 
 from pdserve.bench.cpu_facts import cpu_facts
-from pdserve.model.onednn_linear import choose_gate_up_pieces, onednn_prepack_available
+from pdserve.model.onednn_linear import choose_gate_up_pieces, gate_up_piece, onednn_prepack_available
 
 
 def main() -> None:
@@ -38,9 +38,8 @@ def main() -> None:
           f"rule: {choose_gate_up_pieces(inter, rows)} pieces")
     flop = 2 * rows * 2 * inter * hidden
     for pieces in (p for p in (1, 2, 4, 8, 16, 32) if inter % p == 0 and (inter // p) % 16 == 0):
-        c = inter // pieces
-        packed = [[ops._reorder_linear_weight(torch.cat([w[p * c:(p + 1) * c], w[inter + p * c:inter + (p + 1) * c]]),
-                                              rows) for p in range(pieces)] for w in dense]
+        packed = [[ops._reorder_linear_weight(gate_up_piece(w, p, pieces), rows) for p in range(pieces)]
+                  for w in dense]
 
         def run(packed=packed) -> None:
             for layer in packed:
@@ -53,8 +52,8 @@ def main() -> None:
             run()
             times.append((time.perf_counter() - t0) / args.layers)
         t = statistics.median(times)
-        print(f"{pieces:3d} pieces of {2 * c:6d} columns: {t * 1e3:8.3f} ms a layer, {flop / t / 1e9:7.1f} GFLOP/s",
-              flush=True)
+        print(f"{pieces:3d} pieces of {2 * inter // pieces:6d} columns: {t * 1e3:8.3f} ms a layer, "
+              f"{flop / t / 1e9:7.1f} GFLOP/s", flush=True)
         del packed
 
 

@@ -53,12 +53,7 @@ from pdserve.kernels.cpu.gemv import (
 )
 from pdserve.model.linear_swap import TARGET_MODULES, swap_bf16_linears
 from pdserve.model.onednn_linear import KERNEL as ONEDNN_KERNEL
-from pdserve.model.onednn_linear import (
-    OneDNNGateUp,
-    OneDNNLinear,
-    choose_gate_up_pieces,
-    onednn_prepack_available,
-)
+from pdserve.model.onednn_linear import OneDNNGateUp, onednn_prepack_available, prepacked_copy
 
 GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 gemm per bench-80m step, Zen 4,
                        # 1-4 rows: 5.1 / 5.4 / 6.5 / 7.4 vs 6.3 / 6.9 / 7.3 / 8.2 ms, 5 rows 13.2 vs 7.5 (two
@@ -97,12 +92,10 @@ class PackedBF16Linear(nn.Module):
                              f"on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = gemm_amx_available() and self.in_features % 32 == 0
-        self.onednn = None
-        if keep_dense and prepack and onednn_prepack_available():
-            pieces = choose_gate_up_pieces(self.out_features // 2, 512) if gate_up and fused.vectorized() else 1
-            self.onednn = OneDNNGateUp(linear, pieces=pieces) if pieces > 1 else OneDNNLinear(linear)
-            if pieces > 1:
-                self.silu_mul = self._silu_mul
+        self.onednn = prepacked_copy(linear, gate_up=gate_up) if keep_dense and prepack and \
+            onednn_prepack_available() else None
+        if isinstance(self.onednn, OneDNNGateUp):
+            self.silu_mul = self._silu_mul
         self.weight = linear.weight if keep_dense and self.onednn is None else None
         self.bias = linear.bias
         self.register_buffer("packed", pack_weight(linear.weight), persistent=False)

@@ -74,6 +74,22 @@ class OneDNNLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def gate_up_piece(t: torch.Tensor, p: int, pieces: int) -> torch.Tensor:
+    """Piece ``p`` of ``pieces`` of a gate_up weight ``[2 I, H]`` or bias ``[2 I]`` (gate rows first): the gate
+    rows of intermediate columns ``[p I / pieces, (p + 1) I / pieces)`` followed by the same up rows."""
+    inter = t.shape[0] // 2
+    c = inter // pieces
+    return torch.cat([t[p * c:(p + 1) * c], t[inter + p * c:inter + (p + 1) * c]])
+
+
+def prepacked_copy(linear: nn.Linear, rows_hint: int = 512, gate_up: bool = False) -> nn.Module:
+    """oneDNN's reordered copy of a bf16 ``linear``: :class:`OneDNNGateUp` for a SwiGLU MLP's gate_up
+    (``gate_up``) where :func:`choose_gate_up_pieces` splits it and the C SiLU-and-mul runs vectorized, else
+    :class:`OneDNNLinear`. Raises as they do."""
+    pieces = choose_gate_up_pieces(linear.out_features // 2, rows_hint) if gate_up and fused.vectorized() else 1
+    return OneDNNGateUp(linear, rows_hint, pieces) if pieces > 1 else OneDNNLinear(linear, rows_hint)
+
+
 class OneDNNGateUp(nn.Module):
     """A SwiGLU MLP's fused ``gate_up_proj`` (weight ``[2 I, H]``, gate rows first) held as ``pieces`` oneDNN
     weights, piece ``p`` the gate and up rows of intermediate columns ``[p I / pieces, (p + 1) I / pieces)``,
@@ -98,15 +114,11 @@ class OneDNNGateUp(nn.Module):
             raise ValueError(f"OneDNNGateUp needs a bf16 CPU weight of height divisible by {2 * pieces}, got "
                              f"{w.dtype} {tuple(w.shape)} on {w.device}")
         self.in_features, self.out_features, self.pieces = linear.in_features, linear.out_features, pieces
-        inter = self.intermediate = w.shape[0] // 2
-        c = inter // pieces
-        bias = linear.bias.detach() if linear.bias is not None else None
+        self.intermediate = w.shape[0] // 2
         self.bias = linear.bias
-        self.packed = [torch.ops.mkldnn._reorder_linear_weight(
-            torch.cat([w[p * c:(p + 1) * c], w[inter + p * c:inter + (p + 1) * c]]), rows_hint)
-            for p in range(pieces)]
-        self.piece_bias = [None if bias is None else torch.cat([bias[p * c:(p + 1) * c],
-                                                                bias[inter + p * c:inter + (p + 1) * c]])
+        self.packed = [torch.ops.mkldnn._reorder_linear_weight(gate_up_piece(w, p, pieces), rows_hint)
+                       for p in range(pieces)]
+        self.piece_bias = [None if linear.bias is None else gate_up_piece(linear.bias.detach(), p, pieces)
                            for p in range(pieces)]
 
     def kernel_for(self, rows: int) -> str:
@@ -151,7 +163,7 @@ def choose_gate_up_pieces(intermediate: int, rows_hint: int) -> int:
     ============================  ======  ===================================================
     hidden x intermediate, rows    whole  pieces (width)
     ============================  ======  ===================================================
-    768 x 2,048, 512 rows          3.15   2 (2,048): 3.11, **4 (1,024): 2.58**, 8 (512): 2.95
+    768 x 2,048, 512 rows          3.13   2 (2,048): 2.94, **4 (1,024): 2.44**, 8 (512): 2.89
     768 x 2,048, 2,048 rows       14.37   2: 10.12, **4: 9.01**, 8: 9.33, 16: 10.16
     768 x 2,048, 256 rows          1.27   **whole**; 2: 1.35, 4: 1.32, 8: 1.40
     1,024 x 3,072, 512 rows        5.96   2 (3,072): 4.84, **4 (1,536): 4.80**, 8 (768): 4.94
@@ -182,10 +194,6 @@ def prepack_for_cpu_prefill(model: nn.Module, rows_hint: int = 512) -> int:
         return 0
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     tied = head is not None and embed is not None and head.weight is embed.weight
-
-    def convert(name: str, linear: nn.Linear) -> nn.Module:
-        pieces = choose_gate_up_pieces(linear.out_features // 2, rows_hint)
-        if name.endswith("mlp.gate_up_proj") and pieces > 1 and fused.vectorized():    # a dense SwiGLU MLP's
-            return OneDNNGateUp(linear, rows_hint, pieces)
-        return OneDNNLinear(linear, rows_hint)
-    return swap_bf16_linears(model, convert, LAYER_MODULES if tied else TARGET_MODULES)
+    return swap_bf16_linears(model, lambda name, linear: prepacked_copy(linear, rows_hint,
+                                                                       gate_up=name.endswith("mlp.gate_up_proj")),
+                             LAYER_MODULES if tied else TARGET_MODULES)
