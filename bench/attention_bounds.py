@@ -16,6 +16,7 @@ cycles (at the clock ``bench.cpu_facts`` reports) per (token, KV head).
 
     taskset -c 1 .venv/bin/python bench/attention_bounds.py
     taskset -c 1 .venv/bin/python bench/attention_bounds.py --rev f14dcf9 --cases 32x140,1x140
+    taskset -c 1 .venv/bin/python bench/attention_bounds.py --heads 8,4,128 --cases 32x140
 """
 
 from __future__ import annotations
@@ -38,41 +39,45 @@ LAYERS = 12
 
 
 def step_seconds(fn, cache: torch.Tensor, meta, q: torch.Tensor, s_block: int, s_layer: int | None,
-                 reps: int, before=lambda: None) -> float:
-    """Median seconds of one step's attention over LAYERS layers; ``s_layer`` elements between layers'
-    slices (None: every layer reads layer 0's); strides in elements."""
-    batch, out = q.shape[0], torch.empty_like(q)
-    s_tok, s_head, s_v = KV_HEADS * DIM, DIM, BLOCK * KV_HEADS * DIM
+                 reps: int, kv_heads: int, before=lambda: None) -> float:
+    """Median seconds of one step's attention over LAYERS layers for ``q`` ``[batch, heads, head_dim]``
+    float32 over ``kv_heads`` KV heads; ``s_layer`` elements between layers' slices (None: every layer reads
+    layer 0's); strides in elements."""
+    (batch, heads, dim), out = q.shape, torch.empty_like(q)
+    s_tok, s_head, s_v = kv_heads * dim, dim, BLOCK * kv_heads * dim
     times = []
     for _ in range(reps):
         before()
         start = time.perf_counter()
         for layer in range(LAYERS):
             base = cache.data_ptr() + (layer * s_layer * 2 if s_layer is not None else 0)
-            fn(q.data_ptr(), out.data_ptr(), HEADS, KV_HEADS, DIM, meta.query_start_loc.data_ptr(),
+            fn(q.data_ptr(), out.data_ptr(), heads, kv_heads, dim, meta.query_start_loc.data_ptr(),
                meta.seq_lens.data_ptr(), batch, base, 1, s_block, s_tok, s_head, s_v,
-               meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, 0.125)
+               meta.block_tables.data_ptr(), meta.block_tables.shape[1], BLOCK, dim ** -0.5)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def bounds(fn, batch: int, context: int, reps: int) -> dict[str, float]:
-    """Seconds per step of every arrangement for ``batch`` decode rows at ``context + 1`` tokens."""
+def bounds(fn, batch: int, context: int, reps: int, heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM)
+           ) -> dict[str, float]:
+    """Seconds per step of every arrangement for ``batch`` decode rows at ``context + 1`` tokens, ``heads``
+    = (query heads, KV heads, head_dim)."""
+    nh, nkv, dim = heads
     nb = -(-(context + 1) // BLOCK)
-    blocks, page = batch * nb, 2 * BLOCK * KV_HEADS * DIM            # page: one layer's slice of a block
+    blocks, page = batch * nb, 2 * BLOCK * nkv * dim                 # page: one layer's slice of a block
     cache = empty_huge(blocks * LAYERS * page, torch.bfloat16).normal_()
     perm = torch.randperm(blocks, generator=torch.Generator().manual_seed(0)).tolist()
     tables = {"shuffled": [perm[i * nb:(i + 1) * nb] for i in range(batch)],
               "in order": [list(range(i * nb, (i + 1) * nb)) for i in range(batch)],
               "hot": [list(range(nb))] * batch}
     metas = {k: build_attention_metadata([1] * batch, [context + 1] * batch, t, BLOCK) for k, t in tables.items()}
-    q, evict = torch.randn(batch, HEADS, DIM), l3_evictor()
-    out = {"hot (L1/L2)": step_seconds(fn, cache, metas["hot"], q, LAYERS * page, None, reps)}
+    q, evict = torch.randn(batch, nh, dim), l3_evictor()
+    out = {"hot (L1/L2)": step_seconds(fn, cache, metas["hot"], q, LAYERS * page, None, reps, nkv)}
     strides = {"block-major": (LAYERS * page, page), "layer-major": (page, blocks * page)}   # s_block, s_layer
     for layout, (s_block, s_layer) in strides.items():
         for order in ("shuffled", "in order"):
             out[f"{layout}, {order}, L3 evicted"] = step_seconds(fn, cache, metas[order], q, s_block, s_layer,
-                                                                reps, evict)
+                                                                reps, nkv, evict)
     return out
 
 
@@ -81,7 +86,10 @@ def main() -> None:
     ap.add_argument("--rev", default=None, help="git revision of kernels/cpu to build (default: the working tree)")
     ap.add_argument("--cases", default="32x140,4x512,1x140", help="batch x context, comma-separated")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--heads", default=f"{HEADS},{KV_HEADS},{DIM}",
+                    help="query heads, KV heads, head size, e.g. 8,4,128 for bench-80m-qwen3")
     args = ap.parse_args()
+    heads = tuple(int(v) for v in args.heads.split(","))
     torch.set_num_threads(1)
     facts = cpu_facts()
     print(f"CPU: {facts['model_name']} (family {facts['family']}, model {facts['model']}), "
@@ -90,8 +98,8 @@ def main() -> None:
         fn = build("paged_attention", args.rev, Path(tmp))
         for case in args.cases.split(","):
             batch, context = (int(v) for v in case.split("x"))
-            pairs = batch * (context + 1) * LAYERS * KV_HEADS              # (token, KV head) pairs a step reads
-            for name, seconds in bounds(fn, batch, context, args.reps).items():
+            pairs = batch * (context + 1) * LAYERS * heads[1]               # (token, KV head) pairs a step reads
+            for name, seconds in bounds(fn, batch, context, args.reps, heads).items():
                 ns = seconds / pairs * 1e9
                 print(f"{batch} x {context + 1}, {name}: {seconds * 1e3:.3f} ms, {ns:.2f} ns = "
                       f"{ns * facts['clock_mhz'] / 1e3:.1f} cycles per (token, KV head)", flush=True)
