@@ -11,8 +11,9 @@ it, its output times the routing weight (rounded to the model's dtype first, or 
 into ``y`` expert by expert, as ``transformers`` adds them (``index_add_``): float32 outputs equal its to rounding.
 The router and the experts' projections are ordinary linears, so the CPU path packs them for the C GEMM/GEMV
 kernels as it packs the dense ones, and decode steps run a mixture inside the one-call C stack
-(``decode_stack.c: moe_mlp``, :mod:`model.cpu_stack`), other steps on the C kernels (prefill chunks) in one C call
-of it (:class:`kernels.cpu.moe_block.MoeBlock`), bit-identical to this module's path on the same kernels;
+(``moe_mlp.h: moe_mlp``, in the decode_stack library, :mod:`model.cpu_stack`), other steps on the C kernels
+(prefill chunks) in one C call of it (:class:`kernels.cpu.moe_block.MoeBlock`), bit-identical to this module's
+path on the same kernels;
 Qwen2-MoE's shared expert (``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` added last) keeps its mixtures
 on the per-operation path.
 """

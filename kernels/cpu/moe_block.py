@@ -1,5 +1,5 @@
-"""One mixture of experts in one C call (``decode_stack.c: pd_moe_block``), for the steps that do not run in the
-decode stack: a prefill chunk's MLP, a decode worker's mixed or recomputed steps.
+"""One mixture of experts in one C call (``moe_mlp.h: pd_moe_block``, in the decode_stack library), for the
+steps that do not run in the decode stack: a prefill chunk's MLP, a decode worker's mixed or recomputed steps.
 
 The per-operation path of :class:`model.moe.SparseMoeBlock` makes some 40 framework calls a layer (routing,
 a gather, a GEMM, SiLU, a GEMM, a scale and an ``index_add_`` per expert). :class:`MoeBlock` runs the same
