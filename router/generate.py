@@ -35,6 +35,7 @@ from pdserve.proto.convert import FINISH_REASONS
 from pdserve.router.admission import Admission
 from pdserve.router.choose import Chosen, ClusterView, attempt_sampling, choose_workers, open_decode
 from pdserve.router.config import RouterConfig
+from pdserve.router.logprobs import logprobs_of, name_tokens, prompt_logprobs_of
 from pdserve.router.prefill_answer import prefill_or_decode_end
 from pdserve.router.recovery import Progress, WorkerFailure
 from pdserve.router.request import RequestTimes
@@ -159,9 +160,9 @@ async def _sequence_messages(view: ClusterView, req: ValidRequest, tokenizer: To
                 async with aclosing(attempt) as messages:
                     async for msg in messages:
                         if msg.logprobs:
-                            _name_tokens(msg.logprobs, tokenizer)
+                            name_tokens(msg.logprobs, tokenizer)
                         if msg.prompt_logprobs:
-                            _name_tokens(msg.prompt_logprobs, tokenizer)
+                            name_tokens(msg.prompt_logprobs, tokenizer)
                         if msg.HasField("final"):
                             msg.text = matcher.flush() + msg.text
                             _set_stop_reason(msg.final, req, progress)
@@ -190,49 +191,6 @@ async def _sequence_messages(view: ClusterView, req: ValidRequest, tokenizer: To
     finally:
         if record_outcome and times.dispatched and view.outcomes is not None:  # rejections are counted apart
             _record_outcome(view.outcomes, req, times, finished)
-
-
-def _name_tokens(logprobs, tokenizer: Tokenizer) -> None:
-    """Fill in the text of every token of ``logprobs`` (``TokenLogprob`` messages, in place)."""
-    for lp in logprobs:
-        lp.token = _token_text(tokenizer, lp.token_id)
-        for alt in lp.top:
-            alt.token = _token_text(tokenizer, alt.token_id)
-
-
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    cache = _TOKEN_TEXTS.setdefault(id(tokenizer), {})
-    text = cache.get(token_id)
-    if text is None:
-        text = cache[token_id] = tokenizer.decode([token_id])
-    return text
-
-
-_TOKEN_TEXTS: dict[int, dict[int, str]] = {}  # id(tokenizer) -> token id -> its text alone (bounded by the vocab)
-
-
-def _prompt_logprobs_of(req: ValidRequest, progress: Progress, wire, worker_id: str) -> list[pdserve_pb2.TokenLogprob]:
-    """The client's prompt log-probabilities for the request's first message (``progress`` has streamed no token
-    yet, and the request asks): one per prompt token, the first's logprob 0 with no alternatives, the rest from
-    the worker's ``wire`` entries; none for any later message.
-
-    Raises:
-        WorkerFailure: the worker sent another number of entries than the prompt's tokens after the first.
-    """
-    if req.sampling.prompt_logprobs is None or progress.generated:
-        return []
-    if len(wire) != len(req.prompt_ids) - 1:
-        raise WorkerFailure({worker_id}, f"worker {worker_id} sent {len(wire)} prompt log-probabilities for a "
-                                         f"{len(req.prompt_ids)}-token prompt")
-    return [pdserve_pb2.TokenLogprob(token_id=req.prompt_ids[0])] + _logprobs_of(req.prompt_ids[1:], list(wire))
-
-
-def _logprobs_of(ids: list[int], wire: list[worker_pb2.TokenLogprobs]) -> list[pdserve_pb2.TokenLogprob]:
-    """The client's ``TokenLogprob`` messages for ``ids`` from a worker's (texts filled in later)."""
-    return [pdserve_pb2.TokenLogprob(
-        token_id=t, logprob=w.logprob, rank=w.rank,
-        top=[pdserve_pb2.TopLogprob(token_id=i, logprob=v) for i, v in zip(w.top_token_ids, w.top_logprobs)])
-        for t, w in zip(ids, wire)]
 
 
 async def _run_disaggregated(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times: RequestTimes,
@@ -287,12 +245,12 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
         state = RequestState.DECODING
         if progress.cached_tokens is None:
             progress.cached_tokens = answer.num_cached_tokens
-        prompt_logprobs = _prompt_logprobs_of(req, progress, answer.prompt_logprobs, prefill.worker_id)
+        prompt_logprobs = prompt_logprobs_of(req, progress, answer.prompt_logprobs, prefill.worker_id)
         progress.generated.append(answer.first_token)
         times.token()
         yield pdserve_pb2.GenerateResponse(
             text=detok.push([answer.first_token]), token_ids=[answer.first_token],
-            logprobs=_logprobs_of([answer.first_token], [answer.first_logprobs])
+            logprobs=logprobs_of([answer.first_token], [answer.first_logprobs])
             if req.sampling.logprobs is not None else (), prompt_logprobs=prompt_logprobs)
         watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s)  # D has the KV now
         async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch, decode_read):
@@ -393,7 +351,7 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
     async for event in decode_events(stream, decode, watch, pending):
         if event.WhichOneof("event") == "tokens":
             ids, lps = list(event.tokens.token_ids), list(event.tokens.logprobs)
-            prompt_lps = _prompt_logprobs_of(req, progress, event.tokens.prompt_logprobs, decode.worker_id)
+            prompt_lps = prompt_logprobs_of(req, progress, event.tokens.prompt_logprobs, decode.worker_id)
             # a burst that crosses min_tokens goes out as two messages: stop strings are armed for the second
             cut = req.sampling.min_tokens - len(progress.generated)
             for lo, hi in ((0, cut), (cut, len(ids))) if 0 < cut < len(ids) else ((0, len(ids)),):
@@ -401,7 +359,7 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
                     times.token()
                 progress.generated.extend(ids[lo:hi])
                 yield pdserve_pb2.GenerateResponse(
-                    text=detok.push(ids[lo:hi]), token_ids=ids[lo:hi], logprobs=_logprobs_of(ids[lo:hi], lps[lo:hi]),
+                    text=detok.push(ids[lo:hi]), token_ids=ids[lo:hi], logprobs=logprobs_of(ids[lo:hi], lps[lo:hi]),
                     prompt_logprobs=prompt_lps if lo == 0 else ())   # a local prefill's, on its first delta
         elif event.WhichOneof("event") == "finished":
             fin = event.finished
