@@ -1,5 +1,6 @@
 """What bounds the CPU decode attention kernel (``kernels/cpu/paged_attention.c``): the same decode step's
-attention over bench-80m's 12 layers (12 heads, 4 KV heads, head_dim 64, bf16 cache, 16-token blocks) with
+attention over 12 layers of bench-80m's shape (12 heads, 4 KV heads, head_dim 64; ``--heads`` for another,
+e.g. ``8,4,128`` for bench-80m-qwen3; bf16 cache, 16-token blocks) with
 its cache in each arrangement below, so that compute and the cache's reads can be told apart. Not run in
 CI.
 
