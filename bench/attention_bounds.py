@@ -11,6 +11,9 @@ CI.
   and ``layer-major`` (vLLM's, a tensor per layer: a layer's slices of consecutive blocks side by side),
   each with block tables shuffled (a cache that has served a while) and in order (each sequence's blocks
   consecutive), the L3 evicted before each step.
+* block-major with a block's K and V parts read as ``[kv heads, block, head_dim]`` (each KV head's rows side
+  by side), shuffled, L3 evicted;
+* one layer alone, shuffled, with the L3 evicted and with that layer's pages read into the L3 just before.
 
 Both layouts are the same kernel given other strides. Prints ms per step (median of ``--reps``) and ns and
 cycles (at the clock ``bench.cpu_facts`` reports) per (token, KV head).
@@ -40,17 +43,21 @@ LAYERS = 12
 
 
 def step_seconds(fn, cache: torch.Tensor, meta, q: torch.Tensor, s_block: int, s_layer: int | None,
-                 reps: int, kv_heads: int, before=lambda: None) -> float:
-    """Median seconds of one step's attention over LAYERS layers for ``q`` ``[batch, heads, head_dim]``
-    float32 over ``kv_heads`` KV heads; ``s_layer`` elements between layers' slices (None: every layer reads
-    layer 0's); strides in elements."""
+                 reps: int, kv_heads: int, before=lambda: None, layers: range = range(LAYERS),
+                 heads_apart: bool = False) -> float:
+    """Median seconds of one step's attention over ``layers`` for ``q`` ``[batch, heads, head_dim]`` float32
+    over ``kv_heads`` KV heads; ``s_layer`` elements between layers' slices (None: every layer reads layer 0's);
+    strides in elements. ``heads_apart``: a block's K (and V) part read as ``[kv heads, block, head_dim]``, each
+    KV head's rows side by side, instead of the cache's ``[block, kv heads, head_dim]``."""
     (batch, heads, dim), out = q.shape, torch.empty_like(q)
     s_tok, s_head, s_v = kv_heads * dim, dim, BLOCK * kv_heads * dim
+    if heads_apart:
+        s_tok, s_head = dim, BLOCK * dim
     times = []
     for _ in range(reps):
         before()
         start = time.perf_counter()
-        for layer in range(LAYERS):
+        for layer in layers:
             base = cache.data_ptr() + (layer * s_layer * 2 if s_layer is not None else 0)
             fn(q.data_ptr(), out.data_ptr(), heads, kv_heads, dim, meta.query_start_loc.data_ptr(),
                meta.seq_lens.data_ptr(), batch, base, 1, s_block, s_tok, s_head, s_v,
@@ -60,9 +67,11 @@ def step_seconds(fn, cache: torch.Tensor, meta, q: torch.Tensor, s_block: int, s
 
 
 def bounds(fn, batch: int, context: int, reps: int, heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM)
-           ) -> dict[str, float]:
-    """Seconds per step of every arrangement for ``batch`` decode rows at ``context + 1`` tokens, ``heads``
-    = (query heads, KV heads, head_dim)."""
+           ) -> dict[str, tuple[float, int]]:
+    """Seconds per step and the layers it covers, of every arrangement for ``batch`` decode rows at
+    ``context + 1`` tokens, ``heads`` = (query heads, KV heads, head_dim). The last two time one layer (layer
+    5) over a cold cache and with its pages read into the L3 just before: whether the kernel takes its lines
+    from the L3 faster than from DRAM."""
     nh, nkv, dim = heads
     nb = -(-(context + 1) // BLOCK)
     blocks, page = batch * nb, 2 * BLOCK * nkv * dim                 # page: one layer's slice of a block
@@ -73,12 +82,22 @@ def bounds(fn, batch: int, context: int, reps: int, heads: tuple[int, int, int] 
               "hot": [list(range(nb))] * batch}
     metas = {k: build_attention_metadata([1] * batch, [context + 1] * batch, t, BLOCK) for k, t in tables.items()}
     q, evict = torch.randn(batch, nh, dim), l3_evictor()
-    out = {"hot (L1/L2)": step_seconds(fn, cache, metas["hot"], q, LAYERS * page, None, reps, nkv)}
+    out = {"hot (L1/L2)": (step_seconds(fn, cache, metas["hot"], q, LAYERS * page, None, reps, nkv), LAYERS)}
     strides = {"block-major": (LAYERS * page, page), "layer-major": (page, blocks * page)}   # s_block, s_layer
     for layout, (s_block, s_layer) in strides.items():
         for order in ("shuffled", "in order"):
-            out[f"{layout}, {order}, L3 evicted"] = step_seconds(fn, cache, metas[order], q, s_block, s_layer,
-                                                                reps, nkv, evict)
+            out[f"{layout}, {order}, L3 evicted"] = (step_seconds(fn, cache, metas[order], q, s_block, s_layer,
+                                                                 reps, nkv, evict), LAYERS)
+    out["block-major, shuffled, KV heads' rows side by side in a block, L3 evicted"] = (step_seconds(
+        fn, cache, metas["shuffled"], q, LAYERS * page, page, reps, nkv, evict, heads_apart=True), LAYERS)
+    pages = cache.view(blocks, LAYERS, page)[torch.tensor(sorted(sum(tables["shuffled"], []))), 5]
+
+    def into_l3() -> None:
+        evict()
+        float(pages.float().sum())                 # layer 5's pages read once: out of L1/L2, into the L3
+    for name, before in (("L3 evicted", evict), ("its pages read into the L3 first", into_l3)):
+        out[f"block-major, shuffled, one layer, {name}"] = (step_seconds(
+            fn, cache, metas["shuffled"], q, LAYERS * page, page, reps, nkv, before, range(5, 6)), 1)
     return out
 
 
@@ -99,8 +118,8 @@ def main() -> None:
         fn = build("paged_attention", args.rev, Path(tmp))
         for case in args.cases.split(","):
             batch, context = (int(v) for v in case.split("x"))
-            pairs = batch * (context + 1) * LAYERS * heads[1]               # (token, KV head) pairs a step reads
-            for name, seconds in bounds(fn, batch, context, args.reps, heads).items():
+            for name, (seconds, layers) in bounds(fn, batch, context, args.reps, heads).items():
+                pairs = batch * (context + 1) * layers * heads[1]           # (token, KV head) pairs read
                 ns = seconds / pairs * 1e9
                 print(f"{batch} x {context + 1}, {name}: {seconds * 1e3:.3f} ms, {ns:.2f} ns = "
                       f"{ns * facts['clock_mhz'] / 1e3:.1f} cycles per (token, KV head)", flush=True)
