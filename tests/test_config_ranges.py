@@ -146,7 +146,7 @@ def test_weights_nbytes_reads_every_parameter_from_the_headers(awkward_model_dir
 def test_pdserve_up_hands_its_gpu_placement_and_kv_transport_to_the_workers():
     """The controller passes ``cuda`` where its placement gave each worker a GPU (the workers had computed
     on the CPU whatever Ray reserved), and ``--kv-transport`` reaches every worker's config."""
-    from pdserve.deploy import cli
+    from pdserve.deploy import cluster_args
 
     cfg = cluster(worker_options={"kv_transport": "tcp"})
     for role in ("prefill", "decode", "both"):
@@ -156,7 +156,7 @@ def test_pdserve_up_hands_its_gpu_placement_and_kv_transport_to_the_workers():
     import argparse
 
     parser = argparse.ArgumentParser()
-    cli._cluster_args(parser)
+    cluster_args.add_cluster_args(parser)
     assert parser.parse_args([]).kv_transport == "auto"
     assert parser.parse_args(["--kv-transport", "tcp"]).kv_transport == "tcp"
     with pytest.raises(SystemExit):

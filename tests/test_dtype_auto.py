@@ -11,7 +11,7 @@ import torch
 from pdserve.cluster import compute
 from pdserve.cluster.compute import checkpoint_dtype, resolve_dtype
 from pdserve.cluster.worker_process import WorkerConfig
-from pdserve.deploy import cli
+from pdserve.deploy import cluster_args
 from pdserve.kernels.cpu import available
 
 
@@ -78,7 +78,7 @@ def test_worker_config_default_stays_float32_and_pdserve_up_defaults_to_auto(tmp
     import argparse
 
     parser = argparse.ArgumentParser()
-    cli._cluster_args(parser)
+    cluster_args.add_cluster_args(parser)
     assert parser.parse_args([]).dtype == "auto"
     assert parser.parse_args(["--dtype", "float32"]).dtype == "float32"
 

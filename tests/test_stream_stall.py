@@ -144,7 +144,7 @@ def test_stream_idle_timeout_is_validated_and_has_an_up_flag(monkeypatch, model_
     with pytest.raises(ValueError):
         StallWatch({}, "d0", 0)
 
-    from pdserve.deploy import cli, ray_cluster, redis_server
+    from pdserve.deploy import cli, cluster_args, ray_cluster, redis_server
 
     started = []
 
@@ -159,7 +159,7 @@ def test_stream_idle_timeout_is_validated_and_has_an_up_flag(monkeypatch, model_
     monkeypatch.setattr(ray_cluster, "RayCluster", FakeRay)
     monkeypatch.setattr(redis_server, "ensure_redis", lambda url: None)
     parser = argparse.ArgumentParser()
-    cli._cluster_args(parser)
+    cluster_args.add_cluster_args(parser)
     cli._start_cluster(parser.parse_args(["--model", model_dir, "--stream-idle-timeout", "4.5"]))
     cli._start_cluster(parser.parse_args(["--model", model_dir]))
     assert started[0].router_options["stream_idle_timeout_s"] == 4.5

@@ -73,9 +73,10 @@ def test_wheel_carries_the_model_and_the_contracts_under_one_name(wheel):
 
 
 def test_installed_wheel_imports_only_pdserve(fresh_env, tmp_path):
-    probe = ("import importlib.util, json, pdserve.router.server, pdserve.deploy.cli as cli, pdserve.proto as p\n"
+    probe = ("import importlib.util, json, pdserve.router.server, pdserve.deploy.cli, pdserve.proto as p\n"
+             "from pdserve.deploy.config import EMBEDDED_MODEL\n"
              f"print(json.dumps({{'generic': [m for m in {GENERIC!r} if importlib.util.find_spec(m)],"
-             " 'proto': p.__path__[0], 'model': cli.EMBEDDED_MODEL}))")
+             " 'proto': p.__path__[0], 'model': EMBEDDED_MODEL}))")
     proc = run_in(fresh_env, [str(fresh_env / "bin" / "python"), "-c", probe], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout)
