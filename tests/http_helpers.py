@@ -1,11 +1,14 @@
 """Plain HTTP requests to a cluster's OpenAI-compatible API, for the tests that send what the ``openai``
-client would not (raw bytes, hostile bodies)."""
+client would not (raw bytes, hostile bodies), and the prompts the HTTP API tests send."""
 
 from __future__ import annotations
 
 import json
 import urllib.error
 import urllib.request
+
+PROMPTS = ["Once upon a time, there was a little dog", "Lily and Ben went to the park. They saw", "Tom had a red ball."]
+MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A dog and a cat"}]
 
 
 def raw(address: str, path: str, body: dict | bytes | None = None, headers: dict | None = None):

@@ -6,46 +6,43 @@ types, unknown fields, invalid UTF-8, huge repeated fields, oversize prompts and
 values. Property: ``parse_request`` + ``validate`` return a ``ValidRequest`` whose every field
 is in range, or raise ``ValueError`` naming the problem; never another exception.
 
-Then a smaller set through a live router (real processes): bad requests end with
-INVALID_ARGUMENT, good ones stream to ``final``, and afterwards the cluster still serves
-and every KV pool is free.
+Through a live router: test_fuzz_live_router.py; the strategies and the in-process check: fuzz_requests.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time
 from collections import Counter
 
-import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.deploy import client
-from pdserve.deploy.config import EMBEDDED_MODEL
-from pdserve.model.config import ModelConfig
 from pdserve.model.penalties import REPETITION_BOUNDS as REP
 from pdserve.model.sampling import MAX_STOP_TOKEN_IDS
-from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
-from pdserve.router.slo import Slo
 from pdserve.router.validation import (
     MAX_PROMPT_LOGPROB_ENTRIES,
     MAX_REQUEST_ID_CHARS,
     ValidRequest,
-    parse_request,
     printable_id,
-    validate,
+)
+from tests.fuzz_requests import (
+    CONTEXT,
+    DEFAULT_MAX_TOKENS,
+    TOKENIZER,
+    VOCAB,
+    length_delimited,
+    requests,
+    run,
+    valid_requests,
+    wire_records,
 )
 
 pytestmark = pytest.mark.timeout(240)
 
-CFG = ModelConfig.from_hf_dir(EMBEDDED_MODEL)
-TOKENIZER = Tokenizer(EMBEDDED_MODEL, CFG.bos_token_id)
-VOCAB, CONTEXT, DEFAULT_MAX_TOKENS = CFG.vocab_size, CFG.max_position_embeddings, 16
 CASES: Counter = Counter()
 MIN_CASES = 3500  # this file's share of the >= 10,000 generated cases per CI run
 
@@ -55,15 +52,6 @@ def fuzz(n: int) -> settings:
     return settings(max_examples=n, derandomize=True, database=None, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                            HealthCheck.data_too_large])
-
-
-def run(raw: bytes) -> ValidRequest | ValueError:
-    """The router's validation of wire bytes: the valid request, or the ValueError it raised."""
-    try:
-        return validate(parse_request(raw), CFG, TOKENIZER, DEFAULT_MAX_TOKENS, Slo(1.0, 0.1))
-    except ValueError as e:
-        assert str(e), "a ValueError must say what is wrong"
-        return e
 
 
 def assert_in_range(v: ValidRequest) -> None:
@@ -180,100 +168,6 @@ def _schema_ok(text: str) -> bool:
         return len(text) <= 65_536 and isinstance(json.loads(text), dict)
     except (ValueError, RecursionError):
         return False
-
-
-# -- strategies ----------------------------------------------------------------------------------
-
-I32, I64 = st.integers(-2**31, 2**31 - 1), st.integers(-2**63, 2**63 - 1)
-SCHEMAS = ['{"type": "object"}', '{"type": 5}', "[1, 2]", '"text"', "{", "[" * 3000 + "]" * 3000,
-           '{"description": "' + "x" * 70_000 + '"}', '{"enum": ["a", "b"]}']
-floats = st.floats(width=32) | st.sampled_from([0.0, -0.0, 1e-30, 1.0, 0.5, 1.0000001, math.inf, -math.inf, math.nan])
-doubles = st.floats() | st.sampled_from([0.0, -1.0, 1e-9, 0.1, 1.0, 1e308, math.inf, -math.inf, math.nan])
-token_ids = (st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
-             | st.lists(st.integers(0, VOCAB - 1) | I64 | st.sampled_from([-1, VOCAB]), max_size=40)
-             | st.tuples(st.integers(480, 600), st.integers(0, VOCAB - 1)).map(lambda t: [t[1]] * t[0]))
-
-
-@st.composite
-def requests(draw) -> pdserve_pb2.GenerateRequest:
-    """Well-formed token-id requests whose fields range over valid and invalid values."""
-    s = pdserve_pb2.SamplingParams(top_k=draw(st.integers(-3, 3) | I32), ignore_eos=draw(st.booleans()),
-                                   stop_token_ids=draw(st.lists(st.integers(-3, VOCAB + 3) | I64, max_size=5)))
-    for name, strategy in (("temperature", floats), ("top_p", floats), ("min_p", floats),
-                           ("seed", st.integers(0, 2**64 - 1)),
-                           ("max_tokens", st.integers(-3, 40) | I32), ("presence_penalty", floats),
-                           ("frequency_penalty", floats), ("repetition_penalty", floats),
-                           ("min_tokens", st.integers(-3, 45) | I32)):
-        if draw(st.booleans()):
-            setattr(s, name, draw(strategy))
-    s.logit_bias.update(draw(st.dictionaries(st.integers(-3, VOCAB + 3) | I64, floats | st.floats(-100, 100, width=32),
-                                             max_size=4)))
-    if draw(st.booleans()):
-        s.prompt_logprobs = draw(st.integers(-3, 24) | I32)
-    if draw(st.integers(0, 3)) == 0:
-        s.truncate_prompt_tokens = draw(st.integers(-3, 12) | st.sampled_from([-1, 600]) | I32)
-    kind = draw(st.sampled_from([None, None, "json_object", "json_schema", "regex", "choice", "grammar"]))
-    if kind == "json_object":
-        s.structured_output.json_object = draw(st.booleans())
-    elif kind == "json_schema":
-        s.structured_output.json_schema = draw(st.sampled_from(SCHEMAS) | st.text(max_size=20))
-    elif kind in ("regex", "grammar"):
-        setattr(s.structured_output, kind, draw(st.text(max_size=8) | st.just("a" * 65_537)))
-    elif kind == "choice":
-        s.structured_output.choice.choices.extend(draw(st.lists(st.text(max_size=3), max_size=3)
-                                                       | st.just(["x"] * 1_025) | st.just(["y" * 40_000] * 2)))
-    if draw(st.integers(0, 3)) == 0:
-        s.allowed_token_ids.extend(draw(st.lists(st.integers(-2, VOCAB + 2), max_size=5)))
-    if draw(st.integers(0, 3)) == 0:
-        s.bad_words.extend(draw(st.lists(st.sampled_from(["dog", " ran", "", "  ", "a" * 257, "é✓"]), max_size=3)))
-    if draw(st.integers(0, 3)) == 0:
-        s.structured_output.start_after.extend(draw(st.lists(st.integers(-2, VOCAB + 2), max_size=18)))
-    req = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=draw(token_ids)), sampling=s,
-                                      request_id=draw(st.text(max_size=8) | st.text(min_size=250, max_size=300)),
-                                      queue_timeout_s=draw(st.just(0.0) | doubles),
-                                      cache_salt=draw(st.sampled_from(["", "", "tenant", "x" * 257])))
-    for name in ("ttft_slo_s", "tpot_slo_s"):
-        if draw(st.booleans()):
-            setattr(req, name, draw(doubles))
-    return req
-
-
-@st.composite
-def valid_requests(draw, texts: bool = True) -> pdserve_pb2.GenerateRequest:
-    """Requests the router must serve: token ids (or text), greedy or seeded sampling, 1..8 tokens."""
-    prompt = draw(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20))
-    choices = [prompt, "Once upon a time", "The dog ran"] if texts else [prompt]
-    req = client.make_request(draw(st.sampled_from(choices)),
-                              max_tokens=draw(st.integers(1, 8)), temperature=draw(st.sampled_from([0.0, 0.7])),
-                              seed=draw(st.integers(0, 2**64 - 1)), top_k=draw(st.integers(0, 50)))
-    req.request_id = draw(st.text(max_size=12))
-    return req
-
-
-def varint(n: int) -> bytes:
-    n &= 2**64 - 1
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-@st.composite
-def wire_records(draw) -> bytes:
-    """One protobuf record with any field number and wire type (valid 0, 1, 2, 5; legacy groups 3, 4;
-    invalid 6, 7) and a payload that may or may not fit it."""
-    field = draw(st.integers(1, 12) | st.integers(1, 2**29 - 1))
-    wt = draw(st.sampled_from([0, 0, 1, 2, 2, 5, 3, 4, 6, 7]))
-    payload = {0: lambda: varint(draw(st.integers(0, 2**64 - 1))), 1: lambda: draw(st.binary(min_size=8, max_size=8)),
-               2: lambda: (lambda b: varint(len(b)) + b)(draw(st.binary(max_size=30))),
-               5: lambda: draw(st.binary(min_size=4, max_size=4))}.get(wt, lambda: draw(st.binary(max_size=6)))()
-    return varint(field << 3 | wt) + payload
-
-
-def length_delimited(field: int, body: bytes) -> bytes:
-    return varint(field << 3 | 2) + varint(len(body)) + body
 
 
 # -- properties ------------------------------------------------------------------------------------
@@ -441,72 +335,3 @@ def test_generated_case_count():
     print(f"\nfuzz validation: {total} generated cases in-process: {dict(CASES)}")
     assert total >= MIN_CASES, dict(CASES)
     assert CASES["oracle_valid"] >= 0.1 * (CASES["oracle_valid"] + CASES["oracle"]), "too few valid requests"
-
-
-# -- through a live router -------------------------------------------------------------------------
-
-async def _call(channel, raw: bytes) -> tuple[str, str, int]:
-    rpc = channel.unary_stream("/pdserve.v1.Router/Generate",
-                               response_deserializer=pdserve_pb2.GenerateResponse.FromString)
-    try:
-        msgs = [m async for m in rpc(raw, timeout=30)]
-    except grpc.aio.AioRpcError as e:
-        return e.code().name, e.details() or "", 0
-    finals = [m.final for m in msgs if m.HasField("final")]
-    return "OK", "", len(finals)
-
-
-LIVE: Counter = Counter()
-
-
-@settings(max_examples=40, derandomize=True, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(raw=st.binary(max_size=60) | requests().map(lambda r: _short(r).SerializeToString())
-       | valid_requests().map(lambda r: r.SerializeToString())
-       | st.tuples(requests(), st.lists(wire_records(), min_size=1, max_size=2)).map(
-           lambda t: _short(t[0]).SerializeToString() + b"".join(t[1])))
-def test_live_router_answers_invalid_argument_or_serves(cluster, raw):
-    local = run(raw)
-    code, details, finals = cluster.run(lambda ch: _call(ch, raw))
-    if isinstance(local, ValueError):
-        assert code == "INVALID_ARGUMENT", (code, details, str(local))
-        assert details == str(local)
-    else:
-        assert (code, finals) == ("OK", 1), (code, details)
-    LIVE[code] += 1
-
-
-def _short(req: pdserve_pb2.GenerateRequest) -> pdserve_pb2.GenerateRequest:
-    """Keep generated requests cheap to serve live: at most 8 output tokens."""
-    if req.sampling.HasField("max_tokens") and req.sampling.max_tokens > 8:
-        req.sampling.max_tokens = 8
-    return req
-
-
-def test_live_malformed_cluster_state_request_is_invalid_argument(cluster):
-    async def call(channel):
-        rpc = channel.unary_unary("/pdserve.v1.Router/GetClusterState", request_serializer=lambda b: b,
-                                  response_deserializer=pdserve_pb2.ClusterState.FromString)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await rpc(b"\xff", timeout=30)
-        return info.value
-    error = cluster.run(call)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed GetClusterStateRequest" in error.details()
-    assert cluster.state().workers                                    # and the next call is answered
-
-
-def test_live_duplicate_request_ids_both_served_then_pools_free(cluster):
-    """Two concurrent requests claiming one client request id are independent (the router runs
-    each under its own internal id); afterwards the cluster serves and every KV pool is free."""
-    req = client.make_request("Once upon a time", max_tokens=6, temperature=0)
-    req.request_id = "same-id"
-
-    async def both(channel):
-        return await asyncio.gather(*(client.complete(channel, req, timeout_s=30) for _ in range(2)))
-
-    a, b = cluster.run(both)
-    assert a.final.request_id == b.final.request_id == "same-id"
-    assert a.token_ids == b.token_ids and len(a.token_ids) == 6
-    print(f"\nlive router statuses over the generated set: {dict(LIVE)}")
-    assert cluster.complete("Hi", max_tokens=3, temperature=0).final.usage.completion_tokens == 3
-    cluster.assert_pools_free()

@@ -1,40 +1,31 @@
 """The OpenAI-compatible HTTP API (router/http/) against live clusters of real processes, through the
 official ``openai`` client: completions and chat, streamed or not, greedy output equal to the gRPC
-API's; refusals as OpenAI errors (every parameter the router does not implement named in a 400, 401
-without the token, 404 for another model, 429 with Retry-After when KV blocks run out, 400 when no
-KV pool could ever hold the request); a client
-that disconnects mid-stream frees its blocks; /v1/models, /health, /metrics."""
+API's; refusals as OpenAI errors (every parameter the router does not implement named in a 400, 404 for
+another model, 429 with Retry-After when KV blocks run out, 400 when no KV pool could ever hold the
+request); a client that disconnects mid-stream frees its blocks; /v1/models, /health, /metrics. Behind a
+token, over TLS and from ``pdserve up``: test_http_deploy.py."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import socket
-import ssl
-import subprocess
-import sys
 import time
-import uuid
 
 import grpc
 import openai
 import pytest
 
 from pdserve.deploy import client
-from pdserve.deploy.processes import spawn_role
 from pdserve.model.chat_template import ChatTemplate
 from pdserve.proto import pdserve_pb2
 from tests.conftest import CHAT_MODEL as MODEL
-from tests.conftest import CHATML, Cluster
-from tests.http_helpers import raw
-from tests.tls_files import make_tls_files
+from tests.conftest import Cluster
+from tests.http_helpers import MESSAGES, PROMPTS, raw
 
 pytestmark = pytest.mark.timeout(180)
 
-PROMPTS = ["Once upon a time, there was a little dog", "Lily and Ben went to the park. They saw", "Tom had a red ball."]
-MESSAGES = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "A dog and a cat"}]
 
 
 @pytest.fixture(autouse=True)
@@ -304,91 +295,6 @@ def test_no_kv_room_is_429_with_retry_after_and_no_template_is_400(small_cluster
         api.chat.completions.create(model="tinystories-656k", messages=MESSAGES)
     assert "no chat template" in info.value.message
     small_cluster.assert_pools_free()
-
-
-def test_bearer_token_is_required_when_configured(http_cluster, tmp_path, redis_url, chat_model_dir):
-    token = "t0k-" + uuid.uuid4().hex
-    (tmp_path / "token").write_text(token + "\n")
-    router = spawn_role("router", dict(model_dir=chat_model_dir, cluster=http_cluster.cluster, redis_url=redis_url,
-                                       token_file=str(tmp_path / "token"), http_port=0,
-                                       max_receive_message_bytes=2048), "router-token")
-    try:
-        base = f"http://{router.http_address}/v1"
-        for key in ("wrong-" + token, token[:-1], token + "x"):
-            with pytest.raises(openai.AuthenticationError) as info:
-                openai.OpenAI(base_url=base, api_key=key, max_retries=0).completions.create(model=MODEL, prompt="Hi")
-            assert info.value.status_code == 401 and info.value.response.headers["WWW-Authenticate"] == "Bearer"
-        for path, body in (("/v1/models", None), ("/v1/completions", {"prompt": "Hi"}), ("/v1/completions", b"{bad"),
-                           ("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]})):
-            status, _, answer = raw(router.http_address, path, body)  # no token: refused before the body is read
-            assert status == 401 and "missing" in json.loads(answer)["error"]["message"]
-        assert raw(router.http_address, "/v1/models", headers={"Authorization": f"Basic {token}"})[0] == 401
-        assert raw(router.http_address, "/health")[0] == 200  # open, as the gRPC health service
-        api = openai.OpenAI(base_url=base, api_key=token, max_retries=0)
-        deadline = time.monotonic() + 10
-        while raw(router.http_address, "/health")[0] != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        got = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
-        assert got.choices[0].text == http_cluster.complete(PROMPTS[0], max_tokens=8, temperature=0).text
-        conn = http.client.HTTPConnection(router.http_address, timeout=30)  # no declared size: counted as it comes
-        conn.request("POST", "/v1/completions", body=iter([b'{"prompt": "', b"x" * 4096, b'"}']),
-                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
-                     encode_chunked=True)
-        answer = conn.getresponse()
-        assert answer.status == 413 and "2048 bytes" in json.loads(answer.read())["error"]["message"]
-        conn.close()
-    finally:
-        router.stop()
-    http_cluster.assert_pools_free()
-
-
-def test_pdserve_up_serves_the_http_api(redis_url, model_dir, tmp_path):
-    """`pdserve up --http-port 0` on Ray prints `http listening on HOST:PORT`, where the OpenAI client is
-    served under --served-model-name, chatting through the --chat-template file."""
-    template = tmp_path / "chat.jinja"
-    template.write_text(CHATML)
-    env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", model_dir, "--http-port", "0",
-                           "--served-model-name", "story", "--chat-template", str(template)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
-        lines, deadline = [], time.monotonic() + 150
-        while not any(line.startswith("http listening on ") for line in lines) and time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line or up.poll() is None, up.stderr.read()
-            lines.append(line)
-        (http_line,) = [line for line in lines if line.startswith("http listening on ")]
-        assert lines[0].startswith("router listening on ") and lines[1].startswith("cluster "), lines
-        api = openai.OpenAI(base_url=f"http://{http_line.split()[-1]}/v1", api_key="unused", max_retries=0)
-        assert [m.id for m in api.models.list().data] == ["story"]
-        got = api.completions.create(model="story", prompt=PROMPTS[0], max_tokens=12, temperature=0)
-        assert got.choices[0].text.startswith(". The dog liked to run and play")  # the model's greedy continuation
-        chat = api.chat.completions.create(model="story", messages=MESSAGES, max_tokens=5)
-        assert chat.usage.completion_tokens == 5
-        up.send_signal(signal.SIGINT)
-        assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-
-
-def test_http_api_over_tls_with_the_routers_certificate(http_cluster, tmp_path, redis_url, chat_model_dir):
-    tls = make_tls_files(tmp_path)
-    router = spawn_role("router", dict(model_dir=chat_model_dir, cluster=http_cluster.cluster, redis_url=redis_url,
-                                       tls_cert_file=tls["cert"], tls_key_file=tls["key"], http_port=0),
-                        "router-tls")
-    try:
-        verified = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls["ca"]))
-        api = openai.OpenAI(base_url=f"https://{router.http_address}/v1", api_key="unused", max_retries=0,
-                            http_client=verified)
-        got = api.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
-        assert got.choices[0].text == http_cluster.complete(PROMPTS[1], max_tokens=8, temperature=0).text
-        with pytest.raises(openai.APIConnectionError):  # plaintext to the TLS port
-            openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused",
-                          max_retries=0).models.list()
-    finally:
-        router.stop()
 
 
 def test_priority_needs_the_priority_scheduling_policy(http_cluster, api, model_dir):
