@@ -71,6 +71,9 @@ class WorkerInfo:
         metrics_address: ``host:port`` of the worker's Prometheus metrics (``GET /metrics``; empty: none).
         warmup_s: seconds the worker's start-up warm-up took before it first registered (0: it started
             without one, or wrote the entry before the field existed).
+        pool_version: the decode worker's ``BlockPool.snapshot`` version read with ``num_free_blocks`` (0: not
+            given); its request streams report the pool too, and a router keeps the report of the highest
+            version, so blocks a request freed count as free before the next heartbeat.
     """
 
     worker_id: str
@@ -92,6 +95,7 @@ class WorkerInfo:
     lease_s: float = 0.0
     metrics_address: str = ""
     warmup_s: float = 0.0
+    pool_version: int = 0
 
 
 DEFAULT_MAX_CLOCK_SKEW_S = 30.0

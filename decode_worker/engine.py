@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 
@@ -360,6 +361,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
             self.adaptive.forget(req)
         self.pool.free(req.block_table)
         self._release_id(req.attempt_id)
+        if isinstance(event, FinishedEvent):  # the router learns of the freed blocks with the request's end
+            event = replace(event, pool=self.pool.snapshot())
         if event is not None:
             req.emit(event)
 

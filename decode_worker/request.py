@@ -49,13 +49,15 @@ class TokensEvent:
 
 @dataclass(frozen=True)
 class FinishedEvent:
-    """The request ended normally; ``reason`` is ``"stop"`` or ``"length"``."""
+    """The request ended normally; ``reason`` is ``"stop"`` or ``"length"``. ``pool``: the engine's block pool
+    just after the request's blocks were freed (``BlockPool.snapshot``: version, free blocks; (0, 0) unknown)."""
 
     reason: str
     num_output_tokens: int
     kv_wait_s: float
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    pool: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

@@ -136,8 +136,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker cannot take requests now: {exc}")
         ended = False
         try:
+            version, free = self.engine.pool.snapshot()
             yield worker_pb2.DecodeEvent(allocated=worker_pb2.Allocated(
-                block_ids=blocks, kv_address=self.engine.receiver.address))
+                block_ids=blocks, kv_address=self.engine.receiver.address, num_free_blocks=free,
+                pool_version=version))
             while True:
                 pending = [await events.get()]
                 while not events.empty():  # the stream fell behind the engine: send what piled up at once
@@ -159,7 +161,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         yield worker_pb2.DecodeEvent(finished=worker_pb2.DecodeFinished(
                             finish_reason=FINISH_REASONS[ev.reason], num_output_tokens=ev.num_output_tokens,
                             kv_wait_s=ev.kv_wait_s, num_draft_tokens=ev.num_draft_tokens,
-                            num_accepted_tokens=ev.num_accepted_tokens))
+                            num_accepted_tokens=ev.num_accepted_tokens, pool_version=ev.pool[0],
+                            num_free_blocks=ev.pool[1]))
                         return
                     else:
                         ended = True
@@ -231,10 +234,11 @@ class DecodeWorker(WorkerProcess):
 
     def info(self) -> WorkerInfo:
         e = self.engine
+        version, free = e.pool.snapshot()
         return WorkerInfo(worker_id=self.cfg.worker_id, role="both" if self.cfg.colocated else "decode",
                           address=self.address,
                           kv_address=e.receiver.address, kv_backends=e.kv_backends, block_size=self.cfg.block_size,
-                          num_total_blocks=e.num_usable_blocks, num_free_blocks=e.pool.num_free,
+                          num_total_blocks=e.num_usable_blocks, num_free_blocks=free, pool_version=version,
                           num_running=e.num_decoding, num_waiting=e.num_transferring + e.num_preempted,
                           step_batch=e.last_step[0], step_context_tokens=e.last_step[1], step_seconds=e.last_step[2],
                           metrics_address=self.metrics_address, warmup_s=self.warmup_s)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,10 @@ class BlockPool:
 
     Blocks are handed out lowest-id-first from a free list. Freeing a block that
     is not allocated (double free, foreign id) raises ``ValueError`` and changes
-    nothing, so accounting errors surface where they happen.
+    nothing, so accounting errors surface where they happen. Every allocation and
+    free moves a version number on (:meth:`snapshot`), which starts at the pool's
+    creation time in nanoseconds, so a pool made later (a restarted worker) counts on
+    from above any earlier pool's versions.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -151,6 +155,14 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() yields the lowest id
         self._allocated: set[int] = set()
         self._lock = threading.Lock()
+        self._version = time.time_ns()
+
+    def snapshot(self) -> tuple[int, int]:
+        """``(version, free blocks)`` read together: what a worker reports of its pool, so that a reader can
+        keep the newest of several reports that reach it by different paths (the registry's heartbeat, a
+        request's own stream)."""
+        with self._lock:
+            return self._version, len(self._free)
 
     @property
     def num_free(self) -> int:
@@ -180,6 +192,7 @@ class BlockPool:
                 raise NoFreeBlocks(f"need {num} KV blocks, {len(self._free)} of {self.num_blocks} free")
             ids = [self._free.pop() for _ in range(num)]
             self._allocated.update(ids)
+            self._version += bool(ids)
             return ids
 
     def free(self, block_ids: list[int]) -> None:
@@ -195,3 +208,4 @@ class BlockPool:
             self._allocated.difference_update(block_ids)
             self._free.extend(sorted(block_ids, reverse=True))
             self._free.sort(reverse=True)
+            self._version += bool(block_ids)

@@ -129,12 +129,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., kv_timeout_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ..., prior_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Allocated(_message.Message):
-    __slots__ = ("block_ids", "kv_address")
+    __slots__ = ("block_ids", "kv_address", "num_free_blocks", "pool_version")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_address: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    num_free_blocks: int
+    pool_version: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., kv_address: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., pool_version: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
@@ -147,18 +151,22 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
-    __slots__ = ("finish_reason", "num_output_tokens", "kv_wait_s", "num_draft_tokens", "num_accepted_tokens")
+    __slots__ = ("finish_reason", "num_output_tokens", "kv_wait_s", "num_draft_tokens", "num_accepted_tokens", "num_free_blocks", "pool_version")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _pdserve_pb2.FinishReason
     num_output_tokens: int
     kv_wait_s: float
     num_draft_tokens: int
     num_accepted_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...
+    num_free_blocks: int
+    pool_version: int
+    def __init__(self, finish_reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., num_output_tokens: _Optional[int] = ..., kv_wait_s: _Optional[float] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., pool_version: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("allocated", "tokens", "finished")

@@ -70,7 +70,9 @@ class ClusterView:
     checkpoint's, for the stop check of a request whose worker failed after its last token.
     ``heard`` maps a decode worker's id to the ``time.monotonic()`` of its last event on any of the
     router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule of
-    :mod:`router.stall`)."""
+    :mod:`router.stall`). ``on_pool(worker_id, version, num_free_blocks)`` takes a decode worker's KV pool as its
+    request streams report it (at the allocation and at the end of each request), fresher than the registry's
+    last heartbeat: the router keeps the report of the highest version (``router.pool_reports``)."""
 
     workers: Callable[[], list[WorkerInfo]]
     inflight: Counter
@@ -82,6 +84,7 @@ class ClusterView:
     outcomes: Admission | None = None
     eos_token_ids: tuple[int, ...] = ()
     heard: dict[str, float] = field(default_factory=dict)
+    on_pool: Callable[[str, int, int], None] = lambda worker_id, version, num_free_blocks: None
 
     def current(self) -> list[WorkerInfo]:
         """The workers to dispatch to now."""
@@ -234,6 +237,7 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
                 unreachable.add(worker.worker_id)  # dead or stuck: the next attempt avoids it
             last_error = f"{worker.worker_id}: {exc}"
             continue
+        view.on_pool(worker.worker_id, allocated.pool_version, allocated.num_free_blocks)
         return DecodeStream(worker, call, allocated, count)
     if unreachable:  # e.g. the one worker admission reserved died: retry the dispatch without it
         raise WorkerFailure(unreachable, f"no decode worker could take the request (last: {last_error})")

@@ -253,7 +253,7 @@ async def _stream(view: ClusterView, req: ValidRequest, cfg: RouterConfig, times
             logprobs=logprobs_of([answer.first_token], [answer.first_logprobs])
             if req.sampling.logprobs is not None else (), prompt_logprobs=prompt_logprobs)
         watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s)  # D has the KV now
-        async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch, decode_read):
+        async for msg in _relay(view, decode.call, decode.worker, detok, times, req, progress, watch, decode_read):
             yield msg
         state = RequestState.FINISHED
     finally:
@@ -284,7 +284,7 @@ async def _run_colocated(view: ClusterView, req: ValidRequest, cfg: RouterConfig
             watch = StallWatch(view.heard, decode.worker.worker_id, cfg.stream_idle_timeout_s,
                                first_token_s=cfg.prefill_timeout_s)  # the worker prefills first
             try:
-                async for msg in _relay(decode.call, decode.worker, detok, times, req, progress, watch):
+                async for msg in _relay(view, decode.call, decode.worker, detok, times, req, progress, watch):
                     yield msg
                 finished = True
             finally:
@@ -337,12 +337,14 @@ def _final(req: ValidRequest, times: RequestTimes, progress: Progress, finish_re
         num_retries=progress.num_retries, num_migrations=progress.num_migrations))
 
 
-async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: IncrementalDetokenizer,
-                 times: RequestTimes, req: ValidRequest, progress: Progress, watch: StallWatch,
-                 pending: asyncio.Future | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+async def _relay(view: ClusterView, stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo,
+                 detok: IncrementalDetokenizer, times: RequestTimes, req: ValidRequest, progress: Progress,
+                 watch: StallWatch, pending: asyncio.Future | None = None
+                 ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """Turn the decode stream's events into client messages, ending with ``final``; every token
     relayed is recorded in ``progress.generated`` before it is yielded. ``pending``: a read of the
-    stream already issued (:func:`router.stall.decode_events`).
+    stream already issued (:func:`router.stall.decode_events`). The worker's pool as ``finished`` reports
+    it goes to ``view.on_pool`` before the client's ``final``: a client's next request sees the blocks free.
 
     Raises:
         WorkerFailure: the stream failed, ended without ``finished``, or its worker stalled (``watch``).
@@ -363,6 +365,7 @@ async def _relay(stream: grpc.aio.UnaryStreamCall, decode: WorkerInfo, detok: In
                     prompt_logprobs=prompt_lps if lo == 0 else ())   # a local prefill's, on its first delta
         elif event.WhichOneof("event") == "finished":
             fin = event.finished
+            view.on_pool(decode.worker_id, fin.pool_version, fin.num_free_blocks)
             yield _final(req, times, progress, fin.finish_reason, fin.num_output_tokens, fin)
             return
     raise WorkerFailure({decode.worker_id}, f"decode worker {decode.worker_id} ended the stream early")

@@ -53,6 +53,7 @@ from pdserve.router.generate import run_generate
 from pdserve.router.http.server import HttpFrontEnd
 from pdserve.router.kv_aware import KVAwareness
 from pdserve.router.limits import StreamLimitExceeded, StreamSlots
+from pdserve.router.pool_reports import PoolReports
 from pdserve.router.recovery import GenerateError, RegistryMemory
 from pdserve.router.request import RequestTimes
 from pdserve.router.slo import Slo, SloGate
@@ -85,6 +86,7 @@ class Router:
         self.registry = RegistryReader(cfg.redis_url, cfg.cluster, secret=secret)
         self.workers: list[WorkerInfo] = []
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
+        self._pools = PoolReports()  # decode pools as request streams report them, between heartbeats
         self._warned_unsigned = False  # the error that signed registry entries need the secret: logged once
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
@@ -165,7 +167,7 @@ class Router:
                 lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
                                    lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
-                                   heard=self._heard)
+                                   heard=self._heard, on_pool=self._on_pool)
                 recorder = self.stats.request()
                 async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
                     async for msg in messages:
@@ -225,9 +227,13 @@ class Router:
                       "its calls (UNAUTHENTICATED, \"missing 'authorization: Bearer <token>'\"); start the router "
                       "with the cluster's secret", self.cfg.cluster)
         # Redis restarted empty: keep the workers it does not list yet until they re-register
-        self.workers = self._registry_memory.merge(self.workers, fresh)
+        self.workers = self._pools.apply(self._registry_memory.merge(self.workers, fresh))
         for w in self.workers:
             self._ids_at.setdefault(w.address, set()).add(w.worker_id)
+
+    def _on_pool(self, worker_id: str, version: int, num_free_blocks: int) -> None:
+        """A decode stream's report of its worker's pool (:mod:`router.pool_reports`), into the view now."""
+        self.workers = self._pools.report(self.workers, worker_id, version, num_free_blocks)
 
     async def _refresh_if_stale(self, max_age_s: float | None = None) -> None:
         """Read the registry unless a read (usually the poller's) started less than ``max_age_s``
@@ -297,10 +303,10 @@ class Router:
 
     def num_worker_entries(self) -> dict[str, int]:
         """Sizes of the per-worker state this router holds (for leak checks and debugging): gRPC
-        ``channels`` (one per worker address), ``inflight`` counts, ``prefill_stats``, SLO
-        ``step_models``, workers of the prefix index, and the bookkeeping of workers seen (addresses
+        ``channels`` (one per worker address), ``inflight`` counts, decode ``pool_reports``, ``prefill_stats``,
+        SLO ``step_models``, workers of the prefix index, and the bookkeeping of workers seen (addresses
         listed, ids and addresses waiting out ``registry_grace_s``)."""
-        return {"channels": len(self._channels), "inflight": len(self.inflight),
+        return {"channels": len(self._channels), "inflight": len(self.inflight), "pool_reports": len(self._pools),
                 "prefill_stats": len(self.prefill_stats),
                 "step_models": len(self.gate.step_models) if self.gate is not None else 0,
                 "prefix_index_workers": len(self.kv.index.workers()) if self.kv.index is not None else 0,

@@ -73,7 +73,7 @@ class Cluster:
                  prefill_flags: dict | None = None, decode_flags: dict | None = None, router_flags: dict | None = None,
                  worker_flags_by_name: dict[str, dict] | None = None, **worker_flags) -> None:
         self.model, self.redis_url, self.cluster = model, redis_url, "test-" + uuid.uuid4().hex[:8]
-        common = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, lease_s=2.0, **worker_flags)
+        common = dict(model_dir=model, cluster=self.cluster, redis_url=redis_url, lease_s=2.0) | worker_flags
         by_name = worker_flags_by_name or {}
         specs = [("decode_worker", f"d{i}", decode_flags) for i in range(num_decode)]
         specs += [("prefill_worker", f"p{i}", prefill_flags) for i in range(num_prefill)]
@@ -81,8 +81,8 @@ class Cluster:
                                  ) | (router_flags or {})
         self.workers: list[RoleProcess] = []
         with ThreadPoolExecutor(max_workers=len(specs) + 1) as pool:
-            futures = [pool.submit(spawn_role, module, dict(worker_id=name, **common, **(flags or {}),
-                                                            **by_name.get(name, {})), name)
+            futures = [pool.submit(spawn_role, module, dict(worker_id=name, **common | (flags or {})
+                                                            | by_name.get(name, {})), name)
                        for module, name, flags in specs]
             futures.append(pool.submit(spawn_role, "router", self.router_flags, "router"))
             errors = []

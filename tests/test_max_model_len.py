@@ -45,7 +45,6 @@ def test_greedy_matches_transformers_up_to_the_served_context(served, windowed):
     assert hf.config.sliding_window == WINDOW
     for n in (1, 20, 40, 47):
         ids = random_prompt(n, seed=n)
-        served.assert_pools_free()   # the pool holds one such request: the router must see the last one's blocks back
         done = served.complete(ids, max_tokens=WINDOW - n, temperature=0.0)
         assert done.token_ids == hf_greedy(hf, ids, WINDOW - n), f"prompt of {n} tokens"
     served.assert_pools_free()

@@ -1,0 +1,82 @@
+"""Decode pools as the request streams report them (router/pool_reports.py): the report of the highest
+version wins over the registry's heartbeat and over older reports, and is forgotten once the registry caught
+up or its worker left; through a live cluster whose decode pool holds one request at a time, a request sent
+on the last one's ``final`` finds the blocks free while the registry still shows them taken."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cluster.registry import WorkerInfo
+from pdserve.deploy import client
+from pdserve.model.kv_cache import BlockPool
+from pdserve.router.pool_reports import PoolReports
+from tests.conftest import Cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_newest_report_wins_and_is_forgotten_once_the_registry_caught_up():
+    d0, d1 = WorkerInfo("d0", "decode", "a:1", num_free_blocks=3, pool_version=10), WorkerInfo("d1", "decode", "a:2")
+    reports = PoolReports()
+    workers = reports.report([d0, d1], "d0", 12, 8)
+    assert workers[0].num_free_blocks == 8 and workers[0].pool_version == 12 and workers[1] is d1
+    assert reports.report(workers, "d0", 11, 1) is workers             # older than what is known: ignored
+    assert reports.report(workers, "d0", 0, 1) is workers              # a worker that does not report
+    assert reports.report(workers, "gone", 99, 1) is workers and len(reports) == 1   # not listed
+    stale = reports.apply([d0, d1])                                     # a registry read older than the report
+    assert stale[0].num_free_blocks == 8 and stale[0].pool_version == 12 and len(reports) == 1
+    fresh = WorkerInfo("d0", "decode", "a:1", num_free_blocks=5, pool_version=13)
+    assert reports.apply([fresh, d1]) == [fresh, d1] and len(reports) == 0   # the registry caught up
+    reports.report([d0, d1], "d0", 12, 8)
+    assert reports.apply([d1]) == [d1] and len(reports) == 0            # d0 left the registry
+
+
+def test_the_pool_version_moves_on_every_change_and_starts_above_an_earlier_pools():
+    pool = BlockPool(4)
+    v0, free = pool.snapshot()
+    assert free == 4
+    ids = pool.allocate(3)
+    assert pool.snapshot() == (v0 + 1, 1)
+    pool.allocate(0)                                                    # nothing taken: nothing changed
+    pool.free(ids)
+    assert pool.snapshot() == (v0 + 2, 4)
+    assert BlockPool(4).snapshot()[0] > v0 + 2                          # a restarted worker's pool
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(redis_url, model_dir):
+    """A decode pool of 8 blocks of 16 tokens: one request of a 70-token prompt at a time (5 blocks to start);
+    its heartbeat only every 2 s (``lease_s`` 8), so that the registry alone would show none of a request's
+    blocks taken or freed while the test runs it."""
+    c = Cluster(model_dir, redis_url, decode_flags={"num_blocks": 8, "lease_s": 8.0})
+    yield c
+    c.stop()
+
+
+def test_the_routers_view_follows_each_requests_blocks_between_heartbeats(one_at_a_time):
+    """While a request streams, the router's view of its decode worker shows its blocks taken (the allocation's
+    report); once its ``final`` is out, free again (the end's report), so the next request, sent at once and
+    needing more blocks than the pool has left while the first holds them, is served."""
+    c = one_at_a_time
+    prompt = [5 + i % 40 for i in range(70)]
+
+    def d0(state):
+        (w,) = [w for w in state.workers if w.worker_id == "d0"]
+        return w.num_free_blocks, w.num_total_blocks
+
+    async def go(channel):
+        views = []
+        for _ in range(3):
+            request = client.make_request(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+            async for msg in client.stream(channel, request, timeout_s=60):
+                if len(views) % 2 == 0:             # the request's first message: it holds its blocks
+                    views.append(d0(await client.cluster_state(channel)))
+                if msg.HasField("final"):
+                    views.append(d0(await client.cluster_state(channel)))
+        return views
+
+    views = c.run(go)
+    assert all(free < total for free, total in views[0::2]), views
+    assert all(free == total for free, total in views[1::2]), views
+    c.assert_pools_free()
