@@ -109,6 +109,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="router: admit only requests whose TTFT/TPOT SLOs are predicted to hold")
     p.add_argument("--ttft-slo", type=float, default=1.0, help="router: default TTFT SLO, seconds")
     p.add_argument("--tpot-slo", type=float, default=0.1, help="router: default TPOT SLO, seconds")
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="router: seconds a request that gives no queue_timeout_s waits for a decode worker with free "
+                        "KV blocks (with --admission, to be admitted) before RESOURCE_EXHAUSTED / HTTP 429, as "
+                        "vLLM queues what its KV cache cannot yet hold; default "
+                        f"{RouterConfig.default_queue_timeout_s:g}: refused at once")
     p.add_argument("--stream-idle-timeout", type=float, default=None,
                    help="router: seconds a decode worker may send nothing on any of the router's streams, once a "
                         "request's first token is out, before its requests migrate as from a crashed worker "
@@ -188,6 +193,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
                         "default_tpot_slo_s": args.tpot_slo,
                         **({"stream_idle_timeout_s": args.stream_idle_timeout}
                            if args.stream_idle_timeout is not None else {}),
+                        **({"default_queue_timeout_s": args.queue_timeout} if args.queue_timeout is not None else {}),
                         **{name: str(Path(path).resolve()) for name, path in (
                             ("tls_cert_file", args.tls_cert), ("tls_key_file", args.tls_key),
                             ("token_file", args.token_file)) if path},

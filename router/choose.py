@@ -72,7 +72,9 @@ class ClusterView:
     router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule of
     :mod:`router.stall`). ``on_pool(worker_id, version, num_free_blocks)`` takes a decode worker's KV pool as its
     request streams report it (at the allocation and at the end of each request), fresher than the registry's
-    last heartbeat: the router keeps the report of the highest version (``router.pool_reports``)."""
+    last heartbeat: the router keeps the report of the highest version (``router.pool_reports``);
+    ``pools_changed(timeout_s)`` returns when the view of the pools may have moved (a report, a registry read),
+    or after ``timeout_s``: what a request queued for KV room waits on."""
 
     workers: Callable[[], list[WorkerInfo]]
     inflight: Counter
@@ -85,6 +87,7 @@ class ClusterView:
     eos_token_ids: tuple[int, ...] = ()
     heard: dict[str, float] = field(default_factory=dict)
     on_pool: Callable[[str, int, int], None] = lambda worker_id, version, num_free_blocks: None
+    pools_changed: Callable[[float], Awaitable[None]] = lambda timeout_s: asyncio.sleep(min(timeout_s, 0.05))
 
     def current(self) -> list[WorkerInfo]:
         """The workers to dispatch to now."""
@@ -205,14 +208,32 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     that takes it; workers that failed this request last. Each worker
     asked is counted while it answers; the returned one stays counted until the caller releases it.
     Colocated workers (role ``both``) are asked to prefill the prompt themselves. A migrated request's
-    streamed tokens go along as ``prior_output_token_ids``.
+    streamed tokens go along as ``prior_output_token_ids``. Without ``candidates`` (admission chose none), a
+    request with ``queue_timeout_s`` that finds no room waits up to that long, trying again whenever the view
+    of the pools moves (``view.pools_changed``); it holds no block meanwhile.
 
     Raises:
         GenerateError: UNAVAILABLE (no worker of ``role``, or none answered), RESOURCE_EXHAUSTED
-            (no room), INVALID_ARGUMENT (the worker refused the request, or no worker's pool could ever hold
-            prompt + max_tokens).
+            (no room, past ``queue_timeout_s``), INVALID_ARGUMENT (the worker refused the request, or no
+            worker's pool could ever hold prompt + max_tokens).
         WorkerFailure: a worker to try was unreachable (dead or stuck).
     """
+    deadline = time.monotonic() + (req.queue_timeout_s if candidates is None else 0.0)
+    while True:
+        try:
+            return await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, role, candidates,
+                                           kv_backends, lifetime_tokens)
+        except GenerateError as exc:
+            left = deadline - time.monotonic()
+            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
+                raise
+        await view.pools_changed(left)
+
+
+async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int,
+                            cfg: RouterConfig, progress: Progress, role: str, candidates: list[WorkerInfo] | None,
+                            kv_backends: tuple[str, ...] | None, lifetime_tokens: int) -> DecodeStream:
+    """:func:`open_decode`'s one try (raises as it does, RESOURCE_EXHAUSTED at once when there is no room)."""
     if candidates is None:
         candidates = avoiding(rank_decode(view.current(), view.inflight, num_tokens, role, kv_backends,
                                           lifetime_tokens),

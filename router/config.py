@@ -67,6 +67,10 @@ class RouterConfig:
         admission: admit a request only if its TTFT and TPOT SLOs (and those of the requests
             already admitted) are predicted to hold; reservations live in Redis.
         default_ttft_slo_s / default_tpot_slo_s: SLOs of requests that give none.
+        default_queue_timeout_s: ``queue_timeout_s`` of requests that give none: seconds a request waits for a
+            decode worker with free KV blocks for it (with ``admission``, to be admitted) before it is refused
+            with RESOURCE_EXHAUSTED (HTTP 429), as vLLM's scheduler queues what its KV cache cannot yet hold;
+            0: refused at once. The wait holds no block and ends early when the client leaves.
         spill_queue_s: a prefill worker whose queued work exceeds this many seconds loses
             its cache advantage to the best worker below the bound (hot-prefix guard).
         tls_cert_file / tls_key_file: PEM certificate chain and private key of the public API;
@@ -126,6 +130,7 @@ class RouterConfig:
     admission: bool = False
     default_ttft_slo_s: float = 1.0
     default_tpot_slo_s: float = 0.1
+    default_queue_timeout_s: float = 0.0
     tls_cert_file: str = ""
     tls_key_file: str = ""
     token_file: str = ""
@@ -160,6 +165,7 @@ class RouterConfig:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         check_seconds("registry_grace_s", self.registry_grace_s, zero_ok=True)
+        check_seconds("default_queue_timeout_s", self.default_queue_timeout_s, zero_ok=True)
         for name in ("max_concurrent_streams", "max_tokens_limit", "max_receive_message_bytes",
                      "max_send_message_bytes"):
             if getattr(self, name) < 1:

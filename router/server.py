@@ -87,6 +87,7 @@ class Router:
         self.workers: list[WorkerInfo] = []
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
         self._pools = PoolReports()  # decode pools as request streams report them, between heartbeats
+        self._pool_change = asyncio.Event()  # set (and replaced) at each report and registry read: queued requests
         self._warned_unsigned = False  # the error that signed registry entries need the secret: logged once
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
@@ -161,13 +162,14 @@ class Router:
                     raise GenerateError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
                 # into the operator's ranges before admission and the attainment counters see them
                 req = replace(req, slo=req.slo.clamped(self.cfg.min_slo_s, self.cfg.max_ttft_slo_s,
-                                                       self.cfg.max_tpot_slo_s))
+                                                       self.cfg.max_tpot_slo_s),
+                              queue_timeout_s=req.queue_timeout_s or self.cfg.default_queue_timeout_s)
                 if not self.workers:  # none known yet (e.g. the first request after start): look now
                     await self._refresh_if_stale(max_age_s=0.0)
                 lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
                                    lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
-                                   heard=self._heard, on_pool=self._on_pool)
+                                   heard=self._heard, on_pool=self._on_pool, pools_changed=self._pools_changed)
                 recorder = self.stats.request()
                 async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
                     async for msg in messages:
@@ -228,12 +230,27 @@ class Router:
                       "with the cluster's secret", self.cfg.cluster)
         # Redis restarted empty: keep the workers it does not list yet until they re-register
         self.workers = self._pools.apply(self._registry_memory.merge(self.workers, fresh))
+        self._wake_queued()
         for w in self.workers:
             self._ids_at.setdefault(w.address, set()).add(w.worker_id)
 
     def _on_pool(self, worker_id: str, version: int, num_free_blocks: int) -> None:
         """A decode stream's report of its worker's pool (:mod:`router.pool_reports`), into the view now."""
         self.workers = self._pools.report(self.workers, worker_id, version, num_free_blocks)
+        self._wake_queued()
+
+    def _wake_queued(self) -> None:
+        """Wake the requests queued for KV room (:meth:`_pools_changed`): the view of the pools may have moved."""
+        self._pool_change.set()
+        self._pool_change = asyncio.Event()
+
+    async def _pools_changed(self, timeout_s: float) -> None:
+        """Return at the next stream report or registry read, or after ``timeout_s`` seconds."""
+        change = self._pool_change
+        try:
+            await asyncio.wait_for(change.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     async def _refresh_if_stale(self, max_age_s: float | None = None) -> None:
         """Read the registry unless a read (usually the poller's) started less than ``max_age_s``

@@ -1,15 +1,19 @@
 """Decode pools as the request streams report them (router/pool_reports.py): the report of the highest
 version wins over the registry's heartbeat and over older reports, and is forgotten once the registry caught
 up or its worker left; through a live cluster whose decode pool holds one request at a time, a request sent
-on the last one's ``final`` finds the blocks free while the registry still shows them taken."""
+on the last one's ``final`` finds the blocks free while the registry still shows them taken, and requests sent
+together wait their turn for the blocks (``--queue-timeout``) instead of being refused."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.deploy import client
 from pdserve.model.kv_cache import BlockPool
+from pdserve.router.config import RouterConfig
 from pdserve.router.pool_reports import PoolReports
 from tests.conftest import Cluster
 
@@ -44,12 +48,21 @@ def test_the_pool_version_moves_on_every_change_and_starts_above_an_earlier_pool
     assert BlockPool(4).snapshot()[0] > v0 + 2                          # a restarted worker's pool
 
 
+def test_the_queue_timeout_is_a_finite_non_negative_number_of_seconds(model_dir):
+    assert RouterConfig(model_dir=model_dir).default_queue_timeout_s == 0.0       # refused at once by default
+    assert RouterConfig(model_dir=model_dir, default_queue_timeout_s=0.5).default_queue_timeout_s == 0.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="default_queue_timeout_s"):
+            RouterConfig(model_dir=model_dir, default_queue_timeout_s=bad)
+
+
 @pytest.fixture(scope="module")
 def one_at_a_time(redis_url, model_dir):
     """A decode pool of 8 blocks of 16 tokens: one request of a 70-token prompt at a time (5 blocks to start);
     its heartbeat only every 2 s (``lease_s`` 8), so that the registry alone would show none of a request's
-    blocks taken or freed while the test runs it."""
-    c = Cluster(model_dir, redis_url, decode_flags={"num_blocks": 8, "lease_s": 8.0})
+    blocks taken or freed while the test runs it. The router queues requests for KV room up to 60 s."""
+    c = Cluster(model_dir, redis_url, decode_flags={"num_blocks": 8, "lease_s": 8.0},
+                router_flags={"default_queue_timeout_s": 60.0})
     yield c
     c.stop()
 
@@ -79,4 +92,20 @@ def test_the_routers_view_follows_each_requests_blocks_between_heartbeats(one_at
     views = c.run(go)
     assert all(free < total for free, total in views[0::2]), views
     assert all(free == total for free, total in views[1::2]), views
+    c.assert_pools_free()
+
+
+def test_requests_sent_together_wait_for_the_blocks_instead_of_being_refused(one_at_a_time):
+    """Four requests at once on a pool that holds one: with a queue timeout each waits (holding no block) until
+    the one before it ends, and all four are served, the same greedy answer each."""
+    c = one_at_a_time
+    prompt = [5 + i % 40 for i in range(70)]
+
+    async def burst(channel):
+        request = client.make_request(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+        return await asyncio.gather(*(client.complete(channel, request, timeout_s=60) for _ in range(4)))
+
+    done = c.run(burst)
+    assert [d.final.usage.completion_tokens for d in done] == [24] * 4
+    assert all(d.token_ids == done[0].token_ids for d in done)
     c.assert_pools_free()

@@ -160,10 +160,13 @@ def test_stream_idle_timeout_is_validated_and_has_an_up_flag(monkeypatch, model_
     monkeypatch.setattr(redis_server, "ensure_redis", lambda url: None)
     parser = argparse.ArgumentParser()
     cluster_args.add_cluster_args(parser)
-    cli._start_cluster(parser.parse_args(["--model", model_dir, "--stream-idle-timeout", "4.5"]))
+    cli._start_cluster(parser.parse_args(["--model", model_dir, "--stream-idle-timeout", "4.5",
+                                          "--queue-timeout", "7"]))
     cli._start_cluster(parser.parse_args(["--model", model_dir]))
     assert started[0].router_options["stream_idle_timeout_s"] == 4.5
+    assert started[0].router_options["default_queue_timeout_s"] == 7.0
     assert "stream_idle_timeout_s" not in started[1].router_options  # RouterConfig's default
+    assert "default_queue_timeout_s" not in started[1].router_options
 
 
 def test_keepalive_on_every_channel_and_server(monkeypatch):
