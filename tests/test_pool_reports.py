@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from pdserve.cluster.registry import WorkerInfo
@@ -108,4 +109,27 @@ def test_requests_sent_together_wait_for_the_blocks_instead_of_being_refused(one
     done = c.run(burst)
     assert [d.final.usage.completion_tokens for d in done] == [24] * 4
     assert all(d.token_ids == done[0].token_ids for d in done)
+    c.assert_pools_free()
+
+
+def test_a_requests_own_queue_timeout_bounds_its_wait(one_at_a_time):
+    """While a request holds the pool, one sent with its own ``queue_timeout_s`` of 1 ms (the router's default
+    being 60 s) is refused with RESOURCE_EXHAUSTED once that passes, naming the blocks it waited for; the
+    first is served whole."""
+    c = one_at_a_time
+    holder = client.make_request([5 + i % 40 for i in range(70)], max_tokens=40, temperature=0.0, ignore_eos=True)
+    late = client.make_request([7 + i % 40 for i in range(70)], max_tokens=8, temperature=0.0)
+    late.queue_timeout_s = 0.001
+
+    async def go(channel):
+        stream = client.stream(channel, holder, timeout_s=60)
+        first = await anext(stream)                        # the holder has its blocks: 39 tokens still to come
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.complete(channel, late, timeout_s=60)
+        rest = [msg async for msg in stream]
+        return info.value, [first, *rest]
+
+    error, msgs = c.run(go)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "free KV blocks" in error.details(), error
+    assert msgs[-1].final.usage.completion_tokens == 40
     c.assert_pools_free()
