@@ -1,7 +1,7 @@
 """Choosing one attempt's workers: the router's ``QUEUED`` state (:mod:`cluster.lifecycle`)::
 
     1. choose P (rank_prefill)         P counted in flight (InFlight) from here
-    2. admission (first attempt only)  reservations on P and D in Redis (Reservation)
+    2. admission (first attempt only)  reservations on P and D in Redis (Reservation; router.admit)
     3. open D.Generate                 each D asked counted while it answers; the one that
                                        pre-allocates the blocks stays counted (DecodeStream)
     ──► Chosen, for the streaming (router.generate), which gives each back exactly once:
@@ -28,17 +28,14 @@ from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission
+from pdserve.router.admit import admit, too_long
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, PrefillStats, no_pool_holds, rank_decode, rank_prefill
+from pdserve.router.dispatch import PrefillStats, no_pool_holds, rank_decode, rank_prefill
 from pdserve.router.recovery import GenerateError, Progress, WorkerFailure, avoiding
 from pdserve.router.slo import SloGate
 from pdserve.router.validation import ValidRequest
 
 log = logging.getLogger(__name__)
-
-ADMISSION_UNAVAILABLE = "admission is unavailable (its shared state cannot be reached); retry later"
-"""The client's message when admission fails for want of Redis: no key, URL or script text."""
-
 
 class InFlight:
     """One request counted on one worker in a router's in-flight counts (``counts[worker_id]``),
@@ -71,10 +68,11 @@ class ClusterView:
     ``heard`` maps a decode worker's id to the ``time.monotonic()`` of its last event on any of the
     router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule of
     :mod:`router.stall`). ``on_pool(worker_id, version, num_free_blocks)`` takes a decode worker's KV pool as its
-    request streams report it (at the allocation and at the end of each request), fresher than the registry's
-    last heartbeat: the router keeps the report of the highest version (``router.pool_reports``);
-    ``pools_changed(timeout_s)`` returns when the view of the pools may have moved (a report, a registry read),
-    or after ``timeout_s``: what a request queued for KV room waits on."""
+    request streams report it (at the allocation and at a request's normal end; errors and aborts wait for the
+    heartbeat), fresher than the registry's last heartbeat: the router keeps the report of the highest version
+    (``router.pool_reports``). ``pool_epoch()`` counts the moves of that view (reports, registry reads), and
+    ``pools_changed(since, timeout_s)`` returns once it has moved past ``since``, or after ``timeout_s``: what a
+    request queued for KV room waits on, reading the epoch before each try so that no move is missed."""
 
     workers: Callable[[], list[WorkerInfo]]
     inflight: Counter
@@ -87,7 +85,9 @@ class ClusterView:
     eos_token_ids: tuple[int, ...] = ()
     heard: dict[str, float] = field(default_factory=dict)
     on_pool: Callable[[str, int, int], None] = lambda worker_id, version, num_free_blocks: None
-    pools_changed: Callable[[float], Awaitable[None]] = lambda timeout_s: asyncio.sleep(min(timeout_s, 0.05))
+    pool_epoch: Callable[[], int] = lambda: 0
+    pools_changed: Callable[[int, float], Awaitable[None]] = \
+        lambda since, timeout_s: asyncio.sleep(min(timeout_s, 0.05))
 
     def current(self) -> list[WorkerInfo]:
         """The workers to dispatch to now."""
@@ -185,13 +185,24 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     gate = view.gate if progress.num_attempts == 1 else None  # admission counts a request once, at its first dispatch
     prefill_count = view.counting(prefill.worker_id)  # from the moment it is chosen, so concurrent arrivals spread out
     reservation = candidates = None
+    deadline = time.monotonic() + req.queue_timeout_s
     try:
-        if gate is not None:
-            candidates = [await _admit(view, req, attempt_id, prefill, work, num_tokens, lifetime)]
-            reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
-        decode = await open_decode(view, req, attempt_id, num_tokens, cfg, progress, candidates=candidates,
-                                   lifetime_tokens=lifetime,
-                                   kv_backends=prefill.kv_backends)
+        while True:
+            since = view.pool_epoch()
+            if gate is not None:  # admitted on a view that lagged the worker: it may refuse for blocks
+                left = replace(req, queue_timeout_s=max(0.0, deadline - time.monotonic()))
+                candidates = [await admit(view, left, attempt_id, prefill, work, num_tokens, lifetime)]
+                reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
+            try:
+                decode = await open_decode(view, req, attempt_id, num_tokens, cfg, progress, candidates=candidates,
+                                           lifetime_tokens=lifetime, kv_backends=prefill.kv_backends)
+                break
+            except GenerateError as exc:   # admission's worker had no room after all: wait and ask again
+                if gate is None or exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
+                    raise
+            await reservation.release()
+            reservation = None
+            await view.pools_changed(since, deadline - time.monotonic())
     except BaseException:
         prefill_count.release()
         if reservation is not None:
@@ -208,9 +219,10 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     that takes it; workers that failed this request last. Each worker
     asked is counted while it answers; the returned one stays counted until the caller releases it.
     Colocated workers (role ``both``) are asked to prefill the prompt themselves. A migrated request's
-    streamed tokens go along as ``prior_output_token_ids``. Without ``candidates`` (admission chose none), a
+    streamed tokens go along as ``prior_output_token_ids``. Without ``candidates`` (admission off, or a retry), a
     request with ``queue_timeout_s`` that finds no room waits up to that long, trying again whenever the view
-    of the pools moves (``view.pools_changed``); it holds no block meanwhile.
+    of the pools moves (``view.pools_changed``); it holds no block meanwhile (its stream slot and its prefill
+    worker's in-flight count it keeps).
 
     Raises:
         GenerateError: UNAVAILABLE (no worker of ``role``, or none answered), RESOURCE_EXHAUSTED
@@ -220,6 +232,7 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     """
     deadline = time.monotonic() + (req.queue_timeout_s if candidates is None else 0.0)
     while True:
+        since = view.pool_epoch()
         try:
             return await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, role, candidates,
                                            kv_backends, lifetime_tokens)
@@ -227,7 +240,7 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
             left = deadline - time.monotonic()
             if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
                 raise
-        await view.pools_changed(left)
+        await view.pools_changed(since, left)
 
 
 async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int,
@@ -242,7 +255,7 @@ async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: st
         if not any(w.role == role for w in view.current()):
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no decode worker is available{progress.history()}")
         if no_pool_holds(view.current(), role, lifetime_tokens):   # not worth a retry
-            raise _too_long(lifetime_tokens)
+            raise too_long(lifetime_tokens)
         raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
     last_error, unreachable = "", set()
@@ -325,60 +338,3 @@ async def _allocate(view: ClusterView, worker: WorkerInfo, req: ValidRequest, at
         call.cancel()
         raise _Refused("no allocation", unreachable=False)
     return call, first.allocated
-
-
-async def _admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo, work_blocks: int,
-                 num_tokens: int, lifetime_tokens: int) -> WorkerInfo:
-    """SLO admission: the decode worker whose reservation was taken, waiting up to the request's
-    ``queue_timeout_s`` for room.
-
-    Raises:
-        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint; INVALID_ARGUMENT when no
-            decode worker's pool could ever hold prompt + max_tokens; UNAVAILABLE when Redis
-            fails (:data:`ADMISSION_UNAVAILABLE`) or admission cannot evaluate the request: nothing stays
-            reserved (``Admission.try_admit`` deletes what a failed script wrote).
-    """
-    try:
-        return await _admit_waiting(view, req, attempt_id, prefill, work_blocks, num_tokens, lifetime_tokens)
-    except RedisError as exc:
-        log.warning("admission of %s failed: %s", attempt_id, type(exc).__name__)
-        raise GenerateError(grpc.StatusCode.UNAVAILABLE, ADMISSION_UNAVAILABLE) from None
-    except ValueError:  # the router's own arguments (SLOs are clamped, step models non-negative): a bug
-        log.exception("admission of %s could not evaluate the request", attempt_id)
-        raise GenerateError(grpc.StatusCode.UNAVAILABLE,
-                            "admission could not evaluate the request (see the router's log); retry later") from None
-
-
-def _too_long(lifetime_tokens: int) -> GenerateError:
-    """INVALID_ARGUMENT for a request no decode worker's KV pool could ever hold."""
-    return GenerateError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt + max_tokens ({lifetime_tokens + 1} tokens) "
-                         "is more than any decode worker's KV pool holds; lower max_tokens")
-
-
-async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo,
-                         work_blocks: int, num_tokens: int, lifetime_tokens: int) -> WorkerInfo:
-    """:func:`_admit` without the error mapping (raises ``redis.RedisError`` and ``ValueError`` as they come)."""
-    stats = view.stats.get(prefill.worker_id)
-    prefill_s = work_blocks * (stats.seconds_per_block if stats and stats.seconds_per_block
-                               else DEFAULT_SECONDS_PER_BLOCK)
-    decode_ttl_s = req.slo.ttft_s + 2 * req.sampling.max_tokens * req.slo.tpot_s + 5
-    deadline = time.monotonic() + req.queue_timeout_s
-    if no_pool_holds(view.current(), "decode", lifetime_tokens):   # waiting cannot help
-        raise _too_long(lifetime_tokens)
-    while True:
-        decodes = rank_decode(view.current(), view.inflight, num_tokens, kv_backends=prefill.kv_backends,
-                              lifetime_tokens=lifetime_tokens)
-        chosen, decision = await view.gate.admit(attempt_id, prefill.worker_id, prefill_s, decodes,
-                                                 len(req.prompt_ids) + req.sampling.max_tokens // 2, req.slo,
-                                                 decode_ttl_s)
-        if chosen is not None:
-            return chosen
-        if decision is None:
-            raise GenerateError(grpc.StatusCode.UNAVAILABLE, "no decode worker is available")
-        wait = decision.retry_after_s
-        if wait is None or time.monotonic() + wait > deadline:
-            hint = "retrying cannot help" if wait is None else f"retry after {wait:.3f} s"
-            raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"not admitted: {decision.reason} (predicted TTFT {decision.predicted_ttft_s:.3f} s,"
-                                f" TPOT {decision.predicted_tpot_s:.4f} s); {hint}")
-        await asyncio.sleep(wait)

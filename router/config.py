@@ -70,7 +70,7 @@ class RouterConfig:
         default_queue_timeout_s: ``queue_timeout_s`` of requests that give none: seconds a request waits for a
             decode worker with free KV blocks for it (with ``admission``, to be admitted) before it is refused
             with RESOURCE_EXHAUSTED (HTTP 429), as vLLM's scheduler queues what its KV cache cannot yet hold;
-            0: refused at once. The wait holds no block and ends early when the client leaves.
+            0: refused at once. The wait holds no block (it holds its stream slot) and ends when the client leaves.
         spill_queue_s: a prefill worker whose queued work exceeds this many seconds loses
             its cache advantage to the best worker below the bound (hot-prefix guard).
         tls_cert_file / tls_key_file: PEM certificate chain and private key of the public API;

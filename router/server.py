@@ -88,6 +88,7 @@ class Router:
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
         self._pools = PoolReports()  # decode pools as request streams report them, between heartbeats
         self._pool_change = asyncio.Event()  # set (and replaced) at each report and registry read: queued requests
+        self._pool_epoch = 0                 # counts those changes (ClusterView.pool_epoch)
         self._warned_unsigned = False  # the error that signed registry entries need the secret: logged once
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
@@ -169,7 +170,8 @@ class Router:
                 lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
                                    lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
-                                   heard=self._heard, on_pool=self._on_pool, pools_changed=self._pools_changed)
+                                   heard=self._heard, on_pool=self._on_pool, pool_epoch=lambda: self._pool_epoch,
+                                   pools_changed=self._pools_changed)
                 recorder = self.stats.request()
                 async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
                     async for msg in messages:
@@ -241,14 +243,17 @@ class Router:
 
     def _wake_queued(self) -> None:
         """Wake the requests queued for KV room (:meth:`_pools_changed`): the view of the pools may have moved."""
+        self._pool_epoch += 1
         self._pool_change.set()
         self._pool_change = asyncio.Event()
 
-    async def _pools_changed(self, timeout_s: float) -> None:
-        """Return at the next stream report or registry read, or after ``timeout_s`` seconds."""
-        change = self._pool_change
+    async def _pools_changed(self, since: int, timeout_s: float) -> None:
+        """Return once the view of the pools moved past epoch ``since`` (at once if it already has: a change
+        while the caller was trying counts), or after ``timeout_s`` seconds."""
+        if self._pool_epoch != since:
+            return
         try:
-            await asyncio.wait_for(change.wait(), timeout_s)
+            await asyncio.wait_for(self._pool_change.wait(), timeout_s)
         except asyncio.TimeoutError:
             pass
 

@@ -25,7 +25,8 @@ from pdserve.deploy import client
 from pdserve.deploy.ray_cluster import delete_cluster_keys
 from pdserve.proto import pdserve_pb2
 from pdserve.router.admission import MAX_DECODE_TTL_S, Admission, TpotParams
-from pdserve.router.choose import ADMISSION_UNAVAILABLE, Reservation
+from pdserve.router.admit import ADMISSION_UNAVAILABLE
+from pdserve.router.choose import Reservation
 from pdserve.router.config import RouterConfig
 from pdserve.router.slo import Slo
 from tests.conftest import Cluster

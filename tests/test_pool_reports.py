@@ -13,6 +13,7 @@ import pytest
 
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.deploy import client
+from pdserve.deploy.processes import spawn_role
 from pdserve.model.kv_cache import BlockPool
 from pdserve.router.config import RouterConfig
 from pdserve.router.pool_reports import PoolReports
@@ -35,6 +36,21 @@ def test_the_newest_report_wins_and_is_forgotten_once_the_registry_caught_up():
     assert reports.apply([fresh, d1]) == [fresh, d1] and len(reports) == 0   # the registry caught up
     reports.report([d0, d1], "d0", 12, 8)
     assert reports.apply([d1]) == [d1] and len(reports) == 0            # d0 left the registry
+
+
+def test_a_report_older_than_its_workers_lease_is_dropped():
+    """A report bridges the gap to the worker's next heartbeat: kept past the worker's lease (here 2 s) it is
+    dropped, so a report of a worker's earlier incarnation with a higher version rules the view a lease at most."""
+    now = [100.0]
+    reports = PoolReports(clock=lambda: now[0])
+    d0 = WorkerInfo("d0", "decode", "a:1", num_free_blocks=3, pool_version=10, lease_s=2.0)
+    assert reports.report([d0], "d0", 50, 0)[0].num_free_blocks == 0
+    now[0] += 1.9
+    assert reports.apply([d0])[0].num_free_blocks == 0 and len(reports) == 1   # within the lease: kept
+    assert reports.report([d0], "d0", 11, 7) == [d0]                            # older than the kept report
+    now[0] += 0.2
+    assert reports.apply([d0]) == [d0] and len(reports) == 0                    # past it: the registry's
+    assert reports.report([d0], "d0", 11, 7)[0].num_free_blocks == 7            # and newer reports count again
 
 
 def test_the_pool_version_moves_on_every_change_and_starts_above_an_earlier_pools():
@@ -132,4 +148,27 @@ def test_a_requests_own_queue_timeout_bounds_its_wait(one_at_a_time):
     error, msgs = c.run(go)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "free KV blocks" in error.details(), error
     assert msgs[-1].final.usage.completion_tokens == 40
+    c.assert_pools_free()
+
+
+def test_with_admission_requests_wait_for_the_blocks_too(one_at_a_time):
+    """A second router on the same workers with SLO admission and a queue timeout: requests sent together
+    wait for the one pool's blocks (before, one that found no room was refused UNAVAILABLE, "no decode worker
+    is available", whatever its queue timeout) and are all served."""
+    c = one_at_a_time
+    router = spawn_role("router", dict(model_dir=c.model, cluster=c.cluster, redis_url=c.redis_url,
+                                       admission=True, default_queue_timeout_s=60.0, kv_timeout_s=10.0),
+                        "router-admission")
+    prompt = [5 + i % 40 for i in range(70)]
+
+    async def burst():
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            request = client.make_request(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+            return await asyncio.gather(*(client.complete(channel, request, timeout_s=60) for _ in range(3)))
+
+    try:
+        done = asyncio.run(burst())
+    finally:
+        router.stop()
+    assert [d.final.usage.completion_tokens for d in done] == [24] * 3
     c.assert_pools_free()
