@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 from redis.exceptions import RedisError
@@ -15,9 +14,7 @@ from pdserve.cluster.registry import WorkerInfo
 from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, no_pool_holds, rank_decode
 from pdserve.router.recovery import GenerateError
 from pdserve.router.validation import ValidRequest
-
-if TYPE_CHECKING:
-    from pdserve.router.choose import ClusterView
+from pdserve.router.view import ClusterView
 
 log = logging.getLogger(__name__)
 

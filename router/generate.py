@@ -33,7 +33,7 @@ from pdserve.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import FINISH_REASONS
 from pdserve.router.admission import Admission
-from pdserve.router.choose import Chosen, ClusterView, attempt_sampling, choose_workers, open_decode
+from pdserve.router.choose import Chosen, attempt_sampling, choose_workers, open_decode
 from pdserve.router.config import RouterConfig
 from pdserve.router.logprobs import logprobs_of, name_tokens, prompt_logprobs_of
 from pdserve.router.prefill_answer import prefill_or_decode_end
@@ -42,6 +42,7 @@ from pdserve.router.request import RequestTimes
 from pdserve.router.stall import StallWatch, decode_events
 from pdserve.router.stop_strings import StopMatcher
 from pdserve.router.validation import ValidRequest
+from pdserve.router.view import ClusterView
 
 log = logging.getLogger(__name__)
 

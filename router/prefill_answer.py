@@ -11,9 +11,10 @@ import asyncio
 import grpc
 
 from pdserve.proto import worker_pb2
-from pdserve.router.choose import Chosen, ClusterView
+from pdserve.router.choose import Chosen
 from pdserve.router.dispatch import PrefillStats
 from pdserve.router.recovery import WorkerFailure, rpc_failure
+from pdserve.router.view import ClusterView
 
 
 async def prefill_or_decode_end(view: ClusterView, chosen: Chosen, prefill_call: grpc.aio.UnaryUnaryCall,

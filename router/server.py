@@ -46,7 +46,6 @@ from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.router.admission import Admission
-from pdserve.router.choose import ClusterView
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import PrefillStats
 from pdserve.router.generate import run_generate
@@ -58,6 +57,7 @@ from pdserve.router.recovery import GenerateError, RegistryMemory
 from pdserve.router.request import RequestTimes
 from pdserve.router.slo import Slo, SloGate
 from pdserve.router.validation import parse_request, validate
+from pdserve.router.view import ClusterView
 
 log = logging.getLogger(__name__)
 

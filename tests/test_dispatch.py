@@ -105,10 +105,11 @@ def test_a_prompt_logprobs_attempt_is_credited_no_cached_prefix():
     """Its prefill worker runs the whole prompt past its cache, so no worker's cache counts in its ranking or
     work estimate, until tokens have been streamed (a migrated attempt's prefill uses the cache again)."""
     from pdserve.model.sampling import SamplingParams
-    from pdserve.router.choose import ClusterView, credited_cache
+    from pdserve.router.choose import credited_cache
     from pdserve.router.recovery import Progress
     from pdserve.router.slo import Slo
     from pdserve.router.validation import ValidRequest
+    from pdserve.router.view import ClusterView
 
     ws = [P("hot", queued_tokens=16 * 30), P("cold")]
     view = ClusterView(workers=lambda: ws, inflight=Counter(), channel=lambda address: None,

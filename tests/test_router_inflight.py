@@ -13,13 +13,14 @@ import pytest
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.model.sampling import SamplingParams
 from pdserve.proto import pdserve_pb2, worker_pb2
-from pdserve.router.choose import ClusterView, open_decode
+from pdserve.router.choose import open_decode
 from pdserve.router.config import RouterConfig
 from pdserve.router.generate import run_generate
 from pdserve.router.recovery import GenerateError, Progress
 from pdserve.router.request import RequestTimes
 from pdserve.router.slo import Slo
 from pdserve.router.validation import ValidRequest
+from pdserve.router.view import ClusterView
 
 BLOCK = 4
 

@@ -24,10 +24,10 @@ from pdserve.cluster.service import KEEPALIVE_CHANNEL_OPTIONS, KEEPALIVE_SERVER_
 from pdserve.deploy import client
 from pdserve.proto import worker_pb2
 from pdserve.router import generate
-from pdserve.router.choose import ClusterView
 from pdserve.router.config import RouterConfig
 from pdserve.router.recovery import WorkerFailure
 from pdserve.router.stall import StallWatch, decode_events
+from pdserve.router.view import ClusterView
 
 T = 0.3  # stream_idle_timeout_s of these tests
 
