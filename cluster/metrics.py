@@ -115,9 +115,13 @@ def _process_metrics(registry: CollectorRegistry) -> None:
           registry=registry).set_function(gc.get_freeze_count)
 
 
-def router_metrics(registry: CollectorRegistry) -> RouterMetrics:
-    """Build the router's metrics on ``registry`` (every label value exported from the start, at 0)."""
+def router_metrics(registry: CollectorRegistry, waiting_for_kv: Callable[[], int] = lambda: 0) -> RouterMetrics:
+    """Build the router's metrics on ``registry`` (every label value exported from the start, at 0);
+    ``waiting_for_kv()`` is read at scrape time: the requests in the router's line for KV room
+    (:mod:`router.room_queue`)."""
     _process_metrics(registry)
+    Gauge(PREFIX + "router_requests_waiting_for_kv", "Requests waiting in the router's line for KV room on the "
+          "decode workers (--queue-timeout)", registry=registry).set_function(waiting_for_kv)
     m = RouterMetrics(
         ttft=_histogram("time_to_first_token_seconds", "Arrival to first token sent, at the router",
                         registry, TTFT_BUCKETS),

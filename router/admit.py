@@ -1,5 +1,6 @@
 """SLO admission of one attempt (the router's ``QUEUED`` state with ``--admission``): the decode worker whose
-reservation was taken in Redis, waiting up to the request's ``queue_timeout_s`` for room and for admission."""
+reservation was taken in Redis, waiting up to the request's ``queue_timeout_s`` for admission (the wait for KV
+room is the router's line, :mod:`router.room_queue`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from redis.exceptions import RedisError
 
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.router.dispatch import DEFAULT_SECONDS_PER_BLOCK, no_pool_holds, rank_decode
-from pdserve.router.recovery import GenerateError
+from pdserve.router.recovery import GenerateError, NoRoom
 from pdserve.router.validation import ValidRequest
 from pdserve.router.view import ClusterView
 
@@ -25,11 +26,12 @@ ADMISSION_UNAVAILABLE = "admission is unavailable (its shared state cannot be re
 async def admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: WorkerInfo, work_blocks: int,
                  num_tokens: int, lifetime_tokens: int) -> WorkerInfo:
     """SLO admission: the decode worker whose reservation was taken, waiting up to the request's
-    ``queue_timeout_s`` for room.
+    ``queue_timeout_s`` while admission asks it to retry later.
 
     Raises:
-        GenerateError: RESOURCE_EXHAUSTED with the reason and a retry-after hint; INVALID_ARGUMENT when no
-            decode worker's pool could ever hold prompt + max_tokens; UNAVAILABLE when Redis
+        NoRoom: no decode worker that could hold the request has room for it now.
+        GenerateError: RESOURCE_EXHAUSTED (not admitted) with the reason and a retry-after hint; INVALID_ARGUMENT
+            when no decode worker's pool could ever hold prompt + max_tokens; UNAVAILABLE when Redis
             fails (:data:`ADMISSION_UNAVAILABLE`) or admission cannot evaluate the request: nothing stays
             reserved (``Admission.try_admit`` deletes what a failed script wrote).
     """
@@ -42,6 +44,11 @@ async def admit(view: ClusterView, req: ValidRequest, attempt_id: str, prefill: 
         log.exception("admission of %s could not evaluate the request", attempt_id)
         raise GenerateError(grpc.StatusCode.UNAVAILABLE,
                             "admission could not evaluate the request (see the router's log); retry later") from None
+
+
+def no_room_message(num_tokens: int) -> str:
+    """The client's message when no decode worker has room for ``num_tokens`` positions now."""
+    return f"no decode worker has free KV blocks for {num_tokens} tokens; retry later"
 
 
 def too_long(lifetime_tokens: int) -> GenerateError:
@@ -61,18 +68,12 @@ async def _admit_waiting(view: ClusterView, req: ValidRequest, attempt_id: str, 
     if no_pool_holds(view.current(), "decode", lifetime_tokens):   # waiting cannot help
         raise too_long(lifetime_tokens)
     while True:
-        since = view.pool_epoch()
         decodes = rank_decode(view.current(), view.inflight, num_tokens, kv_backends=prefill.kv_backends,
                               lifetime_tokens=lifetime_tokens)
         if not decodes and rank_decode(view.current(), view.inflight, 0, kv_backends=prefill.kv_backends,
                                        lifetime_tokens=lifetime_tokens):
-            # no room now on decode workers that could hold the request: wait for it, as open_decode does
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
-            await view.pools_changed(since, left)
-            continue
+            # no room now on decode workers that could hold the request: the caller's line waits for it
+            raise NoRoom(no_room_message(num_tokens))
         chosen, decision = await view.gate.admit(attempt_id, prefill.worker_id, prefill_s, decodes,
                                                  len(req.prompt_ids) + req.sampling.max_tokens // 2, req.slo,
                                                  decode_ttl_s)

@@ -27,10 +27,10 @@ from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission
-from pdserve.router.admit import admit, too_long
+from pdserve.router.admit import admit, no_room_message, too_long
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import no_pool_holds, rank_decode, rank_prefill
-from pdserve.router.recovery import GenerateError, Progress, WorkerFailure, avoiding
+from pdserve.router.recovery import GenerateError, NoRoom, Progress, WorkerFailure, avoiding
 from pdserve.router.validation import ValidRequest
 from pdserve.router.view import ClusterView, InFlight
 
@@ -122,69 +122,65 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     work = -(-len(context) // block_size) - min(cached.get(prefill.worker_id, 0), prompt_blocks)  # to compute
     gate = view.gate if progress.num_attempts == 1 else None  # admission counts a request once, at its first dispatch
     prefill_count = view.counting(prefill.worker_id)  # from the moment it is chosen, so concurrent arrivals spread out
-    reservation = candidates = None
     deadline = time.monotonic() + req.queue_timeout_s
+
+    async def attempt() -> tuple[DecodeStream, Reservation | None]:
+        candidates = reservation = None
+        if gate is not None:   # admitted on a view that lagged the worker, D may refuse for blocks: the line asks again
+            left = replace(req, queue_timeout_s=max(0.0, deadline - time.monotonic()))
+            candidates = [await admit(view, left, attempt_id, prefill, work, num_tokens, lifetime)]
+            reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
+        try:
+            return await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, "decode", candidates,
+                                           prefill.kv_backends, lifetime), reservation
+        except BaseException:
+            if reservation is not None:
+                await reservation.release()
+            raise
+
     try:
-        while True:
-            since = view.pool_epoch()
-            if gate is not None:  # admitted on a view that lagged the worker: it may refuse for blocks
-                left = replace(req, queue_timeout_s=max(0.0, deadline - time.monotonic()))
-                candidates = [await admit(view, left, attempt_id, prefill, work, num_tokens, lifetime)]
-                reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
-            try:
-                decode = await open_decode(view, req, attempt_id, num_tokens, cfg, progress, candidates=candidates,
-                                           lifetime_tokens=lifetime, kv_backends=prefill.kv_backends)
-                break
-            except GenerateError as exc:   # admission's worker had no room after all: wait and ask again
-                if gate is None or exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() >= deadline:
-                    raise
-            await reservation.release()
-            reservation = None
-            await view.pools_changed(since, deadline - time.monotonic())
+        decode, reservation = await view.room.serve(attempt, _no_room, deadline)
     except BaseException:
         prefill_count.release()
-        if reservation is not None:
-            await reservation.release()
         raise
     return Chosen(prefill, prefill_count, decode, reservation, context, block_size, work)
 
 
 async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int, cfg: RouterConfig,
-                      progress: Progress, role: str = "decode", candidates: list[WorkerInfo] | None = None,
-                      kv_backends: tuple[str, ...] | None = None, lifetime_tokens: int = 0) -> DecodeStream:
+                      progress: Progress, role: str = "decode", kv_backends: tuple[str, ...] | None = None,
+                      lifetime_tokens: int = 0, candidates: list[WorkerInfo] | None = None) -> DecodeStream:
     """Open a decode stream on the best worker of ``role`` that has room for ``num_tokens`` positions now
-    and a pool for ``lifetime_tokens`` (:func:`~router.dispatch.rank_decode`), or the first of ``candidates``
-    that takes it; workers that failed this request last. Each worker
-    asked is counted while it answers; the returned one stays counted until the caller releases it.
-    Colocated workers (role ``both``) are asked to prefill the prompt themselves. A migrated request's
-    streamed tokens go along as ``prior_output_token_ids``. Without ``candidates`` (admission off, or a retry), a
-    request with ``queue_timeout_s`` that finds no room waits up to that long, trying again whenever the view
-    of the pools moves (``view.pools_changed``); it holds no block meanwhile (its stream slot and its prefill
-    worker's in-flight count it keeps).
+    and a pool for ``lifetime_tokens`` (:func:`~router.dispatch.rank_decode`), workers that failed this request
+    last, or on ``candidates`` in their order where given. Each worker asked is counted while it answers; the
+    returned one stays counted until the caller releases it. Colocated workers (role ``both``) are asked to
+    prefill the prompt themselves. A migrated request's streamed tokens go along as
+    ``prior_output_token_ids``. A request with ``queue_timeout_s`` that finds no room waits up to that long in
+    the router's line (:mod:`router.room_queue`: first come, first served, trying again whenever the view of
+    the pools moves); it holds no block meanwhile (its stream slot and its prefill worker's in-flight count it
+    keeps).
 
     Raises:
-        GenerateError: UNAVAILABLE (no worker of ``role``, or none answered), RESOURCE_EXHAUSTED
-            (no room, past ``queue_timeout_s``), INVALID_ARGUMENT (the worker refused the request, or no
-            worker's pool could ever hold prompt + max_tokens).
+        NoRoom: no room within ``queue_timeout_s`` (RESOURCE_EXHAUSTED).
+        GenerateError: UNAVAILABLE (no worker of ``role``, or none answered), INVALID_ARGUMENT (the worker refused
+            the request, or no worker's pool could ever hold prompt + max_tokens).
         WorkerFailure: a worker to try was unreachable (dead or stuck).
     """
-    deadline = time.monotonic() + (req.queue_timeout_s if candidates is None else 0.0)
-    while True:
-        since = view.pool_epoch()
-        try:
-            return await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, role, candidates,
-                                           kv_backends, lifetime_tokens)
-        except GenerateError as exc:
-            left = deadline - time.monotonic()
-            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
-                raise
-        await view.pools_changed(since, left)
+    return await view.room.serve(
+        lambda: _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, role, candidates, kv_backends,
+                                  lifetime_tokens),
+        _no_room, time.monotonic() + req.queue_timeout_s)
+
+
+def _no_room(exc: BaseException) -> bool:
+    """Whether a try failed for want of KV room only (the line tries again)."""
+    return isinstance(exc, NoRoom)
 
 
 async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int,
                             cfg: RouterConfig, progress: Progress, role: str, candidates: list[WorkerInfo] | None,
                             kv_backends: tuple[str, ...] | None, lifetime_tokens: int) -> DecodeStream:
-    """:func:`open_decode`'s one try (raises as it does, RESOURCE_EXHAUSTED at once when there is no room)."""
+    """:func:`open_decode`'s one try on the ranked workers, or on ``candidates`` (admission's) where given; raises as
+    it does, :class:`~router.recovery.NoRoom` at once when there is no room."""
     if candidates is None:
         candidates = avoiding(rank_decode(view.current(), view.inflight, num_tokens, role, kv_backends,
                                           lifetime_tokens),
@@ -194,8 +190,7 @@ async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: st
             raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no decode worker is available{progress.history()}")
         if no_pool_holds(view.current(), role, lifetime_tokens):   # not worth a retry
             raise too_long(lifetime_tokens)
-        raise GenerateError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"no decode worker has free KV blocks for {num_tokens} tokens; retry later")
+        raise NoRoom(no_room_message(num_tokens))
     last_error, unreachable = "", set()
     for worker in candidates:
         count = view.counting(worker.worker_id)  # counted while it answers, so concurrent arrivals spread out
@@ -213,8 +208,10 @@ async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: st
         return DecodeStream(worker, call, allocated, count)
     if unreachable:  # e.g. the one worker admission reserved died: retry the dispatch without it
         raise WorkerFailure(unreachable, f"no decode worker could take the request (last: {last_error})")
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED if "blocks" in last_error else grpc.StatusCode.UNAVAILABLE
-    raise GenerateError(code, f"no decode worker could take the request (last: {last_error}){progress.history()}")
+    message = f"no decode worker could take the request (last: {last_error}){progress.history()}"
+    if "blocks" in last_error:
+        raise NoRoom(message)
+    raise GenerateError(grpc.StatusCode.UNAVAILABLE, message)
 
 
 def credited_cache(view: ClusterView, req: ValidRequest, progress: Progress, context: list[int],

@@ -55,6 +55,14 @@ class GenerateError(Exception):
         self.code, self.message = code, message
 
 
+class NoRoom(GenerateError):
+    """RESOURCE_EXHAUSTED for want of KV room on the decode workers now: what a request with a
+    ``queue_timeout_s`` waits out in the router's line (:mod:`router.room_queue`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+
 class WorkerFailure(Exception):
     """One attempt failed because of a worker (died, cut the stream, failed the transfer).
 

@@ -55,6 +55,7 @@ from pdserve.router.limits import StreamLimitExceeded, StreamSlots
 from pdserve.router.pool_reports import PoolReports
 from pdserve.router.recovery import GenerateError, RegistryMemory
 from pdserve.router.request import RequestTimes
+from pdserve.router.room_queue import RoomQueue
 from pdserve.router.slo import Slo, SloGate
 from pdserve.router.validation import parse_request, validate
 from pdserve.router.view import ClusterView
@@ -87,8 +88,7 @@ class Router:
         self.workers: list[WorkerInfo] = []
         self._registry_memory = RegistryMemory(cfg.registry_grace_s)
         self._pools = PoolReports()  # decode pools as request streams report them, between heartbeats
-        self._pool_change = asyncio.Event()  # set (and replaced) at each report and registry read: queued requests
-        self._pool_epoch = 0                 # counts those changes (ClusterView.pool_epoch)
+        self.room = RoomQueue()  # requests waiting for KV room, told of each report and registry read
         self._warned_unsigned = False  # the error that signed registry entries need the secret: logged once
         self.inflight: Counter = Counter()
         self.prefill_stats: dict[str, PrefillStats] = {}
@@ -101,7 +101,7 @@ class Router:
         self._worker_auth = bearer_interceptors(worker_rpc_token(secret)) if secret is not None else None
         self.address = ""
         self.metrics = CollectorRegistry()  # the router's Prometheus metrics (GET /metrics of the HTTP API)
-        self.stats = router_metrics(self.metrics)  # cluster.metrics: recorded in generate()
+        self.stats = router_metrics(self.metrics, lambda: len(self.room))  # cluster.metrics: recorded in generate()
         # the OpenAI-compatible HTTP API (router/http/), on the internal path `generate` as gRPC's Generate
         self.http = HttpFrontEnd(self, secret) if cfg.http_port is not None else None
         self.http_address = ""
@@ -170,8 +170,7 @@ class Router:
                 lookup = self.kv.cached_blocks if self.cfg.prefix_routing else (lambda ids, block_size: {})
                 view = ClusterView(lambda: self.workers, self.inflight, self._channel, self.prefill_stats,
                                    lookup, self.kv.on_routed, self.gate, self.outcomes, self.model_cfg.eos_token_ids,
-                                   heard=self._heard, on_pool=self._on_pool, pool_epoch=lambda: self._pool_epoch,
-                                   pools_changed=self._pools_changed)
+                                   heard=self._heard, on_pool=self._on_pool, room=self.room)
                 recorder = self.stats.request()
                 async with aclosing(run_generate(view, req, self.tokenizer, self.cfg, times, deadline)) as messages:
                     async for msg in messages:
@@ -232,30 +231,16 @@ class Router:
                       "with the cluster's secret", self.cfg.cluster)
         # Redis restarted empty: keep the workers it does not list yet until they re-register
         self.workers = self._pools.apply(self._registry_memory.merge(self.workers, fresh))
-        self._wake_queued()
+        self.room.changed()
         for w in self.workers:
             self._ids_at.setdefault(w.address, set()).add(w.worker_id)
 
     def _on_pool(self, worker_id: str, version: int, num_free_blocks: int) -> None:
-        """A decode stream's report of its worker's pool (:mod:`router.pool_reports`), into the view now."""
-        self.workers = self._pools.report(self.workers, worker_id, version, num_free_blocks)
-        self._wake_queued()
-
-    def _wake_queued(self) -> None:
-        """Wake the requests queued for KV room (:meth:`_pools_changed`): the view of the pools may have moved."""
-        self._pool_epoch += 1
-        self._pool_change.set()
-        self._pool_change = asyncio.Event()
-
-    async def _pools_changed(self, since: int, timeout_s: float) -> None:
-        """Return once the view of the pools moved past epoch ``since`` (at once if it already has: a change
-        while the caller was trying counts), or after ``timeout_s`` seconds."""
-        if self._pool_epoch != since:
-            return
-        try:
-            await asyncio.wait_for(self._pool_change.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            pass
+        """A decode stream's report of its worker's pool (:mod:`router.pool_reports`), into the view now; the
+        line of requests waiting for room tries again where the report moved the view (not for an older one)."""
+        before, self.workers = self.workers, self._pools.report(self.workers, worker_id, version, num_free_blocks)
+        if self.workers is not before:
+            self.room.changed()
 
     async def _refresh_if_stale(self, max_age_s: float | None = None) -> None:
         """Read the registry unless a read (usually the poller's) started less than ``max_age_s``

@@ -4,9 +4,8 @@ request on one worker (:class:`InFlight`): shared by choosing workers (``router.
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,6 +13,7 @@ import grpc
 from pdserve.cluster.registry import WorkerInfo
 from pdserve.router.admission import Admission
 from pdserve.router.dispatch import PrefillStats
+from pdserve.router.room_queue import RoomQueue
 from pdserve.router.slo import SloGate
 
 
@@ -50,9 +50,9 @@ class ClusterView:
     :mod:`router.stall`). ``on_pool(worker_id, version, num_free_blocks)`` takes a decode worker's KV pool as its
     request streams report it (at the allocation and at a request's normal end; errors and aborts wait for the
     heartbeat), fresher than the registry's last heartbeat: the router keeps the report of the highest version
-    (``router.pool_reports``). ``pool_epoch()`` counts the moves of that view (reports, registry reads), and
-    ``pools_changed(since, timeout_s)`` returns once it has moved past ``since``, or after ``timeout_s``: what a
-    request queued for KV room waits on, reading the epoch before each try so that no move is missed."""
+    (``router.pool_reports``). ``room``: the router's line of requests waiting for KV room
+    (:class:`~router.room_queue.RoomQueue`), told of each move of that view (reports, registry reads); a view
+    built without one polls every 50 ms."""
 
     workers: Callable[[], list[WorkerInfo]]
     inflight: Counter
@@ -65,9 +65,7 @@ class ClusterView:
     eos_token_ids: tuple[int, ...] = ()
     heard: dict[str, float] = field(default_factory=dict)
     on_pool: Callable[[str, int, int], None] = lambda worker_id, version, num_free_blocks: None
-    pool_epoch: Callable[[], int] = lambda: 0
-    pools_changed: Callable[[int, float], Awaitable[None]] = \
-        lambda since, timeout_s: asyncio.sleep(min(timeout_s, 0.05))
+    room: RoomQueue = field(default_factory=lambda: RoomQueue(poll_s=0.05))
 
     def current(self) -> list[WorkerInfo]:
         """The workers to dispatch to now."""

@@ -70,6 +70,7 @@ def test_router_metrics_agree_with_the_responses(served):
     assert total(text, "pdserve:inter_token_latency_seconds_count") == completion - K
     assert total(text, "pdserve:request_retries_total") == 0
     assert total(text, "pdserve:request_migrations_total") == 0
+    assert total(text, "pdserve:router_requests_waiting_for_kv") == 0   # idle: nobody in the line
 
 
 def test_worker_metrics_agree_and_are_advertised(served):
