@@ -35,6 +35,10 @@ from pdserve.model.config import check_max_model_len
 
 log = logging.getLogger(__name__)
 
+NUDGE_GAP_S = 0.05
+"""Seconds a heartbeat waits after each renewal before the next: nudges (:meth:`Heartbeat.nudge`) coming faster
+share one renewal, so a burst of aborted requests writes the registry a few times, not once each."""
+
 def default_redis_url() -> str:
     """``PDSERVE_REDIS_URL`` or the local Redis."""
     return os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -186,30 +190,47 @@ class Heartbeat(threading.Thread):
         exposed = secret is None and cfg.insecure and check_exposure(cfg.worker_id, cfg.host, None, True)
         self._insecure = InsecureReminder(f"worker {cfg.worker_id}", cfg.host, log=log) if exposed else None
         self._info, self._tick, self._period, self._halt = info, tick, cfg.lease_s / 4, threading.Event()
+        self._nudged = threading.Event()   # set by nudge() and stop(): renew now rather than at the period's end
         self._healthy, self._left = healthy, False
         self._on_registry, self._wants_registry = on_registry, wants_registry
         self._registry_every_s, self._registry_at = cfg.lease_s, time.monotonic()
         self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
 
+    def nudge(self) -> None:
+        """Renew the entry now (at most once per :data:`NUDGE_GAP_S`), not at the period's end: called when the
+        worker's load changed in a way no request stream reports to the routers (an aborted or failed request's
+        KV blocks freed). Thread-safe."""
+        self._nudged.set()
+
     def run(self) -> None:
-        while not self._halt.wait(self._period):
-            if self._insecure is not None:
-                self._insecure.tick()
-            try:
-                if not self._healthy():
-                    self._leave()
-                    continue
-                self._lease.renew(self._info())
-                if self._left:
-                    log.warning("worker %s is healthy again: renewing its lease", self._info().worker_id)
-                    self._left = False
-                self._tick()
-                if self._on_registry is not None and time.monotonic() - self._registry_at >= self._registry_every_s:
-                    self._registry_at = time.monotonic()
-                    if self._wants_registry():
-                        self._on_registry(self._lease.list_workers())
-            except Exception as exc:  # Redis down: keep trying, the lease lapses meanwhile
-                log.warning("lease renewal failed: %s", exc)
+        while True:
+            self._nudged.wait(self._period)
+            if self._halt.is_set():
+                return
+            self._nudged.clear()
+            self._renew()
+            self._halt.wait(NUDGE_GAP_S)     # nudges coming faster share one renewal
+
+    def _renew(self) -> None:
+        """One heartbeat: renew the lease with the current entry (or leave while unhealthy), then the periodic
+        work."""
+        if self._insecure is not None:
+            self._insecure.tick()
+        try:
+            if not self._healthy():
+                self._leave()
+                return
+            self._lease.renew(self._info())
+            if self._left:
+                log.warning("worker %s is healthy again: renewing its lease", self._info().worker_id)
+                self._left = False
+            self._tick()
+            if self._on_registry is not None and time.monotonic() - self._registry_at >= self._registry_every_s:
+                self._registry_at = time.monotonic()
+                if self._wants_registry():
+                    self._on_registry(self._lease.list_workers())
+        except Exception as exc:  # Redis down: keep trying, the lease lapses meanwhile
+            log.warning("lease renewal failed: %s", exc)
 
     def _leave(self) -> None:
         """Unhealthy: release the lease once (retried while Redis fails) and log it once."""
@@ -222,6 +243,7 @@ class Heartbeat(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        self._nudged.set()
         self.join(timeout=2)
         try:
             self._lease.release(self._info().worker_id)
@@ -349,6 +371,8 @@ class WorkerProcess:
         self._heartbeat = Heartbeat(self.cfg, self.info, self.on_heartbeat, self._secret, self.healthy,
                                     self.on_registry, self.keeps_peer_state)
         self._heartbeat.start()
+        if hasattr(self.engine, "on_pool_freed"):   # a decode worker: freed blocks no stream reports, at once
+            self.engine.on_pool_freed = self._heartbeat.nudge
         return self.address
 
     async def drain(self, grace_s: float, unroute_s: float = 1.0) -> None:

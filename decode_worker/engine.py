@@ -67,7 +67,11 @@ log = logging.getLogger(__name__)
 
 class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
     """Owns the decode worker's model, KV cache, block pool and KV receiver. ``secret``: the cluster
-    secret KV senders must prove (None: none)."""
+    secret KV senders must prove (None: none). ``on_pool_freed()`` runs on the engine thread when an aborted or
+    failed request's blocks are freed, which no request stream reports to the routers (the worker process
+    renews its registry entry then: :meth:`cluster.worker_process.Heartbeat.nudge`)."""
+
+    on_pool_freed: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(self, cfg: DecodeWorkerConfig, model: LlamaForCausalLM, model_cfg: ModelConfig,
                  secret: bytes | None = None) -> None:
@@ -363,6 +367,8 @@ class DecodeEngine(BlockGrowth, LocalPrefill, SpeculativeStep):
         self._release_id(req.attempt_id)
         if isinstance(event, FinishedEvent):  # the router learns of the freed blocks with the request's end
             event = replace(event, pool=self.pool.snapshot())
+        elif req.block_table:                 # aborted or failed: no stream reports them, the registry will
+            self.on_pool_freed()
         if event is not None:
             req.emit(event)
 

@@ -27,7 +27,7 @@ from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission
-from pdserve.router.admit import admit, no_room_message, too_long
+from pdserve.router.admit import AdmitLater, admit, no_room_message, too_long
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import no_pool_holds, rank_decode, rank_prefill
 from pdserve.router.recovery import GenerateError, NoRoom, Progress, WorkerFailure, avoiding
@@ -127,8 +127,7 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     async def attempt() -> tuple[DecodeStream, Reservation | None]:
         candidates = reservation = None
         if gate is not None:   # admitted on a view that lagged the worker, D may refuse for blocks: the line asks again
-            left = replace(req, queue_timeout_s=max(0.0, deadline - time.monotonic()))
-            candidates = [await admit(view, left, attempt_id, prefill, work, num_tokens, lifetime)]
+            candidates = [await admit(view, req, attempt_id, prefill, work, num_tokens, lifetime)]
             reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
         try:
             return await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, "decode", candidates,
@@ -139,7 +138,15 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
             raise
 
     try:
-        decode, reservation = await view.room.serve(attempt, _no_room, deadline)
+        while True:
+            try:
+                decode, reservation = await view.room.serve(attempt, _no_room, deadline, line_rank(req, progress))
+                break
+            except AdmitLater as later:   # admission's own "retry after": waited out of the line, then in it again
+                wait = later.retry_after_s
+                if wait is None or time.monotonic() + wait > deadline:
+                    raise later.refusal() from None
+                await asyncio.sleep(wait)
     except BaseException:
         prefill_count.release()
         raise
@@ -168,12 +175,19 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     return await view.room.serve(
         lambda: _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, role, candidates, kv_backends,
                                   lifetime_tokens),
-        _no_room, time.monotonic() + req.queue_timeout_s)
+        _no_room, time.monotonic() + req.queue_timeout_s, line_rank(req, progress))
 
 
 def _no_room(exc: BaseException) -> bool:
     """Whether a try failed for want of KV room only (the line tries again)."""
     return isinstance(exc, NoRoom)
+
+
+def line_rank(req: ValidRequest, progress: Progress) -> tuple[int, int]:
+    """A request's place in the line for KV room (:class:`~router.room_queue.RoomQueue`): a retry after a worker
+    failure first (its client may be mid-stream), then by ``priority`` (lower first; 0 for all under
+    ``--scheduling-policy fcfs``), then arrival."""
+    return (0 if progress.num_attempts > 1 else 1, req.sampling.priority)
 
 
 async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int,

@@ -10,7 +10,9 @@ the streams' reports has the highest version. Versions start at the pool's creat
 a restarted worker's reports supersede its earlier incarnation's; and since a report only bridges the gap to
 the worker's next heartbeat, one kept longer than the worker's lease is dropped, so that even a stale
 incarnation's report (a worker restarted under the same id on a clock that stepped back) rules the view for
-a lease at most.
+a lease at most. A request that is cancelled or fails ends without the end's report (its stream is gone or
+carries an error): the decode worker renews its registry entry as soon as its blocks are freed
+(``Heartbeat.nudge``), and the router's next registry read carries them.
 
     stream report (v, free) ──► keep if v > the worker's entry's pool_version, apply to the view now
     registry read            ──► each entry: a kept report of a higher version, younger than the entry's

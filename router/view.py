@@ -48,9 +48,9 @@ class ClusterView:
     ``heard`` maps a decode worker's id to the ``time.monotonic()`` of its last event on any of the
     router's streams (one dict per router; :mod:`router.generate` keeps it, for the stall rule of
     :mod:`router.stall`). ``on_pool(worker_id, version, num_free_blocks)`` takes a decode worker's KV pool as its
-    request streams report it (at the allocation and at a request's normal end; errors and aborts wait for the
-    heartbeat), fresher than the registry's last heartbeat: the router keeps the report of the highest version
-    (``router.pool_reports``). ``room``: the router's line of requests waiting for KV room
+    request streams report it (at the allocation and at a request's normal end; after an error or abort the
+    worker renews its registry entry at once), fresher than the registry's last heartbeat: the router keeps the
+    report of the highest version (``router.pool_reports``). ``room``: the router's line of requests waiting for KV room
     (:class:`~router.room_queue.RoomQueue`), told of each move of that view (reports, registry reads); a view
     built without one polls every 50 ms."""
 

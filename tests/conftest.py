@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -191,6 +196,30 @@ def colocated_cluster(model: str, redis_url: str, **flags) -> Cluster:
     c.workers.append(spawn_role("decode_worker", dict(worker_id="b0", **flags), "b0"))
     c.wait_workers({"b0"})
     return c
+
+
+PDSERVE = [sys.executable, "-m", "pdserve.deploy.cli"]
+
+
+@contextlib.contextmanager
+def pdserve_up(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """``pdserve up ARGS`` in its own session (text stdout/stderr piped); a test ends it with
+    :func:`stop_pdserve_up`, and whatever is still running at the block's exit is killed, its process group
+    (Ray's) with it."""
+    up = subprocess.Popen([*PDSERVE, "up", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True)
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def stop_pdserve_up(up: subprocess.Popen) -> None:
+    """SIGINT, as an operator's Ctrl-C: ``pdserve up`` must exit 0 within 60 s."""
+    up.send_signal(signal.SIGINT)
+    assert up.wait(60) == 0
 
 
 class PrivateRedis:

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import redis
 
 from pdserve.deploy.redis_server import ensure_redis, redis_answers
-
-PDSERVE = [sys.executable, "-m", "pdserve.deploy.cli"]
+from tests.conftest import PDSERVE, pdserve_up, stop_pdserve_up
 
 
 def _free_port() -> int:
@@ -47,10 +44,8 @@ def test_up_generate_and_clean_shutdown(redis_url, model_dir):
     no graph runner) prints its cluster id, which `pdserve status` shows, serves `pdserve generate`,
     then exits cleanly on SIGINT."""
     env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
-    up = subprocess.Popen([*PDSERVE, "up", "--model", model_dir, "--prefill", "1", "--decode", "1",
-                           "--speculative", "self", "--max-num-batched-tokens", "8", "--no-graph"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
+    with pdserve_up(["--model", model_dir, "--prefill", "1", "--decode", "1", "--speculative", "self",
+                     "--max-num-batched-tokens", "8", "--no-graph"], env) as up:
         address, cluster_id, deadline = None, None, time.monotonic() + 120
         while cluster_id is None and time.monotonic() < deadline:
             if select.select([up.stdout], [], [], 0.5)[0]:
@@ -72,12 +67,7 @@ def test_up_generate_and_clean_shutdown(redis_url, model_dir):
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.startswith(". The dog liked to run and play")  # the model's known greedy continuation
         assert "TTFT" in gen.stderr and "TPOT" in gen.stderr
-        up.send_signal(signal.SIGINT)
-        assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        stop_pdserve_up(up)
 
 
 def test_make_model_writes_a_loadable_checkpoint(tmp_path):

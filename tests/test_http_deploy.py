@@ -7,10 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
 import ssl
-import subprocess
-import sys
 import time
 import uuid
 
@@ -19,7 +16,7 @@ import pytest
 
 from pdserve.deploy.processes import spawn_role
 from tests.conftest import CHAT_MODEL as MODEL
-from tests.conftest import CHATML
+from tests.conftest import CHATML, pdserve_up, stop_pdserve_up
 from tests.http_helpers import MESSAGES, PROMPTS, raw
 from tests.tls_files import make_tls_files
 
@@ -73,10 +70,8 @@ def test_pdserve_up_serves_the_http_api(redis_url, model_dir, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(CHATML)
     env = {**os.environ, "PDSERVE_REDIS_URL": redis_url}
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "up", "--model", model_dir, "--http-port", "0",
-                           "--served-model-name", "story", "--chat-template", str(template)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
-    try:
+    with pdserve_up(["--model", model_dir, "--http-port", "0", "--served-model-name", "story", "--chat-template",
+                     str(template)], env) as up:
         lines, deadline = [], time.monotonic() + 150
         while not any(line.startswith("http listening on ") for line in lines) and time.monotonic() < deadline:
             line = up.stdout.readline()
@@ -90,12 +85,7 @@ def test_pdserve_up_serves_the_http_api(redis_url, model_dir, tmp_path):
         assert got.choices[0].text.startswith(". The dog liked to run and play")  # the model's greedy continuation
         chat = api.chat.completions.create(model="story", messages=MESSAGES, max_tokens=5)
         assert chat.usage.completion_tokens == 5
-        up.send_signal(signal.SIGINT)
-        assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        stop_pdserve_up(up)
 
 
 def test_http_api_over_tls_with_the_routers_certificate(http_cluster, tmp_path, redis_url, chat_model_dir):

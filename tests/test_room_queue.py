@@ -1,5 +1,5 @@
-"""The router's line of requests waiting for KV room (router.room_queue): first come, first served, a try at the
-head per move of the view, deadlines, errors and cancellation leaving the line."""
+"""The router's line of requests waiting for KV room (router.room_queue): first come, first served within a rank,
+a try at the head per move of the view, deadlines, errors and cancellation leaving the line."""
 
 from __future__ import annotations
 
@@ -44,14 +44,20 @@ async def until(cond, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0)
 
 
+async def join(q: RoomQueue, attempt, deadline: float, rank: tuple = ()):
+    """A request's task, once it stands in the line (one more in it than before)."""
+    before = len(q)
+    task = asyncio.create_task(q.serve(attempt, no_room, deadline, rank))
+    await until(lambda: len(q) == before + 1)
+    return task
+
+
 def test_served_in_arrival_order_and_not_overtaken():
     async def main():
         q, pool = RoomQueue(), Pool(free=0)
         far = time.monotonic() + 30
-        big = asyncio.create_task(q.serve(pool.attempt("big", 3), no_room, far))
-        await until(lambda: len(q) == 1)
-        smalls = [asyncio.create_task(q.serve(pool.attempt(f"small{i}", 1), no_room, far)) for i in range(2)]
-        await until(lambda: len(q) == 3)
+        big = await join(q, pool.attempt("big", 3), far)
+        smalls = [await join(q, pool.attempt(f"small{i}", 1), far) for i in range(2)]
         assert pool.tries == ["big"]                 # arrivals behind a waiting request join without trying
         pool.free = 1                                # room for a small one, not for the head
         q.changed()
@@ -60,10 +66,10 @@ def test_served_in_arrival_order_and_not_overtaken():
         assert pool.served == [] and len(q) == 3     # the smaller ones do not overtake it
         pool.free = 3
         q.changed()
-        assert await big == "big"
+        assert await asyncio.wait_for(big, 5) == "big"
         pool.free = 2
         q.changed()
-        assert await asyncio.gather(*smalls) == ["small0", "small1"]
+        assert await asyncio.wait_for(asyncio.gather(*smalls), 5) == ["small0", "small1"]
         assert pool.served == ["big", "small0", "small1"] and len(q) == 0
     asyncio.run(main())
 
@@ -81,14 +87,12 @@ def test_nobody_waiting_tries_at_once_and_zero_timeout_refuses_at_once():
 def test_deadline_raises_the_attempts_error_and_the_next_goes_on():
     async def main():
         q, pool = RoomQueue(), Pool(free=0)
-        first = asyncio.create_task(q.serve(pool.attempt("first", 2), no_room, time.monotonic() + 0.2))
-        await until(lambda: len(q) == 1)
-        second = asyncio.create_task(q.serve(pool.attempt("second", 1), no_room, time.monotonic() + 30))
-        await until(lambda: len(q) == 2)
+        first = await join(q, pool.attempt("first", 2), time.monotonic() + 0.2)
+        second = await join(q, pool.attempt("second", 1), time.monotonic() + 30)
         pool.free = 1                                # enough for the second only
         with pytest.raises(Full, match="first needs 2"):
             await first
-        assert await second == "second"              # the head left: the next tried without a further change
+        assert await asyncio.wait_for(second, 5) == "second"   # the head left: the next tried without a change
         assert len(q) == 0
     asyncio.run(main())
 
@@ -97,14 +101,12 @@ def test_other_errors_propagate_at_once_and_cancelled_requests_leave_the_line():
     async def main():
         q, pool = RoomQueue(), Pool(free=0)
         far = time.monotonic() + 30
-        head = asyncio.create_task(q.serve(pool.attempt("head", 1), no_room, far))
-        await until(lambda: len(q) == 1)
+        head = await join(q, pool.attempt("head", 1), far)
 
         async def broken() -> str:
             raise ValueError("refused for another reason")
-        bad = asyncio.create_task(q.serve(broken, no_room, far))
-        waiting = asyncio.create_task(q.serve(pool.attempt("waiting", 1), no_room, far))
-        await until(lambda: len(q) == 3)
+        bad = await join(q, broken, far)
+        waiting = await join(q, pool.attempt("waiting", 1), far)
         head.cancel()
         with pytest.raises(asyncio.CancelledError):
             await head
@@ -114,7 +116,7 @@ def test_other_errors_propagate_at_once_and_cancelled_requests_leave_the_line():
         assert len(q) == 1
         pool.free = 1
         q.changed()
-        assert await waiting == "waiting" and len(q) == 0
+        assert await asyncio.wait_for(waiting, 5) == "waiting" and len(q) == 0
     asyncio.run(main())
 
 
@@ -131,18 +133,33 @@ def test_a_move_during_a_try_is_not_missed():
             if len(tries) < 3:
                 raise Full("not yet")
             return "served"
-        task = asyncio.create_task(q.serve(attempt, no_room, time.monotonic() + 30))
-        await until(lambda: len(q) == 1)
+        task = await join(q, attempt, time.monotonic() + 30)
         q.changed()                                  # wakes the second try, which sees a move during itself
-        assert await task == "served" and tries == [0, 1, 2]
+        assert await asyncio.wait_for(task, 5) == "served" and tries == [0, 1, 2]   # not at the deadline
     asyncio.run(main())
 
 
 def test_a_view_never_told_of_changes_polls():
     async def main():
         q, pool = RoomQueue(poll_s=0.01), Pool(free=0)
-        task = asyncio.create_task(q.serve(pool.attempt("a", 1), no_room, time.monotonic() + 30))
-        await until(lambda: len(q) == 1)
+        task = await join(q, pool.attempt("a", 1), time.monotonic() + 30)
         pool.free = 1                                # no changed(): the head's poll finds it
-        assert await task == "a"
+        assert await asyncio.wait_for(task, 5) == "a"
+    asyncio.run(main())
+
+
+def test_a_smaller_rank_goes_first_equal_ranks_in_arrival_order():
+    async def main():
+        q, pool = RoomQueue(), Pool(free=0)
+        far = time.monotonic() + 30
+        tasks = [await join(q, pool.attempt(name, 1), far, rank) for name, rank in
+                 (("low0", (1, 5)), ("low1", (1, 5)), ("high", (1, 0)), ("retry", (0, 9)))]
+        # the retry ranked ahead of everyone: it tried at once on arrival (and failed); the others waited
+        assert pool.tries == ["low0", "high", "retry"]
+        for _ in range(4):
+            pool.free += 1
+            q.changed()
+            await until(lambda: len(pool.served) == 4 - len(q))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert pool.served == ["retry", "high", "low0", "low1"]
     asyncio.run(main())
