@@ -209,7 +209,8 @@ class Heartbeat(threading.Thread):
                 return
             self._nudged.clear()
             self._renew()
-            self._halt.wait(NUDGE_GAP_S)     # nudges coming faster share one renewal
+            if self._halt.wait(NUDGE_GAP_S):     # nudges coming faster share one renewal
+                return                            # stopped meanwhile (its nudge may have been cleared above)
 
     def _renew(self) -> None:
         """One heartbeat: renew the lease with the current entry (or leave while unhealthy), then the periodic

@@ -8,7 +8,9 @@
         P's count and reservation when P.Prefill returns, D's when the request leaves D
 
 A worker is counted from the moment it is chosen, so that concurrent arrivals spread out. If
-choosing fails, whatever it took is given back before the error propagates.
+choosing fails, whatever it took is given back before the error propagates. Where no decode worker has room,
+steps 1-3 are tried again in the request's turn in the router's line (router.room_queue), holding nothing
+between tries.
 """
 
 from __future__ import annotations
@@ -103,54 +105,54 @@ class Chosen:
 
 async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig, attempt_id: str,
                          progress: Progress) -> Chosen:
-    """Choose P, take admission (first attempt only) and open the decode stream on D.
+    """Choose P, take admission (first attempt only) and open the decode stream on D: one try at once, or, where
+    no decode worker has room and the request has a ``queue_timeout_s``, tries in its turn in the router's line
+    (:mod:`router.room_queue`). P is chosen afresh at each try and counted in flight only from then: a request
+    waiting in the line counts on no worker.
 
     Raises:
         GenerateError: not retriable (no worker, no room, bad request, not admitted).
         WorkerFailure: the decode workers to try were unreachable.
     """
-    pool = [w for w in view.current() if w.role == "prefill"]
-    if not pool:
-        raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no prefill worker is available{progress.history()}")
     context = req.prompt_ids + progress.generated  # tokens whose KV the prefill computes
-    block_size = pool[0].block_size
-    prompt_blocks = len(context) // block_size
-    cached = credited_cache(view, req, progress, context, block_size)
-    prefill = avoiding(rank_prefill(view.current(), prompt_blocks, cached, view.stats, view.inflight,
-                                    cfg.spill_queue_s), progress.avoid)[0]
     num_tokens, lifetime = len(context) + 1, len(req.prompt_ids) + req.sampling.max_tokens - 1   # positions
-    work = -(-len(context) // block_size) - min(cached.get(prefill.worker_id, 0), prompt_blocks)  # to compute
     gate = view.gate if progress.num_attempts == 1 else None  # admission counts a request once, at its first dispatch
-    prefill_count = view.counting(prefill.worker_id)  # from the moment it is chosen, so concurrent arrivals spread out
     deadline = time.monotonic() + req.queue_timeout_s
 
-    async def attempt() -> tuple[DecodeStream, Reservation | None]:
-        candidates = reservation = None
-        if gate is not None:   # admitted on a view that lagged the worker, D may refuse for blocks: the line asks again
-            candidates = [await admit(view, req, attempt_id, prefill, work, num_tokens, lifetime)]
-            reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
+    async def attempt() -> Chosen:
+        pool = [w for w in view.current() if w.role == "prefill"]
+        if not pool:
+            raise GenerateError(grpc.StatusCode.UNAVAILABLE, f"no prefill worker is available{progress.history()}")
+        block_size = pool[0].block_size
+        prompt_blocks = len(context) // block_size
+        cached = credited_cache(view, req, progress, context, block_size)
+        prefill = avoiding(rank_prefill(view.current(), prompt_blocks, cached, view.stats, view.inflight,
+                                        cfg.spill_queue_s), progress.avoid)[0]
+        work = -(-len(context) // block_size) - min(cached.get(prefill.worker_id, 0), prompt_blocks)  # to compute
+        prefill_count = view.counting(prefill.worker_id)  # from here on, so that concurrent arrivals spread out
+        reservation = None
         try:
-            return await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, "decode", candidates,
-                                           prefill.kv_backends, lifetime), reservation
+            candidates = None
+            if gate is not None:   # admitted on a view that lagged D, D may refuse for blocks: the line asks again
+                candidates = [await admit(view, req, attempt_id, prefill, work, num_tokens, lifetime)]
+                reservation = Reservation(gate.admission, attempt_id, prefill.worker_id, candidates[0].worker_id)
+            decode = await _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, "decode", candidates,
+                                             prefill.kv_backends, lifetime)
         except BaseException:
+            prefill_count.release()
             if reservation is not None:
                 await reservation.release()
             raise
+        return Chosen(prefill, prefill_count, decode, reservation, context, block_size, work)
 
-    try:
-        while True:
-            try:
-                decode, reservation = await view.room.serve(attempt, _no_room, deadline, line_rank(req, progress))
-                break
-            except AdmitLater as later:   # admission's own "retry after": waited out of the line, then in it again
-                wait = later.retry_after_s
-                if wait is None or time.monotonic() + wait > deadline:
-                    raise later.refusal() from None
-                await asyncio.sleep(wait)
-    except BaseException:
-        prefill_count.release()
-        raise
-    return Chosen(prefill, prefill_count, decode, reservation, context, block_size, work)
+    while True:
+        try:
+            return await view.room.serve(attempt, _no_room, deadline, line_rank(req, progress))
+        except AdmitLater as later:   # admission's own "retry after": waited out of the line, then in it again
+            wait = later.retry_after_s
+            if wait is None or time.monotonic() + wait > deadline:
+                raise later.refusal() from None
+            await asyncio.sleep(wait)
 
 
 async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int, cfg: RouterConfig,
@@ -162,9 +164,8 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     returned one stays counted until the caller releases it. Colocated workers (role ``both``) are asked to
     prefill the prompt themselves. A migrated request's streamed tokens go along as
     ``prior_output_token_ids``. A request with ``queue_timeout_s`` that finds no room waits up to that long in
-    the router's line (:mod:`router.room_queue`: first come, first served, trying again whenever the view of
-    the pools moves); it holds no block meanwhile (its stream slot and its prefill worker's in-flight count it
-    keeps).
+    the router's line (:mod:`router.room_queue`: in order, trying again whenever the view of the pools moves); it
+    holds no block and is counted on no worker meanwhile (its client's stream slot it keeps).
 
     Raises:
         NoRoom: no room within ``queue_timeout_s`` (RESOURCE_EXHAUSTED).

@@ -4,6 +4,7 @@ counted while an attempt holds it is uncounted exactly once, however the attempt
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from contextlib import aclosing
 
@@ -218,3 +219,31 @@ def test_a_request_refused_by_the_decode_worker_leaves_nothing_counted():
         asyncio.run(_collect(view))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert _counted(view) == {}
+
+
+def test_a_request_waiting_for_kv_room_is_counted_on_no_worker():
+    """No decode worker has room: the request waits in the router's line holding nothing (before, its prefill
+    worker stayed counted in flight the whole wait, steering other requests away from it); once there is room,
+    it is served and everything is given back."""
+    workers = [_worker("p0", "prefill"), dataclasses.replace(_worker("d0", "decode"), num_free_blocks=0)]
+    channels = FakeChannels({"p0": [FakeUnary(worker_pb2.PrefillResponse(first_token=6))],
+                             "d0": [FakeStream(_decode_events([7, 8], 3))]})
+    view = ClusterView(lambda: workers, Counter(), channels)
+    req = dataclasses.replace(REQ, queue_timeout_s=5.0)
+
+    async def main():
+        task = asyncio.create_task(_collect_req(view, req))
+        while len(view.room) == 0:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.1)                       # two of the line's polls: still no room
+        assert _counted(view) == {} and channels.calls == []
+        workers[1] = _worker("d0", "decode")
+        return await asyncio.wait_for(task, 5)
+    out = asyncio.run(main())
+    assert [t for m in out for t in m.token_ids] == [6, 7, 8]
+    assert _counted(view) == {}
+
+
+async def _collect_req(view: ClusterView, req: ValidRequest) -> list[pdserve_pb2.GenerateResponse]:
+    async with aclosing(run_generate(view, req, DigitsTokenizer(), CFG, RequestTimes())) as messages:
+        return [msg async for msg in messages]
