@@ -194,6 +194,7 @@ class Heartbeat(threading.Thread):
         self._healthy, self._left = healthy, False
         self._on_registry, self._wants_registry = on_registry, wants_registry
         self._registry_every_s, self._registry_at = cfg.lease_s, time.monotonic()
+        self._failed_at = float("-inf")    # the last renewal failure logged: nudges must not flood the log
         self._lease.renew(info())  # registered before start() returns: fail fast if Redis is down
 
     def nudge(self) -> None:
@@ -231,7 +232,9 @@ class Heartbeat(threading.Thread):
                 if self._wants_registry():
                     self._on_registry(self._lease.list_workers())
         except Exception as exc:  # Redis down: keep trying, the lease lapses meanwhile
-            log.warning("lease renewal failed: %s", exc)
+            if time.monotonic() - self._failed_at >= self._period:   # once a period, nudged or not
+                self._failed_at = time.monotonic()
+                log.warning("lease renewal failed: %s", exc)
 
     def _leave(self) -> None:
         """Unhealthy: release the lease once (retried while Redis fails) and log it once."""
