@@ -117,7 +117,7 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
     context = req.prompt_ids + progress.generated  # tokens whose KV the prefill computes
     num_tokens, lifetime = len(context) + 1, len(req.prompt_ids) + req.sampling.max_tokens - 1   # positions
     gate = view.gate if progress.num_attempts == 1 else None  # admission counts a request once, at its first dispatch
-    deadline = time.monotonic() + req.queue_timeout_s
+    deadline, rank = time.monotonic() + req.queue_timeout_s, line_rank(req, progress, time.monotonic())
 
     async def attempt() -> Chosen:
         pool = [w for w in view.current() if w.role == "prefill"]
@@ -147,8 +147,8 @@ async def choose_workers(view: ClusterView, req: ValidRequest, cfg: RouterConfig
 
     while True:
         try:
-            return await view.room.serve(attempt, _no_room, deadline, line_rank(req, progress))
-        except AdmitLater as later:   # admission's own "retry after": waited out of the line, then in it again
+            return await view.room.serve(attempt, _no_room, deadline, rank)
+        except AdmitLater as later:   # admission's "retry after": waited out of the line, then back in its place
             wait = later.retry_after_s
             if wait is None or time.monotonic() + wait > deadline:
                 raise later.refusal() from None
@@ -176,7 +176,7 @@ async def open_decode(view: ClusterView, req: ValidRequest, attempt_id: str, num
     return await view.room.serve(
         lambda: _open_decode_once(view, req, attempt_id, num_tokens, cfg, progress, role, candidates, kv_backends,
                                   lifetime_tokens),
-        _no_room, time.monotonic() + req.queue_timeout_s, line_rank(req, progress))
+        _no_room, time.monotonic() + req.queue_timeout_s, line_rank(req, progress, time.monotonic()))
 
 
 def _no_room(exc: BaseException) -> bool:
@@ -184,11 +184,12 @@ def _no_room(exc: BaseException) -> bool:
     return isinstance(exc, NoRoom)
 
 
-def line_rank(req: ValidRequest, progress: Progress) -> tuple[int, int]:
+def line_rank(req: ValidRequest, progress: Progress, arrived: float) -> tuple[int, int, float]:
     """A request's place in the line for KV room (:class:`~router.room_queue.RoomQueue`): a retry after a worker
     failure first (its client may be mid-stream), then by ``priority`` (lower first; 0 for all under
-    ``--scheduling-policy fcfs``), then arrival."""
-    return (0 if progress.num_attempts > 1 else 1, req.sampling.priority)
+    ``--scheduling-policy fcfs``), then by ``arrived`` (``time.monotonic()`` when the dispatch began: a request
+    that admission told to retry later takes its place back ahead of those that came after it)."""
+    return (0 if progress.num_attempts > 1 else 1, req.sampling.priority, arrived)
 
 
 async def _open_decode_once(view: ClusterView, req: ValidRequest, attempt_id: str, num_tokens: int,

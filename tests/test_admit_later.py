@@ -126,3 +126,26 @@ def test_a_request_waiting_for_admission_does_not_hold_up_the_next():
     asyncio.run(main())
     assert done == ["b", "a"] and gate.calls == ["a", "b", "a"]
     assert not view.inflight - Counter()
+
+
+def test_a_request_back_from_admissions_wait_keeps_its_place_in_the_line():
+    """``a`` is told to retry in 0.2 s; meanwhile the pool fills and ``b`` arrives and waits in the line. Back,
+    ``a`` takes its place ahead of ``b`` (it came first) and, once there is room, is served first (before, it
+    came back as a new arrival behind ``b``)."""
+    gate = FakeGate({"a": 1, "b": 0})
+    workers = [_worker("p0", "prefill"), _worker("d0", "decode")]
+    view, done = _view(gate, 2, workers), []
+
+    async def main():
+        first = asyncio.create_task(_run(view, _request("a", 5.0), done))
+        while gate.calls != ["a"]:
+            await asyncio.sleep(0.001)
+        workers[1] = dataclasses.replace(_worker("d0", "decode"), num_free_blocks=0)   # the pool fills meanwhile
+        second = asyncio.create_task(_run(view, _request("b", 5.0), done))
+        while len(view.room) < 2:                      # b waiting, then a back in the line
+            await asyncio.sleep(0.001)
+        workers[1] = _worker("d0", "decode")
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+    asyncio.run(main())
+    assert done == ["a", "b"] and gate.calls == ["a", "a", "b"]
+    assert not view.inflight - Counter()
