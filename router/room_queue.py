@@ -84,9 +84,7 @@ class RoomQueue:
                     raise
         ticket = _Ticket(key, tried)
         at = bisect.bisect([t.key for t in self._line], key)
-        self._line.insert(at, ticket)
-        if at == 0 and len(self._line) > 1:
-            self._line[1].tried = None                      # displaced: tries again once it is the head again
+        self._line.insert(at, ticket)                       # a head it displaces tries again when this one leaves
         try:
             return await self._wait_and_try(ticket, attempt, no_room, deadline)
         finally:
