@@ -276,6 +276,8 @@ def paged_attention_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, layer
     _, num_kv_heads, group = _check_inputs(q, kv_cache, layer, block_tables, seq_lens)
     if block_t <= 0 or block_t & (block_t - 1):
         raise ValueError(f"block_t must be a power of two, got {block_t}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if triton is None:
         raise RuntimeError("paged_attention_decode_triton needs the triton package (not installed)")
     if q.device.type != "cuda" and not _kernel_is_interpreted():
@@ -286,8 +288,6 @@ def paged_attention_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, layer
     batch, num_heads, head_dim = q.shape
     if num_splits is None:
         num_splits = num_splits_for(batch, num_kv_heads, block_tables.shape[1] * kv_cache.shape[3], block_t, q.device)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     out = torch.empty_like(q)
     head_p = triton.next_power_of_2(head_dim)
     part = out if num_splits == 1 else torch.empty(batch, num_heads, num_splits, head_p + 2, dtype=torch.float32,

@@ -32,7 +32,7 @@ def bf16_cpu(request, monkeypatch) -> bool:
 def test_auto_on_fp32_checkpoint_is_bf16_iff_the_cpu_runs_the_packed_bf16_kernels(tmp_path, bf16_cpu):
     model = _checkpoint(tmp_path, "float32")
     assert resolve_dtype("auto", model) == ("bfloat16" if bf16_cpu else "float32")
-    cfg = WorkerConfig(model_dir=str(model), worker_id="w", dtype="auto")
+    cfg = WorkerConfig(model_dir=str(model), worker_id="w", dtype="auto", device="cpu")  # a GPU serves bf16
     assert cfg.torch_dtype is (torch.bfloat16 if bf16_cpu else torch.float32)
 
 

@@ -391,3 +391,49 @@ def test_cuda_decode_rows_run_tinygemm_and_match_the_dequantized_weight(k):
         assert (mod(x).float() - triton_only(x).float()).norm() / triton_only(x).float().norm() < 1e-2
     finally:
         Int4Linear.cuda_tinygemm = True
+
+
+def test_triton_layout_holds_the_portable_codes_as_a_view(monkeypatch):
+    """Where the Triton layout is built (CUDA; forced here on the CPU), ``qweight`` shares its bytes, and
+    loading new codes, casting or dropping the layout keeps ``qweight`` right and contiguous again."""
+    from pdserve.model.quant.int4 import TRITON
+
+    monkeypatch.setattr(Int4Linear, "_wanted_layout", lambda self: TRITON)
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 48)
+    mod = Int4Linear.from_linear(lin, group_size=64, method="rtn")
+    codes = mod.qweight.clone()
+    mod.prepare()
+    assert mod.qweight.data_ptr() == mod.triton_qweight_t.data_ptr() and not mod.qweight.is_contiguous()
+    assert torch.equal(mod.qweight, codes) and torch.equal(mod.state_dict()["qweight"], codes)
+    mod.half()                                                   # floats cast: the layout is rebuilt on use
+    mod.prepare()
+    assert mod.qweight.data_ptr() == mod.triton_qweight_t.data_ptr() and torch.equal(mod.qweight, codes)
+    other = Int4Linear.from_linear(nn.Linear(256, 48), group_size=64, method="rtn")
+    mod.load_state_dict(other.state_dict())                      # copied in place, into the shared bytes
+    assert mod.qweight.is_contiguous() and torch.equal(mod.qweight, other.qweight)
+    mod.prepare()
+    assert torch.equal(mod.triton_qweight_t, other.qweight.t()) and torch.equal(mod.qweight, other.qweight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton layout is built on a CUDA GPU")
+def test_cuda_int4_weight_is_held_in_two_layouts_not_three():
+    """On a GPU the portable codes cost no memory beside the Triton and tinygemm layouts, and the module
+    still matches the dequantized weight (one byte a weight for the codes, not 1.5)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4096, 4096, bias=False).to(torch.bfloat16)
+    mod = Int4Linear.from_linear(lin, group_size=128, method="rtn")
+    w = dequantize_weight(mod.qweight, mod.scales, mod.zeros, 4096).float().cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    mod = mod.cuda()
+    mod.prepare()
+    torch.cuda.synchronize()
+    codes = 4096 * 4096 // 2
+    held = torch.cuda.memory_allocated() - before
+    assert mod.qweight.data_ptr() == mod.triton_qweight_t.data_ptr()
+    assert held < 2.6 * codes, held / codes    # two layouts + scales ~2.3x the codes; three would be ~3.3x
+    for rows in (1, 9):
+        x = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
+        want = F.linear(x.float(), w)
+        assert (mod(x).float() - want).norm() / want.norm() < 1e-2, rows

@@ -9,7 +9,8 @@ import order; each case is then reported by its own test here.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (matters for the worker subprocess)
+if __name__ == "__main__":  # the worker subprocess: before triton is imported. Never in pytest's process,
+    os.environ["TRITON_INTERPRET"] = "1"  # where it would turn every later test's Triton kernel interpreted
 
 import json  # noqa: E402
 import subprocess  # noqa: E402

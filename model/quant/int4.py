@@ -89,6 +89,9 @@ class Int4Linear(nn.Module):
       ``_convert_weight_to_int4pack``'s layout, the kernel behind gpt-fast's and torchao's INT4 decode) with
       bf16 ``sz [Kp // G, N, 2]``; other rows run ``"int4-triton"``, whose layout it keeps beside its own.
 
+    On CUDA ``qweight`` is then a transposed view of ``triton_qweight_t`` (contiguous again once the layout
+    is dropped): 1 byte a weight for both layouts, not 1.5.
+
     Output dtype is ``x.dtype`` (float32, bfloat16 or float16; other dtypes run in float32).
     ``bias`` (``[N]``, float, or ``None``) is added in the output dtype.
     """
@@ -152,6 +155,8 @@ class Int4Linear(nn.Module):
                 self._drop_layout()
             elif self._layout == VNNI:
                 self._vnni = bufs                                # new tensor objects
+            else:
+                self._share_codes()                              # moved apart: one storage again
         return out
 
     def _wanted_layout(self) -> str:
@@ -165,6 +170,15 @@ class Int4Linear(nn.Module):
         for name in _LAYOUT_BUFFERS.get(self._layout, ()):
             del self._buffers[name]
         self._layout, self._vnni = None, None
+        if not self.qweight.is_contiguous():                    # it was a view of the Triton copy
+            self._buffers["qweight"] = self.qweight.contiguous()
+
+    def _share_codes(self) -> None:
+        """CUDA: hold the portable ``qweight`` as a transposed view of the Triton layout's codes (the same
+        bytes), so that a GPU keeps each INT4 weight twice (Triton's and tinygemm's layouts, 1 byte a
+        weight) rather than three times. Set directly: ``__setattr__`` would drop the layout."""
+        if self._layout in (TRITON, TINYGEMM) and self.qweight.data_ptr() != self.triton_qweight_t.data_ptr():
+            self._buffers["qweight"] = self.triton_qweight_t.t()
 
     def prepare(self) -> None:
         """Build the kernel layout for the buffers' device type into non-persistent buffers, unless
@@ -193,6 +207,7 @@ class Int4Linear(nn.Module):
         self._layout, self._layout_dtypes = want, tuple(t.dtype for t in tensors)
         if want == VNNI:        # the same tensor objects: move_to_huge_pages swaps their storage in place
             self._vnni = tuple(tensors)
+        self._share_codes()
 
     def kernel_for(self, rows: int) -> str:
         """The path ``forward`` takes for ``rows`` activation rows on the buffers' device:
