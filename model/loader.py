@@ -26,7 +26,6 @@ from pdserve.model.checkpoint import iter_tensors, resolve_model_dir
 from pdserve.model.config import ModelConfig
 from pdserve.model.families import fused_in_checkpoint
 from pdserve.model.llama import LlamaForCausalLM
-from pdserve.model.rope import RotaryEmbedding
 
 _FUSED = {  # our fused projection -> the checkpoint's parts, in concatenation order (an expert's too)
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -135,9 +134,8 @@ def assemble_state(tensors: Iterable[tuple[str, torch.Tensor]], expected: dict[s
 
 def finish_model(model: LlamaForCausalLM, cfg: ModelConfig, state: dict[str, torch.Tensor],
                  device: torch.device | str) -> LlamaForCausalLM:
-    """Assign ``state`` to a ``model`` built on the meta device, rebuild its RoPE buffer, tie the head."""
+    """Assign ``state`` to a ``model`` built on the meta device (its RoPE buffer is real already), tie the head."""
     model.load_state_dict(state, strict=False, assign=True)
-    model.rotary = RotaryEmbedding(cfg)  # its buffer was built on the meta device
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(device).eval()

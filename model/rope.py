@@ -12,13 +12,15 @@ from pdserve.model.config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``cfg.rope_scaling``.
+    """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``cfg.rope_scaling``, on the CPU whatever the
+    default device: a model built on the meta device gets real values (and no meta decomposition runs: those
+    import ``torch._dynamo``, 1-2.5 s of a process's start).
 
     Raises:
         ValueError: an unsupported ``rope_scaling`` type.
     """
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = cfg.rope_scaling_dict
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":

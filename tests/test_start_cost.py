@@ -1,0 +1,43 @@
+"""A process's start: loading a model must not import ``torch._dynamo``.
+
+Building a model on the meta device ran torch's Python decompositions (``nn.Embedding``'s ``normal_`` init, the
+RoPE frequencies' arithmetic), whose first call imports ``torch._dynamo``: 1.2-2.5 s of every worker process's
+start on these CPUs, and the larger part of the suite's many spawned workers' start-up. Checked in a fresh
+interpreter, since pytest's own process has imported it long before.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pdserve.deploy.config import EMBEDDED_MODEL
+from tests.family_checkpoints import write_checkpoint
+
+_SCRIPT = """
+import json, sys
+import torch
+from pdserve.decode_worker.config import DecodeWorkerConfig
+from pdserve.decode_worker.engine import DecodeEngine
+from pdserve.decode_worker.warmup import warm_up_decode
+from pdserve.model.loader import load_model
+seen = {}
+for path in sys.argv[1:]:
+    model, cfg = load_model(path, dtype=torch.bfloat16)
+    seen[path] = "torch._dynamo" in sys.modules
+engine = DecodeEngine(DecodeWorkerConfig(model_dir=sys.argv[1], worker_id="w", num_blocks=80), *load_model(sys.argv[1]))
+warm_up_decode(engine)
+engine.receiver.close()
+seen["engine"] = "torch._dynamo" in sys.modules
+print(json.dumps(seen))
+"""
+
+
+def test_loading_models_and_warming_a_decode_engine_does_not_import_dynamo(tmp_path):
+    moe = write_checkpoint("qwen3_moe", tmp_path / "moe")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, EMBEDDED_MODEL, moe], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not any(seen.values()), seen
