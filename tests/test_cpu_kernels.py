@@ -261,6 +261,29 @@ def test_a_missing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
         _build("fused")
 
 
+def test_a_failed_build_is_compiled_once_and_retried_when_its_source_changes(monkeypatch, tmp_path):
+    """A library that cannot build here (an AVX-512 source on an AVX2 CPU) costs one compile, not one per
+    process: the failure is recorded under the build's key, and a changed source is a new key."""
+    import pdserve.kernels.cpu as kc
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "broken.c").write_text("int f(void) { return undeclared; }\n")
+    monkeypatch.setattr(kc, "_HERE", src)
+    monkeypatch.setitem(kc._FLAGS, "broken", ["-O0"])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    compiles = []
+    real = kc.compile_library
+    monkeypatch.setattr(kc, "compile_library", lambda *a: (compiles.append(a[0]), real(*a)))
+    with pytest.raises(KernelUnavailable, match="undeclared"):
+        _build("broken")
+    with pytest.raises(KernelUnavailable, match="failed before"):
+        _build("broken")
+    assert compiles == ["broken"]
+    (src / "broken.c").write_text("int f(void) { return 1; }\n")
+    assert _build("broken").exists() and compiles == ["broken", "broken"]
+
+
 def test_packed_linear_refuses_float32_weights():
     with pytest.raises(ValueError, match="bf16 CPU weight"):
         PackedBF16Linear(nn.Linear(8, 8))

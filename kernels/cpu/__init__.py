@@ -123,7 +123,9 @@ def _build(name: str) -> Path:
     """Compile ``name.c`` (or the source :data:`_SOURCES` names for it) into the cache (once per source,
     headers, flags, compiler and CPU) and return the library path.
     The cache directory is owner-only; a cached library that is not this user's own, or that others
-    can write, is rebuilt rather than loaded.
+    can write, is rebuilt rather than loaded. A build that failed is recorded beside it (``.failed``, the
+    compiler's message) and not tried again for the same key: a CPU without the ISA of an AVX-512 build
+    would otherwise pay a failing compile (~0.7 s) in every process that asks for it.
 
     Raises:
         KernelUnavailable: no compiler, an unwritable cache, or the build failed.
@@ -137,8 +139,12 @@ def _build(name: str) -> Path:
     key = hashlib.sha256(b"\0".join([source, headers, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
+    failed = out.with_suffix(".failed")
     if _trusted(out):
         return out
+    if _trusted(failed):
+        raise KernelUnavailable(f"building {name}.c failed before (the compiler's output: {failed}; delete it to "
+                                f"retry)")
     try:
         _private_dir(out.parent)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -147,8 +153,9 @@ def _build(name: str) -> Path:
     os.close(fd)
     try:
         compile_library(name, _HERE, Path(tmp))
-    except KernelUnavailable:
-        os.unlink(tmp)
+    except KernelUnavailable as exc:
+        Path(tmp).write_text(str(exc))
+        os.replace(tmp, failed)                            # the same build fails the same way: not again
         raise
     os.replace(tmp, out)                                   # atomic: concurrent builders agree
     return out
