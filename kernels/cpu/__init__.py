@@ -78,6 +78,7 @@ def _cache_dir() -> Path:
     return Path(base) / "pdserve" / "kernels"
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -86,6 +87,12 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+@functools.cache
+def _compiler_version(cc: str) -> str:
+    """``cc --version`` (part of every build's key), run once a process rather than once a library."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
 
 
 def _compiler() -> str:
@@ -135,7 +142,7 @@ def _build(name: str) -> Path:
     source = src.read_bytes()
     headers = b"".join(h.read_bytes() for h in sorted(_HERE.glob("*.h")))    # what the sources #include
     flags = _FLAGS[name]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    version = _compiler_version(cc)
     key = hashlib.sha256(b"\0".join([source, headers, " ".join(flags).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"{name}-{key}.so"
