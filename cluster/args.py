@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from typing import Any, TypeVar
 
@@ -106,6 +107,11 @@ def check_seconds(name: str, value: float, low: float = 0.0, high: float = MAX_T
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def default_redis_url() -> str:
+    """``PDSERVE_REDIS_URL`` or the local Redis."""
+    return os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 def check_redis_url(name: str, url: str) -> None:

@@ -84,7 +84,7 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     """
     path = Path(model_dir)
     if not path.is_dir():  # a hub repository id: its snapshot in the local cache
-        from pdserve.model.checkpoint import resolve_model_dir
+        from pdserve.model.model_dir import resolve_model_dir
 
         path = resolve_model_dir(model_dir)
     cfg = json.loads((path / "config.json").read_text())

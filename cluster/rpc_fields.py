@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf import message as pb_message
 
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling_types import SamplingParams
 
 MAX_ATTEMPT_ID_CHARS = 256
 """Longest ``request_id`` (an attempt id) a worker takes: the router's are about 40 characters."""
@@ -79,7 +79,7 @@ def check_token_ids(name: str, ids: Sequence[int], vocab_size: int, max_len: int
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> SamplingParams:
     """Return ``sampling`` if every field is usable: :meth:`SamplingParams.validate` (temperature >= 0,
     top_p in (0, 1], min_p in [0, 1], top_k >= 0, max_tokens >= 1, stop tokens in the vocabulary and at most
-    :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them, penalties and logit bias in range) and finite floats.
+    :data:`model.sampling_types.MAX_STOP_TOKEN_IDS` of them, penalties and logit bias in range) and finite floats.
 
     Raises:
         ValueError: naming the first invalid field.

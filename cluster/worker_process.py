@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster.args import check_port, check_redis_url, check_seconds
+from pdserve.cluster.args import check_port, check_redis_url, check_seconds, default_redis_url
 from pdserve.cluster.compute import (
     AUTO_DTYPE,
     DTYPES,
@@ -38,11 +37,6 @@ log = logging.getLogger(__name__)
 NUDGE_GAP_S = 0.05
 """Seconds a heartbeat waits after each renewal before the next: nudges (:meth:`Heartbeat.nudge`) coming faster
 share one renewal, so a burst of aborted requests writes the registry a few times, not once each."""
-
-def default_redis_url() -> str:
-    """``PDSERVE_REDIS_URL`` or the local Redis."""
-    return os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
-
 
 @dataclass(frozen=True)
 class WorkerConfig:

@@ -54,7 +54,8 @@ from pdserve.decode_worker.request import (
 )
 from pdserve.decode_worker.speculative import AdaptiveSpeculation, NgramProposer, make_proposer
 from pdserve.decode_worker.speculative_step import SpeculativeStep
-from pdserve.kvtransfer.select import backend_of_address, make_receiver
+from pdserve.kvtransfer.backends import backend_of_address
+from pdserve.kvtransfer.select import make_receiver
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import BlockPool, KVCacheSpec, NoFreeBlocks
 from pdserve.model.llama import LlamaForCausalLM

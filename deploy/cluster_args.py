@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.cluster.args import context_length
+from pdserve.cluster.args import context_length, default_redis_url
 from pdserve.cluster.compute import KV_TRANSPORTS
-from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy.config import EMBEDDED_MODEL, ClusterConfig
 from pdserve.model.reasoning import REASONING_PARSERS
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS
@@ -154,7 +153,7 @@ def cluster_config(args: argparse.Namespace) -> ClusterConfig:
         FileNotFoundError: a checkpoint, TLS or token file that does not exist.
     """
     from pdserve.deploy.planner import PlannerConfig  # imported when a cluster starts, not for --help
-    from pdserve.model.checkpoint import model_reference
+    from pdserve.model.model_dir import model_reference
 
     autoscale = None
     if args.autoscale:

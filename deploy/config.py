@@ -10,9 +10,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.cluster.args import check_port, check_redis_url, check_seconds
+from pdserve.cluster.args import check_port, check_redis_url, check_seconds, default_redis_url
 from pdserve.cluster.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
-from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy.planner import PlannerConfig
 from pdserve.model.config import ModelConfig, check_max_model_len
 from pdserve.router.config import TOKEN_ENV

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.cluster.args import default_redis_url
 from pdserve.cluster.registry import redact_url
-from pdserve.cluster.worker_process import default_redis_url
 
 
 def add_commands(sub) -> None:

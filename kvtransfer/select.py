@@ -5,8 +5,9 @@ TCP otherwise (a CUDA cache's pages through host staging buffers, :mod:`kvtransf
 worker advertises the backends its cache can use (:func:`local_backends`: a CPU cache -> ``("tcp",)``, a
 CUDA cache -> ``("nccl", "tcp")`` when ``libnccl.so.2`` loads, else ``("tcp",)``), narrowed by its
 ``--kv-transport`` (``tcp`` for two workers sharing one GPU, which NCCL cannot join), and
-:func:`choose_backend` takes the first of :data:`BACKEND_PREFERENCE` both sides list. A receiver
-listens on its first backend; a sender offers all of its own. The receiver's address names its
+:func:`~kvtransfer.backends.choose_backend` takes the first of
+:data:`~kvtransfer.backends.BACKEND_PREFERENCE` both sides list. A receiver listens on its first backend; a
+sender offers all of its own. The receiver's address names its
 backend (``nccl://host:port``; a bare ``host:port`` is TCP), so the sender built by
 :func:`make_sender` picks the transport per request from the address it is handed, with no extra
 field on the wire::
@@ -18,49 +19,20 @@ field on the wire::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from pdserve.cluster.compute import KV_TRANSPORTS
+from pdserve.kvtransfer.backends import (
+    AUTO_RECEIVERS,
+    BACKEND_PREFERENCE,
+    backend_of_address,
+    choose_backend,
+)
 from pdserve.kvtransfer.base import KVChannel, KVReceiver, KVSender, TransferError
-from pdserve.kvtransfer.cudaipc.control import SCHEME as CUDA_IPC_SCHEME
-from pdserve.kvtransfer.nccl.control import SCHEME as NCCL_SCHEME
 from pdserve.kvtransfer.wire.listener import DEFAULT_MAX_CONNECTIONS
 from pdserve.model.kv_cache import KVCacheSpec
-
-BACKEND_PREFERENCE = ("nccl", "cuda-ipc", "tcp")
-"""Known backends, best first."""
-AUTO_RECEIVERS = ("nccl", "tcp")
-"""Backends a receiver under ``--kv-transport auto`` listens on: CUDA IPC only when asked, since it reaches
-senders on the receiver's own machine alone (workers sharing a GPU); NCCL and TCP reach any node."""
-SCHEMES = {"nccl": NCCL_SCHEME, "cuda-ipc": CUDA_IPC_SCHEME}
-"""Address prefix of each backend but TCP (a bare ``host:port``)."""
-
-
-def backend_of_address(address: str) -> str:
-    """The backend a receiver address names: ``"nccl"`` for ``nccl://host:port``, ``"cuda-ipc"`` for
-    ``cuda-ipc://host:port``, ``"tcp"`` for ``host:port``.
-
-    Raises:
-        ValueError: an unknown ``scheme://`` prefix.
-    """
-    for backend, scheme in SCHEMES.items():
-        if address.startswith(scheme):
-            return backend
-    if "://" in address:
-        raise ValueError(f"unknown KV transport in address {address!r} (known: 'nccl://host:port', "
-                         "'cuda-ipc://host:port', 'host:port')")
-    return "tcp"
-
-
-def host_port(address: str) -> str:
-    """``host:port`` of a receiver address, its backend's scheme removed.
-
-    Raises:
-        ValueError: an unknown ``scheme://`` prefix.
-    """
-    return address.removeprefix(SCHEMES.get(backend_of_address(address), ""))
 
 
 def nccl_status(library_path: str | None = None) -> str | None:
@@ -105,24 +77,6 @@ def explain_no_backend(kv_cache: torch.Tensor, nccl_library_path: str | None = N
         return (f"--kv-transport {transport}: {what} CUDA memory only, and this KV cache is on "
                 f"{kv_cache.device}; use tcp or auto")
     return f"--kv-transport {transport}: NCCL is unavailable: {nccl_status(nccl_library_path)}; use tcp or auto"
-
-
-def choose_backend(sender_backends: Sequence[str], receiver_backends: Sequence[str]) -> str:
-    """The first backend of :data:`BACKEND_PREFERENCE` that both ends list. Pure; no I/O.
-
-    Raises:
-        ValueError: an unknown backend name, or none in common (e.g. a CUDA prefill worker and a CPU
-            decode worker: TCP reads and writes CPU memory only).
-    """
-    unknown = sorted((set(sender_backends) | set(receiver_backends)) - set(BACKEND_PREFERENCE))
-    if unknown:
-        raise ValueError(f"unknown KV transport backends {unknown} (known: {list(BACKEND_PREFERENCE)})")
-    for backend in BACKEND_PREFERENCE:
-        if backend in sender_backends and backend in receiver_backends:
-            return backend
-    raise ValueError(f"no common KV transport: the sender offers {list(sender_backends)}, the receiver "
-                     f"accepts {list(receiver_backends)} (NCCL needs CUDA caches and libnccl on both ends; "
-                     "TCP takes any cache unless --kv-transport nccl excludes it)")
 
 
 def _backends(kv_cache: torch.Tensor, nccl_library_path: str | None, transport: str) -> tuple[str, ...]:

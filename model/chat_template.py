@@ -30,7 +30,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from pdserve.model.checkpoint import read_json, resolve_model_dir
+from pdserve.model.model_dir import read_json, resolve_model_dir
 from pdserve.model.tokenizer import load_hf_tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"

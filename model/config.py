@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.model.checkpoint import read_json, resolve_model_dir
 from pdserve.model.families import FAMILIES, check_supported, family_options, flag, moe_options, multipliers
+from pdserve.model.model_dir import read_json, resolve_model_dir
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dir(cls, model_dir: str | Path, max_model_len: int = 0) -> "ModelConfig":
         """Read ``config.json`` (and ``generation_config.json`` for EOS ids) of a checkpoint
-        directory or a hub repository id in the local cache (:func:`model.checkpoint.resolve_model_dir`),
+        directory or a hub repository id in the local cache (:func:`model.model_dir.resolve_model_dir`),
         served at ``max_model_len`` tokens (0: the checkpoint's ``max_position_embeddings``).
 
         Raises:

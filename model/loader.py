@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.model.checkpoint import iter_tensors, resolve_model_dir
+from pdserve.model.checkpoint import iter_tensors
 from pdserve.model.config import ModelConfig
 from pdserve.model.families import fused_in_checkpoint
 from pdserve.model.llama import LlamaForCausalLM
+from pdserve.model.model_dir import resolve_model_dir
 
 _FUSED = {  # our fused projection -> the checkpoint's parts, in concatenation order (an expert's too)
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),

@@ -45,16 +45,6 @@ class SamplingParams(Protocol):
     allowed_token_ids: tuple[int, ...]
 
 
-PENALTY_BOUND = 2.0            # |presence_penalty|, |frequency_penalty| at most this (OpenAI's range)
-LOGIT_BIAS_BOUND = 100.0       # |bias| at most this (OpenAI's range)
-MAX_LOGIT_BIAS = 1024          # biased tokens of one request: every message that forwards them stays small
-MAX_ALLOWED_TOKEN_IDS = 4096   # allowed tokens of one request, likewise
-MAX_BAD_WORDS = 256            # token sequences of one request's bad words (each word's spellings)
-MAX_BAD_WORD_TOKENS = 64       # tokens of one such sequence
-# a repetition penalty of 1e-40 turned positive logits into +inf; 0.01 as float32 rounds it (the wire's width)
-REPETITION_BOUNDS = (float(np.float32(0.01)), 100.0)
-
-
 def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],
              stop_ids: Collection[int] = ()) -> torch.Tensor:
     """``[vocab]`` logits of one row after ``p``'s ``min_tokens``, logit bias and penalties (module docstring),
@@ -137,42 +127,3 @@ def _keys(ids: Sequence[Sequence[int] | torch.Tensor], vocab: int, device: torch
 def _per_row(values: Sequence[float], rows: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``values[row]`` for each entry of ``rows``, float32."""
     return torch.tensor(values, dtype=torch.float32, device=device)[rows]
-
-
-def check_penalties(p: SamplingParams, vocab_size: int) -> None:
-    """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: ``min_tokens``
-    outside [0, max_tokens]; presence and frequency penalties not finite in [-2, 2]; a repetition penalty
-    outside [0.01, 100]; more than :data:`MAX_LOGIT_BIAS` biased tokens, one outside the vocabulary or
-    repeated, or a bias not finite in [-100, 100]; more than :data:`MAX_ALLOWED_TOKEN_IDS` allowed tokens or
-    one outside the vocabulary; bad words beyond :data:`MAX_BAD_WORDS` sequences of 1 to
-    :data:`MAX_BAD_WORD_TOKENS` tokens, or a token outside the vocabulary."""
-    if not 0 <= p.min_tokens <= p.max_tokens:
-        raise ValueError(f"min_tokens must be in [0, max_tokens={p.max_tokens}], got {p.min_tokens}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(p, name)
-        if not -PENALTY_BOUND <= value <= PENALTY_BOUND:       # NaN fails too
-            raise ValueError(f"{name} must be in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}], got {value}")
-    if not REPETITION_BOUNDS[0] <= p.repetition_penalty <= REPETITION_BOUNDS[1]:   # NaN fails too
-        raise ValueError(f"repetition_penalty must be in [{REPETITION_BOUNDS[0]:g}, {REPETITION_BOUNDS[1]:g}] (1 is "
-                         f"off), got {p.repetition_penalty}")
-    if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias of {len(p.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
-    ids = [t for t, _ in p.logit_bias]
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
-    if len(set(ids)) != len(ids):
-        raise ValueError("logit_bias repeats a token id")
-    wild = [b for _, b in p.logit_bias if not -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND]
-    if wild:
-        raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {wild[0]}")
-    if len(p.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
-        raise ValueError(f"allowed_token_ids holds {len(p.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS}")
-    bad = [t for t in p.allowed_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"allowed_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
-    if len(p.bad_words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in p.bad_words):
-        raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences of 1 to {MAX_BAD_WORD_TOKENS} tokens")
-    bad = [t for w in p.bad_words for t in w if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"bad_words token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")

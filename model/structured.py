@@ -1,8 +1,8 @@
 """Structured output: sampling held to a grammar, by masking at each step the tokens the grammar does not allow
-next, with xgrammar (Dong et al., "XGrammar", MLSys 2025), vLLM's default structured-output backend. The kinds
-of grammar (:data:`KINDS`, vLLM's ``structured_outputs``): any JSON object, JSON matching a JSON Schema, text
-matching a regular expression (xgrammar's dialect), exactly one of a list of strings, and a context-free
-grammar in xgrammar's EBNF (GBNF-like, start rule ``root``)::
+next, with xgrammar (Dong et al., "XGrammar", MLSys 2025), vLLM's default structured-output backend. The
+kinds of grammar (:data:`~model.structured_spec.KINDS`, vLLM's ``structured_outputs``): any JSON object, JSON
+matching a JSON Schema, text matching a regular expression (xgrammar's dialect), exactly one of a list of
+strings, and a context-free grammar in xgrammar's EBNF (GBNF-like, start rule ``root``)::
 
     spec ("json_schema", schema text) ──Grammars.compile──► compiled grammar (cached per spec)
     compiled ──Constraint──► per request: mask(logits row) before sampling, accept(token) after
@@ -31,40 +31,10 @@ import torch
 
 from pdserve.kernels.cpu import available
 from pdserve.kernels.cpu.fused import mask_logits_
+from pdserve.model.structured_spec import Spec, check_spec
 from pdserve.model.tokenizer import load_hf_tokenizer
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-MAX_SCHEMA_CHARS = 65_536  # a spec's text at most: every worker compiles it, as every worker reads a prompt
-MAX_CHOICES = 1_024
 CACHE_SIZE = 64   # compiled grammars kept per process (least recently used dropped)
-
-Spec = tuple[str, str]
-"""``(kind, text)``: ``("json_object", "")``, ``("json_schema", the schema as JSON text)``, ``("regex",
-pattern)``, ``("choice", the choices as a JSON array of strings)`` or ``("grammar", EBNF text)``."""
-
-
-def check_spec(spec: Spec) -> None:
-    """Refuse a spec before any xgrammar parser sees it: an unknown kind, a text over :data:`MAX_SCHEMA_CHARS`
-    characters, a schema :func:`check_schema_text` refuses, an empty regex or grammar, or choices that are not
-    1 to :data:`MAX_CHOICES` non-empty strings.
-
-    Raises:
-        ValueError: naming the field (``structured_output.<kind>``) and the problem.
-    """
-    kind, text = spec
-    if kind not in KINDS:
-        raise ValueError(f"unknown structured output kind {kind!r}: one of {', '.join(KINDS)}")
-    if kind == "json_schema":
-        check_schema_text(text)
-    elif len(text) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"structured_output.{kind} of {len(text)} characters exceeds {MAX_SCHEMA_CHARS}")
-    elif kind in ("regex", "grammar") and not text:
-        raise ValueError(f"structured_output.{kind} is empty")
-    elif kind == "choice":
-        choices = json.loads(text)
-        if not (isinstance(choices, list) and 0 < len(choices) <= MAX_CHOICES
-                and all(isinstance(c, str) and c for c in choices)):
-            raise ValueError(f"structured_output.choice must be 1 to {MAX_CHOICES} non-empty strings")
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -76,23 +46,6 @@ def choice_grammar(choices: Sequence[str]) -> str:
 def _xgrammar_message(exc: RuntimeError) -> str:
     """xgrammar's error without its log prefix (``[time] file.cc:line: ``)."""
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc).strip().splitlines()[-1].strip())
-
-
-def check_schema_text(text: str) -> None:
-    """Refuse a schema that is not JSON text of an object, or longer than :data:`MAX_SCHEMA_CHARS` (before
-    xgrammar sees it: its parser recurses on nesting).
-
-    Raises:
-        ValueError: naming the problem.
-    """
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"structured_output.json_schema of {len(text)} characters exceeds {MAX_SCHEMA_CHARS}")
-    try:
-        schema = json.loads(text)
-    except (ValueError, RecursionError) as exc:   # RecursionError: nested deeper than the parser's stack
-        raise ValueError(f"structured_output.json_schema is not JSON: {type(exc).__name__}: {exc}") from None
-    if not isinstance(schema, dict):
-        raise ValueError("structured_output.json_schema must be a JSON object (a JSON Schema)")
 
 
 class Grammars:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from pdserve.model.checkpoint import read_json, resolve_model_dir
+from pdserve.model.model_dir import read_json, resolve_model_dir
 
 
 def load_hf_tokenizer(model_dir: Path) -> HFTokenizer:
@@ -32,7 +32,7 @@ class Tokenizer:
     """Encodes prompts (adding BOS as the checkpoint asks) and decodes token ids.
 
     ``model_dir``: a checkpoint directory or a hub repository id in the local cache
-    (:func:`model.checkpoint.resolve_model_dir`).
+    (:func:`model.model_dir.resolve_model_dir`).
 
     Raises:
         FileNotFoundError: from the constructor when the checkpoint or its ``tokenizer.json`` is missing.

@@ -32,7 +32,7 @@ from pdserve.cluster.rpc_fields import (
 )
 from pdserve.cluster.warmup import WarmupReport
 from pdserve.cluster.worker_process import WorkerProcess, check_kv_memory, worker_secret
-from pdserve.kvtransfer.select import backend_of_address, host_port
+from pdserve.kvtransfer.backends import backend_of_address, host_port
 from pdserve.kvtransfer.wire.channel import parse_address
 from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.hugepages import move_to_huge_pages

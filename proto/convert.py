@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.model.sampling import SamplingParams, TokenLogprobs
+from pdserve.model.sampling_types import SamplingParams, TokenLogprobs
 from pdserve.proto import pdserve_pb2, worker_pb2
 
 FINISH_REASONS = {

@@ -25,7 +25,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling_types import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.admission import Admission

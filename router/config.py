@@ -6,9 +6,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from pdserve.cluster.args import check_port, check_redis_url, check_seconds
+from pdserve.cluster.args import check_port, check_redis_url, check_seconds, default_redis_url
 from pdserve.cluster.rpc_fields import MAX_KV_TIMEOUT_S
-from pdserve.cluster.worker_process import default_redis_url
 from pdserve.model.config import check_max_model_len
 from pdserve.model.reasoning import REASONING_PARSERS
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.kvtransfer.select import choose_backend
+from pdserve.kvtransfer.backends import choose_backend
 
 DEFAULT_SECONDS_PER_BLOCK = 1e-3  # before any measurement: only ratios between workers matter then
 
@@ -118,7 +118,7 @@ def rank_decode(workers: list[WorkerInfo], inflight: Counter, num_tokens: int, r
     token's position) and whose pool can hold ``lifetime_tokens`` (prompt + max_tokens - 1; a worker
     takes more blocks as the request grows), best first: smallest running batch counting this router's
     in-flight requests, then most free blocks. With ``kv_backends`` (the chosen prefill worker's),
-    only workers sharing a KV transport with it (:func:`kvtransfer.select.choose_backend`)."""
+    only workers sharing a KV transport with it (:func:`kvtransfer.backends.choose_backend`)."""
     pool = [w for w in workers if w.role == role and w.num_free_blocks >= blocks_for(w, num_tokens)
             and _pool_holds(w, lifetime_tokens)
             and (kv_backends is None or _shares_transport(kv_backends, w.kv_backends))]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.cluster.registry import WorkerInfo
-from pdserve.model.sampling import SamplingParams
+from pdserve.model.sampling_types import SamplingParams
 
 MAX_ATTEMPTS = 4  # default dispatches per request, the first included (RouterConfig.max_attempts)
 MIN_ATTEMPT_S = 0.5       # no new attempt with less time than this left before the request's deadline

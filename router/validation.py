@@ -21,8 +21,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from pdserve.cluster.rpc_fields import UNSAFE_CATEGORIES, outside_vocabulary
 from pdserve.model.config import ModelConfig
-from pdserve.model.sampling import SamplingParams
-from pdserve.model.structured import check_spec
+from pdserve.model.sampling_types import SamplingParams
+from pdserve.model.structured_spec import check_spec
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import grammar_from_wire
@@ -155,12 +155,12 @@ def validate(req: pdserve_pb2.GenerateRequest, cfg: ModelConfig, tokenizer: Toke
             max_tokens beyond the context; max_tokens above ``max_tokens_limit`` (the message names
             the limit); truncate_prompt_tokens 0 or below -1; invalid sampling parameters (NaN or infinite
             temperature, top_p outside (0, 1], min_p outside [0, 1], negative top_k, max_tokens < 1, stop
-            tokens outside the vocabulary or more than :data:`model.sampling.MAX_STOP_TOKEN_IDS` of them,
+            tokens outside the vocabulary or more than :data:`model.sampling_types.MAX_STOP_TOKEN_IDS` of them,
             logprobs or prompt_logprobs outside
             [0, 20], n outside [1, 16], more than 8 stop strings or one empty or over 256 characters,
-            penalties or logit_bias out of range: :func:`model.penalties.check_penalties`; prompt_logprobs over
+            penalties or logit_bias out of range: :func:`model.sampling_types.check_penalties`; prompt_logprobs over
             more than :data:`MAX_PROMPT_LOGPROB_ENTRIES` (prompt tokens x (alternatives + 1)); a structured output
-            spec :func:`model.structured.check_spec` refuses, or one with ignore_eos or min_tokens); SLOs not
+            spec :func:`model.structured_spec.check_spec` refuses, or one with ignore_eos or min_tokens); SLOs not
             finite and positive; queue_timeout_s not finite and non-negative; a non-zero priority without
             ``priority_scheduling`` (``--scheduling-policy priority``).
     """

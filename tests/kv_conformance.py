@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdserve.kvtransfer.backends import SCHEMES, host_port
 from pdserve.kvtransfer.base import KVReceiver
 from pdserve.kvtransfer.cudaipc import CudaIpcKVReceiver, CudaIpcKVSender
 from pdserve.kvtransfer.cudaipc.control import CacheShare
 from pdserve.kvtransfer.cudaipc.handles import PeerCacheError, check_share
-from pdserve.kvtransfer.select import SCHEMES, SelectingKVSender, host_port, make_receiver, make_sender, nccl_status
+from pdserve.kvtransfer.select import SelectingKVSender, make_receiver, make_sender, nccl_status
 from pdserve.kvtransfer.wire.frames import dtype_name
 from pdserve.model.kv_cache import KVCacheSpec
 from tests.kv_helpers import Outcome, make_spec

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from pdserve.model import checkpoint, loader
-from pdserve.model.checkpoint import INDEX_FILE, model_reference, resolve_model_dir
+from pdserve.model.checkpoint import INDEX_FILE
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
+from pdserve.model.model_dir import model_reference, resolve_model_dir
 from pdserve.model.quant.int4_checkpoint import is_int4_checkpoint, load_int4_checkpoint, save_quantized_checkpoint
 from pdserve.model.runner import ModelRunner, StepInput
 from pdserve.model.tokenizer import Tokenizer

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.model.penalties import REPETITION_BOUNDS as REP
-from pdserve.model.sampling import MAX_STOP_TOKEN_IDS
+from pdserve.model.sampling_types import MAX_STOP_TOKEN_IDS
+from pdserve.model.sampling_types import REPETITION_BOUNDS as REP
 from pdserve.proto import pdserve_pb2
 from pdserve.router.validation import (
     MAX_PROMPT_LOGPROB_ENTRIES,

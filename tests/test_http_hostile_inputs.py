@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.model.sampling import GREEDY_BELOW, SamplingParams
+from pdserve.model.sampling_types import GREEDY_BELOW, SamplingParams
 from pdserve.router.http.errors import ApiError
 from pdserve.router.http.schemas import lone_surrogate
 from tests.http_helpers import raw

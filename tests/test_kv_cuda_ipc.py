@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from pdserve.cluster.worker_process import WorkerConfig
+from pdserve.kvtransfer.backends import choose_backend, host_port
 from pdserve.kvtransfer.base import TransferError
 from pdserve.kvtransfer.cudaipc import CudaIpcKVReceiver, CudaIpcKVSender
 from pdserve.kvtransfer.cudaipc.control import IpcHello, IpcPages, encode_control
 from pdserve.kvtransfer.cudaipc.handles import PeerCacheError, PeerCaches, check_share, open_peer_cache
-from pdserve.kvtransfer.select import choose_backend, explain_no_backend, host_port, local_backends, make_receiver
+from pdserve.kvtransfer.select import explain_no_backend, local_backends, make_receiver
 from pdserve.kvtransfer.wire.frames import Ack, Done, encode, read_frame
 from pdserve.prefill_worker.server import check_kv_address
 from tests.kv_conformance import host_export, host_open, random_cache

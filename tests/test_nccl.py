@@ -22,6 +22,7 @@ import torch
 # NCCL reads this once, at its first call: keep its bootstrap socket (opened by ncclGetUniqueId) on loopback.
 os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
+from pdserve.kvtransfer.backends import backend_of_address, choose_backend  # noqa: E402
 from pdserve.kvtransfer.base import TransferError  # noqa: E402
 from pdserve.kvtransfer.nccl import NcclKVReceiver, NcclKVSender  # noqa: E402
 from pdserve.kvtransfer.nccl.comms import CommCache  # noqa: E402
@@ -36,8 +37,6 @@ from pdserve.kvtransfer.nccl.library import (  # noqa: E402
     load_library,
 )
 from pdserve.kvtransfer.select import (  # noqa: E402
-    backend_of_address,
-    choose_backend,
     explain_no_backend,
     local_backends,
     make_receiver,

@@ -18,8 +18,9 @@ from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import FinishedEvent, TokensEvent
 from pdserve.decode_worker.speculative import Proposal, verify
 from pdserve.model.loader import load_model
-from pdserve.model.penalties import MAX_LOGIT_BIAS, penalize, penalize_rows_
+from pdserve.model.penalties import penalize, penalize_rows_
 from pdserve.model.sampling import SamplingParams, sample
+from pdserve.model.sampling_types import MAX_LOGIT_BIAS
 from pdserve.model.tokenizer import Tokenizer
 from tests.conftest import CHAT_MODEL
 

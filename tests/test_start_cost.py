@@ -41,3 +41,16 @@ def test_loading_models_and_warming_a_decode_engine_does_not_import_dynamo(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not any(seen.values()), seen
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_the_router_serves_without_loading_torch(fresh_cluster):
+    """The router matches, admits and streams; it never runs a model, so it loads no libtorch (the import cost
+    2.5 s of its start and 185 MB of its memory). Its workers do: the check can tell."""
+    assert fresh_cluster.complete("Once upon a time", max_tokens=4).text
+    assert "libtorch" not in _maps(fresh_cluster.router.proc.pid)
+    assert "libtorch" in _maps(fresh_cluster.worker("p0").proc.pid)

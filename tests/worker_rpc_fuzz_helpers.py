@@ -17,7 +17,7 @@ from pdserve.cluster.rpc_fields import MAX_ATTEMPT_ID_CHARS
 from pdserve.decode_worker.request import MAX_KV_TIMEOUT_S
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.model.config import ModelConfig
-from pdserve.model.penalties import REPETITION_BOUNDS as REP
+from pdserve.model.sampling_types import REPETITION_BOUNDS as REP
 from pdserve.prefill_worker.server import MAX_KV_ADDRESS_CHARS
 from pdserve.proto import worker_pb2
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.kvtransfer.backends import SCHEMES
 from pdserve.kvtransfer.wire.control import ControlCodec
 
-SCHEME = "cuda-ipc://"
+SCHEME = SCHEMES["cuda-ipc"]
 """Prefix of a CUDA IPC receiver's address: ``cuda-ipc://host:port``."""
 
 

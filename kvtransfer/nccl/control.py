@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.kvtransfer.backends import SCHEMES
 from pdserve.kvtransfer.wire.control import ControlCodec
 
-SCHEME = "nccl://"  # prefix of an NCCL receiver's address: "nccl://host:port" (a bare "host:port" is TCP)
+SCHEME = SCHEMES["nccl"]  # prefix of an NCCL receiver's address: "nccl://host:port" (a bare "host:port" is TCP)
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pdserve.model.checkpoint import iter_tensors, open_safetensors, resolve_model_dir, safetensors_files
+from pdserve.model.checkpoint import iter_tensors, open_safetensors, safetensors_files
 from pdserve.model.config import ModelConfig
 from pdserve.model.families import refuse_mixture
 from pdserve.model.llama import LlamaForCausalLM
 from pdserve.model.loader import FOLDED, Placement, assemble_state, expected_tensors, finish_model, load_model
+from pdserve.model.model_dir import resolve_model_dir
 from pdserve.model.quant.int4 import Int4Linear, calibrated_weights, iter_targets
 from pdserve.model.quant.int4_format import (
     FORMAT_VERSION,

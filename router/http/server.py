@@ -14,7 +14,7 @@ import uvicorn
 
 from pdserve.cluster.secret import InsecureReminder, check_exposure, is_loopback
 from pdserve.model.chat_template import ChatTemplate
-from pdserve.model.checkpoint import looks_like_repo_id
+from pdserve.model.model_dir import looks_like_repo_id
 from pdserve.router.http.app import Backend, make_app
 
 log = logging.getLogger(__name__)
