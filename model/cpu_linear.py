@@ -62,6 +62,11 @@ GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 g
 AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
 AMX_MAX_ROWS = 256     # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
+FLOAT_GEMMS = (KERNELS[3], KERNELS[4])
+"""The packed GEMMs on float32 FMAs (``gemm-fma``, ``gemm-avx2``): on their CPUs ``F.linear`` in bf16 has no native
+bf16 products either and ran 4-9x slower at every row count (a Xeon 207 without AVX512-BF16: 20% of the compute
+floor at 512 rows against the FMA GEMM's 91%; Zen 3: 9.5 against 85 GFLOP/s at 2,048 rows), so beside them no
+dense weight is kept and every row count runs packed."""
 
 
 class PackedBF16Linear(nn.Module):
@@ -78,7 +83,8 @@ class PackedBF16Linear(nn.Module):
     whose prepacked copy is then cut in pieces where :func:`model.onednn_linear.choose_gate_up_pieces` says so
     (:class:`~model.onednn_linear.OneDNNGateUp`), and ``silu_mul`` (set only then) runs the MLP's
     SiLU-and-mul piece by piece for those rows. Without ``keep_dense`` every row count runs on the packed
-    weight. A float32 input goes through ``F.linear`` (on the dense weight, or one unpacked for the call).
+    weight, as on CPUs whose packed GEMM is one of :data:`FLOAT_GEMMS` (``keep_dense`` ignored). A float32 input
+    goes through ``F.linear`` (on the dense weight, or one unpacked for the call).
 
     Raises:
         ValueError: ``linear``'s weight is not bf16 on the CPU.
@@ -92,6 +98,8 @@ class PackedBF16Linear(nn.Module):
                              f"on {linear.weight.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.amx = gemm_amx_available() and self.in_features % 32 == 0
+        if not self.amx and bf16_gemm_kernel() in FLOAT_GEMMS:
+            keep_dense = False          # F.linear in bf16 is 4-9x slower than these at any row count: never taken
         self.onednn = prepacked_copy(linear, gate_up=gate_up) if keep_dense and prepack and \
             onednn_prepack_available() else None
         if isinstance(self.onednn, OneDNNGateUp):
