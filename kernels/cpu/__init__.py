@@ -73,6 +73,10 @@ class KernelUnavailable(RuntimeError):
     """The C kernels cannot run here (no compiler, a failed build, or a CPU without the ISA)."""
 
 
+class BuildFailedBefore(KernelUnavailable):
+    """This build failed in an earlier process (its compiler output is recorded): logged once, at the failure."""
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pdserve" / "kernels"
@@ -150,7 +154,7 @@ def _build(name: str) -> Path:
     if _trusted(out):
         return out
     if _trusted(failed):
-        raise KernelUnavailable(f"building {name}.c failed before (the compiler's output: {failed}; delete it to "
+        raise BuildFailedBefore(f"building {name}.c failed before (the compiler's output: {failed}; delete it to "
                                 f"retry)")
     try:
         _private_dir(out.parent)
@@ -215,5 +219,6 @@ def available(name: str) -> bool:
             return False
         return True
     except KernelUnavailable as exc:
-        log.warning("CPU kernel %s unavailable, using torch: %s", name, exc)
+        log.log(logging.INFO if isinstance(exc, BuildFailedBefore) else logging.WARNING,
+                "CPU kernel %s unavailable, using torch: %s", name, exc)
         return False
