@@ -109,6 +109,11 @@ def check_seconds(name: str, value: float, low: float = 0.0, high: float = MAX_T
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
+KV_TRANSPORTS = ("auto", "nccl", "cuda-ipc", "tcp")
+"""``--kv-transport`` values: ``auto`` (what the KV cache's memory allows, best first; a receiver listens on
+NCCL or TCP), or one backend (``cuda-ipc``: workers on GPUs one process sees, e.g. sharing one GPU)."""
+
+
 def default_redis_url() -> str:
     """``PDSERVE_REDIS_URL`` or the local Redis."""
     return os.environ.get("PDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -17,9 +17,6 @@ import torch
 from pdserve.kernels.cpu.gemv import packed_bf16_available
 
 DEVICE_AUTO = "auto"
-KV_TRANSPORTS = ("auto", "nccl", "cuda-ipc", "tcp")
-"""``--kv-transport`` values: ``auto`` (what the KV cache's memory allows, best first; a receiver listens on
-NCCL or TCP), or one backend (``cuda-ipc``: workers on GPUs one process sees, e.g. sharing one GPU)."""
 _NAME = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
 
 

@@ -14,11 +14,10 @@ import grpc
 import torch
 from prometheus_client import CollectorRegistry
 
-from pdserve.cluster.args import check_port, check_redis_url, check_seconds, default_redis_url
+from pdserve.cluster.args import KV_TRANSPORTS, check_port, check_redis_url, check_seconds, default_redis_url
 from pdserve.cluster.compute import (
     AUTO_DTYPE,
     DTYPES,
-    KV_TRANSPORTS,
     check_device_name,
     device_memory_bytes,
     resolve_device,

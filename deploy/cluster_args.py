@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pdserve.cluster.args import context_length, default_redis_url
-from pdserve.cluster.compute import KV_TRANSPORTS
+from pdserve.cluster.args import KV_TRANSPORTS, context_length, default_redis_url
 from pdserve.deploy.config import EMBEDDED_MODEL, ClusterConfig
 from pdserve.model.reasoning import REASONING_PARSERS
 from pdserve.model.tool_calls import TOOL_CALL_PARSERS

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from pdserve.cluster.compute import KV_TRANSPORTS
+from pdserve.cluster.args import KV_TRANSPORTS
 from pdserve.kvtransfer.backends import (
     AUTO_RECEIVERS,
     BACKEND_PREFERENCE,

@@ -54,3 +54,13 @@ def test_the_router_serves_without_loading_torch(fresh_cluster):
     assert fresh_cluster.complete("Once upon a time", max_tokens=4).text
     assert "libtorch" not in _maps(fresh_cluster.router.proc.pid)
     assert "libtorch" in _maps(fresh_cluster.worker("p0").proc.pid)
+
+
+def test_the_router_and_the_cli_import_without_torch():
+    """``pdserve`` commands (status, down, pool) and a router start without torch: what they take from the layers
+    below is torch-free (``model/sampling_types.py``, ``model/structured_spec.py``, ``model/model_dir.py``,
+    ``kvtransfer/backends.py``, ``cluster/args.py``)."""
+    code = "import sys, pdserve.deploy.cli, pdserve.router.__main__; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False"
