@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.model.structured_spec import KINDS
@@ -133,17 +134,12 @@ class SamplingParams:
             if len(self.grammar_after) > MAX_GRAMMAR_AFTER:
                 raise ValueError(f"structured_output.start_after holds {len(self.grammar_after)} token ids; at most "
                                  f"{MAX_GRAMMAR_AFTER}")
-            bad = [t for t in self.grammar_after if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"structured_output.start_after ids {bad} are outside the vocabulary "
-                                 f"[0, {vocab_size})")
+            check_in_vocab("structured_output.start_after ids", self.grammar_after, vocab_size, show=None)
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt of {len(self.cache_salt)} characters exceeds {MAX_CACHE_SALT_CHARS}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"{len(self.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        check_in_vocab("stop_token_ids", self.stop_token_ids, vocab_size, show=None)
         check_penalties(self, vocab_size)
 
     @property
@@ -177,6 +173,14 @@ class TokenLogprobs:
     rank: int = 0
 
 
+def check_in_vocab(what: str, ids: Sequence[int], vocab_size: int, show: int | None = 8) -> None:
+    """Raise ``ValueError`` naming ``what`` and the first ``show`` of ``ids`` (all with ``None``) outside
+    ``[0, vocab_size)``."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} {bad[:show]} are outside the vocabulary [0, {vocab_size})")
+
+
 def check_penalties(p: SamplingParams, vocab_size: int) -> None:
     """Raise ``ValueError`` naming the first of ``p``'s bias or penalty fields out of range: ``min_tokens``
     outside [0, max_tokens]; presence and frequency penalties not finite in [-2, 2]; a repetition penalty
@@ -196,9 +200,7 @@ def check_penalties(p: SamplingParams, vocab_size: int) -> None:
     if len(p.logit_bias) > MAX_LOGIT_BIAS:
         raise ValueError(f"logit_bias of {len(p.logit_bias)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
     ids = [t for t, _ in p.logit_bias]
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    check_in_vocab("logit_bias token ids", ids, vocab_size)
     if len(set(ids)) != len(ids):
         raise ValueError("logit_bias repeats a token id")
     wild = [b for _, b in p.logit_bias if not -LOGIT_BIAS_BOUND <= b <= LOGIT_BIAS_BOUND]
@@ -206,11 +208,7 @@ def check_penalties(p: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}], got {wild[0]}")
     if len(p.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
         raise ValueError(f"allowed_token_ids holds {len(p.allowed_token_ids)} ids; at most {MAX_ALLOWED_TOKEN_IDS}")
-    bad = [t for t in p.allowed_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"allowed_token_ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    check_in_vocab("allowed_token_ids", p.allowed_token_ids, vocab_size)
     if len(p.bad_words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in p.bad_words):
         raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} token sequences of 1 to {MAX_BAD_WORD_TOKENS} tokens")
-    bad = [t for w in p.bad_words for t in w if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"bad_words token ids {bad[:8]} are outside the vocabulary [0, {vocab_size})")
+    check_in_vocab("bad_words token ids", [t for w in p.bad_words for t in w], vocab_size)
