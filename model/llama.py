@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         # Built on the meta device and filled from the checkpoint: no init. (torch's normal_ init on meta runs a
-        # decomposition that imports torch._dynamo: 1-2.5 s of every worker process's start.)
+        # decomposition that imports torch._dynamo: 2-3 s of every worker process's start.)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))

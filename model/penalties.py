@@ -26,23 +26,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Collection, Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
 
-
-class SamplingParams(Protocol):
-    """The fields of :class:`model.sampling.SamplingParams` read here (that module imports this one)."""
-
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logit_bias: tuple[tuple[int, float], ...]
-    min_tokens: int
-    max_tokens: int
-    bad_words: tuple[tuple[int, ...], ...]
-    allowed_token_ids: tuple[int, ...]
+from pdserve.model.sampling_types import SamplingParams
 
 
 def penalize(logits: torch.Tensor, p: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int],

@@ -14,7 +14,7 @@ from pdserve.model.config import ModelConfig
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """``[head_dim // 2]`` float32 inverse frequencies, scaled per ``cfg.rope_scaling``, on the CPU whatever the
     default device: a model built on the meta device gets real values (and no meta decomposition runs: those
-    import ``torch._dynamo``, 1-2.5 s of a process's start).
+    import ``torch._dynamo``, 2-3 s of a process's start).
 
     Raises:
         ValueError: an unsupported ``rope_scaling`` type.

@@ -1,6 +1,6 @@
 """Structured-output specs as requests carry them, and their checks, without the grammar compiler: the router
 refuses a bad spec before any worker (or xgrammar) sees it, and imports none of :mod:`model.structured`'s
-dependencies (torch, the C kernels, the tokenizer). The kinds are :mod:`model.structured`'s."""
+dependencies (torch, the C kernels, the tokenizer). :mod:`model.structured` compiles these kinds."""
 
 from __future__ import annotations
 
