@@ -131,8 +131,11 @@ class RssSampler(threading.Thread):
 
         High-water marks, not medians, because RSS dips at constant load: the allocator hands
         freed arenas back to the OS and takes them again, swinging a router's RSS by up to ~4%
-        within seconds (374 -> 360 -> 377 MiB in one 30-second run). A median baseline taken in a
-        dip reads the return to the plateau as growth; a leak instead raises the high-water mark.
+        within seconds (374 -> 360 -> 377 MiB in one 30-second run, when it still loaded torch). A
+        median baseline taken in a dip reads the return to the plateau as growth; a leak instead
+        raises the high-water mark. A torch-free router's RSS (~100-150 MiB under this load) is
+        mostly its in-flight gRPC buffers, so the swing is larger in percent: 129-146 MiB within
+        20 s at constant load on a Xeon 207; ``growth_mib`` gives the absolute figure.
 
         Raises:
             RuntimeError: no sample falls in one of the two windows.
@@ -146,6 +149,7 @@ class RssSampler(threading.Thread):
                 raise RuntimeError(f"not enough RSS samples for {name} (run shorter than warm-up + 2 windows?)")
             b, e = max(upto), max(end)
             out[name] = {"baseline_mib": b / 1024, "end_mib": e / 1024, "growth_pct": 100 * (e / b - 1),
+                         "growth_mib": (e - b) / 1024,
                          "baseline_median_mib": statistics.median(base) / 1024,
                          "end_median_mib": statistics.median(end) / 1024,
                          "peak_mib": max(s[name] for _, s in self.samples) / 1024}

