@@ -111,7 +111,8 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 KV_TRANSPORTS = ("auto", "nccl", "cuda-ipc", "tcp")
 """``--kv-transport`` values: ``auto`` (what the KV cache's memory allows, best first; a receiver listens on
-NCCL or TCP), or one backend (``cuda-ipc``: workers on GPUs one process sees, e.g. sharing one GPU)."""
+NCCL or TCP), or one backend (``cuda-ipc``: workers on GPUs one process sees, e.g. sharing one GPU). The
+backends are listed best first: :data:`kvtransfer.backends.BACKEND_PREFERENCE` is this order."""
 
 
 def default_redis_url() -> str:

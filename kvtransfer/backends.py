@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-BACKEND_PREFERENCE = ("nccl", "cuda-ipc", "tcp")
-"""Known backends, best first."""
+from pdserve.cluster.args import KV_TRANSPORTS
+
+BACKEND_PREFERENCE = tuple(t for t in KV_TRANSPORTS if t != "auto")
+"""Known backends, best first (``nccl``, ``cuda-ipc``, ``tcp``): the ``--kv-transport`` names but ``auto``."""
 AUTO_RECEIVERS = ("nccl", "tcp")
 """Backends a receiver under ``--kv-transport auto`` listens on: CUDA IPC only when asked, since it reaches
 senders on the receiver's own machine alone (workers sharing a GPU); NCCL and TCP reach any node."""

@@ -34,7 +34,7 @@ def _linear_spec(module: torch.nn.Module) -> LinearSpec | None:
             return None
         return LinearSpec("bf16", module.packed, module.out_features, module.in_features, module.bias,
                           gemv_max_rows=gemv_max_rows(module.amx), amx=module.amx)
-    if type(module) is Int4Linear and module.qweight.device.type == "cpu" and not module.exact_cpu:
+    if type(module) is Int4Linear and module.scales.device.type == "cpu" and not module.exact_cpu:
         module.prepare()
         if module.kernel_for(1) != VNNI or module._vnni is None:
             return None

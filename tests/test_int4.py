@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pdserve.kernels.cpu.int4 import int4_available
 from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
@@ -414,6 +415,40 @@ def test_triton_layout_holds_the_portable_codes_as_a_view(monkeypatch):
     assert mod.qweight.is_contiguous() and torch.equal(mod.qweight, other.qweight)
     mod.prepare()
     assert torch.equal(mod.triton_qweight_t, other.qweight.t()) and torch.equal(mod.qweight, other.qweight)
+
+
+@pytest.mark.skipif(not int4_available(), reason="the VNNI layout needs the C INT4 kernel (AVX512-VNNI or AVX2)")
+def test_cpu_vnni_layout_holds_the_codes_once():
+    """On the CPU's VNNI layout the portable ``qweight`` buffer is released (half a byte a weight, not
+    one) and still reads back exactly: through ``qweight``, ``state_dict()``, the dequantized path of long
+    prefills, new codes loaded or assigned, and a switch to torch's layout."""
+    lin, mod = _int4_pair(256, 48, 64, True)
+    codes, state = mod.qweight.clone(), {k: v.clone() for k, v in mod.state_dict().items()}
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        mod(x)                                                   # builds the layout
+        assert "qweight" not in dict(mod.named_buffers())
+        assert sum(b.nbytes for b in mod.buffers() if b.dtype == torch.uint8) == 48 * 256 // 2
+        assert torch.equal(mod.qweight, codes)
+        saved = mod.state_dict()
+        assert list(saved) and set(saved) == set(state) and all(torch.equal(saved[k], state[k]) for k in state)
+        xl = torch.randn(mod.dequant_min_rows_vnni + 1, 256)
+        assert mod.kernel_for(xl.shape[0]) == "int4-dequant-F.linear"
+        torch.testing.assert_close(mod(xl), F.linear(xl, dequantize_weight(codes, mod.scales, mod.zeros, 256),
+                                                     mod.bias), rtol=1e-5, atol=1e-5)
+        _, other = _int4_pair(256, 48, 64, True, seed=1)
+        mod.load_state_dict(other.state_dict())                  # into the restored buffer
+        assert torch.equal(mod.qweight, other.qweight) and "qweight" in dict(mod.named_buffers())
+        torch.testing.assert_close(mod(x), other(x), rtol=0, atol=0)
+        assert "qweight" not in dict(mod.named_buffers())
+        mod.qweight = codes.clone()                              # assigned while released: a buffer again
+        assert "qweight" in dict(mod.named_buffers())
+        ref = _default_reference(mod, x)                         # the codes of `mod`, other's scales
+        torch.testing.assert_close(mod(x), ref, rtol=0, atol=ref.abs().max().item() * 2 ** -7)
+        assert not torch.allclose(mod(x), other(x))
+        mod.exact_cpu = True                                     # torch's layout reads the portable codes
+        torch.testing.assert_close(mod(x), _reference(mod, x, torch.float32), rtol=1e-5, atol=1e-5)
+        assert torch.equal(dict(mod.named_buffers())["qweight"], codes)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton layout is built on a CUDA GPU")

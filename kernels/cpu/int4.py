@@ -90,6 +90,16 @@ def pack_int4_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     return wq, blocked(s), blocked(zeros.float() - 8 * s)
 
 
+def unpack_int4_weight(wq: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_weight` for the codes: ``wq`` uint8 ``[Np / 16, Kp / 8, 16, 4]`` ->
+    the portable ``qweight`` uint8 ``[out_features, Kp // 2]`` (even column in the low nibble), on
+    ``wq``'s device; the padded rows are left out. Exact: the layout is a permutation of the nibbles."""
+    nb, kb = wq.shape[0], wq.shape[1]
+    w = wq.permute(0, 2, 1, 3)                                                   # [Np/16, 16, Kp/8, 4]
+    q = torch.stack([w & 0xF, w >> 4], dim=3).reshape(nb * 16, kb * 8)[:out_features]   # [N, Kp] in 0..15
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
 def quantize_activations(x: torch.Tensor, group_size: int, kp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization, run by the C code: ``x`` ``[M, K]`` fp32 or bf16 ->
     ``(xq int8 [M, Kp], sx float32 [M, Kp // G], sxs float32 [M, Kp // G])`` with ``sxs = sx * sum(xq)``

@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels.cpu.int4 import AMX_KERNEL, int4_available, int4_path, pack_int4_weight, run_unchecked
+from pdserve.kernels.cpu.int4 import (
+    AMX_KERNEL,
+    int4_available,
+    int4_path,
+    pack_int4_weight,
+    run_unchecked,
+    unpack_int4_weight,
+)
 from pdserve.model.families import refuse_mixture
 from pdserve.model.quant.gptq import gptq_quantize_model
 from pdserve.model.quant.int4_format import (
@@ -90,7 +97,11 @@ class Int4Linear(nn.Module):
       bf16 ``sz [Kp // G, N, 2]``; other rows run ``"int4-triton"``, whose layout it keeps beside its own.
 
     On CUDA ``qweight`` is then a transposed view of ``triton_qweight_t`` (contiguous again once the layout
-    is dropped): 1 byte a weight for both layouts, not 1.5.
+    is dropped): 1 byte a weight for both layouts, not 1.5. On the CPU's ``"int4-vnni"`` layout (a
+    permutation of the same nibbles) the ``qweight`` buffer is released once the layout is built, so
+    the codes take half a byte a weight, not one; reading ``qweight`` (``state_dict()``, the dequantized
+    path of long prefills, a move to another device) unpacks it from ``vnni_wq``, and dropping the
+    layout restores the buffer.
 
     Output dtype is ``x.dtype`` (float32, bfloat16 or float16; other dtypes run in float32).
     ``bias`` (``[N]``, float, or ``None``) is added in the output dtype.
@@ -136,11 +147,29 @@ class Int4Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, group_size={self.group_size}")
 
+    def _codes_released(self) -> bool:
+        """Whether ``qweight`` lives only in the VNNI layout's ``vnni_wq`` (class docstring)."""
+        return self.__dict__.get("_layout") == VNNI and "qweight" not in self._buffers
+
+    def __getattr__(self, name: str):
+        if name == "qweight" and self._codes_released():
+            return unpack_int4_weight(self._buffers["vnni_wq"], self.out_features)
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._codes_released():
+            destination[prefix + "qweight"] = self.qweight
+
     def _load_from_state_dict(self, *args, **kwargs) -> None:
+        if self._codes_released():
+            self._drop_layout()                                  # a buffer to load into
         super()._load_from_state_dict(*args, **kwargs)
         self._drop_layout()                                      # buffers may have changed in place
 
     def __setattr__(self, name: str, value) -> None:
+        if name == "qweight" and "_buffers" in self.__dict__ and self._codes_released():
+            self._drop_layout()                                  # so that the new codes become the buffer
         super().__setattr__(name, value)
         if name in ("qweight", "scales", "zeros") and self.__dict__.get("_layout") is not None:
             self._drop_layout()                                  # new portable tensors: rebuild from them
@@ -160,13 +189,16 @@ class Int4Linear(nn.Module):
         return out
 
     def _wanted_layout(self) -> str:
-        if self.qweight.device.type == "cuda":
-            ok = self.cuda_tinygemm and tinygemm_cuda_supported(self.qweight.device, self.qweight.shape[1] * 2,
+        device = self.scales.device                             # qweight may be released (class docstring)
+        if device.type == "cuda":
+            ok = self.cuda_tinygemm and tinygemm_cuda_supported(device, self.scales.shape[1] * self.group_size,
                                                                  self.out_features, self.group_size)
             return TINYGEMM if ok else TRITON
         return VNNI if not self.exact_cpu and int4_available() else TORCH
 
     def _drop_layout(self) -> None:
+        if self._codes_released():
+            self._buffers["qweight"] = unpack_int4_weight(self._buffers["vnni_wq"], self.out_features)
         for name in _LAYOUT_BUFFERS.get(self._layout, ()):
             del self._buffers[name]
         self._layout, self._vnni = None, None
@@ -184,7 +216,7 @@ class Int4Linear(nn.Module):
         """Build the kernel layout for the buffers' device type into non-persistent buffers, unless
         they hold it already (``forward`` calls this; loaders call it once at load)."""
         want = self._wanted_layout()
-        if want == self._layout or self.qweight.device.type == "meta":
+        if want == self._layout or self.scales.device.type == "meta":
             if want == VNNI:
                 self._vnni = (self.vnni_wq, self.vnni_scales, self.vnni_zc)
             return
@@ -207,6 +239,7 @@ class Int4Linear(nn.Module):
         self._layout, self._layout_dtypes = want, tuple(t.dtype for t in tensors)
         if want == VNNI:        # the same tensor objects: move_to_huge_pages swaps their storage in place
             self._vnni = tuple(tensors)
+            del self._buffers["qweight"]                        # held in vnni_wq (class docstring)
         self._share_codes()
 
     def kernel_for(self, rows: int) -> str:
