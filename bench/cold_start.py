@@ -35,8 +35,8 @@ import grpc
 
 from pdserve.bench.common import ROOT, stop_all, write_result
 from pdserve.bench.load import stream_once
+from pdserve.cluster.args import default_redis_url
 from pdserve.cluster.registry import WorkerLease
-from pdserve.cluster.worker_process import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.make_model import make_model
 from pdserve.deploy.processes import RoleProcess, spawn_role

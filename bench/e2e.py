@@ -33,7 +33,7 @@ import grpc
 import torch
 
 from pdserve.bench.common import hf_generate_seconds, machine
-from pdserve.cluster.worker_process import default_redis_url
+from pdserve.cluster.args import default_redis_url
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL

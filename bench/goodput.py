@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pdserve.bench import slo_grid
 from pdserve.bench.common import ROOT, replay_trace, stop_all, write_result
-from pdserve.cluster.worker_process import default_redis_url
+from pdserve.cluster.args import default_redis_url
 from pdserve.deploy.make_model import make_model
 from pdserve.deploy.processes import spawn_role
 from pdserve.deploy.redis_server import ensure_redis

@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "http_overhead"))
     args = ap.parse_args()
 
-    from pdserve.cluster.worker_process import default_redis_url
+    from pdserve.cluster.args import default_redis_url
     from pdserve.deploy.redis_server import ensure_redis
 
     cpus = [c or None for c in args.cpus.split(",")] if args.cpus else [None, None]

@@ -31,7 +31,7 @@ import grpc
 
 from pdserve.bench.common import ROOT, LocalCluster, machine, worker_metric
 from pdserve.bench.load import make_prompts, percentiles
-from pdserve.cluster.worker_process import default_redis_url
+from pdserve.cluster.args import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.redis_server import ensure_redis
 from pdserve.proto import pdserve_pb2_grpc

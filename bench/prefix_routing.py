@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.bench.common import ROOT, replay_trace, stop_all, write_result
 from pdserve.bench.prefix_oracle import oracle_check
 from pdserve.bench.slo_grid import median_spread
-from pdserve.cluster.worker_process import default_redis_url
+from pdserve.cluster.args import default_redis_url
 from pdserve.deploy.make_model import make_model
 from pdserve.deploy.processes import spawn_role
 from pdserve.deploy.redis_server import ensure_redis

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Command line: router overhead, then the soak; prints tables, writes ``results.json`` and
     ``rss.png`` under ``--out``. Returns the result dict."""
     from pdserve.bench.common import write_result
-    from pdserve.cluster.worker_process import default_redis_url
+    from pdserve.cluster.args import default_redis_url
     from pdserve.deploy.config import EMBEDDED_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

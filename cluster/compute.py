@@ -9,21 +9,12 @@ each worker actor sees exactly the GPU it was given, as ``CUDA_VISIBLE_DEVICES``
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
+from pdserve.cluster.worker_config import AUTO_DTYPE, DEVICE_AUTO, DTYPE_NAMES, check_device_name
 from pdserve.kernels.cpu.gemv import packed_bf16_available
-
-DEVICE_AUTO = "auto"
-_NAME = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
-
-
-def check_device_name(name: str) -> None:
-    """Raise ValueError unless ``name`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. Pure: no device is asked."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -59,8 +50,7 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(free)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-AUTO_DTYPE = "auto"  # resolved by resolve_dtype() in the worker process, from the checkpoint and this CPU
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def cpu_serves_bf16() -> bool:

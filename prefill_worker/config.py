@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.cluster.args import check_seconds
-from pdserve.cluster.worker_process import WorkerConfig
+from pdserve.cluster.worker_config import WorkerConfig
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.cluster.worker_process import default_redis_url
+from pdserve.cluster.args import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.config import EMBEDDED_MODEL
 from pdserve.deploy.processes import RoleProcess, spawn_role

@@ -10,7 +10,7 @@ import torch
 
 from pdserve.cluster import compute
 from pdserve.cluster.compute import checkpoint_dtype, resolve_dtype
-from pdserve.cluster.worker_process import WorkerConfig
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.deploy import cluster_args
 from pdserve.kernels.cpu import available
 

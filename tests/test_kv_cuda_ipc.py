@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.cluster.worker_process import WorkerConfig
+from pdserve.cluster.worker_config import WorkerConfig
 from pdserve.kvtransfer.backends import choose_backend, host_port
 from pdserve.kvtransfer.base import TransferError
 from pdserve.kvtransfer.cudaipc import CudaIpcKVReceiver, CudaIpcKVSender

@@ -1,4 +1,5 @@
-"""A process's start: loading a model must not import ``torch._dynamo``.
+"""A process's start: loading a model must not import ``torch._dynamo``; the router, the CLI and a worker's
+command-line checks must not import torch at all.
 
 Building a model on the meta device ran torch's Python decompositions (``nn.Embedding``'s ``normal_`` init, the
 RoPE frequencies' arithmetic), whose first call imports ``torch._dynamo``: 1.2-2.5 s of every worker process's
@@ -64,3 +65,23 @@ def test_the_router_and_the_cli_import_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "False"
+
+
+_BAD_FLAG = """
+import runpy, sys
+sys.argv = ["worker", "--model-dir", "{model}", "--worker-id", "w", "--num-blocks", "0"]
+try:
+    runpy.run_module("pdserve.{role}", run_name="__main__")
+except SystemExit as exc:
+    print(exc.code, "torch" in sys.modules)
+"""
+
+
+def test_a_worker_checks_its_command_line_before_loading_torch():
+    """A worker process parses and checks its flags (:mod:`cluster.worker_config`) before it imports torch and its
+    engine: a bad flag is answered with argparse's exit status 2 and the reason, without the seconds torch takes."""
+    for role in ("decode_worker", "prefill_worker"):
+        proc = subprocess.run([sys.executable, "-c", _BAD_FLAG.format(model=EMBEDDED_MODEL, role=role)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.stdout.split()[-2:] == ["2", "False"], (role, proc.stdout[-500:], proc.stderr[-3000:])
+        assert "num_blocks must be positive, got 0" in proc.stderr, (role, proc.stderr[-1000:])

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.cluster.args import add_config_args, config_from_args
 from pdserve.cluster.registry import WorkerLease
 from pdserve.cluster.warmup import row_classes
-from pdserve.cluster.worker_process import add_no_warmup_flag
+from pdserve.cluster.worker_config import add_no_warmup_flag
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import TokensEvent
