@@ -109,6 +109,19 @@ def check_seconds(name: str, value: float, low: float = 0.0, high: float = MAX_T
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
+DEVICE_AUTO = "auto"
+_DEVICE_NAME = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""``--dtype`` names besides ``auto`` (:data:`cluster.compute.DTYPES` maps them to torch dtypes)."""
+AUTO_DTYPE = "auto"  # resolved by cluster.compute.resolve_dtype() in the worker
+
+
+def check_device_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. Pure: no device is asked."""
+    if not isinstance(name, str) or not _DEVICE_NAME.match(name):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
 KV_TRANSPORTS = ("auto", "nccl", "cuda-ipc", "tcp")
 """``--kv-transport`` values: ``auto`` (what the KV cache's memory allows, best first; a receiver listens on
 NCCL or TCP), or one backend (``cuda-ipc``: workers on GPUs one process sees, e.g. sharing one GPU). The

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.cluster.worker_config import AUTO_DTYPE, DEVICE_AUTO, DTYPE_NAMES, check_device_name
+from pdserve.cluster.args import AUTO_DTYPE, DEVICE_AUTO, DTYPE_NAMES, check_device_name
 from pdserve.kernels.cpu.gemv import packed_bf16_available
 
 

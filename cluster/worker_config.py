@@ -1,32 +1,28 @@
-"""A worker's settings, checked without torch: :class:`WorkerConfig` (each role's config extends it), the
-``--device`` and ``--dtype`` names it accepts, and ``--no-warmup``. A worker process parses and checks its
-command line from here before it loads torch (``python -m pdserve.decode_worker --help`` or a bad flag answers at
-once); :mod:`cluster.compute` resolves the names on the machine, in the worker."""
+"""A worker's settings, checked without torch: :class:`WorkerConfig` (each role's config extends it; the
+``--device`` and ``--dtype`` names it accepts are checked by :mod:`cluster.args`) and ``--no-warmup``. A worker
+process parses and checks its command line from here before it loads torch (``python -m pdserve.decode_worker
+--help`` or a bad flag answers at once); :mod:`cluster.compute` resolves the names on the machine, in the
+worker, when a property below first asks."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.args import KV_TRANSPORTS, check_port, check_redis_url, check_seconds, default_redis_url
+from pdserve.cluster.args import (
+    AUTO_DTYPE,
+    DTYPE_NAMES,
+    KV_TRANSPORTS,
+    check_device_name,
+    check_port,
+    check_redis_url,
+    check_seconds,
+    default_redis_url,
+)
 from pdserve.model.config import check_max_model_len
 
 if TYPE_CHECKING:
     import torch
-
-DEVICE_AUTO = "auto"
-_DEVICE_NAME = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?)$")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-"""``--dtype`` names besides ``auto`` (:data:`cluster.compute.DTYPES` maps them to torch dtypes)."""
-AUTO_DTYPE = "auto"  # resolved by cluster.compute.resolve_dtype() in the worker, from the checkpoint and its CPU
-
-
-def check_device_name(name: str) -> None:
-    """Raise ValueError unless ``name`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. Pure: no device is asked."""
-    if not isinstance(name, str) or not _DEVICE_NAME.match(name):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-
 
 @dataclass(frozen=True)
 class WorkerConfig:
