@@ -122,6 +122,12 @@ def check_device_name(name: str) -> None:
         raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
 
 
+def check_dtype_name(name: str) -> None:
+    """Raise ValueError unless ``name`` is ``auto`` or one of :data:`DTYPE_NAMES`. Pure: nothing is resolved."""
+    if name != AUTO_DTYPE and name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPE_NAMES)}, got {name!r}")
+
+
 KV_TRANSPORTS = ("auto", "nccl", "cuda-ipc", "tcp")
 """``--kv-transport`` values: ``auto`` (what the KV cache's memory allows, best first; a receiver listens on
 NCCL or TCP), or one backend (``cuda-ipc``: workers on GPUs one process sees, e.g. sharing one GPU). The

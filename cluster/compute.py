@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.cluster.args import AUTO_DTYPE, DEVICE_AUTO, DTYPE_NAMES, check_device_name
+from pdserve.cluster.args import AUTO_DTYPE, DEVICE_AUTO, DTYPE_NAMES, check_device_name, check_dtype_name
 from pdserve.kernels.cpu.gemv import packed_bf16_available
 
 
@@ -95,9 +95,8 @@ def resolve_dtype(dtype: str, model_dir: str | Path, device: torch.device | str 
     Raises:
         ValueError: ``dtype`` is neither ``auto`` nor a known dtype, or (``auto``) as :func:`checkpoint_dtype`.
     """
+    check_dtype_name(dtype)
     if dtype != AUTO_DTYPE:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPES)}, got {dtype!r}")
         return dtype
     stored = checkpoint_dtype(model_dir)
     if stored == "float32":

@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.args import (
-    AUTO_DTYPE,
-    DTYPE_NAMES,
     KV_TRANSPORTS,
     check_device_name,
+    check_dtype_name,
     check_port,
     check_redis_url,
     check_seconds,
@@ -82,8 +81,7 @@ class WorkerConfig:
     max_model_len: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_NAMES and self.dtype != AUTO_DTYPE:
-            raise ValueError(f"dtype must be {AUTO_DTYPE} or one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
+        check_dtype_name(self.dtype)
         check_device_name(self.device)
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, got {self.kv_transport!r}")
