@@ -151,15 +151,19 @@ class Int4Linear(nn.Module):
         """Whether ``qweight`` lives only in the VNNI layout's ``vnni_wq`` (class docstring)."""
         return self.__dict__.get("_layout") == VNNI and "qweight" not in self._buffers
 
+    def _unpacked_codes(self) -> torch.Tensor:
+        """The portable ``qweight`` unpacked from ``vnni_wq`` (a new tensor; :meth:`_codes_released`)."""
+        return unpack_int4_weight(self._buffers["vnni_wq"], self.out_features)
+
     def __getattr__(self, name: str):
         if name == "qweight" and self._codes_released():
-            return unpack_int4_weight(self._buffers["vnni_wq"], self.out_features)
+            return self._unpacked_codes()
         return super().__getattr__(name)
 
     def _save_to_state_dict(self, destination, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._codes_released():
-            destination[prefix + "qweight"] = self.qweight
+            destination[prefix + "qweight"] = self._unpacked_codes()
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         if self._codes_released():
@@ -191,14 +195,14 @@ class Int4Linear(nn.Module):
     def _wanted_layout(self) -> str:
         device = self.scales.device                             # qweight may be released (class docstring)
         if device.type == "cuda":
-            ok = self.cuda_tinygemm and tinygemm_cuda_supported(device, self.scales.shape[1] * self.group_size,
-                                                                 self.out_features, self.group_size)
+            kp = padded_in_features(self.in_features, self.group_size)
+            ok = self.cuda_tinygemm and tinygemm_cuda_supported(device, kp, self.out_features, self.group_size)
             return TINYGEMM if ok else TRITON
         return VNNI if not self.exact_cpu and int4_available() else TORCH
 
     def _drop_layout(self) -> None:
         if self._codes_released():
-            self._buffers["qweight"] = unpack_int4_weight(self._buffers["vnni_wq"], self.out_features)
+            self._buffers["qweight"] = self._unpacked_codes()
         for name in _LAYOUT_BUFFERS.get(self._layout, ()):
             del self._buffers[name]
         self._layout, self._vnni = None, None
