@@ -10,6 +10,10 @@
   ``onednn_prepacked``; the packed ``gemv_bf16`` and ``gemm_bf16_amx``; ``PackedBF16Linear.forward``,
   whatever it selects).
 * **Theoretical peak**: cores x clock x FLOP/cycle/core of the best ISA present (:func:`theoretical_peak`).
+* **The AMX tile unit's own rate** where AMX runs (:mod:`kernels.cpu.amx_probe`): ``TDPBF16PS`` with its
+  operands in registers, and 1 KiB tile loads from L1, L2 and L3. On the AMX Xeons of this project's VMs the
+  matrix unit issued at 16 cycles of a ~2.3 GHz clock, not of the 3.4-3.9 GHz scalar clock the paper peak
+  uses, and at half that rate in some minutes: the figure says which the run met.
 * **CPU facts**: model, ISA flags, L3, which C kernels load here (:func:`cpu_facts`).
 
     python bench/limits.py --model .bench-models/bench-80m --threads 1
@@ -212,6 +216,7 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
         gemm                 {"measurements": [...], "best_by_rows": {str(rows): {...}}, "best": {...}}
         best_gemm_flops_per_s   the overall best measured rate (FLOP/s)
         theoretical_peak     theoretical_peak(...) for these threads at cpu_facts()'s clock (measured or reported)
+        amx                  kernels.cpu.amx_probe.measure(...) on one core, or None without AMX
 
     Without a C compiler the bandwidths are torch's (``best_path`` ``"torch_sum"``) and only
     ``F.linear`` is measured.
@@ -224,13 +229,21 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
     by_rows = best_by_rows(measurements)
     best = max(by_rows.values(), key=lambda r: r["flops_per_s"])
     flags = [f for f, present in cpu["features"].items() if present]
-    return {"cpu": cpu, "threads": threads,
+    return {"cpu": cpu, "threads": threads, "amx": amx_limits(cpu["l3_bytes"]),
             "bandwidth": {"dram": dram, "working_set": working},
             "bandwidth_bytes_per_s": dram["best"], "torch_sum_bytes_per_s": dram["torch_sum_best"],
             "gemm": {"measurements": measurements, "best_by_rows": by_rows, "best": best},
             "best_gemm_flops_per_s": best["flops_per_s"],
             "theoretical_peak": theoretical_peak(flags, cpu["clock_mhz"], threads, cpu["vendor"], cpu["family"],
                                                  dp_fma_ratio())}
+
+
+def amx_limits(l3_bytes: int | None) -> dict | None:
+    """:func:`kernels.cpu.amx_probe.measure` where AMX-BF16 runs in this process, else ``None``."""
+    from pdserve.kernels.cpu import amx_probe
+    from pdserve.kernels.cpu.gemv import gemm_amx_available
+
+    return amx_probe.measure(l3_bytes) if gemm_amx_available() else None
 
 
 def bandwidth_at(limits: dict, nbytes: int, threads: int | None = None) -> float:
@@ -278,6 +291,11 @@ def summary(limits: dict) -> str:
     lines.append(f"theoretical peak: {peak['flops'] / 1e9:.0f} GFLOP/s = {peak['cores']} core(s) x "
                  f"{peak['clock_mhz']:.0f} MHz ({cpu['clock_source']}) x {peak['flop_per_cycle_per_core']:.0f} "
                  f"FLOP/cycle ({peak['isa']}: {peak['note']})")
+    amx = limits.get("amx")
+    if amx:
+        loads = ", ".join(f"{level} {ns:.1f}" for level, ns in amx["tile_load_ns"].items())
+        lines.append(f"AMX tile unit, measured: {amx['tdp_ns']:.2f} ns a TDPBF16PS with operands in tiles "
+                     f"({amx['tdp_flops_per_s'] / 1e9:.0f} GFLOP/s a core); 1 KiB tile load ns: {loads}")
     return "\n".join(lines)
 
 

@@ -79,6 +79,7 @@ def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int, limi
         limits = _LIMITS[key]
     runner = ModelRunner(model, KVCacheSpec.for_model(cfg, max(lengths) // 16 + 2, 16, torch.bfloat16))
     paper = limits["theoretical_peak"]["flops"]
+    amx_unit = (limits.get("amx") or {}).get("tdp_flops_per_s")    # the tile unit's measured rate, AMX CPUs only
     out_rows = []
     for n in lengths:
         ids, table = prompt(n, n), list(range(n // 16 + 1))
@@ -95,9 +96,10 @@ def bench_mfu(model_dir: str, lengths: list[int], chunk: int, threads: int, limi
                          "mfu": achieved / gemm["flops_per_s"], "gemm_rate_flops_per_s": gemm["flops_per_s"],
                          "gemm_rate_rows": gemm["rows"], "gemm_rate_kernel": gemm["kernel"],
                          "mfu_theoretical": achieved / paper, "compute_floor_s": flops / gemm["flops_per_s"],
+                         "mfu_amx_unit": achieved / amx_unit if amx_unit else None,
                          "kernels": kernel_paths(model, min(n, chunk), min(n, chunk))})
     return {"bf16_matmul_peak_flops": limits["best_gemm_flops_per_s"], "theoretical_peak_flops": paper,
-            "threads": threads, "chunk_tokens": chunk, "rows": out_rows}
+            "amx_unit_flops": amx_unit, "threads": threads, "chunk_tokens": chunk, "rows": out_rows}
 
 
 def profile_prefill(model_dir: str, n: int, chunk: int, threads: int, repeats: int = 3, top: int = 8) -> list[dict]:
@@ -263,14 +265,17 @@ def main() -> None:
 
 def _print_mfu(mfu: dict) -> None:
     print(f"best measured bf16 GEMM: {mfu['bf16_matmul_peak_flops'] / 1e9:.0f} GFLOP/s, paper peak "
-          f"{mfu['theoretical_peak_flops'] / 1e9:.0f} GFLOP/s ({mfu['threads']} thread(s))")
+          f"{mfu['theoretical_peak_flops'] / 1e9:.0f} GFLOP/s ({mfu['threads']} thread(s))"
+          + (f", AMX tile unit measured {mfu['amx_unit_flops'] / 1e9:.0f} GFLOP/s a core" if mfu.get("amx_unit_flops")
+             else ""))
     print(f"{'prompt':>8s} {'seconds':>9s} {'tokens/s':>10s} {'MFU':>6s} {'of rate (GFLOP/s, rows, kernel)':>36s} "
           f"{'paper':>6s}  kernels")
     for r in mfu["rows"]:
         rate = f"{r['gemm_rate_flops_per_s'] / 1e9:.0f}, {r['gemm_rate_rows']}, {r['gemm_rate_kernel']}"
         kernels = ", ".join(f"{k}={v}" for k, v in r["kernels"].items())
+        unit = f" ({r['mfu_amx_unit']:.1%} of the tile unit)" if r.get("mfu_amx_unit") else ""
         print(f"{r['prompt_tokens']:8d} {r['seconds']:9.3f} {r['tokens_per_s']:10.0f} {r['mfu']:6.1%} {rate:>36s} "
-              f"{r['mfu_theoretical']:6.1%}  {kernels}")
+              f"{r['mfu_theoretical']:6.1%}{unit}  {kernels}")
 
 
 def _plot(result: dict, path: Path) -> None:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pdserve.bench import cpu_facts, limits
-from pdserve.kernels.cpu import KernelUnavailable, membw
+from pdserve.kernels.cpu import KernelUnavailable, amx_probe, membw
+from pdserve.kernels.cpu.gemv import gemm_amx_available
 
 needs_membw = pytest.mark.skipif(not membw.membw_available(), reason="no C compiler: the read kernel cannot build")
 
@@ -147,6 +148,12 @@ def test_measure_limits_on_tiny_shapes():
         assert math.isfinite(r["flops_per_s"]) and r["flops_per_s"] > 0
     assert out["best_gemm_flops_per_s"] == max(r["flops_per_s"] for r in out["gemm"]["best_by_rows"].values())
     assert out["theoretical_peak"]["flops"] > 0 and out["theoretical_peak"]["cores"] == 1
+    if gemm_amx_available():       # the tile unit's own figures, recorded where AMX runs
+        assert set(out["amx"]) == {"tdp_ns", "tdp_flops_per_s", "tile_load_ns", "tile_load_bytes"}
+        assert set(out["amx"]["tile_load_ns"]) == {"l1", "l2", "l3"}
+        assert "AMX tile unit, measured" in limits.summary(out)
+    else:
+        assert out["amx"] is None and "AMX" not in limits.summary(out)
     cpu = out["cpu"]
     assert set(cpu["features"]) == set(cpu_facts.FEATURES) and set(cpu["kernels"]) == set(cpu_facts.C_KERNELS)
     assert cpu["kernels"]["membw"] is True
@@ -188,3 +195,24 @@ def test_prefill_flops_count_the_experts_each_token_runs(tmp_path):
                                   + cfg.num_experts_per_tok * expert)
     want = 2 * per_token * n + 2 * h * cfg.vocab_size + attention
     assert prefill_flops(model, n) == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.skipif(not gemm_amx_available(), reason="no AMX-BF16 here")
+def test_the_amx_probes_run_what_they_time():
+    # the TDPBF16PS loop's accumulator and the tile loads' last tile are checked inside: a loop that did not
+    # run (or ran other operands) raises RuntimeError
+    tdp = amx_probe.tdp_seconds(rounds=1 << 19, reps=1)
+    assert 0 < tdp < 1e-6
+    assert 0 < amx_probe.tile_load_seconds(6000, loads=1000, reps=1) < 1e-5
+    with pytest.raises(ValueError):
+        amx_probe.tdp_seconds(rounds=(1 << 19) + 1)        # 32 x rounds would no longer be exact in float32
+    peak = cpu_facts.theoretical_peak({"amx_bf16", "amx_tile"}, 10_000.0, 1)["flops"]
+    assert amx_probe.TDP_FLOP / tdp <= peak                  # no faster than 16 cycles at a 10 GHz clock
+
+
+@pytest.mark.skipif(gemm_amx_available(), reason="this CPU runs AMX")
+def test_the_amx_probes_refuse_without_amx():
+    with pytest.raises(KernelUnavailable):
+        amx_probe.tdp_seconds()
+    with pytest.raises(KernelUnavailable):
+        amx_probe.tile_load_seconds(4096)

@@ -144,3 +144,43 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     _tile_release();
     return 0;
 }
+
+/* The tile unit's own limits, for bench/limits.py (through kernels/cpu/amx_probe.py); each returns -2 without AMX.
+ *
+ * pd_amx_tdp_probe: `rounds` x four independent TDPBF16PS (C tiles 0-3 from A tiles 4-5 and B tiles 6-7,
+ * loaded once from src's first 4 KiB), no memory traffic: the matrix unit's issue rate. Returns C[0][0] of
+ * tile 0: rounds x (src[0:32] . src[1024:2048:32] as pairs), 32 x rounds where src holds bf16 1.0.
+ *
+ * pd_amx_tile_load_probe: `rounds` x four 1 KiB tile loads (16 rows of 64 bytes, contiguous) walking the
+ * first `bytes` of src (a multiple of 4 KiB) and wrapping: the tile load rate from wherever `bytes` of data
+ * stay (L1, L2, L3). Returns the first 4 bytes of the last tile loaded, as a float32 (so no load is dead). */
+AMX float pd_amx_tdp_probe(const uint16_t *src, int64_t rounds) {
+    float c[16 * 16] __attribute__((aligned(64)));
+    if (!pd_cpu_has_amx_bf16()) return -2.0f;
+    amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, src, 64); _tile_loadd(5, src + 512, 64); _tile_loadd(6, src + 1024, 64); _tile_loadd(7, src + 1536, 64);
+    for (int64_t r = 0; r < rounds; r++) {
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_release();
+    return c[0];
+}
+
+AMX float pd_amx_tile_load_probe(const uint16_t *src, int64_t bytes, int64_t rounds) {
+    float c[16 * 16] __attribute__((aligned(64)));
+    if (!pd_cpu_has_amx_bf16()) return -2.0f;
+    amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+    const int64_t elems = bytes / 2;
+    int64_t at = 0;
+    for (int64_t r = 0; r < rounds; r++) {
+        _tile_loadd(4, src + at, 64); _tile_loadd(5, src + at + 512, 64);
+        _tile_loadd(6, src + at + 1024, 64); _tile_loadd(7, src + at + 1536, 64);
+        at += 2048;
+        if (at + 2048 > elems) at = 0;
+    }
+    _tile_stored(7, c, 64);
+    _tile_release();
+    return c[0];
+}

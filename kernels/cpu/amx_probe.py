@@ -1,0 +1,99 @@
+"""The AMX tile unit's own limits, measured: how fast ``TDPBF16PS`` issues with its operands in tile
+registers, and how fast 1 KiB tile loads run from each level of the cache (``gemm_amx.h:
+pd_amx_tdp_probe``, ``pd_amx_tile_load_probe``).
+
+The paper peak of an AMX core is one ``TDPBF16PS`` (16 x 16 x 32 multiply-adds, 16,384 FLOP) per 16 cycles at
+the core's clock. On the Emerald Rapids core of this project's VMs (family 6, model 207, 2026-12-01) the tile
+unit issued one per 7.0 ns (2,340 GFLOP/s, 16 cycles at 2.3 GHz where the scalar clock measured 3.4-3.9 GHz),
+and in other minutes of the same session one per 15.4 ns on the same loop: the matrix unit's rate moves with
+the host, so :mod:`bench.limits` records it beside every run's GEMM figures. A tile load took 3.3 ns from L1,
+8 ns from L2 and ~40 ns from the L3 without prefetching: a 2 x 2 tile-blocked GEMM (four loads to four
+``TDPBF16PS``) whose operands come from L2 is bound by its loads, not by the matrix unit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+
+from pdserve.kernels.cpu import KernelUnavailable, library
+from pdserve.kernels.cpu.gemv import gemm_amx_available
+
+TDP_FLOP = 2 * 16 * 16 * 32          # one TDPBF16PS on full 16-row tiles
+TILE_BYTES = 1024                    # one 16 x 64-byte tile
+
+
+def _fn(name: str, argtypes: list) -> ctypes._CFuncPtr:
+    fn = getattr(library("gemv_bf16"), name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_float
+    return fn
+
+
+def _best_seconds(call, reps: int) -> tuple[float, float]:
+    """Fastest of ``reps`` timed calls (after one untimed warm-up) and the last call's result."""
+    result = call()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        result = call()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def tdp_seconds(rounds: int = 50_000, reps: int = 5) -> float:
+    """Seconds per ``TDPBF16PS`` with every operand in tile registers (best of ``reps`` runs of
+    ``4 * rounds`` instructions, four independent accumulators).
+
+    Raises:
+        KernelUnavailable: no AMX-BF16 here, or this process may not use tile data.
+        RuntimeError: the accumulated result is not ``32 * rounds`` (the loop did not run as built).
+    """
+    if not gemm_amx_available():
+        raise KernelUnavailable("amx_probe: this CPU or process cannot use AMX-BF16")
+    if not 0 < rounds <= 1 << 19:                 # 32 x rounds stays exact in float32
+        raise ValueError(f"rounds must be in 1..{1 << 19}, got {rounds}")
+    src = torch.ones(2048, dtype=torch.bfloat16)
+    fn = _fn("pd_amx_tdp_probe", [ctypes.c_void_p, ctypes.c_int64])
+    seconds, c00 = _best_seconds(lambda: fn(src.data_ptr(), rounds), reps)
+    if c00 != 32.0 * rounds:
+        raise RuntimeError(f"amx_probe: TDPBF16PS loop returned {c00}, expected {32.0 * rounds}")
+    return seconds / (4 * rounds)
+
+
+def tile_load_seconds(nbytes: int, loads: int = 200_000, reps: int = 5) -> float:
+    """Seconds per 1 KiB tile load walking an ``nbytes`` buffer (rounded up to 4 KiB) over and over:
+    the load rate from the cache level that holds ``nbytes``.
+
+    Raises:
+        KernelUnavailable: no AMX-BF16 here, or this process may not use tile data.
+        RuntimeError: the last tile loaded does not hold the buffer's bytes.
+    """
+    if not gemm_amx_available():
+        raise KernelUnavailable("amx_probe: this CPU or process cannot use AMX-BF16")
+    nbytes = max(4096, -(-nbytes // 4096) * 4096)
+    src = torch.full((nbytes // 2,), 1.5, dtype=torch.bfloat16)      # 0x3fc0 in every half-word
+    fn = _fn("pd_amx_tile_load_probe", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64])
+    rounds = max(1, loads // 4)
+    seconds, first = _best_seconds(lambda: fn(src.data_ptr(), nbytes, rounds), reps)
+    expected = torch.tensor([0x3FC0_3FC0], dtype=torch.int32).view(torch.float32).item()
+    if first != expected:
+        raise RuntimeError(f"amx_probe: the tile loads returned {first!r}, expected {expected!r}")
+    return seconds / (4 * rounds)
+
+
+def measure(l3_bytes: int | None = None) -> dict:
+    """The tile unit's limits as a JSON-ready dict: ``tdp_ns`` (ns per ``TDPBF16PS``), ``tdp_flops_per_s``
+    (FLOP/s at that rate: the matrix unit's measured ceiling), and ``tile_load_ns`` per cache level
+    (``l1`` over 16 KiB, ``l2`` over 1 MiB, ``l3`` over 64 MiB or a quarter of ``l3_bytes``, whichever is
+    smaller), with ``tile_load_bytes`` the buffer sizes.
+
+    Raises:
+        KernelUnavailable: no AMX-BF16 here.
+    """
+    tdp = tdp_seconds()
+    sizes = {"l1": 16 << 10, "l2": 1 << 20, "l3": min(64 << 20, (l3_bytes or 256 << 20) // 4)}
+    loads = {level: tile_load_seconds(n, loads=200_000 if level != "l3" else 50_000) for level, n in sizes.items()}
+    return {"tdp_ns": tdp * 1e9, "tdp_flops_per_s": TDP_FLOP / tdp,
+            "tile_load_ns": {level: s * 1e9 for level, s in loads.items()}, "tile_load_bytes": sizes}
