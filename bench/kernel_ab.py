@@ -12,7 +12,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   over a 512- and a 2,048-token prompt (``--heads`` sets other head counts and sizes for the attention
   kernels, e.g. ``8,4,128`` for bench-80m-qwen3);
 * ``gemm_bf16_fma``: bench-80m's 48 projections at 8, 32 and 128 rows, weights in huge pages, the L3
-  evicted before each pass and then not (warm: what the pass before left in the L3, as in a decode loop) (``gemm_bf16_avx2`` at 8, 32 and 512 rows); ``gemm_bf16_amx`` (AMX tiles)
+  evicted before each pass and then not (warm: what the pass before left in the L3, as in a decode loop)
+  (``gemm_bf16_avx2`` at 8, 32 and 512 rows); ``gemm_bf16_amx`` (AMX tiles)
   the same at 1, 8 and 32 rows, ``gemm_bf16_avx512`` (``vdpbf16ps``) at 32 and 512, ``gemv_bf16`` at
   1 and 2 (all three in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these four);
   ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
