@@ -110,6 +110,13 @@ def test_a_slowly_issued_vdpbf16ps_leaves_the_fma_peak(ratio, isa, per_cycle):
     assert (peak["isa"], peak["flop_per_cycle_per_core"]) == (isa, per_cycle)
 
 
+def test_best_amx_takes_the_fastest_sample_and_keeps_them_all():
+    slow = {"tdp_ns": 18.5, "tdp_flops_per_s": 0.9e12, "tile_load_ns": {"l1": 5.7}, "tile_load_bytes": {"l1": 1}}
+    fast = {"tdp_ns": 7.0, "tdp_flops_per_s": 2.3e12, "tile_load_ns": {"l1": 3.1}, "tile_load_bytes": {"l1": 1}}
+    best = limits.best_amx([slow, fast])
+    assert best["tdp_ns"] == 7.0 and best["tile_load_ns"] == {"l1": 3.1} and best["tdp_ns_samples"] == [18.5, 7.0]
+
+
 def test_size_parsing_and_nearest_gemm_rate():
     assert cpu_facts._size_bytes("260 MiB (1 instance)") == 260 << 20
     assert cpu_facts._size_bytes("32768 KB") == 32 << 20
@@ -149,7 +156,8 @@ def test_measure_limits_on_tiny_shapes():
     assert out["best_gemm_flops_per_s"] == max(r["flops_per_s"] for r in out["gemm"]["best_by_rows"].values())
     assert out["theoretical_peak"]["flops"] > 0 and out["theoretical_peak"]["cores"] == 1
     if gemm_amx_available():       # the tile unit's own figures, recorded where AMX runs
-        assert set(out["amx"]) == {"tdp_ns", "tdp_flops_per_s", "tile_load_ns", "tile_load_bytes"}
+        assert set(out["amx"]) == {"tdp_ns", "tdp_flops_per_s", "tile_load_ns", "tile_load_bytes", "tdp_ns_samples"}
+        assert len(out["amx"]["tdp_ns_samples"]) == 2 and out["amx"]["tdp_ns"] == min(out["amx"]["tdp_ns_samples"])
         assert set(out["amx"]["tile_load_ns"]) == {"l1", "l2", "l3"}
         assert "AMX tile unit, measured" in limits.summary(out)
     else:
