@@ -5,7 +5,7 @@ pd_amx_tdp_probe``, ``pd_amx_tile_load_probe``).
 The paper peak of an AMX core is one ``TDPBF16PS`` (16 x 16 x 32 multiply-adds, 16,384 FLOP) per 16 cycles at
 the core's clock. On the Emerald Rapids core of this project's VMs (family 6, model 207, 2026-12-01) the tile
 unit issued one per 7.0 ns (2,340 GFLOP/s, 16 cycles at 2.3 GHz where the scalar clock measured 3.4-3.9 GHz),
-and in other minutes of the same session one per 15.4 ns on the same loop: the matrix unit's rate moves with
+and in other minutes of the same session one per 15.4-18.5 ns on the same loop: the matrix unit's rate moves with
 the host, so :mod:`bench.limits` records it beside every run's GEMM figures. A tile load took 3.3 ns from L1,
 8 ns from L2 and ~40 ns from the L3 without prefetching: a 2 x 2 tile-blocked GEMM (four loads to four
 ``TDPBF16PS``) whose operands come from L2 is bound by its loads, not by the matrix unit.
@@ -22,7 +22,6 @@ from pdserve.kernels.cpu import KernelUnavailable, library
 from pdserve.kernels.cpu.gemv import gemm_amx_available
 
 TDP_FLOP = 2 * 16 * 16 * 32          # one TDPBF16PS on full 16-row tiles
-TILE_BYTES = 1024                    # one 16 x 64-byte tile
 
 
 def _fn(name: str, argtypes: list) -> ctypes._CFuncPtr:

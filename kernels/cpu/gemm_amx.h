@@ -149,7 +149,7 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
  *
  * pd_amx_tdp_probe: `rounds` x four independent TDPBF16PS (C tiles 0-3 from A tiles 4-5 and B tiles 6-7,
  * loaded once from src's first 4 KiB), no memory traffic: the matrix unit's issue rate. Returns C[0][0] of
- * tile 0: rounds x (src[0:32] . src[1024:2048:32] as pairs), 32 x rounds where src holds bf16 1.0.
+ * tile 0, 32 x rounds where src holds bf16 1.0 (the caller's check that the loop ran as built).
  *
  * pd_amx_tile_load_probe: `rounds` x four 1 KiB tile loads (16 rows of 64 bytes, contiguous) walking the
  * first `bytes` of src (a multiple of 4 KiB) and wrapping: the tile load rate from wherever `bytes` of data
