@@ -1,12 +1,17 @@
 """Soak in CI: 500 concurrent streaming clients against a real router + prefill + decode worker
-on the embedded model for 30 seconds (``bench/soak.py``; the benchmark runs it for 5 minutes).
+on the embedded model for 45 seconds (``bench/soak.py``; the benchmark runs it for 5 minutes).
 
 Asserts zero errors of any kind, growth of the RSS high-water mark of the router and of each
-worker under 5% or under 10 MiB (whichever is larger) after the warm-up, and every KV pool free
-at the end. The absolute floor is for the router: it no longer loads torch, so its RSS is ~100 MiB
+worker under 5% or under 20 MiB (whichever is larger) after the warm-up, and every KV pool free
+at the end. The absolute floor is for the router: it no longer loads torch, so its RSS is ~100-150 MiB
 of which most is in-flight gRPC buffers, and it swings by more than 5% within seconds at constant
-load (129-146 MiB in 20 s of a 150-second soak on a Xeon 207; one CI run read 117.4 -> 123.4 MiB,
-5.06%). A 150-second soak of the same build held the router's high-water mark flat (146 -> 144).
+load (129-146 MiB in 20 s of a 150-second soak on a Xeon 207). Over eight 30-second soaks on a Xeon 207
+with AMX (2026-12-01, four with MALLOC_ARENA_MAX=2, which changed nothing) the router's high-water growth
+ran from -10.2 to +3.8 MiB, and one CI run of that day read +12.8 (124.7 -> 137.5 MiB): a 10 MiB floor
+sat inside the noise. A router that leaks 8 KiB a request (a bytearray kept per Generate call) grew
++37.7 MiB in this test's 45 seconds (6,481 requests) and fails it; without the leak the same build read
+-5.1%. On a CPU half as fast (~3,200 requests) such a leak would sit at the floor: the 5-minute benchmark
+is the finer check.
 
 The warm-up (10 s at full concurrency) is what makes the RSS check mean something: by its end
 all 500 clients have requests in flight (peak KV blocks touched, peak gRPC buffers), every decode
@@ -24,8 +29,8 @@ from pdserve.bench.soak import soak
 
 pytestmark = pytest.mark.timeout(400)
 
-CLIENTS, DURATION_S, WARMUP_S = 500, 30.0, 10.0
-MAX_GROWTH_PCT, MAX_GROWTH_MIB = 5.0, 10.0
+CLIENTS, DURATION_S, WARMUP_S = 500, 45.0, 10.0
+MAX_GROWTH_PCT, MAX_GROWTH_MIB = 5.0, 20.0
 
 
 def test_500_clients_for_30_seconds_zero_errors_flat_rss_pools_free(redis_url, model_dir):
