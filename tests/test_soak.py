@@ -33,7 +33,7 @@ CLIENTS, DURATION_S, WARMUP_S = 500, 45.0, 10.0
 MAX_GROWTH_PCT, MAX_GROWTH_MIB = 5.0, 20.0
 
 
-def test_500_clients_for_30_seconds_zero_errors_flat_rss_pools_free(redis_url, model_dir):
+def test_500_clients_for_45_seconds_zero_errors_flat_rss_pools_free(redis_url, model_dir):
     result = soak(model_dir, redis_url, clients=CLIENTS, duration_s=DURATION_S, warmup_s=WARMUP_S,
                   client_procs=4, num_prompts=100)
     print(f"\nsoak: {result['requests']} requests, {result['statuses']}, {result['tokens_per_s']:.0f} tokens/s, "
