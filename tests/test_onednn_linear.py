@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.cpu import fused as cfused
-from pdserve.kernels.cpu.gemv import packed_bf16_available
-from pdserve.model.cpu_linear import dense_beats_packed_for_prefill, pack_for_cpu_decode
+from pdserve.kernels.cpu.gemv import bf16_gemm_kernel, gemm_amx_available, packed_bf16_available
+from pdserve.model.cpu_linear import FLOAT_GEMMS, dense_beats_packed_for_prefill, pack_for_cpu_decode
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.onednn_linear import (
@@ -27,6 +27,12 @@ from pdserve.prefill_worker.server import load_prefill_model
 needs_prepack = pytest.mark.skipif(not onednn_prepack_available(), reason="no oneDNN bf16 prepacking here")
 needs_pieces = pytest.mark.skipif(not (onednn_prepack_available() and cfused.vectorized()),
                                   reason="no oneDNN bf16 prepacking or no AVX-512 SiLU-and-mul here")
+
+
+def float_gemm_everywhere() -> bool:
+    """Whether a colocated worker's packed projections run every row count on a float32-FMA GEMM here (an AVX-512
+    CPU without AVX512-BF16 or AMX, where oneDNN's bf16 prepacking still runs but is never taken)."""
+    return not gemm_amx_available() and packed_bf16_available() and bf16_gemm_kernel() in FLOAT_GEMMS
 
 
 def _tiny_llama(path, intermediate: int, tied: bool, layers: int):
@@ -105,11 +111,16 @@ def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_th
     """pack_for_cpu_decode(keep_dense=True), as a colocated decode worker packs where oneDNN prepacking runs: each
     layer's projections take rows beyond the packed kernels' range on oneDNN's copy (no dense weight kept), the
     tied LM head keeps the embedding's weight; a prefill chunk 44 rows past that range (300 rows on an AMX CPU,
-    556 on the AVX512-BF16 gemm's) equals the dense model's bit for bit."""
+    556 on the AVX512-BF16 gemm's) equals the dense model's bit for bit. Where the packed GEMM is a float32-FMA one
+    (:func:`float_gemm_everywhere`) nothing dense or prepacked is kept and every row count runs packed."""
     dense, cfg = load_model(model_dir, torch.bfloat16)
     packed, _ = load_model(model_dir, torch.bfloat16)
     pack_for_cpu_decode(packed, keep_dense=True)
     down, head = packed.layers[0].mlp.down_proj, packed.lm_head
+    if float_gemm_everywhere():           # no dense weight and no oneDNN copy: prefill rows run packed too
+        assert down.weight is None and down.onednn is None and down.kernel_for(100_000) == bf16_gemm_kernel()
+        assert head.weight is None and head.onednn is None and head.kernel_for(100_000) == bf16_gemm_kernel()
+        return
     assert down.weight is None and down.onednn is not None and down.kernel_for(100_000) == KERNEL
     assert head.onednn is None and head.weight is packed.embed_tokens.weight and head.kernel_for(100_000) == "F.linear"
     if not packed_bf16_available():
@@ -183,7 +194,8 @@ def test_a_wide_mlp_is_prepacked_in_pieces_and_prefills_as_the_dense_model(tmp_p
 def test_a_colocated_worker_runs_a_wide_mlps_prefill_rows_in_pieces(tmp_path):
     """pack_for_cpu_decode(keep_dense=True) on a model whose gate_up the rule cuts: the prepacked copy is in
     pieces, rows past the packed kernels' range take them piece by piece (close to the dense model), and rows
-    within it take the packed kernels then the C SiLU-and-mul, as the MLP runs them without pieces."""
+    within it take the packed kernels then the C SiLU-and-mul, as the MLP runs them without pieces. Where the
+    packed GEMM is a float32-FMA one nothing is prepacked and no MLP is cut."""
     if not packed_bf16_available():
         pytest.skip("no packed bf16 kernels here")
     _tiny_llama(tmp_path, 1024, tied=True, layers=2)
@@ -191,6 +203,10 @@ def test_a_colocated_worker_runs_a_wide_mlps_prefill_rows_in_pieces(tmp_path):
     packed, _ = load_model(tmp_path, torch.bfloat16)
     pack_for_cpu_decode(packed, keep_dense=True)
     gate_up = packed.layers[0].mlp.gate_up_proj
+    if float_gemm_everywhere():           # never in pieces: every row count runs the packed GEMM
+        assert gate_up.onednn is None and not hasattr(gate_up, "silu_mul")
+        assert gate_up.kernel_for(100_000) == bf16_gemm_kernel()
+        return
     assert type(gate_up.onednn) is OneDNNGateUp and gate_up.onednn.pieces == 2
     assert gate_up.kernel_for(100_000) == f"{KERNEL} x2 pieces"
     assert not hasattr(packed.layers[0].mlp.down_proj, "silu_mul")
