@@ -320,9 +320,12 @@ class Router:
                 "addresses": len(self._ids_at), "gone": len(self._gone_ids) + len(self._gone_addresses)}
 
     async def _poll_registry(self) -> None:
+        """Read the registry every ``registry_poll_s`` and apply the view. A read a caller made (a stale
+        ``GetClusterState``) stands for the poller's, and the next is due ``registry_poll_s`` after it: two reads
+        never start closer than that, however the poller and the callers interleave (a poller that slept a
+        fixed interval read again just after a caller's read, 4 reads in 0.4 s at a 0.2 s interval)."""
         while True:
-            async with self._read_lock:
-                await self._refresh()
+            await self._refresh_if_stale()
             if self._insecure is not None:
                 self._insecure.tick()
             self.kv.update_workers(self.workers)
@@ -336,7 +339,7 @@ class Router:
             except Exception:  # never let bookkeeping stop the poller
                 log.exception("pruning per-worker state failed")
             await self.kv.sync_once()
-            await asyncio.sleep(self.cfg.registry_poll_s)
+            await asyncio.sleep(max(0.0, self._read_at + self.cfg.registry_poll_s - time.monotonic()))
 
     async def start(self) -> str:
         """Start serving (over TLS and with a token check if configured), and the HTTP API when
