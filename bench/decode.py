@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.common import ROOT, hf_generate_seconds, write_result
-from pdserve.bench.limits import bandwidth_at, gemm_rate_at, kernel_paths, linear_shapes, measure_limits, summary
+from pdserve.bench.limits import (
+    bandwidth_at,
+    gemm_probe,
+    gemm_rate_at,
+    kernel_paths,
+    linear_shapes,
+    measure_limits,
+    summary,
+)
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import TokensEvent
@@ -153,7 +161,9 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
     speed of light uses the bandwidth measured at each step's working-set size, and MFU / roofline the GEMM
     rate at its batch. Each row is the median of ``reps`` timed passes by step time (``step_s_runs``: all
     of them, seconds), the same engine and prompts each time, so that one slow pass on a drifting host
-    does not make the figure."""
+    does not make the figure. With ``limits``, each pass of a bf16 or fp32 row follows a probe of the
+    best GEMM's rate at that moment (:func:`bench.limits.gemm_probe`, ``passes``: step and rate in pass
+    order), and the row gives its roofline against those paired rates beside the one against the best."""
     rows = []
     for dtype, weights in (KINDS[k] for k in kinds):
         for graph in (False, True):
@@ -163,8 +173,12 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
                 wbytes = weight_bytes(model, b)
                 prompts = [[1] + torch.randint(3, 2000, (prompt_len - 1,),
                                                generator=torch.Generator().manual_seed(i)).tolist() for i in range(b)]
-                runs = sorted((run_decode(engine, prompts, steps) for _ in range(reps)), key=lambda r: r["step_s"])
-                res = {**runs[len(runs) // 2], "step_s_runs": [r["step_s"] for r in runs]}
+                probe = gemm_probe(gemm_rate_at(limits, b), limits["threads"]) if limits and weights != "int4" else None
+                passes = [{"gemm_rate_flops_per_s": probe() if probe else None, **run_decode(engine, prompts, steps)}
+                          for _ in range(reps)]
+                runs = sorted(passes, key=lambda r: r["step_s"])
+                res = {**runs[len(runs) // 2], "step_s_runs": [r["step_s"] for r in runs],
+                       "passes": [{k: r[k] for k in ("step_s", "gemm_rate_flops_per_s")} for r in passes]}
                 kv_bytes = b * (prompt_len + steps) * engine.spec.block_nbytes // engine.spec.block_size
                 row = {"dtype": dtype, "weights": weights, "graph": graph, "batch": b, "multi_step": multi_step, **res,
                        "weight_bytes": wbytes,
@@ -197,7 +211,22 @@ def _floors(row: dict, model, limits: dict | None, dram: float, context: int) ->
                    mfu_theoretical=flops / step / limits["theoretical_peak"]["flops"],
                    roofline_step_s=roofline, roofline_bound="memory" if ws / bw >= flops / gemm["flops_per_s"]
                    else "compute", roofline_fraction=roofline / step)
+        out.update(paired_roofline(row.get("passes", []), ws / bw, flops))
     return out
+
+
+def paired_roofline(passes: list[dict], memory_floor_s: float, flops: float) -> dict:
+    """The roofline of each timed pass against the GEMM rate probed just before it: the median over passes of
+    max(``memory_floor_s``, ``flops`` / rate) / step (``roofline_fraction_paired``) and the probed rates'
+    range (``gemm_rate_paired_range``, FLOP/s); ``{}`` when no pass has a rate. ``passes``: dicts of
+    ``step_s`` (seconds) and ``gemm_rate_flops_per_s`` (None where not probed)."""
+    paired = [p for p in passes if p.get("gemm_rate_flops_per_s")]
+    if not paired:
+        return {}
+    rates = [p["gemm_rate_flops_per_s"] for p in paired]
+    return {"roofline_fraction_paired": statistics.median(
+                max(memory_floor_s, flops / p["gemm_rate_flops_per_s"]) / p["step_s"] for p in paired),
+            "gemm_rate_paired_range": [min(rates), max(rates)]}
 
 
 def _spread(r: dict) -> str:
@@ -215,6 +244,10 @@ def _row_line(r: dict) -> str:
         line += f", MFU {r['mfu']:.1%} of measured ({r['mfu_theoretical']:.1%} of paper peak)"
     if "roofline_step_s" in r:
         line += f", roofline {r['roofline_step_s'] * 1e3:.2f} ms {r['roofline_bound']} ({r['roofline_fraction']:.0%})"
+    if "roofline_fraction_paired" in r:
+        lo, hi = (f / 1e9 for f in r["gemm_rate_paired_range"])
+        line += (f"; {r['roofline_fraction_paired']:.0%} against the rate probed before each pass "
+                 f"({lo:.0f}-{hi:.0f} GFLOP/s)")
     return line
 
 

@@ -89,53 +89,15 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
     ``packed_linear`` (``PackedBF16Linear.forward``, with its ``kernel_for(rows)`` where it has one).
     Each the fastest of repeated calls (about ``budget_s``); a kernel that raises is recorded with
     its ``error`` and no rate."""
-    from pdserve.kernels.cpu import gemv as gemv_module
-    from pdserve.kernels.cpu.gemv import (
-        gemm_amx_available,
-        gemm_bf16_amx,
-        gemv_available,
-        gemv_bf16,
-        pack_weight,
-        packed_bf16_available,
-    )
-    from pdserve.model.cpu_linear import PackedBF16Linear
-    from pdserve.model.onednn_linear import OneDNNLinear, onednn_prepack_available
-
-    gemm_avx512 = getattr(gemv_module, "gemm_bf16_avx512", None)
-    gemm_fma = getattr(gemv_module, "gemm_bf16_fma", None) if available("gemm_bf16_fma") else None
-
     torch.manual_seed(0)
     out = []
     with _torch_threads(threads):
         for n, k in dict.fromkeys((int(n), int(k)) for n, k in shapes):
-            linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
-            w = linear.weight.detach()
-            packed = pack_weight(w) if packed_bf16_available() else None
-            module, module_error = None, None
-            try:
-                module = PackedBF16Linear(linear) if packed is not None else None
-            except Exception as exc:            # as below: report a module another change broke
-                module_error = f"{type(exc).__name__}: {exc}"
+            weights = _Weights(n, k)
             for m in rows:
-                x = torch.randn(m, k).bfloat16()
-                kernels: dict[str, Callable[[], object]] = {"f_linear": lambda: F.linear(x, w)}
-                if m >= 32 and onednn_prepack_available():
-                    prepacked = OneDNNLinear(linear, m)
-                    kernels["onednn_prepacked"] = lambda: prepacked(x)
-                if packed is not None:
-                    xp = F.pad(x, (0, k % 2))
-                    if m <= 64 and gemv_available():
-                        kernels["gemv_bf16"] = lambda: gemv_bf16(xp, packed, n)
-                    if gemm_avx512 is not None and gemv_available():
-                        kernels["gemm_bf16_avx512"] = lambda: gemm_avx512(xp, packed, n)
-                    if gemm_fma is not None:
-                        kernels["gemm_bf16_fma"] = lambda: gemm_fma(xp, packed, n)
-                    if gemm_amx_available() and k % 32 == 0:
-                        kernels["gemm_bf16_amx"] = lambda: gemm_bf16_amx(x, packed, n)
-                    if module is not None:
-                        kernels["packed_linear"] = lambda: module(x)
-                    else:
-                        out.append({"rows": m, "n": n, "k": k, "kernel": "packed_linear", "error": module_error})
+                kernels = weights.kernels(m)
+                if weights.module is None and weights.packed is not None:
+                    out.append({"rows": m, "n": n, "k": k, "kernel": "packed_linear", "error": weights.module_error})
                 for name, fn in kernels.items():
                     row: dict = {"rows": m, "n": n, "k": k, "kernel": name}
                     try:
@@ -145,9 +107,76 @@ def gemm_rates(shapes: Sequence[tuple[int, int]], rows: Sequence[int], threads: 
                     except Exception as exc:    # a kernel another change broke must not stop the benchmark
                         row.update(error=f"{type(exc).__name__}: {exc}")
                     if name == "packed_linear":
-                        row["kernel_path"] = kernel_path(module, m)
+                        row["kernel_path"] = kernel_path(weights.module, m)
                     out.append(row)
     return out
+
+
+class _Weights:
+    """One random bf16 ``[n, k]`` weight in every form the kernels of :func:`gemm_rates` take (the
+    ``nn.Linear``, the packed layout, ``PackedBF16Linear``; ``module_error`` where that raised)."""
+
+    def __init__(self, n: int, k: int) -> None:
+        from pdserve.kernels.cpu.gemv import pack_weight, packed_bf16_available
+        from pdserve.model.cpu_linear import PackedBF16Linear
+
+        self.n, self.k = n, k
+        self.linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+        self.packed = pack_weight(self.linear.weight.detach()) if packed_bf16_available() else None
+        self.module, self.module_error = None, None
+        try:
+            self.module = PackedBF16Linear(self.linear) if self.packed is not None else None
+        except Exception as exc:            # reported by gemm_rates: a module another change broke
+            self.module_error = f"{type(exc).__name__}: {exc}"
+
+    def kernels(self, m: int) -> dict[str, Callable[[], object]]:
+        """``{kernel name: a call of it on a random bf16 [m, k] x}`` for every kernel that runs here."""
+        from pdserve.kernels.cpu import gemv as gemv_module
+        from pdserve.kernels.cpu.gemv import gemm_amx_available, gemm_bf16_amx, gemv_available, gemv_bf16
+        from pdserve.model.onednn_linear import OneDNNLinear, onednn_prepack_available
+
+        n, k, w, packed, module = self.n, self.k, self.linear.weight.detach(), self.packed, self.module
+        gemm_avx512 = getattr(gemv_module, "gemm_bf16_avx512", None)
+        gemm_fma = getattr(gemv_module, "gemm_bf16_fma", None) if available("gemm_bf16_fma") else None
+        x = torch.randn(m, k).bfloat16()
+        kernels: dict[str, Callable[[], object]] = {"f_linear": lambda: F.linear(x, w)}
+        if m >= 32 and onednn_prepack_available():
+            prepacked = OneDNNLinear(self.linear, m)
+            kernels["onednn_prepacked"] = lambda: prepacked(x)
+        if packed is not None:
+            xp = F.pad(x, (0, k % 2))
+            if m <= 64 and gemv_available():
+                kernels["gemv_bf16"] = lambda: gemv_bf16(xp, packed, n)
+            if gemm_avx512 is not None and gemv_available():
+                kernels["gemm_bf16_avx512"] = lambda: gemm_avx512(xp, packed, n)
+            if gemm_fma is not None:
+                kernels["gemm_bf16_fma"] = lambda: gemm_fma(xp, packed, n)
+            if gemm_amx_available() and k % 32 == 0:
+                kernels["gemm_bf16_amx"] = lambda: gemm_bf16_amx(x, packed, n)
+            if module is not None:
+                kernels["packed_linear"] = lambda: module(x)
+        return kernels
+
+
+def gemm_probe(best: dict, threads: int = 1, budget_s: float = 0.25) -> Callable[[], float]:
+    """A probe of the GEMM rate the machine offers now: a callable that times the kernel of ``best`` (a
+    :func:`best_by_rows` entry: its ``kernel``, ``n``, ``k``, ``rows``) at its shape for about ``budget_s``
+    and returns the fastest call's FLOP/s. For a benchmark to pair with each timed pass: on the VMs of
+    this project's machine kind a core's float32 FMA GEMM switched between ~146 and ~115 GFLOP/s within
+    seconds (2026-12-01), so a step timed in a slow spell was compared with a limit measured in a fast one.
+
+    Raises:
+        KeyError: ``best``'s kernel does not run here (it came from another machine).
+    """
+    torch.manual_seed(0)
+    rows, weights = int(best["rows"]), _Weights(int(best["n"]), int(best["k"]))
+    fn = weights.kernels(rows)[best["kernel"]]
+    flops = 2.0 * rows * weights.n * weights.k
+
+    def probe() -> float:
+        with _torch_threads(threads), torch.no_grad():
+            return flops / _best_time(fn, None, budget_s)
+    return probe
 
 
 def kernel_path(module: torch.nn.Module, rows: int) -> str | None:

@@ -224,3 +224,25 @@ def test_the_amx_probes_refuse_without_amx():
         amx_probe.tdp_seconds()
     with pytest.raises(KernelUnavailable):
         amx_probe.tile_load_seconds(4096)
+
+
+def test_the_gemm_probe_times_the_best_kernel_at_its_shape():
+    """bench/decode.py pairs each timed pass with a probe of the best GEMM's rate at that moment."""
+    best = limits.best_by_rows(limits.gemm_rates([(48, 64)], rows=[3], budget_s=0.01))["3"]
+    rate = limits.gemm_probe(best, budget_s=0.01)()
+    assert math.isfinite(rate) and rate > 0
+    with pytest.raises(KeyError):
+        limits.gemm_probe({**best, "kernel": "a kernel of another machine"})
+
+
+def test_the_paired_roofline_takes_each_pass_against_its_own_probe():
+    from pdserve.bench.decode import paired_roofline
+
+    passes = [{"step_s": 0.050, "gemm_rate_flops_per_s": 100e9},    # compute floor 40 ms: 0.8
+              {"step_s": 0.040, "gemm_rate_flops_per_s": 200e9},    # 20 ms, under the 30 ms memory floor: 0.75
+              {"step_s": 0.045, "gemm_rate_flops_per_s": 125e9},    # 32 ms: 0.711
+              {"step_s": 0.010, "gemm_rate_flops_per_s": None}]     # not probed: left out
+    out = paired_roofline(passes, memory_floor_s=0.030, flops=4e9)
+    assert out["roofline_fraction_paired"] == pytest.approx(0.75)
+    assert out["gemm_rate_paired_range"] == [100e9, 200e9]
+    assert paired_roofline(passes[3:], 0.030, 4e9) == {}
