@@ -1,6 +1,7 @@
 /* The next weight chunk of a packed bf16 GEMM, prefetched by the row tiles of the current one.
  *
- * The packed GEMMs (gemv_bf16.c, gemm_bf16_avx2.c; gemm_bf16_fma.c keeps a stream per tile, see there) walk the weights
+ * The packed GEMMs (gemv_bf16.c, gemm_bf16_avx2.c; gemm_bf16_fma.c keeps a stream per tile and has
+ * a block of the next chunk brought in per tile, without this walk's bookkeeping, see there) walk the weights
  * Wp [Np/16][K/2][16][2] in panels of NR 16-output blocks, each panel in chunks of KC kk pairs, and run
  * every row tile of the activations over a chunk while it sits in cache. One kk pair of one block is one
  * 64-byte line. A prefetch running a fixed distance ahead inside the first tile's stream covered only

@@ -42,8 +42,8 @@ int pd_cpu_supported(void) {                       /* asked by kernels.cpu.avail
 
 TARGET static inline __attribute__((always_inline)) void fma_tile(
         const int mr, const int nr, const float *xf, int64_t K, int64_t k0, int64_t kn,
-        const uint16_t *wb, float *cb, int first, int last, uint16_t *y, int64_t ldy, int64_t nb,
-        int64_t n_valid) {
+        const uint16_t *wb, const uint16_t *pn, float *cb, int first, int last, uint16_t *y, int64_t ldy,
+        int64_t nb, int64_t n_valid) {
     __m512 acc[FMR][FNR];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++)
@@ -52,6 +52,7 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
     const float *xs = xf + 2 * k0;
     for (int64_t kk = 0; kk < kn; kk++) {
         __m512 we[FNR], wo[FNR];
+        if (pn) _mm_prefetch((const char *)(pn + kk * 32), _MM_HINT_T1);
         for (int j = 0; j < nr; j++) {
             _mm_prefetch((const char *)(ws + j * 16 * K + kk * 32 + FPF), _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(ws + j * 16 * K + kk * 32);
@@ -73,7 +74,7 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
         }
 }
 
-#define TILE(MR, NR) fma_tile(MR, NR, xf + m0 * K, K, k0, kn, wb, cb, first, last, y + m0 * ldy, ldy, \
+#define TILE(MR, NR) fma_tile(MR, NR, xf + m0 * K, K, k0, kn, wb, pn, cb, first, last, y + m0 * ldy, ldy, \
                                   nb, n_valid)
 #define ROWS(NR) switch (mr) { case 1: TILE(1, NR); break; case 2: TILE(2, NR); break;              \
                                case 3: TILE(3, NR); break; case 4: TILE(4, NR); break;              \
@@ -82,17 +83,24 @@ TARGET static inline __attribute__((always_inline)) void fma_tile(
 
 /* One k chunk of one weight panel over the mc widened rows xf; nr and mr compile-time per instance. Every
  * row tile prefetches its own stream FPF elements ahead: the first tile brings the chunk's lines, the
- * others find them in cache. (gemv_bf16.c and gemm_bf16_avx2.c instead share the next chunk's lines
- * among the tiles, chunk_ahead.h, measured on Zen 4; for this kernel that sharing was 1.4-2x slower
- * from 16 to 128 rows on a Cascade Lake core, and 2-8% slower at 8-128 rows on a Xeon model 207 without
- * AVX512-BF16, with or without each tile's own stream beside it: bench-80m's 48 projections, 32 rows,
- * 45.8 ms own stream, 49.3 shared, 49.1 both; interleaved, median of 9, 2026-11-28.) */
+ * others find them in cache. With several tiles, tile t (t < nrn) also brings block t of the next chunk
+ * (wn: this panel's next pairs, else the next panel's first) into L2, a line per k step: the first tile
+ * alone had read each chunk from memory in a burst (24 KiB in the time of one tile's FMAs) and left the
+ * bus idle while the others computed. bench-80m's 48 projections from DRAM or L3 on a Xeon model 207
+ * without AVX512-BF16 (bench/kernel_ab.py, interleaved, medians of 11-15, 2026-12-01): 16 rows 0.925-0.947x,
+ * 32 rows 0.911-0.983x over four runs, 128 rows 0.97-1.0x, 512 rows 0.86-1.0x; the batch-32 decode step
+ * 0.947x (bench/step_ab.py, medians of 5 processes).
+ * (chunk_ahead.h's share of the next chunk spread over every tile, with its per-step bookkeeping, had
+ * been 1.4-2x slower from 16 to 128 rows on a Cascade Lake core and 2-8% slower at 8-128 rows on that
+ * Xeon model 207: 32 rows 45.8 ms own stream, 49.3 shared, 49.1 both; median of 9, 2026-11-28.) */
 TARGET static void fma_chunk(const int nr, const float *xf, int64_t mc, int64_t K, int64_t k0, int64_t kn,
-                             const uint16_t *wb, float *cbuf, int first, int last, uint16_t *y, int64_t ldy,
-                             int64_t nb, int64_t n_valid) {
+                             const uint16_t *wb, const uint16_t *wn, int64_t nrn, float *cbuf, int first, int last,
+                             uint16_t *y, int64_t ldy, int64_t nb, int64_t n_valid) {
     for (int64_t m0 = 0; m0 < mc; m0 += FMR) {
         const int mr = mc - m0 < FMR ? (int)(mc - m0) : FMR;
         float *cb = cbuf + m0 * FNR * 16;
+        const int64_t t = m0 / FMR;                /* tile t brings block t of the next chunk into L2 */
+        const uint16_t *pn = wn && mc > FMR && t < nrn ? wn + t * 16 * K : NULL;
         if (nr == FNR) { ROWS(FNR) }
         else if (nr == 2) { ROWS(2) }
         else { ROWS(1) }
@@ -123,9 +131,13 @@ TARGET int pd_gemm_bf16_fma(const uint16_t *x, int64_t M, int64_t K, int64_t ldx
         for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 16 * FNR) {
             const int64_t left = (Np - nb) / 16, nr = left < FNR ? left : FNR;
             for (int64_t k0 = 0; k0 < K2; k0 += FKC) {
-                const int64_t kn = K2 - k0 < FKC ? K2 - k0 : FKC;
-                fma_chunk((int)nr, xf, mc, K, k0, kn, wp + nb * K, cbuf, k0 == 0, k0 + kn == K2, y + m0 * ldy, ldy,
-                          nb, n_valid);
+                const int64_t kn = K2 - k0 < FKC ? K2 - k0 : FKC, nn = nb + 16 * FNR;
+                const uint16_t *wn = NULL;         /* the next chunk: this panel's next pairs, else the next panel's */
+                int64_t nrn = nr;
+                if (k0 + kn < K2) wn = wp + nb * K + (k0 + kn) * 32;
+                else if (nn < Np && nn < n_valid) wn = wp + nn * K, nrn = (Np - nn) / 16 < FNR ? (Np - nn) / 16 : FNR;
+                fma_chunk((int)nr, xf, mc, K, k0, kn, wp + nb * K, wn, nrn, cbuf, k0 == 0, k0 + kn == K2,
+                          y + m0 * ldy, ldy, nb, n_valid);
             }
         }
     }
