@@ -301,8 +301,29 @@ def bandwidth_at(limits: dict, nbytes: int, threads: int | None = None) -> float
 def gemm_rate_at(limits: dict, rows: int) -> dict:
     """The best measurement at ``rows`` rows (else at the nearest measured row count)."""
     by_rows = limits["gemm"]["best_by_rows"]
-    key = min(by_rows, key=lambda r: (abs(math.log(int(r) / rows)), int(r)))
-    return by_rows[key]
+    return by_rows[_nearest_rows(by_rows, rows)]
+
+
+def _nearest_rows(by_rows: dict, rows: int) -> str:
+    return min(by_rows, key=lambda r: (abs(math.log(int(r) / rows)), int(r)))
+
+
+def raise_gemm_rate(limits: dict, rows: int, flops_per_s: float) -> bool:
+    """Record a later, faster measurement (FLOP/s) of the entry :func:`gemm_rate_at` gives for ``rows``, such as a
+    :func:`gemm_probe` of it: the entry (and ``best_gemm_flops_per_s`` where it passes that) takes the rate, marked
+    ``"raised_by": "gemm_probe"``, so that a limit measured in one of the host's slow spells does not stand
+    for the best the machine gave during the run. Returns whether it raised anything."""
+    by_rows = limits["gemm"]["best_by_rows"]
+    key = _nearest_rows(by_rows, rows)
+    entry = by_rows[key]
+    if flops_per_s <= entry["flops_per_s"]:
+        return False
+    work = 2.0 * int(entry["rows"]) * int(entry["n"]) * int(entry["k"])
+    by_rows[key] = {**entry, "flops_per_s": flops_per_s, "seconds": work / flops_per_s, "raised_by": "gemm_probe",
+                    "measured_flops_per_s": entry.get("measured_flops_per_s", entry["flops_per_s"])}
+    if flops_per_s > limits["best_gemm_flops_per_s"]:
+        limits["best_gemm_flops_per_s"], limits["gemm"]["best"] = flops_per_s, by_rows[key]
+    return True
 
 
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:

@@ -246,3 +246,17 @@ def test_the_paired_roofline_takes_each_pass_against_its_own_probe():
     assert out["roofline_fraction_paired"] == pytest.approx(0.75)
     assert out["gemm_rate_paired_range"] == [100e9, 200e9]
     assert paired_roofline(passes[3:], 0.030, 4e9) == {}
+
+
+def test_a_faster_probe_raises_the_best_gemm_rate_and_a_slower_one_does_not():
+    entry = {"rows": 32, "n": 768, "k": 768, "kernel": "gemm_bf16_fma", "flops_per_s": 100e9, "seconds": 1.0}
+    other = {"rows": 1, "n": 768, "k": 768, "kernel": "gemv_bf16", "flops_per_s": 120e9, "seconds": 1.0}
+    out = {"gemm": {"best_by_rows": {"32": entry, "1": other}, "best": other}, "best_gemm_flops_per_s": 120e9}
+    assert not limits.raise_gemm_rate(out, 32, 90e9) and limits.gemm_rate_at(out, 32) is entry
+    assert limits.raise_gemm_rate(out, 30, 110e9)              # the entry gemm_rate_at gives for 30 rows: 32's
+    raised = limits.gemm_rate_at(out, 32)
+    assert raised["flops_per_s"] == 110e9 and raised["measured_flops_per_s"] == 100e9
+    assert raised["raised_by"] == "gemm_probe" and raised["seconds"] == pytest.approx(2 * 32 * 768 * 768 / 110e9)
+    assert out["best_gemm_flops_per_s"] == 120e9 and out["gemm"]["best"] is other   # 1 row's is still faster
+    assert limits.raise_gemm_rate(out, 32, 130e9) and out["best_gemm_flops_per_s"] == 130e9
+    assert out["gemm"]["best"]["measured_flops_per_s"] == 100e9 and entry["flops_per_s"] == 100e9   # not mutated
