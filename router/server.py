@@ -321,9 +321,10 @@ class Router:
 
     async def _poll_registry(self) -> None:
         """Read the registry every ``registry_poll_s`` and apply the view. A read a caller made (a stale
-        ``GetClusterState``) stands for the poller's, and the next is due ``registry_poll_s`` after it: two reads
-        never start closer than that, however the poller and the callers interleave (a poller that slept a
-        fixed interval read again just after a caller's read, 4 reads in 0.4 s at a 0.2 s interval)."""
+        ``GetClusterState``) stands for the poller's, and the next is due ``registry_poll_s`` after it: the
+        poller's and stale calls' reads never start closer than that, however they interleave (a poller that
+        slept a fixed interval read again just after a caller's read, 4 reads in 0.4 s at a 0.2 s interval).
+        Only a request that finds no worker known reads at once."""
         while True:
             await self._refresh_if_stale()
             if self._insecure is not None:
