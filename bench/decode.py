@@ -30,16 +30,8 @@ from pathlib import Path
 import torch
 
 from pdserve.bench.common import ROOT, hf_generate_seconds, write_result
-from pdserve.bench.limits import (
-    bandwidth_at,
-    gemm_probe,
-    gemm_rate_at,
-    kernel_paths,
-    linear_shapes,
-    measure_limits,
-    raise_gemm_rate,
-    summary,
-)
+from pdserve.bench.gemm_limits import gemm_probe, gemm_rate_at, raise_gemm_rate
+from pdserve.bench.limits import bandwidth_at, kernel_paths, linear_shapes, measure_limits, summary
 from pdserve.decode_worker.config import DecodeWorkerConfig
 from pdserve.decode_worker.engine import DecodeEngine
 from pdserve.decode_worker.request import TokensEvent
@@ -163,9 +155,9 @@ def bench_throughput(model_dir: str, batches: list[int], steps: int, bandwidth: 
     rate at its batch. Each row is the median of ``reps`` timed passes by step time (``step_s_runs``: all
     of them, seconds), the same engine and prompts each time, so that one slow pass on a drifting host
     does not make the figure. With ``limits``, each pass of a bf16 or fp32 row follows a probe of the
-    best GEMM's rate at that moment (:func:`bench.limits.gemm_probe`, ``passes``: step and rate in pass
+    best GEMM's rate at that moment (:func:`bench.gemm_limits.gemm_probe`, ``passes``: step and rate in pass
     order), and the row gives its roofline against those paired rates beside the one against the best; a
-    probe faster than ``limits``' figure raises it (:func:`bench.limits.raise_gemm_rate`), and every row is
+    probe faster than ``limits``' figure raises it (:func:`bench.gemm_limits.raise_gemm_rate`), and every row is
     scored again at the end against the run's best (printed again where that changed its figures)."""
     rows, raised = [], False
     for dtype, weights in (KINDS[k] for k in kinds):

@@ -31,7 +31,8 @@ import torch
 
 from pdserve.bench.common import ROOT, LocalCluster, median_time, timed_stream, write_result
 from pdserve.bench.decode import expert_shares
-from pdserve.bench.limits import ROWS, gemm_rate_at, kernel_paths, linear_shapes, measure_limits, summary
+from pdserve.bench.gemm_limits import gemm_rate_at
+from pdserve.bench.limits import ROWS, kernel_paths, linear_shapes, measure_limits, summary
 from pdserve.cluster.args import default_redis_url
 from pdserve.deploy import client
 from pdserve.deploy.make_model import make_model

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.bench import cpu_facts, limits
+from pdserve.bench import cpu_facts, gemm_limits, limits
 from pdserve.kernels.cpu import KernelUnavailable, amx_probe, membw
 from pdserve.kernels.cpu.gemv import gemm_amx_available
 
@@ -123,15 +123,15 @@ def test_size_parsing_and_nearest_gemm_rate():
     assert cpu_facts._size_bytes("") is None
     fake = {"gemm": {"best_by_rows": {"1": {"flops_per_s": 1.0}, "32": {"flops_per_s": 2.0},
                                       "512": {"flops_per_s": 3.0}}}}
-    assert limits.gemm_rate_at(fake, 32)["flops_per_s"] == 2.0
-    assert limits.gemm_rate_at(fake, 24)["flops_per_s"] == 2.0      # nearest on a log scale
-    assert limits.gemm_rate_at(fake, 300)["flops_per_s"] == 3.0
+    assert gemm_limits.gemm_rate_at(fake, 32)["flops_per_s"] == 2.0
+    assert gemm_limits.gemm_rate_at(fake, 24)["flops_per_s"] == 2.0      # nearest on a log scale
+    assert gemm_limits.gemm_rate_at(fake, 300)["flops_per_s"] == 3.0
 
 
 def test_best_by_rows_skips_failed_kernels():
     rows = [{"rows": 8, "kernel": "a", "flops_per_s": 5.0}, {"rows": 8, "kernel": "b", "error": "boom"},
             {"rows": 8, "kernel": "c", "flops_per_s": 7.0}, {"rows": 1, "kernel": "a", "flops_per_s": 1.0}]
-    best = limits.best_by_rows(rows)
+    best = gemm_limits.best_by_rows(rows)
     assert best["8"]["kernel"] == "c" and best["1"]["kernel"] == "a"
 
 
@@ -228,11 +228,11 @@ def test_the_amx_probes_refuse_without_amx():
 
 def test_the_gemm_probe_times_the_best_kernel_at_its_shape():
     """bench/decode.py pairs each timed pass with a probe of the best GEMM's rate at that moment."""
-    best = limits.best_by_rows(limits.gemm_rates([(48, 64)], rows=[3], budget_s=0.01))["3"]
-    rate = limits.gemm_probe(best, budget_s=0.01)()
+    best = gemm_limits.best_by_rows(gemm_limits.gemm_rates([(48, 64)], rows=[3], budget_s=0.01))["3"]
+    rate = gemm_limits.gemm_probe(best, budget_s=0.01)()
     assert math.isfinite(rate) and rate > 0
     with pytest.raises(KeyError):
-        limits.gemm_probe({**best, "kernel": "a kernel of another machine"})
+        gemm_limits.gemm_probe({**best, "kernel": "a kernel of another machine"})
 
 
 def test_the_paired_roofline_takes_each_pass_against_its_own_probe():
@@ -252,11 +252,11 @@ def test_a_faster_probe_raises_the_best_gemm_rate_and_a_slower_one_does_not():
     entry = {"rows": 32, "n": 768, "k": 768, "kernel": "gemm_bf16_fma", "flops_per_s": 100e9, "seconds": 1.0}
     other = {"rows": 1, "n": 768, "k": 768, "kernel": "gemv_bf16", "flops_per_s": 120e9, "seconds": 1.0}
     out = {"gemm": {"best_by_rows": {"32": entry, "1": other}, "best": other}, "best_gemm_flops_per_s": 120e9}
-    assert not limits.raise_gemm_rate(out, 32, 90e9) and limits.gemm_rate_at(out, 32) is entry
-    assert limits.raise_gemm_rate(out, 30, 110e9)              # the entry gemm_rate_at gives for 30 rows: 32's
-    raised = limits.gemm_rate_at(out, 32)
+    assert not gemm_limits.raise_gemm_rate(out, 32, 90e9) and gemm_limits.gemm_rate_at(out, 32) is entry
+    assert gemm_limits.raise_gemm_rate(out, 30, 110e9)              # the entry gemm_rate_at gives for 30 rows: 32's
+    raised = gemm_limits.gemm_rate_at(out, 32)
     assert raised["flops_per_s"] == 110e9 and raised["measured_flops_per_s"] == 100e9
     assert raised["raised_by"] == "gemm_probe" and raised["seconds"] == pytest.approx(2 * 32 * 768 * 768 / 110e9)
     assert out["best_gemm_flops_per_s"] == 120e9 and out["gemm"]["best"] is other   # 1 row's is still faster
-    assert limits.raise_gemm_rate(out, 32, 130e9) and out["best_gemm_flops_per_s"] == 130e9
+    assert gemm_limits.raise_gemm_rate(out, 32, 130e9) and out["best_gemm_flops_per_s"] == 130e9
     assert out["gemm"]["best"]["measured_flops_per_s"] == 100e9 and entry["flops_per_s"] == 100e9   # not mutated
