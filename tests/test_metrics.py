@@ -129,4 +129,6 @@ def test_every_process_froze_its_start_up_heap_and_exports_its_runtime(served):
         text = scrape(address)
         assert total(text, "pdserve:gc_frozen_objects") > 10_000, address
         assert total(text, "python_gc_collections_total", generation="0") > 0   # the load collected young objects
-        assert total(text, "process_resident_memory_bytes") > 100e6   # torch and a model are loaded
+        # a real RSS, of a process that imported torch (an empty interpreter is ~10-20 MB): the router, which holds
+        # no weights, read 97.7 MB on a Xeon 207 without AVX512-BF16 (2026-12-01), under the 100 MB this once asked
+        assert total(text, "process_resident_memory_bytes") > 50e6
