@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import sys
 import threading
@@ -93,7 +94,8 @@ class Service(Protocol):
 
 def run_foreground(factory: Callable[[], Service], log_format: str = "text", log_level: str = "WARNING") -> None:
     """Build the service, start it with its start-up heap frozen (:func:`start_frozen`), print
-    ``ready <host:port>`` on stdout, serve until SIGINT/SIGTERM, then stop it cleanly. Logs go to stderr
+    ``ready <host:port>`` on stdout, serve until SIGINT/SIGTERM (or until the launcher named by
+    :data:`PARENT_PID_ENV` has exited), then stop it cleanly. Logs go to stderr
     as ``log_format`` (``text``, or ``json``: one object per line, :mod:`cluster.logs`)."""
     configure_logging(log_format, log_level)
 
@@ -101,7 +103,7 @@ def run_foreground(factory: Callable[[], Service], log_format: str = "text", log
         service = factory()
         address = await start_frozen(service)
         print(f"ready {address}", flush=True)
-        await wait_for_shutdown_signal()
+        await wait_for_shutdown_signal(watched_parent_pid())
         await service.stop()
         unfreeze_heap()
 
@@ -191,10 +193,38 @@ async def start_grpc_server(host: str, port: int, add_services: Callable[[grpc.a
     return server, bound
 
 
-async def wait_for_shutdown_signal() -> None:
-    """Return on SIGINT or SIGTERM."""
+# Set by a launcher that owns its role processes (deploy.processes.spawn_role) to its own pid: the role
+# then stops, as on SIGTERM, once that launcher has exited and it has been re-parented.
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+
+
+def watched_parent_pid() -> int | None:
+    """The launcher's pid from :data:`PARENT_PID_ENV`; None where unset or not a pid above 1. A role
+    whose launcher had already exited when it read this stops at once (see :func:`wait_for_shutdown_signal`)."""
+    raw = os.environ.get(PARENT_PID_ENV, "")
+    return int(raw) if raw.isdigit() and int(raw) > 1 else None
+
+
+async def _parent_gone(parent_pid: int, poll_s: float) -> None:
+    """Return once this process's parent is no longer ``parent_pid`` (it exited; the kernel re-parented
+    this process to init or a subreaper)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(poll_s)
+
+
+async def wait_for_shutdown_signal(parent_pid: int | None = None, poll_s: float = 0.5) -> None:
+    """Return on SIGINT or SIGTERM, or, with ``parent_pid``, once this process's parent is no longer that
+    process (checked every ``poll_s`` seconds): a role whose launcher died, from a crash or a SIGKILL that
+    gave it no chance to stop its children, stops instead of serving on as an orphan."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait())]
+    if parent_pid is not None:
+        waits.append(asyncio.ensure_future(_parent_gone(parent_pid, poll_s)))
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    if not stop.is_set():
+        log.warning("launcher (pid %d) exited; stopping", parent_pid)

@@ -10,6 +10,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pdserve.cluster.service import PARENT_PID_ENV
+
 
 @dataclass
 class RoleProcess:
@@ -38,7 +40,9 @@ def spawn_role(role: str, flags: dict[str, object], name: str = "", timeout_s: f
     """Run ``python -m pdserve.<role> --flag value ...`` (``role``: ``router``, ``prefill_worker`` or
     ``decode_worker``) and wait for its ``ready host:port`` line (a router started with ``http_port``
     prints ``http host:port`` before it).
-    ``cpus`` (e.g. ``"0"`` or ``"0-1"``) pins the process to those cores with ``taskset``.
+    ``cpus`` (e.g. ``"0"`` or ``"0-1"``) pins the process to those cores with ``taskset``. The process
+    stops by itself once this one has exited (:data:`cluster.service.PARENT_PID_ENV`), so that a test or
+    benchmark that dies without stopping it leaves no orphan serving on.
 
     Raises:
         RuntimeError: the process exited or did not get ready within ``timeout_s`` seconds
@@ -48,7 +52,7 @@ def spawn_role(role: str, flags: dict[str, object], name: str = "", timeout_s: f
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, PARENT_PID_ENV: str(os.getpid()), **(env or {})})
     deadline, http_address = time.monotonic() + timeout_s, ""
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 0.2)

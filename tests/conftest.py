@@ -33,6 +33,34 @@ AWKWARD_SHAPES = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=2
                       tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500.0, bos_token_id=1, eos_token_id=2)
 
 
+def live_role_children() -> list[tuple[int, str]]:
+    """(pid, command line) of this process's children still running as ``python -m pdserve.<role>``."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if stat[0] != "Z" and int(stat[1]) == me and any(a.startswith(b"pdserve.") for a in argv):
+            found.append((int(entry.name), b" ".join(argv).decode(errors="replace")[:300]))
+    return found
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name every role process a test left running (its cluster name finds the test), then stop it; each
+    would also stop by itself once pytest exits (``PDSERVE_PARENT_PID``)."""
+    leaked = live_role_children()
+    if leaked:
+        terminalreporter.section("role processes left running by the tests")
+    for pid, argv in leaked:
+        terminalreporter.write_line(f"pid {pid}: {argv}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> str:
     """The real Redis the suite runs against (started with deploy's launcher if none answers)."""
