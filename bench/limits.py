@@ -121,7 +121,8 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
         best_gemm_flops_per_s   the overall best measured rate (FLOP/s)
         theoretical_peak     theoretical_peak(...) for these threads at cpu_facts()'s clock (measured or reported)
         amx                  best_amx() of kernels.cpu.amx_probe.measure(...) on one core before and after the
-                             GEMM rates, or None without AMX
+                             GEMM rates (the weight stream beside the tile work at the DRAM size, before), or
+                             None without AMX
 
     Without a C compiler the bandwidths are torch's (``best_path`` ``"torch_sum"``) and only
     ``F.linear`` is measured.
@@ -130,7 +131,7 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
     cpu = cpu_facts()
     dram = read_bandwidths(dram_bytes or dram_buffer_bytes(cpu["l3_bytes"]), threads)
     working = {str(int(b)): read_bandwidths(int(b), threads) for b in dict.fromkeys(working_set_bytes)}
-    amx_before = amx_limits(cpu["l3_bytes"])
+    amx_before = amx_limits(cpu["l3_bytes"], dram["bytes"])
     measurements = gemm_rates(model_shapes, rows, threads)
     by_rows = best_by_rows(measurements)
     best = max(by_rows.values(), key=lambda r: r["flops_per_s"])
@@ -145,12 +146,13 @@ def measure_limits(model_shapes: Sequence[tuple[int, int]], rows: Sequence[int] 
                                                  dp_fma_ratio())}
 
 
-def amx_limits(l3_bytes: int | None) -> dict | None:
-    """:func:`kernels.cpu.amx_probe.measure` where AMX-BF16 runs in this process, else ``None``."""
+def amx_limits(l3_bytes: int | None, stream_bytes: int | None = None) -> dict | None:
+    """:func:`kernels.cpu.amx_probe.measure` where AMX-BF16 runs in this process (with the weight stream's
+    rates over ``stream_bytes`` where given), else ``None``."""
     from pdserve.kernels.cpu import amx_probe
     from pdserve.kernels.cpu.gemv import gemm_amx_available
 
-    return amx_probe.measure(l3_bytes) if gemm_amx_available() else None
+    return amx_probe.measure(l3_bytes, stream_bytes) if gemm_amx_available() else None
 
 
 def best_amx(samples: list[dict]) -> dict:
@@ -159,7 +161,8 @@ def best_amx(samples: list[dict]) -> dict:
     these VMs the tile unit ran 2-2.6x slower in some minutes than in others (7.0 against 15.4-18.5 ns), and a
     ceiling taken in a slow minute fell below GEMM rates measured in a fast one."""
     best = min(samples, key=lambda a: a["tdp_ns"])
-    return {**best, "tdp_ns_samples": [a["tdp_ns"] for a in samples]}
+    streams = {k: v for a in samples for k, v in a.items() if k.startswith("stream")}   # taken in one sample
+    return {**best, **streams, "tdp_ns_samples": [a["tdp_ns"] for a in samples]}
 
 
 def bandwidth_at(limits: dict, nbytes: int, threads: int | None = None) -> float:
@@ -207,6 +210,11 @@ def summary(limits: dict) -> str:
         lines.append(f"AMX tile unit, measured: {amx['tdp_ns']:.2f} ns a TDPBF16PS with operands in tiles "
                      f"({amx['tdp_flops_per_s'] / 1e9:.0f} GFLOP/s a core; samples {samples} ns); 1 KiB tile load "
                      f"ns: {loads}")
+        if amx.get("stream_bytes_per_s"):
+            st = amx["stream_bytes_per_s"]
+            lines.append(f"AMX weight stream, {amx['stream_bytes'] / GIB:.2f} GiB: vector loads "
+                         f"{st['vectors'] / 1e9:.1f} GB/s alone, {st['beside_32_row_tile_work'] / 1e9:.1f} GB/s beside "
+                         f"a 32-row gemm's tile work ({st['beside_32_row_tile_work'] / st['vectors']:.0%})")
     return "\n".join(lines)
 
 

@@ -156,7 +156,11 @@ def test_measure_limits_on_tiny_shapes():
     assert out["best_gemm_flops_per_s"] == max(r["flops_per_s"] for r in out["gemm"]["best_by_rows"].values())
     assert out["theoretical_peak"]["flops"] > 0 and out["theoretical_peak"]["cores"] == 1
     if gemm_amx_available():       # the tile unit's own figures, recorded where AMX runs
-        assert set(out["amx"]) == {"tdp_ns", "tdp_flops_per_s", "tile_load_ns", "tile_load_bytes", "tdp_ns_samples"}
+        assert set(out["amx"]) == {"tdp_ns", "tdp_flops_per_s", "tile_load_ns", "tile_load_bytes", "tdp_ns_samples",
+                                   "stream_bytes", "stream_bytes_per_s"}
+        assert out["amx"]["stream_bytes"] == out["bandwidth"]["dram"]["bytes"]
+        assert all(v > 0 for v in out["amx"]["stream_bytes_per_s"].values())
+        assert "AMX weight stream" in limits.summary(out)
         assert len(out["amx"]["tdp_ns_samples"]) == 2 and out["amx"]["tdp_ns"] == min(out["amx"]["tdp_ns_samples"])
         assert set(out["amx"]["tile_load_ns"]) == {"l1", "l2", "l3"}
         assert "AMX tile unit, measured" in limits.summary(out)
@@ -216,6 +220,9 @@ def test_the_amx_probes_run_what_they_time():
         amx_probe.tdp_seconds(rounds=(1 << 19) + 1)        # 32 x rounds would no longer be exact in float32
     peak = cpu_facts.theoretical_peak({"amx_bf16", "amx_tile"}, 10_000.0, 1)["flops"]
     assert amx_probe.TDP_FLOP / tdp <= peak                  # no faster than 16 cycles at a 10 GHz clock
+    # the stream's sum (checked inside) holds every 2 KiB step's tile products: 8 KiB is rounded up, not down
+    assert amx_probe.stream_bytes_per_s(8000, tile_work=True, reps=1) > 0
+    assert amx_probe.stream_bytes_per_s(1 << 20, tile_work=False, reps=1) > 0
 
 
 @pytest.mark.skipif(gemm_amx_available(), reason="this CPU runs AMX")
@@ -224,6 +231,8 @@ def test_the_amx_probes_refuse_without_amx():
         amx_probe.tdp_seconds()
     with pytest.raises(KernelUnavailable):
         amx_probe.tile_load_seconds(4096)
+    with pytest.raises(KernelUnavailable):
+        amx_probe.stream_bytes_per_s(1 << 20, tile_work=True)
 
 
 def test_the_gemm_probe_times_the_best_kernel_at_its_shape():

@@ -1,6 +1,7 @@
 """The AMX tile unit's own limits, measured: how fast ``TDPBF16PS`` issues with its operands in tile
 registers, and how fast 1 KiB tile loads run from each level of the cache (``gemm_amx.h:
-pd_amx_tdp_probe``, ``pd_amx_tile_load_probe``).
+pd_amx_tdp_probe``, ``pd_amx_tile_load_probe``), and what a gemm's tile work costs a weight stream read from
+memory beside it (``pd_amx_stream_probe``).
 
 The paper peak of an AMX core is one ``TDPBF16PS`` (16 x 16 x 32 multiply-adds, 16,384 FLOP) per 16 cycles at
 the core's clock. On the Emerald Rapids core of this project's VMs (family 6, model 207, 2026-12-01) the tile
@@ -14,6 +15,7 @@ the host, so :mod:`bench.limits` records it beside every run's GEMM figures. A t
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 
 import torch
@@ -22,6 +24,7 @@ from pdserve.kernels.cpu import KernelUnavailable, library
 from pdserve.kernels.cpu.gemv import gemm_amx_available
 
 TDP_FLOP = 2 * 16 * 16 * 32          # one TDPBF16PS on full 16-row tiles
+PANEL = 2 * 16 * 768 * 2             # bytes of a panel of pd_amx_stream_probe's walk (two 16 x 768 bf16 blocks)
 
 
 def _fn(name: str, argtypes: list) -> ctypes._CFuncPtr:
@@ -82,11 +85,40 @@ def tile_load_seconds(nbytes: int, loads: int = 200_000, reps: int = 5) -> float
     return seconds / (4 * rounds)
 
 
-def measure(l3_bytes: int | None = None) -> dict:
+def stream_bytes_per_s(nbytes: int, tile_work: bool, reps: int = 3) -> float:
+    """Bytes/s of a vector-load read of an ``nbytes`` buffer in huge pages (rounded up to 48 KiB): two
+    prefetched streams walked as the 32-row AMX gemm walks a K = 768 weight's panels, best of ``reps`` passes
+    after one untimed; with ``tile_work`` each 2 KiB read also runs a 32-row gemm's tile work for 2 KiB of
+    weights (four 1 KiB tile loads from L1, four ``TDPBF16PS``): ``gemm_amx.h: pd_amx_stream_probe``. The two
+    rates side by side measure what the tile work costs a weight stream: the ceiling of a 32-row AMX gemm over
+    weights read from memory, below the streaming read's.
+
+    Raises:
+        KernelUnavailable: no AMX-BF16 here, or this process may not use tile data.
+        RuntimeError: the returned sum is not what every load and tile product of the buffer gives.
+    """
+    from pdserve.model.hugepages import empty_huge
+
+    if not gemm_amx_available():
+        raise KernelUnavailable("amx_probe: this CPU or process cannot use AMX-BF16")
+    nbytes = max(PANEL, -(-nbytes // PANEL) * PANEL)
+    src = empty_huge(nbytes // 2, torch.bfloat16).fill_(1.0)      # every page touched before timing
+    fn = _fn("pd_amx_stream_probe", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+    seconds, result = _best_seconds(lambda: fn(src.data_ptr(), nbytes, int(tile_work)), reps)
+    steps = nbytes // 2048                       # 2 KiB read a step; each adds 32 (1.0 x 1.0 over 32 k) to C[0][0]
+    expected = 0x3F80 + (32.0 * steps if tile_work else 0.0)    # the OR of every bf16 1.0 read, plus the tiles'
+    if not math.isclose(result, expected, rel_tol=1e-6):
+        raise RuntimeError(f"amx_probe: the stream returned {result}, expected {expected}")
+    return nbytes / seconds
+
+
+def measure(l3_bytes: int | None = None, stream_bytes: int | None = None) -> dict:
     """The tile unit's limits as a JSON-ready dict: ``tdp_ns`` (ns per ``TDPBF16PS``), ``tdp_flops_per_s``
     (FLOP/s at that rate: the matrix unit's measured ceiling), and ``tile_load_ns`` per cache level
     (``l1`` over 16 KiB, ``l2`` over 1 MiB, ``l3`` over 64 MiB or a quarter of ``l3_bytes``, whichever is
-    smaller), with ``tile_load_bytes`` the buffer sizes.
+    smaller), with ``tile_load_bytes`` the buffer sizes. With ``stream_bytes`` (a DRAM-sized buffer), also
+    ``stream_bytes_per_s``: :func:`stream_bytes_per_s` of that buffer without (``vectors``) and with
+    (``beside_32_row_tile_work``) the tile work, and ``stream_bytes`` itself.
 
     Raises:
         KernelUnavailable: no AMX-BF16 here.
@@ -94,5 +126,10 @@ def measure(l3_bytes: int | None = None) -> dict:
     tdp = tdp_seconds()
     sizes = {"l1": 16 << 10, "l2": 1 << 20, "l3": min(64 << 20, (l3_bytes or 256 << 20) // 4)}
     loads = {level: tile_load_seconds(n, loads=200_000 if level != "l3" else 50_000) for level, n in sizes.items()}
-    return {"tdp_ns": tdp * 1e9, "tdp_flops_per_s": TDP_FLOP / tdp,
-            "tile_load_ns": {level: s * 1e9 for level, s in loads.items()}, "tile_load_bytes": sizes}
+    out = {"tdp_ns": tdp * 1e9, "tdp_flops_per_s": TDP_FLOP / tdp,
+           "tile_load_ns": {level: s * 1e9 for level, s in loads.items()}, "tile_load_bytes": sizes}
+    if stream_bytes:
+        out["stream_bytes"] = stream_bytes
+        out["stream_bytes_per_s"] = {"vectors": stream_bytes_per_s(stream_bytes, False),
+                                     "beside_32_row_tile_work": stream_bytes_per_s(stream_bytes, True)}
+    return out
