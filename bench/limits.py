@@ -151,8 +151,12 @@ def amx_limits(l3_bytes: int | None, stream_bytes: int | None = None) -> dict | 
     rates over ``stream_bytes`` where given), else ``None``."""
     from pdserve.kernels.cpu import amx_probe
     from pdserve.kernels.cpu.gemv import gemm_amx_available
+    from pdserve.model.hugepages import empty_huge
 
-    return amx_probe.measure(l3_bytes, stream_bytes) if gemm_amx_available() else None
+    if not gemm_amx_available():
+        return None
+    src = None if not stream_bytes else empty_huge(stream_bytes // 2, torch.bfloat16).fill_(1.0)   # pages touched
+    return amx_probe.measure(l3_bytes, src)
 
 
 def best_amx(samples: list[dict]) -> dict:
@@ -214,7 +218,9 @@ def summary(limits: dict) -> str:
             st = amx["stream_bytes_per_s"]
             lines.append(f"AMX weight stream, {amx['stream_bytes'] / GIB:.2f} GiB: vector loads "
                          f"{st['vectors'] / 1e9:.1f} GB/s alone, {st['beside_32_row_tile_work'] / 1e9:.1f} GB/s beside "
-                         f"a 32-row gemm's tile work ({st['beside_32_row_tile_work'] / st['vectors']:.0%})")
+                         f"a 32-row gemm's tile work ({st['beside_32_row_tile_work'] / st['vectors']:.0%}; its tile "
+                         f"loads alone {st['beside_tile_loads'] / 1e9:.1f}, its TDPBF16PS alone "
+                         f"{st['beside_tdp'] / 1e9:.1f})")
     return "\n".join(lines)
 
 

@@ -158,7 +158,9 @@ def test_measure_limits_on_tiny_shapes():
     if gemm_amx_available():       # the tile unit's own figures, recorded where AMX runs
         assert set(out["amx"]) == {"tdp_ns", "tdp_flops_per_s", "tile_load_ns", "tile_load_bytes", "tdp_ns_samples",
                                    "stream_bytes", "stream_bytes_per_s"}
-        assert out["amx"]["stream_bytes"] == out["bandwidth"]["dram"]["bytes"]
+        dram_bytes = out["bandwidth"]["dram"]["bytes"]           # read in whole panels of the gemm's walk
+        assert dram_bytes - amx_probe.PANEL < out["amx"]["stream_bytes"] <= dram_bytes
+        assert set(out["amx"]["stream_bytes_per_s"]) == set(amx_probe.TILE_WORK)
         assert all(v > 0 for v in out["amx"]["stream_bytes_per_s"].values())
         assert "AMX weight stream" in limits.summary(out)
         assert len(out["amx"]["tdp_ns_samples"]) == 2 and out["amx"]["tdp_ns"] == min(out["amx"]["tdp_ns_samples"])
@@ -221,8 +223,15 @@ def test_the_amx_probes_run_what_they_time():
     peak = cpu_facts.theoretical_peak({"amx_bf16", "amx_tile"}, 10_000.0, 1)["flops"]
     assert amx_probe.TDP_FLOP / tdp <= peak                  # no faster than 16 cycles at a 10 GHz clock
     # the stream's sum (checked inside) holds every 2 KiB step's tile products: 8 KiB is rounded up, not down
-    assert amx_probe.stream_bytes_per_s(8000, tile_work=True, reps=1) > 0
-    assert amx_probe.stream_bytes_per_s(1 << 20, tile_work=False, reps=1) > 0
+    src = torch.ones(3 * amx_probe.PANEL // 2 + 100, dtype=torch.bfloat16)   # reads the first 3 panels' worth
+    for work in amx_probe.TILE_WORK:
+        assert amx_probe.stream_bytes_per_s(src, work, reps=1) > 0
+    with pytest.raises(ValueError):
+        amx_probe.stream_bytes_per_s(src, "tdp")
+    with pytest.raises(ValueError):
+        amx_probe.stream_bytes_per_s(src[:1000], "vectors")               # under a panel
+    with pytest.raises(RuntimeError):                                      # a buffer not of 1.0: its sum is off
+        amx_probe.stream_bytes_per_s(torch.full_like(src, 2.0), "beside_32_row_tile_work", reps=1)
 
 
 @pytest.mark.skipif(gemm_amx_available(), reason="this CPU runs AMX")
@@ -232,7 +241,7 @@ def test_the_amx_probes_refuse_without_amx():
     with pytest.raises(KernelUnavailable):
         amx_probe.tile_load_seconds(4096)
     with pytest.raises(KernelUnavailable):
-        amx_probe.stream_bytes_per_s(1 << 20, tile_work=True)
+        amx_probe.stream_bytes_per_s(torch.ones(1 << 20, dtype=torch.bfloat16), "vectors")
 
 
 def test_the_gemm_probe_times_the_best_kernel_at_its_shape():

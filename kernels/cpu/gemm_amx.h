@@ -181,13 +181,11 @@ AMX float pd_amx_tdp_probe(const uint16_t *src, int64_t rounds) {
 
 /* pd_amx_stream_probe: read `bytes` of src (a multiple of 48 KiB; DRAM-sized for the figure) once with vector
  * loads as the 32-row gemm walks packed weights of K = 768 (panels of two 16-row blocks, 24 KiB each, side by
- * side: 1 KiB of each a step), prefetched 2 KiB ahead as the gemv streams on Intel; with tile_work, each step
- * also runs what a 32-row gemm must per 2 KiB of weights: four 1 KiB tile loads (two of x, two of weights; here
- * from a 4 KiB buffer in L1) and four TDPBF16PS (a 2 x 2 block of C tiles). Its rate with against without
- * tile_work is what the tile work costs a weight stream: on the AMX Xeon model 167 (2026-12-01) the tile loads
- * alone cost a scratch version of it 10-20% (13.1-13.5 against 14.5-15.2 GB/s; one tile load a step cost
- * nothing), with the TDPBF16PS 12.1-12.7 GB/s, where the 32-row gemm read 1 GiB of weights at 11.4-12.1.
- * Returns a float that depends on every load (so none is dead). */
+ * side: 1 KiB of each a step), prefetched 2 KiB ahead as the gemv streams on Intel. Each step also runs what a
+ * 32-row gemm must per 2 KiB of weights, in part or whole: tile_work bit 0, four 1 KiB tile loads (two of x, two
+ * of weights; here from a 4 KiB buffer in L1); bit 1, four TDPBF16PS (a 2 x 2 block of C tiles, on tiles loaded
+ * once where bit 0 is clear). Its rate against tile_work 0's is what that work costs a weight stream (figures in
+ * kernels/cpu/amx_probe.py). Returns a float that depends on every load and product (so none is dead). */
 AMX float pd_amx_stream_probe(const uint16_t *src, int64_t bytes, int tile_work) {
     enum { K = 768, BLOCK = 16 * K };                         /* elements of a 16-row block */
     uint16_t l1[2048] __attribute__((aligned(64)));
@@ -196,6 +194,7 @@ AMX float pd_amx_stream_probe(const uint16_t *src, int64_t bytes, int tile_work)
     memcpy(l1, src, sizeof l1);
     amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    _tile_loadd(4, l1, 64); _tile_loadd(5, l1 + 512, 64); _tile_loadd(6, l1 + 1024, 64); _tile_loadd(7, l1 + 1536, 64);
     __m512i v = _mm512_setzero_si512();
     for (int64_t p = 0; p + 2 * BLOCK <= bytes / 2; p += 2 * BLOCK) {
         const uint16_t *b0 = src + p, *b1 = b0 + BLOCK;
@@ -205,13 +204,10 @@ AMX float pd_amx_stream_probe(const uint16_t *src, int64_t bytes, int tile_work)
                 _mm_prefetch((const char *)(b1 + e + l + 1024), _MM_HINT_T0);
                 v = _mm512_or_si512(v, _mm512_or_si512(_mm512_loadu_si512(b0 + e + l), _mm512_loadu_si512(b1 + e + l)));
             }
-            if (tile_work) {
-                _tile_loadd(4, l1, 64); _tile_loadd(5, l1 + 512, 64);
-                _tile_loadd(6, l1 + 1024, 64);
-                _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
-                _tile_loadd(7, l1 + 1536, 64);
-                _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7);
-            }
+            if (tile_work & 1) { _tile_loadd(4, l1, 64); _tile_loadd(5, l1 + 512, 64); _tile_loadd(6, l1 + 1024, 64); }
+            if (tile_work & 2) { _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6); }
+            if (tile_work & 1) _tile_loadd(7, l1 + 1536, 64);
+            if (tile_work & 2) { _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(3, 5, 7); }
         }
     }
     _tile_stored(0, c, 64);
