@@ -96,8 +96,9 @@ def stream_bytes_per_s(src: torch.Tensor, tile_work: str, reps: int = 3) -> floa
     pd_amx_stream_probe``), ``tile_work`` one of :data:`TILE_WORK`: none (``vectors``), its four 1 KiB tile loads
     from L1, its four ``TDPBF16PS``, or both (``beside_32_row_tile_work``). The rates side by side measure what
     the tile work costs a weight stream, and the last is the ceiling of a 32-row AMX gemm over weights read from
-    memory. On the AMX Xeon model 167 (2026-12-01), 1 GiB: 14.7-14.8 GB/s alone, 12.9-13.3 beside the whole tile
-    work (the 32-row gemm itself read 1 GiB of weights at 11.4-12.1 in a scratch loop of its own).
+    memory. On the AMX Xeon model 167 (2026-12-01), 1 GiB, two runs of three: 14.7-14.8 and 15.4-15.6 GB/s alone,
+    12.9-13.3 and 13.9-14.2 beside the whole tile work (87-92%; in the second, its tile loads alone 14.0-14.1, its
+    TDPBF16PS alone 15.0-15.2); the 32-row gemm itself read 1 GiB of weights at 11.4-12.1 in a scratch loop.
 
     Raises:
         KernelUnavailable: no AMX-BF16 here, or this process may not use tile data.
