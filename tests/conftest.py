@@ -33,18 +33,27 @@ AWKWARD_SHAPES = dict(hidden_size=72, intermediate_size=100, num_hidden_layers=2
                       tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500.0, bos_token_id=1, eos_token_id=2)
 
 
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of process ``pid`` from ``/proc`` (state ``"Z"``: exited, not yet reaped);
+    None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
 def live_role_children() -> list[tuple[int, str]]:
     """(pid, command line) of this process's children still running as ``python -m pdserve.<role>``."""
     me, found = os.getpid(), []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or (state := proc_state(int(entry.name))) is None:
             continue
         try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if stat[0] != "Z" and int(stat[1]) == me and any(a.startswith(b"pdserve.") for a in argv):
+        if state[0] != "Z" and state[1] == me and any(a.startswith(b"pdserve.") for a in argv):
             found.append((int(entry.name), b" ".join(argv).decode(errors="replace")[:300]))
     return found
 

@@ -15,6 +15,7 @@ import uuid
 import redis
 
 from pdserve.cluster.service import PARENT_PID_ENV
+from tests.conftest import proc_state
 
 LAUNCHER = textwrap.dedent("""
     import json, sys
@@ -37,11 +38,8 @@ def _launch(role: str, flags: dict) -> tuple[subprocess.Popen, int]:
 
 def _exited(pid: int) -> bool:
     """True once ``pid`` has exited (gone, or a zombie that init has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    state = proc_state(pid)
+    return state is None or state[0] == "Z"
 
 
 def _wait_exited(pid: int, timeout_s: float) -> bool:

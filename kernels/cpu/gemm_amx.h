@@ -31,7 +31,7 @@ int pd_cpu_has_amx_bf16(void) { return amx_bf16_granted(); }
  * just read: there it is moved on by `spill` elements, to the same stream's block of the next panel (spill =
  * (streams - 1) x 16 K), so that every stream starts its next panel with its first lines in flight, as the
  * FMA gemm's row tiles bring in the next chunk. Bit-identical; bench-80m's 48 projections, L3 evicted
- * (bench/kernel_ab.py --kernel gemm_bf16_amx, AMX Xeon model 167, 2026-12-01, 11 rounds): 4 rows 0.961x, 8
+ * (bench/kernel_ab.py --kernel gemm_bf16_amx, AMX Xeon model 167, 2026-12-01, 9-11 rounds): 4 rows 0.961x, 8
  * rows 0.944-0.995x, 16 rows 0.974x, 32 rows 0.996x (its two streams from memory are not what bounds it). */
 #define AMX_PREFETCH(b, k0, K, spill)                                                                          \
     for (int l = 0; l < 1024; l += 64)                                                                         \
