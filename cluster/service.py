@@ -223,7 +223,7 @@ async def wait_for_shutdown_signal(parent_pid: int | None = None, poll_s: float 
     waits = [asyncio.ensure_future(stop.wait())]
     if parent_pid is not None:
         waits.append(asyncio.ensure_future(_parent_gone(parent_pid, poll_s)))
-    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
     if not stop.is_set():

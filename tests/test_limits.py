@@ -222,7 +222,7 @@ def test_the_amx_probes_run_what_they_time():
         amx_probe.tdp_seconds(rounds=(1 << 19) + 1)        # 32 x rounds would no longer be exact in float32
     peak = cpu_facts.theoretical_peak({"amx_bf16", "amx_tile"}, 10_000.0, 1)["flops"]
     assert amx_probe.TDP_FLOP / tdp <= peak                  # no faster than 16 cycles at a 10 GHz clock
-    # the stream's sum (checked inside) holds every 2 KiB step's tile products: 8 KiB is rounded up, not down
+    # the stream's sum (checked inside) holds every 2 KiB step's tile products; a buffer is read in whole panels
     src = torch.ones(3 * amx_probe.PANEL // 2 + 100, dtype=torch.bfloat16)   # reads the first 3 panels' worth
     for work in amx_probe.TILE_WORK:
         assert amx_probe.stream_bytes_per_s(src, work, reps=1) > 0
