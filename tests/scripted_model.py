@@ -116,10 +116,10 @@ THINKING_ANSWER = ["<think>", THOUGHT, "</think>", "Checking.", "<tool_call>", C
 
 
 def thinking_cluster(redis_url: str, out: Path):
-    """A cluster (tests.conftest.Cluster) serving at ``out`` a scripted checkpoint whose answer thinks, says
+    """A cluster (tests.clusters.Cluster) serving at ``out`` a scripted checkpoint whose answer thinks, says
     "Checking." and calls ``get_weather`` for Paris (:data:`THINKING_ANSWER`), behind a router that serves HTTP
     with ``--reasoning-parser qwen3 --tool-call-parser hermes``."""
-    from tests.conftest import Cluster
+    from tests.clusters import Cluster
 
     path = scripted_chat_model(out, THINKING_ANSWER)
     return Cluster(str(path), redis_url, router_flags={"http_port": 0, "tool_call_parser": "hermes",

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.deploy import client
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 
 @pytest.fixture(scope="module")

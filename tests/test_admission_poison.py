@@ -29,7 +29,7 @@ from pdserve.router.admit import ADMISSION_UNAVAILABLE
 from pdserve.router.choose import Reservation
 from pdserve.router.config import RouterConfig
 from pdserve.router.slo import Slo
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -33,7 +33,7 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy import client
-from tests.conftest import Cluster, PrivateRedis
+from tests.clusters import Cluster, PrivateRedis
 
 PROMPTS = [
     "Once upon a time, there was a little dog",

@@ -29,7 +29,7 @@ from pdserve.deploy import client
 from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 PROMPTS = [
     "Once upon a time, there was a little dog",

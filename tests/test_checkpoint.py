@@ -231,7 +231,8 @@ def test_family_options_follow_the_transformers_modeling_code(tmp_path):
 
 def test_a_cluster_serves_a_hub_repository_id(tmp_path, monkeypatch, redis_url, qwen2_dir):
     """Router and workers (separate processes, inheriting HF_HUB_CACHE) resolve the id themselves."""
-    from tests.conftest import Cluster, hf_greedy
+    from tests.clusters import Cluster
+    from tests.conftest import hf_greedy
 
     _fake_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-Tiny", qwen2_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

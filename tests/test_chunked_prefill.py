@@ -10,7 +10,8 @@ import torch
 from pdserve.deploy import client
 from pdserve.model.config import ModelConfig
 from pdserve.model.tokenizer import Tokenizer
-from tests.conftest import Cluster, hf_greedy
+from tests.clusters import Cluster
+from tests.conftest import hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import torch
 from pdserve.deploy import client
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster, hf_greedy
+from tests.clusters import Cluster
+from tests.conftest import hf_greedy
 
 PROMPTS = [
     "Once upon a time, there was a little dog",

@@ -10,7 +10,8 @@ import torch
 
 from pdserve.deploy import client
 from pdserve.proto import pdserve_pb2_grpc
-from tests.conftest import colocated_cluster, hf_greedy
+from tests.clusters import colocated_cluster
+from tests.conftest import hf_greedy
 
 
 @pytest.fixture(scope="module")

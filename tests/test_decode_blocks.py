@@ -143,7 +143,7 @@ def test_a_decode_worker_serves_more_than_its_pool_holds_up_front_through_the_cl
 
     from pdserve.bench.common import worker_metric
     from pdserve.deploy import client
-    from tests.conftest import Cluster
+    from tests.clusters import Cluster
 
     prompts = [[1, 400 + 37 * i, 500, 600 + i, 700, 800, 9, 10] for i in range(6)]
     c = Cluster(model_dir, redis_url, decode_flags={"num_blocks": 9})

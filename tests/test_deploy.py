@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from pdserve.deploy.redis_server import ensure_redis, redis_answers
-from tests.conftest import PDSERVE, pdserve_up, stop_pdserve_up
+from tests.clusters import PDSERVE, pdserve_up, stop_pdserve_up
 
 
 def _free_port() -> int:

@@ -20,7 +20,8 @@ import torch
 from pdserve.decode_worker.speculative import NgramProposer
 from pdserve.deploy import client
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster, hf_greedy
+from tests.clusters import Cluster
+from tests.conftest import hf_greedy
 from tests.family_checkpoints import FAMILIES, hf_model, random_prompt, write_checkpoint
 
 

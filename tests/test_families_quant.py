@@ -15,7 +15,8 @@ from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.quant import fp8, int4
 from pdserve.model.runner import ModelRunner, StepInput
-from tests.conftest import Cluster, prefill_then_decode
+from tests.clusters import Cluster
+from tests.conftest import prefill_then_decode
 from tests.family_checkpoints import FAMILIES, random_prompt, write_checkpoint
 
 NUM_PROMPTS = 96

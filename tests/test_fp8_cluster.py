@@ -6,7 +6,7 @@ from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.quant import fp8
 from pdserve.model.runner import ModelRunner, StepInput
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 PROMPTS = [[1, 400, 500, 600, 33, 44], [1, 1094, 463, 622, 100, 258, 461, 715, 299], list(range(1, 70))]
 

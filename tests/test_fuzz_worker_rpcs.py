@@ -40,7 +40,7 @@ from pdserve.kvtransfer.wire.pending import PendingTransfers
 from pdserve.model.sampling import SamplingParams
 from pdserve.prefill_worker.server import CheckedPrefillRequest, check_prefill_request
 from pdserve.proto import worker_pb2, worker_pb2_grpc
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 from tests.worker_rpc_fuzz_helpers import (
     BLOCK,
     CONTEXT,

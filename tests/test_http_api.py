@@ -20,8 +20,8 @@ import pytest
 from pdserve.deploy import client
 from pdserve.model.chat_template import ChatTemplate
 from pdserve.proto import pdserve_pb2
+from tests.clusters import Cluster
 from tests.conftest import CHAT_MODEL as MODEL
-from tests.conftest import Cluster
 from tests.http_helpers import MESSAGES, PROMPTS, raw
 
 pytestmark = pytest.mark.timeout(180)

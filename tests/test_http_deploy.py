@@ -15,8 +15,9 @@ import openai
 import pytest
 
 from pdserve.deploy.processes import spawn_role
+from tests.clusters import pdserve_up, stop_pdserve_up
 from tests.conftest import CHAT_MODEL as MODEL
-from tests.conftest import CHATML, pdserve_up, stop_pdserve_up
+from tests.conftest import CHATML
 from tests.http_helpers import MESSAGES, PROMPTS, raw
 from tests.tls_files import make_tls_files
 

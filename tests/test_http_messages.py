@@ -13,7 +13,8 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import CHAT_MODEL, spawn_role
+from pdserve.deploy.processes import spawn_role
+from tests.conftest import CHAT_MODEL
 from tests.http_helpers import raw
 from tests.scripted_model import THOUGHT, thinking_cluster
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pdserve.model.chat_template import ChatTemplate
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 from tests.http_helpers import raw
 from tests.scripted_model import ASSISTANT, TEMPLATE, scripted_chat_model
 

@@ -4,7 +4,6 @@ the Triton W4A16 kernel under the interpreter, and the TinyStories model end to 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -13,31 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pdserve.kernels.cpu.int4 import int4_available
-from pdserve.kernels.paged_attention import build_attention_metadata
 from pdserve.model.kv_cache import KVCacheSpec
 from pdserve.model.loader import load_model
 from pdserve.model.quant.int4 import Int4Linear, convert_for_runtime
-from pdserve.model.quant.int4_checkpoint import is_int4_checkpoint, load_int4_checkpoint, save_quantized_checkpoint
-from pdserve.model.quant.int4_format import METADATA_KEY, dequantize_weight, pack_int4, quantize_weight, unpack_int4
+from pdserve.model.quant.int4_format import dequantize_weight, pack_int4, quantize_weight, unpack_int4
 from pdserve.model.runner import ModelRunner, StepInput
+from tests.conftest import all_logits
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _all_logits(model, cfg, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced ``[len(ids), vocab]`` float32 logits of one sequence (one prefill pass)."""
-    n, bs = len(ids), 16
-    table = list(range(-(-n // bs)))
-    kv = KVCacheSpec(len(table), cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim).allocate("cpu")
-    return model.compute_logits(model(torch.tensor(ids), build_attention_metadata([n], [n], [table], bs), kv))
 
 
 def _int4_pair(k: int, n: int, g: int, bias: bool, method: str = "mse", seed: int = 0):
@@ -210,7 +198,7 @@ def tiny(model_dir):
             ids.append(int(runner.run([step])[0].argmax()))
             step = StepInput(ids[-1:], len(ids) - 1, list(range(11)))
         seqs.append(ids)
-    return model, cfg, seqs, [_all_logits(model, cfg, s) for s in seqs]
+    return model, cfg, seqs, [all_logits(model, cfg, s) for s in seqs]
 
 
 # Measured (pytest -q -s tests/test_int4.py -k agreement): see the printed lines; the 95% hoped for
@@ -230,7 +218,7 @@ def agreement(tiny):
             agree = positions = 0
             kl = 0.0
             for ids, ref in zip(seqs, refs):
-                logits = _all_logits(qmodel, cfg, ids)
+                logits = all_logits(qmodel, cfg, ids)
                 agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
                 positions += len(ids)
                 kl += F.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum").item()
@@ -255,102 +243,6 @@ def test_gptq_lowers_the_divergence_of_the_clip_search(agreement):
 def test_gptq_needs_the_whole_model():
     with pytest.raises(ValueError, match="calibration"):
         quantize_weight(torch.randn(16, 32), 32, "gptq")
-
-
-def test_prequantized_checkpoint_equals_load_time_quantization(tmp_path, model_dir, tiny):
-    _, cfg, seqs, _ = tiny
-    out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=32)
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        settings = json.loads(f.metadata()[METADATA_KEY])
-        names = set(f.keys())
-    assert settings["format_version"] == 1 and settings["group_size"] == 32
-    assert settings["method"] == "int4-mse-asym" and settings["source_dtype"] == "float32"
-    assert "lm_head.weight" not in names and "layers.0.mlp.down_proj.qweight" in names  # tied head not stored
-    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
-    assert is_int4_checkpoint(out) and not is_int4_checkpoint(model_dir)
-
-    loaded, _ = load_int4_checkpoint(out)
-    converted, _ = load_model(model_dir)
-    convert_for_runtime(converted, 32)
-    assert loaded.quantization["group_size"] == 32 and loaded.lm_head.weight is loaded.embed_tokens.weight
-    ids = seqs[0][:60]
-    assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, cfg, ids))
-    assert torch.equal(_all_logits(loaded, cfg, ids[:5]), _all_logits(converted, cfg, ids[:5]))
-
-
-def test_a_granite_checkpoint_keeps_its_folded_multipliers_once(tmp_path):
-    """Granite's embedding, residual and logits multipliers are in the loaded weights (its tied head untied):
-    the INT4 checkpoint saved from them says so in its config.json (multipliers 1, head untied), so loading it
-    equals load-time quantization, and folds nothing twice."""
-    from tests.family_checkpoints import random_prompt, write_checkpoint
-
-    src = write_checkpoint("granite", tmp_path / "granite")
-    out = save_quantized_checkpoint(src, tmp_path / "q", group_size=32)
-    saved = json.loads((out / "config.json").read_text())
-    assert saved["tie_word_embeddings"] is False and saved["attention_multiplier"] == 0.05
-    assert [saved[k] for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")] == [1.0] * 3
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert "lm_head.weight" in set(f.keys())
-    loaded, cfg = load_int4_checkpoint(out)
-    converted, converted_cfg = load_model(src)
-    convert_for_runtime(converted, 32)
-    assert converted_cfg.tie_word_embeddings is False and converted_cfg.embedding_multiplier == 1.0
-    ids = random_prompt(40, seed=1)
-    assert torch.equal(_all_logits(loaded, cfg, ids), _all_logits(converted, converted_cfg, ids))
-
-
-def test_gptq_checkpoint_equals_load_time_gptq(tmp_path, model_dir):
-    """Calibration is seeded: the offline and the load-time GPTQ give the same tensors."""
-    out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=128, method="gptq")
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        assert json.loads(f.metadata()[METADATA_KEY])["method"] == "int4-gptq-asym"
-    loaded, _ = load_int4_checkpoint(out)
-    converted, _ = load_model(model_dir)
-    convert_for_runtime(converted, 128, "gptq")
-    for a, b in zip(loaded.layers, converted.layers):
-        for name in ("qweight", "scales", "zeros"):
-            assert torch.equal(getattr(a.mlp.down_proj, name), getattr(b.mlp.down_proj, name))
-            assert torch.equal(getattr(a.self_attn.qkv_proj, name), getattr(b.self_attn.qkv_proj, name))
-
-
-def test_bf16_and_awkward_checkpoints_round_trip(tmp_path, model_dir, awkward_model_dir):
-    """A bf16 source keeps its unquantized tensors in bf16; odd shapes (hidden 72, head_dim 24,
-    qkv 120 rows, intermediate 100, untied head) quantize, save and load."""
-    bf16_dir = tmp_path / "bf16"
-    bf16_dir.mkdir()
-    for f in Path(model_dir).iterdir():
-        if f.suffix == ".safetensors":
-            save_file({k: v.bfloat16() for k, v in load_file(f).items()}, str(bf16_dir / f.name))
-        elif f.is_file():
-            (bf16_dir / f.name).write_bytes(f.read_bytes())
-    for src, g, dtype in ((bf16_dir, 64, torch.bfloat16), (Path(awkward_model_dir), 32, torch.float32)):
-        out = save_quantized_checkpoint(src, tmp_path / f"q-{src.name}", group_size=g)
-        loaded, cfg = load_int4_checkpoint(out, dtype=dtype)
-        converted, _ = load_model(src, dtype=dtype)
-        convert_for_runtime(converted, g)
-        assert loaded.embed_tokens.weight.dtype == dtype
-        ids = list(range(3, 43))
-        for n in (40, 3):
-            assert torch.equal(_all_logits(loaded, cfg, ids[:n]), _all_logits(converted, cfg, ids[:n]))
-    with safe_open(str(tmp_path / "q-bf16" / "model.safetensors"), framework="pt") as f:
-        assert f.get_slice("embed_tokens.weight").get_dtype() == "BF16"
-
-
-def test_missing_or_unknown_metadata_is_a_clear_error(tmp_path, model_dir):
-    with pytest.raises(ValueError, match=METADATA_KEY):
-        load_int4_checkpoint(model_dir)                          # a float checkpoint
-    out = save_quantized_checkpoint(model_dir, tmp_path / "q", group_size=128, method="rtn")
-    tensors = load_file(out / "model.safetensors")
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        settings = json.loads(f.metadata()[METADATA_KEY])
-    assert settings["method"] == "int4-rtn-asym"
-    for meta, match in (({"format": "pt"}, METADATA_KEY),
-                        ({METADATA_KEY: json.dumps(settings | {"format_version": 99})}, "format_version 99"),
-                        ({METADATA_KEY: "{not json"}, "not valid JSON"),
-                        ({METADATA_KEY: json.dumps(settings | {"group_size": 48})}, "group_size")):
-        save_file(tensors, str(out / "model.safetensors"), metadata=meta)
-        with pytest.raises(ValueError, match=match):
-            load_int4_checkpoint(out)
 
 
 @pytest.mark.parametrize("k", [96, 100])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pdserve.model.loader import load_model
 from pdserve.model.quant import int4
-from tests.conftest import Cluster, prefill_then_decode
+from tests.clusters import Cluster
+from tests.conftest import prefill_then_decode
 
 
 def _expected(model_dir: str, prompt: list[int], num_tokens: int) -> list[int]:

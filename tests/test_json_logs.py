@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.cluster.logs import configure_logging, request_fields
 from pdserve.deploy import client
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 
 def json_lines(text: str) -> list[dict]:

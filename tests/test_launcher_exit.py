@@ -15,7 +15,7 @@ import uuid
 import redis
 
 from pdserve.cluster.service import PARENT_PID_ENV
-from tests.conftest import proc_state
+from tests.clusters import proc_state
 
 LAUNCHER = textwrap.dedent("""
     import json, sys

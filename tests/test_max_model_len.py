@@ -16,7 +16,8 @@ import pytest
 from pdserve.cluster.args import context_length
 from pdserve.deploy.config import EMBEDDED_MODEL, ClusterConfig
 from pdserve.prefill_worker.config import PrefillWorkerConfig
-from tests.conftest import Cluster, hf_greedy
+from tests.clusters import Cluster
+from tests.conftest import hf_greedy
 from tests.family_checkpoints import hf_model, random_prompt, write_checkpoint
 from tests.http_helpers import raw
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.status import format_status
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 from tests.test_grafana import dashboard_metric_names
 
 K = 5

@@ -22,7 +22,7 @@ from pdserve.model.sampling import SamplingParams
 from pdserve.proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
 from pdserve.router.recovery import GenerateError, Progress, WorkerFailure
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 PROMPT = "Once upon a time, there was a little dog named Max. He"
 MAX_TOKENS = 400  # long enough that a kill after a few tokens lands mid-stream

@@ -25,7 +25,8 @@ from pdserve.model.moe import SparseMoeBlock
 from pdserve.model.quant import int4
 from pdserve.model.quant.int4_checkpoint import create_quantized_state_dict
 from pdserve.model.runner import ModelRunner, StepInput
-from tests.conftest import Cluster, hf_greedy
+from tests.clusters import Cluster
+from tests.conftest import hf_greedy
 from tests.family_checkpoints import check_chunked_prefill_and_decode, hf_model, random_prompt, write_checkpoint
 
 VARIANTS = {  # name -> (family, overrides)

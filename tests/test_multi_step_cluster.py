@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.bench.common import worker_metric
 from pdserve.kernels.cpu.decode_stack import stack_available
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 pytestmark = pytest.mark.skipif(not stack_available(bf16_packed=True), reason="no C compiler or no AVX2")
 PROMPTS = [[1, 1094, 463, 622, 100, 258], [1, 400, 500, 600], [1, 7, 8, 9, 10, 11, 12, 13]]

@@ -19,7 +19,7 @@ from pdserve.model.kv_cache import BlockPool
 from pdserve.proto import pdserve_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.pool_reports import PoolReports
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 
 def test_shared_prefixes_follow_their_cache(redis_url, model_dir):

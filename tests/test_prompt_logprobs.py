@@ -11,7 +11,7 @@ import torch
 
 from pdserve.deploy import client
 from pdserve.proto import pdserve_pb2
-from tests.conftest import Cluster, colocated_cluster
+from tests.clusters import Cluster, colocated_cluster
 
 pytestmark = pytest.mark.timeout(180)
 

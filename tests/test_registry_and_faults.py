@@ -17,7 +17,7 @@ from pdserve.deploy.processes import spawn_role
 from pdserve.model.sampling import SamplingParams
 from pdserve.proto import worker_pb2, worker_pb2_grpc
 from pdserve.proto.convert import sampling_to_wire
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 
 def test_cluster_state_lists_workers_from_redis(fresh_cluster, redis_url):

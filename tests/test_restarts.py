@@ -14,7 +14,7 @@ import redis
 
 from pdserve.cluster.kv_events import events_key, snapshot_key
 from pdserve.deploy import client
-from tests.conftest import Cluster, PrivateRedis
+from tests.clusters import Cluster, PrivateRedis
 
 PROMPT = "Lily and Ben went to the park. They saw a big"
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 HOLD_S = 40.0  # the prefill worker holds each transfer open this long before its done frame
 

@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.deploy import client
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,7 +10,8 @@ import torch
 from pdserve.decode_worker.speculative import NgramProposer, Proposal, verify
 from pdserve.deploy import client
 from pdserve.model.sampling import SamplingParams, draw, request_generator
-from tests.conftest import Cluster, hf_greedy
+from tests.clusters import Cluster
+from tests.conftest import hf_greedy
 
 P = torch.tensor([0.45, 0.25, 0.15, 0.10, 0.05])
 Q = torch.tensor([0.05, 0.10, 0.15, 0.30, 0.40])  # a draft that prefers what the target does not

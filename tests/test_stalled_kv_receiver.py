@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from pdserve.deploy import client
-from tests.conftest import Cluster
+from tests.clusters import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 

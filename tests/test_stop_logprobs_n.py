@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.clusters import Cluster
 from tests.conftest import CHAT_MODEL as MODEL
-from tests.conftest import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 

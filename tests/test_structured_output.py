@@ -16,7 +16,8 @@ from pdserve.deploy import client
 from pdserve.model.structured import Grammars
 from pdserve.model.tokenizer import Tokenizer
 from pdserve.proto import pdserve_pb2
-from tests.conftest import CHATML, Cluster, colocated_cluster
+from tests.clusters import Cluster, colocated_cluster
+from tests.conftest import CHATML
 from tests.scripted_model import JSON_TOKENS, json_capable_model
 from tests.structured_cases import CHOICES, EBNF, PROMPT, REGEX, SCHEMA, valid
 

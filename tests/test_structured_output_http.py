@@ -10,7 +10,8 @@ import re
 import openai
 import pytest
 
-from tests.conftest import CHATML, Cluster
+from tests.clusters import Cluster
+from tests.conftest import CHATML
 from tests.scripted_model import json_capable_model
 from tests.structured_cases import CHOICES, EBNF, PROMPT, REGEX, SCHEMA, valid
 
