@@ -66,17 +66,20 @@ int pd_cpu_supported(void) {                             /* asked by kernels.cpu
 }
 
 
-/* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once, their O rows in registers while
- * each pair of V rows is loaded once (NVC zmm per pair; compile-time in each instance); keys past a
- * row's last one have P = 0. AVX512-BF16: P taken two keys at a time by vdpbf16ps. FMA build: each
+/* O[r] = alpha[r] O[r] + sum_j P[r][j] V[j] for RG rows at once (alpha O skipped when every alpha is 1),
+ * their O rows in registers while each pair of V rows is loaded once (NVC zmm per pair; compile-time in
+ * each instance); keys past a row's last one have P = 0. AVX512-BF16: P taken two keys at a time by vdpbf16ps. FMA build: each
  * V pair widened once into its two keys' rows, P broadcast as float32 (two FMAs per pair and row). */
 TARGET INLINE void pv_rows(const int NVC, const int RG, float *const *O, const float *alpha, const pval (*P)[NK],
                            const uint16_t *vt, int64_t D, int keys) {
     __m512 o[6][16];
-    for (int r = 0; r < RG; r++) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        for (int v = 0; v < NVC; v++) o[r][v] = _mm512_mul_ps(_mm512_loadu_ps(O[r] + 16 * v), a);
-    }
+    int rescale = 0;                              /* a row's max moved: almost only in the first key tiles */
+    for (int r = 0; r < RG; r++) rescale |= alpha[r] != 1.f;
+    for (int r = 0; r < RG; r++)
+        for (int v = 0; v < NVC; v++) o[r][v] = _mm512_loadu_ps(O[r] + 16 * v);
+    if (rescale)
+        for (int r = 0; r < RG; r++)
+            for (int v = 0; v < NVC; v++) o[r][v] = _mm512_mul_ps(o[r][v], _mm512_set1_ps(alpha[r]));
     for (int j = 0; j < keys; j += 2) {
 #if PD_DPBF16
         __m512bh pj[6];
