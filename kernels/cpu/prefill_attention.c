@@ -135,38 +135,44 @@ typedef float qval;
 
 /* S[r] = q[r] . K over one key tile of NK keys (two zmm a row), for R rows: with R a constant the 2R
  * accumulators stay in registers for the whole dot product (with R a variable GCC kept them in memory, a
- * load and a store around every two products: 1.3x slower on Zen 4). */
-TARGET INLINE void qk_rows(const int R, const qval (*q)[MAX_D], const uint16_t *kt, int64_t NP, __m512 (*S)[2]) {
+ * load and a store around every two products: 1.3x slower on Zen 4). NH = 1: keys 0-15 only (S[r][1] = 0),
+ * for a tile whose rows see none of keys 16-31. */
+TARGET INLINE void qk_rows(const int R, const int NH, const qval (*q)[MAX_D], const uint16_t *kt, int64_t NP,
+                           __m512 (*S)[2]) {
     __m512 a[RMAX][2];
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < NP; p++) {
 #if PD_DPBF16
         const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + p * NK * 2 + 32);
+        const __m512bh k1 = NH > 1 ? (__m512bh)_mm512_loadu_si512(kt + p * NK * 2 + 32) : k0;
         for (int r = 0; r < R; r++) {
             int32_t pair;
             memcpy(&pair, q[r] + 2 * p, 4);
             const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
             a[r][0] = _mm512_dpbf16_ps(a[r][0], qb, k0);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], qb, k1);
+            if (NH > 1) a[r][1] = _mm512_dpbf16_ps(a[r][1], qb, k1);
         }
 #else
-        const __m512i k0 = _mm512_loadu_si512(kt + p * NK * 2), k1 = _mm512_loadu_si512(kt + p * NK * 2 + 32);
+        const __m512i k0 = _mm512_loadu_si512(kt + p * NK * 2);
+        const __m512i k1 = NH > 1 ? _mm512_loadu_si512(kt + p * NK * 2 + 32) : k0;
         const __m512 k0e = bf16_even_f32(k0), k0o = bf16_odd_f32(k0), k1e = bf16_even_f32(k1), k1o = bf16_odd_f32(k1);
         for (int r = 0; r < R; r++) {
             const __m512 qe = _mm512_set1_ps(q[r][2 * p]), qo = _mm512_set1_ps(q[r][2 * p + 1]);
             a[r][0] = _mm512_fmadd_ps(qe, k0e, _mm512_fmadd_ps(qo, k0o, a[r][0]));
-            a[r][1] = _mm512_fmadd_ps(qe, k1e, _mm512_fmadd_ps(qo, k1o, a[r][1]));
+            if (NH > 1) a[r][1] = _mm512_fmadd_ps(qe, k1e, _mm512_fmadd_ps(qo, k1o, a[r][1]));
         }
 #endif
     }
     for (int r = 0; r < R; r++) S[r][0] = a[r][0], S[r][1] = a[r][1];
 }
 
-/* qk_rows with R a constant for full tiles (RMAX rows: every group size that divides 12), else a variable. */
-TARGET static void qk(int R, const qval (*q)[MAX_D], const uint16_t *kt, int64_t NP, __m512 (*S)[2]) {
-    if (R == RMAX) qk_rows(RMAX, q, kt, NP, S);
-    else qk_rows(R, q, kt, NP, S);
+/* qk_rows with R a constant for full tiles (RMAX rows: every group size that divides 12), else a variable;
+ * half (every row sees at most keys 0-15 of the tile, its causal diagonal) the first 16 keys only: the
+ * others' scores are masked whatever they are, so the result is the same. */
+TARGET static void qk(int R, int half, const qval (*q)[MAX_D], const uint16_t *kt, int64_t NP, __m512 (*S)[2]) {
+    if (R == RMAX && half) qk_rows(RMAX, 1, q, kt, NP, S);
+    else if (R == RMAX) qk_rows(RMAX, 2, q, kt, NP, S);
+    else qk_rows(R, 2, q, kt, NP, S);
 }
 
 /* One query tile of R rows (their bf16 query vectors qr[r], positions pos[r]) against keys
@@ -178,7 +184,11 @@ TARGET static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uin
     pval P[RMAX][NK] __attribute__((aligned(64)));
     qval q[RMAX][MAX_D] __attribute__((aligned(64)));    /* the queries, copied (FMA build: widened) once */
     for (int r = 0; r < R; r++)
-        for (int64_t d = 0; d < D; d++) q[r][d] = PD_DPBF16 ? qr[r][d] : bf16_to_f32(qr[r][d]);
+#if PD_DPBF16
+        memcpy(q[r], qr[r], sizeof(uint16_t) * (size_t)D);
+#else
+        for (int64_t d = 0; d < D; d++) q[r][d] = bf16_to_f32(qr[r][d]);
+#endif
     float *O[RMAX];
     int64_t last = 0;
     for (int r = 0; r < R; r++) {
@@ -190,7 +200,7 @@ TARGET static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uin
     const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
     for (int64_t t = 0; t * NK <= last; t++) {
         __m512 acc[RMAX][2];
-        qk(R, (const qval (*)[MAX_D])q, kp + t * NK * D, D / 2, acc);
+        qk(R, last < t * NK + NK / 2, (const qval (*)[MAX_D])q, kp + t * NK * D, D / 2, acc);
         int keys = 0;                                        /* the widest row's visible keys */
         for (int r = 0; r < R; r++) {
             const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
