@@ -18,7 +18,8 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   1 and 2 (all three in the ``gemv_bf16`` library; ``--rows`` sets other row counts for these four);
   ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
   the L3 evicted and without (its 45 MiB fit many L3s);
-* ``silu_mul``: bench-80m's SiLU-and-mul at 512 rows over 12 layers, whole and in four pieces.
+* ``silu_mul``: bench-80m's SiLU-and-mul at 512 rows over 12 layers, whole and in four pieces;
+* ``add_rms_norm``: bench-80m's residual adds and RMSNorms (24 of 768 columns) at 512 and 32 rows.
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -66,6 +67,8 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "gemv_int4": ("pd_int4_gemv", [_p, ctypes.c_int, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _i64, _p,
                                    ctypes.c_int, _i64]),
     "silu_mul": ("pd_silu_mul_to", [_p, _i64, _i64, _i64, _p, _i64, ctypes.c_int], "fused"),
+    "add_rms_norm": ("pd_add_rms_norm", [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f, ctypes.c_int],
+                     "fused"),
 }
 SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention_amx"] = SIGNATURES["prefill_attention"]
 HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
@@ -170,6 +173,26 @@ def silu_mul_cases(builds: dict, reps: int, rows: int = 512, inter: int = 2048, 
     return out
 
 
+def add_rms_norm_cases(builds: dict, reps: int, rows=(512, 32), dim: int = 768, layers: int = 12) -> list[dict]:
+    """A prefill's (512 rows) and a batch-32 decode step's residual adds and RMSNorms: two a layer."""
+    g, out = torch.Generator().manual_seed(0), []
+    for m in rows:
+        xs = [(torch.randn(m, dim, generator=g) * 3).bfloat16() for _ in range(2 * layers)]
+        res = (torch.randn(m, dim, generator=g) * 3).bfloat16()
+        w = (1 + torch.randn(dim, generator=g) * 0.1).bfloat16()
+
+        def run(fn, xs=xs, res=res, w=w, m=m) -> torch.Tensor:
+            s, normed = torch.empty_like(res), torch.empty_like(res)
+            r = res
+            for x in xs:
+                fn(x.data_ptr(), r.data_ptr(), w.data_ptr(), s.data_ptr(), normed.data_ptr(), m, dim, dim, dim, dim,
+                   dim, 1e-6, 1)
+                r = s
+            return torch.cat([normed, s])
+        out.append({"case": f"add + RMSNorm, {2 * layers} calls of {m} x {dim} bf16", **interleaved(builds, run, reps)})
+    return out
+
+
 def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
     packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
@@ -221,7 +244,7 @@ CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
          "gemm_bf16_avx512": lambda builds, reps: gemm_cases(builds, reps, (32, 512)),
          "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases,
-         "silu_mul": silu_mul_cases}
+         "silu_mul": silu_mul_cases, "add_rms_norm": add_rms_norm_cases}
 
 
 def main() -> None:
@@ -237,7 +260,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available,
-            "silu_mul": lambda: available("fused")}.get(args.kernel)
+            "silu_mul": lambda: available("fused"), "add_rms_norm": lambda: available("fused")}.get(args.kernel)
     if not (runs() if runs else available(args.kernel)):
         raise SystemExit(f"{args.kernel} does not run on this CPU (kernels.cpu.available)")
     facts = cpu_facts()

@@ -124,12 +124,34 @@ void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim
 #endif
 }
 
+#define NORM_KEEP 8192                /* widths up to which pd_add_rms_norm keeps a row in float32 (32 KiB) */
+
 /* sum = x + r rounded to the element type (torch's add), then out = w * rmsnorm(sum) exactly as pd_rms_norm
  * computes it from sum: one pass fewer over the rows than the two operations. x, r, sum, out: [n, dim]
  * with row strides ldx, ldr, lds, ldo. */
 void pd_add_rms_norm(const void *x, const void *r, const void *w, void *sum, void *out, int64_t n, int64_t dim,
                      int64_t ldx, int64_t ldr, int64_t lds, int64_t ldo, float eps, int bf16) {
 #ifdef PD_VECTOR_NORM
+    if (dim <= NORM_KEEP) {             /* the row's sums and w kept in float32 between the passes */
+        float v32[NORM_KEEP] __attribute__((aligned(64))), w32[NORM_KEEP] __attribute__((aligned(64)));
+        for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(w32 + d, load16(w, d, bf16, tail16(dim, d)));
+        for (int64_t i = 0; i < n; i++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 16) {
+                const __mmask16 m = tail16(dim, d);
+                const __m512 v = rnd16(_mm512_add_ps(load16(x, i * ldx + d, bf16, m), load16(r, i * ldr + d, bf16, m)), bf16);
+                store16(sum, i * lds + d, v, bf16, m);
+                _mm512_store_ps(v32 + d, v);
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+            }
+            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
+            for (int64_t d = 0; d < dim; d += 16) {
+                const __m512 normed = rnd16(_mm512_mul_ps(_mm512_load_ps(v32 + d), inv), bf16);
+                store16(out, i * ldo + d, _mm512_mul_ps(_mm512_load_ps(w32 + d), normed), bf16, tail16(dim, d));
+            }
+        }
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16) {
