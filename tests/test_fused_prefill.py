@@ -52,10 +52,11 @@ def test_silu_and_mul_over_every_bf16_gate_value_rounds_as_torch():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_is_the_add_then_the_c_norm(dtype):
+@pytest.mark.parametrize("width", [200, 8200])  # rows kept in float32 between the passes, and rows too wide for that
+def test_add_rms_norm_is_the_add_then_the_c_norm(dtype, width):
     g = torch.Generator().manual_seed(1)
-    x, r = (torch.randn(70, 200, generator=g).to(dtype) for _ in range(2))
-    w = torch.randn(200, generator=g).to(dtype)
+    x, r = (torch.randn(70, width, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(width, generator=g).to(dtype)
     normed, s = cfused.add_rms_norm(x, r, w, 1e-5)
     assert torch.equal(s, x + r)
     assert torch.equal(normed, cfused.rms_norm(x + r, w, 1e-5))

@@ -88,15 +88,31 @@ static inline __mmask16 tail16(int64_t dim, int64_t d) {   /* the lanes of colum
     return dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
 }
 
-/* out[0..dim) = w * (src * inv) from a row's 16-lane sum of squares acc, rounded as the torch code rounds. */
-static inline void normed_row16(const void *src, int64_t so, const void *w, void *out, int64_t oo, int64_t dim,
-                                __m512 acc, float eps, int bf16) {
+/* out[0..dim) = w * (src * inv) from a row's 16-lane sum of squares acc, rounded as the torch code rounds.
+ * src and w hold bf16 where in_bf16 is set, else float32 (the same values widened); out and the rounding: bf16. */
+static inline __attribute__((always_inline)) void normed_row16(const void *src, int64_t so, const void *w, void *out,
+                                int64_t oo, int64_t dim, __m512 acc, float eps, int in_bf16, int bf16) {
     const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
     for (int64_t d = 0; d < dim; d += 16) {
         const __mmask16 m = tail16(dim, d);
-        const __m512 normed = rnd16(_mm512_mul_ps(load16(src, so + d, bf16, m), inv), bf16);
-        store16(out, oo + d, _mm512_mul_ps(load16(w, d, bf16, m), normed), bf16, m);
+        const __m512 normed = rnd16(_mm512_mul_ps(load16(src, so + d, in_bf16, m), inv), bf16);
+        store16(out, oo + d, _mm512_mul_ps(load16(w, d, in_bf16, m), normed), bf16, m);
     }
+}
+
+/* sum[so..so+dim) = x + r rounded to the element type (torch's add), also kept in keep[0..dim) as float32
+ * where keep is not NULL; returns the row's 16-lane sum of squares. */
+static inline __attribute__((always_inline)) __m512 add_row16(const void *x, int64_t xo, const void *r, int64_t ro,
+                                                              void *sum, int64_t so, float *keep, int64_t dim, int bf16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 m = tail16(dim, d);
+        const __m512 v = rnd16(_mm512_add_ps(load16(x, xo + d, bf16, m), load16(r, ro + d, bf16, m)), bf16);
+        store16(sum, so + d, v, bf16, m);
+        if (keep) _mm512_store_ps(keep + d, v);
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    return acc;
 }
 #endif
 
@@ -109,7 +125,7 @@ void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim
             const __m512 v = load16(x, i * ldx + d, bf16, tail16(dim, d));
             acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
         }
-        normed_row16(x, i * ldx, w, out, i * ldo, dim, acc, eps, bf16);
+        normed_row16(x, i * ldx, w, out, i * ldo, dim, acc, eps, bf16, bf16);
     }
 #else
     for (int64_t i = 0; i < n; i++) {
@@ -135,33 +151,14 @@ void pd_add_rms_norm(const void *x, const void *r, const void *w, void *sum, voi
     if (dim <= NORM_KEEP) {             /* the row's sums and w kept in float32 between the passes */
         float v32[NORM_KEEP] __attribute__((aligned(64))), w32[NORM_KEEP] __attribute__((aligned(64)));
         for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(w32 + d, load16(w, d, bf16, tail16(dim, d)));
-        for (int64_t i = 0; i < n; i++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t d = 0; d < dim; d += 16) {
-                const __mmask16 m = tail16(dim, d);
-                const __m512 v = rnd16(_mm512_add_ps(load16(x, i * ldx + d, bf16, m), load16(r, i * ldr + d, bf16, m)), bf16);
-                store16(sum, i * lds + d, v, bf16, m);
-                _mm512_store_ps(v32 + d, v);
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-            }
-            const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
-            for (int64_t d = 0; d < dim; d += 16) {
-                const __m512 normed = rnd16(_mm512_mul_ps(_mm512_load_ps(v32 + d), inv), bf16);
-                store16(out, i * ldo + d, _mm512_mul_ps(_mm512_load_ps(w32 + d), normed), bf16, tail16(dim, d));
-            }
-        }
+        for (int64_t i = 0; i < n; i++)
+            normed_row16(v32, 0, w32, out, i * ldo, dim, add_row16(x, i * ldx, r, i * ldr, sum, i * lds, v32, dim, bf16),
+                         eps, 0, bf16);
         return;
     }
-    for (int64_t i = 0; i < n; i++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __mmask16 m = tail16(dim, d);
-            const __m512 v = rnd16(_mm512_add_ps(load16(x, i * ldx + d, bf16, m), load16(r, i * ldr + d, bf16, m)), bf16);
-            store16(sum, i * lds + d, v, bf16, m);
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-        }
-        normed_row16(sum, i * lds, w, out, i * ldo, dim, acc, eps, bf16);
-    }
+    for (int64_t i = 0; i < n; i++)
+        normed_row16(sum, i * lds, w, out, i * ldo, dim, add_row16(x, i * ldx, r, i * ldr, sum, i * lds, NULL, dim, bf16),
+                     eps, bf16, bf16);
 #else
     for (int64_t i = 0; i < n; i++)
         for (int64_t d = 0; d < dim; d++)
