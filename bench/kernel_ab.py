@@ -71,6 +71,13 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
                      "fused"),
 }
 SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention_amx"] = SIGNATURES["prefill_attention"]
+
+
+def library_of(kernel: str) -> str:
+    """The C library (kernels/cpu/<name>.c) that holds ``kernel``: SIGNATURES' third entry, else the kernel's name."""
+    return (SIGNATURES[kernel][2:] or (kernel,))[0]
+
+
 HEADS, KV_HEADS, DIM, BLOCK = 12, 4, 64, 16
 
 
@@ -90,8 +97,8 @@ def build(kernel: str, rev: str | None, into: Path) -> Callable:
                                  capture_output=True).stdout
         tarfile.open(fileobj=io.BytesIO(archive)).extractall(src, filter="data")
         src = src / "kernels" / "cpu"
-    name, argtypes, *library = SIGNATURES[kernel]
-    library = library[0] if library else kernel
+    name, argtypes = SIGNATURES[kernel][:2]
+    library = library_of(kernel)
     lib = src / f"{library}.so"
     compile_library(library, src, lib)
     fn = getattr(ctypes.CDLL(str(lib)), name)
@@ -259,9 +266,8 @@ def main() -> None:
                                                   "e.g. 8,4,128 (bench-80m-qwen3; default: bench-80m's 12,4,64)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available,
-            "silu_mul": lambda: available("fused"), "add_rms_norm": lambda: available("fused")}.get(args.kernel)
-    if not (runs() if runs else available(args.kernel)):
+    runs = {"gemm_bf16_amx": gemm_amx_available, "gemm_bf16_avx512": gemv_available}.get(args.kernel)
+    if not (runs() if runs else available(library_of(args.kernel))):
         raise SystemExit(f"{args.kernel} does not run on this CPU (kernels.cpu.available)")
     facts = cpu_facts()
     print(f"CPU: {facts['model_name']} (family {facts['family']}, model {facts['model']}; "
