@@ -83,7 +83,9 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
     modules, else the module's class: torch), and attention's for steps of ``query_len`` new tokens per
     sequence over a ``kv_dtype`` cache (:func:`kernels.paged_attention.paged_attention`'s choice: the C
     decode kernel, the C prefill kernel or torch), and ``layers``: whether such a step runs every
-    decoder layer in one C call (:mod:`model.cpu_stack`) or operation by operation."""
+    decoder layer in one C call (:mod:`model.cpu_stack`) or operation by operation, and ``silu``: the path of
+    bf16 SiLU-and-mul (:func:`kernels.cpu.fused.silu_path`)."""
+    from pdserve.kernels.cpu import fused
     from pdserve.kernels.cpu.attention import prefill_attention_available, prefill_library
     from pdserve.kernels.cpu.decode_stack import KERNEL as STACK_KERNEL
     from pdserve.kernels.paged_attention import cpu_kernels_apply
@@ -100,6 +102,7 @@ def kernel_paths(model: torch.nn.Module, rows: int, query_len: int = 1,
     out["attention"] = "paged_attention (C)" if c else f"{prefill_library(cfg.head_dim)} (C)" if prefill_c else "torch"
     stacked = c and cfg is not None and getattr(model, "cpu_stack", False) and decode_stack(model) is not None
     out["layers"] = f"{STACK_KERNEL} (C, one call)" if stacked else "per operation"
+    out["silu"] = f"{fused.silu_path()} (C)" if fused.available("fused") else "torch"
     return out
 
 

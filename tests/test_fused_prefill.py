@@ -18,8 +18,24 @@ from pdserve.model.runner import ModelRunner, StepInput
 needs_vector = pytest.mark.skipif(not cfused.vectorized(), reason="the fused kernels are not built for AVX-512 here")
 
 
+@pytest.fixture(params=["lookup", "arithmetic"])
+def silu_path(request):
+    """Each path of the bf16 SiLU in turn (kernels/cpu/silu_mul.h), the process's own choice restored after."""
+    chosen = cfused.silu_path()
+    cfused.set_silu_path(request.param)
+    yield request.param
+    cfused.set_silu_path(chosen)
+
+
 @needs_vector
-def test_silu_and_mul_is_torch_bit_for_bit_on_prefill_rows_and_at_the_exp_range_edges():
+def test_silu_paths_are_the_ones_named_and_bad_names_are_refused(silu_path):
+    assert cfused.silu_path() == silu_path
+    with pytest.raises(ValueError, match="not a path"):
+        cfused.set_silu_path("table")
+
+
+@needs_vector
+def test_silu_and_mul_is_torch_bit_for_bit_on_prefill_rows_and_at_the_exp_range_edges(silu_path):
     g = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(300, 2 * 1000, generator=g) * 4).bfloat16()     # a 1000-wide row: masked tails
     edges = torch.tensor([-1e30, -100.0, -88.8, -88.7, -87.5, -87.0, -0.0, 0.0, 87.0, 87.5, 88.7, 100.0,
@@ -33,7 +49,7 @@ def test_silu_and_mul_is_torch_bit_for_bit_on_prefill_rows_and_at_the_exp_range_
 
 
 @needs_vector
-def test_silu_and_mul_over_every_bf16_gate_value_rounds_as_torch():
+def test_silu_and_mul_over_every_bf16_gate_value_rounds_as_torch(silu_path):
     # every one of the 65,536 bf16 bit patterns as a gate, times 1 and times random ups: the C SiLU must round
     # to bf16 as torch's does (a faster quotient, vrcp14ps and a Newton step, was checked here and measured
     # slower). Where torch's SiLU or its product is subnormal (or rounded up to the least normal) the kernel's

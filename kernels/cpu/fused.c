@@ -282,56 +282,9 @@ void pd_rope_write_kv(const void *qkv, int64_t n, int64_t ld, int64_t H, int64_t
     }
 }
 
-/* gate_up: [n, 2 inter] rows of stride ld (gate first); out: [n, inter] rows of stride ldo.
- * silu(g) = g / (1 + e^-g) in float32, rounded to the element type, times up (torch's F.silu(gate) * up).
- * On AVX-512 16 lanes at a time with exp16.h's exp (Cephes' polynomial, within ~1 ulp, as torch's Sleef
- * and glibc's are: a result lying within a few float32 ulps of a bf16 rounding midpoint can round the
- * other way than torch's, one bf16 ulp). -g is capped at 100, past exp16's range (e^-g is inf from
- * -g > 88.72, as expf's, so silu is -0 there, as torch's); for g > 87 e^-g is 0 and silu g, as torch's.
- * bench-80m's 512 x 2,048 per layer, Xeon model 167: 0.51 ms, torch 0.82 (bench/cpu_kernels.py part 5).
- * Elsewhere through a buffer, so the expf loop vectorizes (glibc libmvec). */
-#ifdef PD_VECTOR_NORM
-/* 16 lanes of silu(g) * u as the element type holds them (the comment above). */
-static inline __attribute__((always_inline)) __m512 silu_mul16(__m512 g, __m512 u, const int bf16) {
-    const __m512 e = exp16(_mm512_min_ps(_mm512_xor_ps(g, _mm512_set1_ps(-0.f)), _mm512_set1_ps(100.f)));  /* e^-g */
-    return _mm512_mul_ps(rnd16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), bf16), u);
-}
-
-/* The rows with the element type a constant: whole vectors unmasked, a row's tail masked. */
-static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate_up, int64_t n, int64_t inter,
-                                                                int64_t ld, void *out, int64_t ldo, const int bf16) {
-    for (int64_t i = 0; i < n; i++) {
-        int64_t d = 0;
-        for (; d + 16 <= inter; d += 16)
-            store16(out, i * ldo + d, silu_mul16(load16(gate_up, i * ld + d, bf16, 0xffff),
-                                                 load16(gate_up, i * ld + inter + d, bf16, 0xffff), bf16), bf16, 0xffff);
-        if (d < inter) {
-            const __mmask16 m = tail16(inter, d);
-            store16(out, i * ldo + d, silu_mul16(load16(gate_up, i * ld + d, bf16, m),
-                                                 load16(gate_up, i * ld + inter + d, bf16, m), bf16), bf16, m);
-        }
-    }
-}
-#endif
-
-void pd_silu_mul_to(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int64_t ldo,
-                    int bf16) {
-#ifdef PD_VECTOR_NORM
-    if (bf16) silu_mul_rows(gate_up, n, inter, ld, out, ldo, 1);
-    else silu_mul_rows(gate_up, n, inter, ld, out, ldo, 0);
-#else
-    float buf[256];
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d0 = 0; d0 < inter; d0 += 256) {
-            const int64_t m = inter - d0 < 256 ? inter - d0 : 256;
-            for (int64_t d = 0; d < m; d++) buf[d] = get(gate_up, i * ld + d0 + d, bf16);
-#pragma omp simd
-            for (int64_t d = 0; d < m; d++) buf[d] = buf[d] / (1.f + expf(-buf[d]));
-            for (int64_t d = 0; d < m; d++)
-                put(out, i * ldo + d0 + d, rnd(buf[d], bf16) * get(gate_up, i * ld + inter + d0 + d, bf16), bf16);
-        }
-#endif
-}
+/* gate_up: [n, 2 inter] rows of stride ld (gate first); out: [n, inter] rows of stride ldo; silu_mul.h has
+ * the arithmetic and, for bf16, the lookup of every gate's silu. */
+#include "silu_mul.h"
 
 /* pd_silu_mul_to with out contiguous ([n, inter]): the decode stack's and a mixture's call. */
 void pd_silu_mul(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int bf16) {

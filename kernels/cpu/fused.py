@@ -39,6 +39,28 @@ def vectorized() -> bool:
     return available("fused") and bool(library("fused").pd_vectorized())
 
 
+def silu_path() -> str:
+    """The path :func:`silu_and_mul` takes for bf16 rows here, recorded by the benchmarks: ``"lookup"`` (each
+    gate's silu read from a table of all 65,536 bf16 values that the arithmetic filled, bit-identical to it),
+    ``"arithmetic"`` (the exponential and the division on 16 lanes; chosen where it timed faster at the
+    process's first call, ``kernels/cpu/silu_mul.h``), or ``"scalar"`` off AVX-512."""
+    if not vectorized():
+        return "scalar"
+    return "lookup" if _fn("pd_silu_lookup", [], _int)() else "arithmetic"
+
+
+def set_silu_path(path: str) -> None:
+    """Make bf16 rows take ``path`` (``"lookup"`` or ``"arithmetic"``) from now on in this process, in place of
+    the timed choice: for tests and benchmarks of either path.
+
+    Raises:
+        ValueError: another path name, or a build without the vectorized kernels.
+    """
+    if path not in ("lookup", "arithmetic") or not vectorized():
+        raise ValueError(f"set_silu_path: {path!r} is not a path of this build ({silu_path()!r} runs here)")
+    _fn("pd_silu_use_lookup", [_int])(int(path == "lookup"))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x / rms(x))`` per row; ``x`` ``[rows, dim]``, ``weight`` ``[dim]`` of x's dtype.
 
@@ -192,8 +214,8 @@ def mask_logits_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _fn(name: str, argtypes: list):
+def _fn(name: str, argtypes: list, restype=None):
     fn = getattr(library("fused"), name)
     if fn.argtypes is None:
-        fn.argtypes, fn.restype = argtypes, None
+        fn.argtypes, fn.restype = argtypes, restype
     return fn
