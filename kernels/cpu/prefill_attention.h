@@ -69,11 +69,19 @@ static void pack_kv(const Paged *c, int64_t kvh, int64_t L, int64_t D, uint16_t 
 typedef int (*tile_fn)(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                        const uint16_t *kp, const uint16_t *vp, int64_t D, float scale);
 
-/* out rows = O / l, rounded to bf16 (nearest even): the last step of a query tile. */
+/* out rows = O / l, rounded to bf16 (nearest even): the last step of a query tile. With AVX-512 16 columns at a
+ * time (D % 16 == 0, prefill_run checks), the rounding bf16.h's f32_to_bf16_x16, bit-identical to the scalar
+ * loop; the scalar loop took ~0.1 ms of the AMX build's 1 ms a layer of bench-80m at 512 tokens. */
 static inline void write_rows(int R, float *const *O, const float *l, uint16_t *const *orow, int64_t D) {
     for (int r = 0; r < R; r++) {
         const float inv = 1.f / l[r];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        for (int64_t d = 0; d < D; d += 16)
+            _mm256_storeu_si256((__m256i *)(orow[r] + d), _mm512_cvtepi32_epi16(f32_to_bf16_x16(
+                _mm512_mul_ps(_mm512_loadu_ps(O[r] + d), _mm512_set1_ps(inv)))));
+#else
         for (int64_t d = 0; d < D; d++) orow[r][d] = f32_to_bf16(O[r][d] * inv);
+#endif
     }
 }
 
