@@ -88,16 +88,36 @@ static inline __mmask16 tail16(int64_t dim, int64_t d) {   /* the lanes of colum
     return dim - d >= 16 ? 0xffff : (__mmask16)((1u << (dim - d)) - 1);
 }
 
+/* Columns d..d+16 (lanes m) of normed_row16: w * (src * inv), rounded as the torch code rounds. */
+static inline __attribute__((always_inline)) void normed16(const void *src, int64_t so, const void *w, void *out,
+                                                           int64_t oo, int64_t d, __m512 inv, __mmask16 m, int in_bf16,
+                                                           int bf16) {
+    const __m512 normed = rnd16(_mm512_mul_ps(load16(src, so + d, in_bf16, m), inv), bf16);
+    store16(out, oo + d, _mm512_mul_ps(load16(w, d, in_bf16, m), normed), bf16, m);
+}
+
 /* out[0..dim) = w * (src * inv) from a row's 16-lane sum of squares acc, rounded as the torch code rounds.
- * src and w hold bf16 where in_bf16 is set, else float32 (the same values widened); out and the rounding: bf16. */
+ * src and w hold bf16 where in_bf16 is set, else float32 (the same values widened); out and the rounding: bf16.
+ * Whole vectors unmasked, the row's tail masked (a mask made at every vector cost seven scalar instructions and a
+ * mask move each: bench-80m's add + RMSNorm rows on the AMX Xeon 167, bench/kernel_ab.py). */
 static inline __attribute__((always_inline)) void normed_row16(const void *src, int64_t so, const void *w, void *out,
                                 int64_t oo, int64_t dim, __m512 acc, float eps, int in_bf16, int bf16) {
     const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
-    for (int64_t d = 0; d < dim; d += 16) {
-        const __mmask16 m = tail16(dim, d);
-        const __m512 normed = rnd16(_mm512_mul_ps(load16(src, so + d, in_bf16, m), inv), bf16);
-        store16(out, oo + d, _mm512_mul_ps(load16(w, d, in_bf16, m), normed), bf16, m);
-    }
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) normed16(src, so, w, out, oo, d, inv, 0xffff, in_bf16, bf16);
+    if (d < dim) normed16(src, so, w, out, oo, d, inv, tail16(dim, d), in_bf16, bf16);
+}
+
+static inline __m512 squares16(__m512 acc, __m512 v) { return _mm512_add_ps(acc, _mm512_mul_ps(v, v)); }
+
+/* Columns d..d+16 (lanes m; the others zero) of add_row16; returns acc plus their squares. */
+static inline __attribute__((always_inline)) __m512 add16(const void *x, int64_t xo, const void *r, int64_t ro,
+                                                          void *sum, int64_t so, float *keep, int64_t d, __mmask16 m,
+                                                          __m512 acc, int bf16) {
+    const __m512 v = rnd16(_mm512_add_ps(load16(x, xo + d, bf16, m), load16(r, ro + d, bf16, m)), bf16);
+    store16(sum, so + d, v, bf16, m);
+    if (keep) _mm512_store_ps(keep + d, v);
+    return squares16(acc, v);
 }
 
 /* sum[so..so+dim) = x + r rounded to the element type (torch's add), also kept in keep[0..dim) as float32
@@ -105,13 +125,9 @@ static inline __attribute__((always_inline)) void normed_row16(const void *src, 
 static inline __attribute__((always_inline)) __m512 add_row16(const void *x, int64_t xo, const void *r, int64_t ro,
                                                               void *sum, int64_t so, float *keep, int64_t dim, int bf16) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += 16) {
-        const __mmask16 m = tail16(dim, d);
-        const __m512 v = rnd16(_mm512_add_ps(load16(x, xo + d, bf16, m), load16(r, ro + d, bf16, m)), bf16);
-        store16(sum, so + d, v, bf16, m);
-        if (keep) _mm512_store_ps(keep + d, v);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-    }
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16) acc = add16(x, xo, r, ro, sum, so, keep, d, 0xffff, acc, bf16);
+    if (d < dim) acc = add16(x, xo, r, ro, sum, so, keep, d, tail16(dim, d), acc, bf16);
     return acc;
 }
 #endif
@@ -121,10 +137,9 @@ void pd_rms_norm(const void *x, const void *w, void *out, int64_t n, int64_t dim
 #ifdef PD_VECTOR_NORM
     for (int64_t i = 0; i < n; i++) {
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 v = load16(x, i * ldx + d, bf16, tail16(dim, d));
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
-        }
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16) acc = squares16(acc, load16(x, i * ldx + d, bf16, 0xffff));
+        if (d < dim) acc = squares16(acc, load16(x, i * ldx + d, bf16, tail16(dim, d)));
         normed_row16(x, i * ldx, w, out, i * ldo, dim, acc, eps, bf16, bf16);
     }
 #else
@@ -182,7 +197,7 @@ static inline void head_norm16(const void *qkv, int64_t src, int64_t D, const vo
     __m512 acc = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
         const __m512 v = load16(qkv, src + d, bf16, 0xffff);
-        acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        acc = squares16(acc, v);
     }
     const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)D + eps));
     for (int64_t d = 0; d < D; d += 16) {
