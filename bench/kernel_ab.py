@@ -19,7 +19,9 @@ Kernels and their cases (bench-80m's shapes: 12 heads, 4 KV heads, head_dim 64, 
   ``gemv_int4`` the same projections as INT4 weights (group 128) at 1 and 4 rows (``--rows`` too), with
   the L3 evicted and without (its 45 MiB fit many L3s);
 * ``silu_mul``: bench-80m's SiLU-and-mul at 512 rows over 12 layers, whole and in four pieces;
-* ``add_rms_norm``: bench-80m's residual adds and RMSNorms (24 of 768 columns) at 512 and 32 rows.
+* ``add_rms_norm``: bench-80m's residual adds and RMSNorms (24 of 768 columns) at 512 and 32 rows;
+* ``rope_write_kv``: bench-80m's RoPE with the KV cache write (12 layers) at 512 rows (bf16 queries out) and 32
+  (float32 queries out, as the decode attention takes them).
 
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel paged_attention --base e6d80fa~1 --head e6d80fa
     taskset -c 1 .venv/bin/python bench/kernel_ab.py --kernel prefill_attention_fma --base bdbfe48~1
@@ -69,6 +71,8 @@ SIGNATURES = {  # C function and argument types of each kernel, and its library 
     "silu_mul": ("pd_silu_mul_to", [_p, _i64, _i64, _i64, _p, _i64, ctypes.c_int], "fused"),
     "add_rms_norm": ("pd_add_rms_norm", [_p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _f, ctypes.c_int],
                      "fused"),
+    "rope_write_kv": ("pd_rope_write_kv", [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, ctypes.c_int, _p, _i64, _i64,
+                                           _i64, _i64, _p, _i64, ctypes.c_int, _p, _p, _f], "fused"),
 }
 SIGNATURES["prefill_attention_fma"] = SIGNATURES["prefill_attention_amx"] = SIGNATURES["prefill_attention"]
 
@@ -200,6 +204,32 @@ def add_rms_norm_cases(builds: dict, reps: int, rows=(512, 32), dim: int = 768, 
     return out
 
 
+def rope_write_kv_cases(builds: dict, reps: int, rows=(512, 32), layers: int = 12,
+                        heads: tuple[int, int, int] = (HEADS, KV_HEADS, DIM)) -> list[dict]:
+    """A prefill's (512 rows, bf16 queries out) and a batch-32 decode step's (float32 queries out) RoPE with the KV
+    write, over ``layers`` layers' qkv rows into a paged bf16 cache (``--heads``: other head counts and sizes)."""
+    g, out, (nh, nkv, dim) = torch.Generator().manual_seed(0), [], heads
+    for m in rows:
+        qkvs = [torch.randn(m, (nh + 2 * nkv) * dim, generator=g).bfloat16() for _ in range(layers)]
+        angles = torch.rand(m, dim // 2, generator=g) * 100
+        cos, sin = torch.cat([angles.cos()] * 2, 1).contiguous(), torch.cat([angles.sin()] * 2, 1).contiguous()
+        slots = torch.randperm(m + BLOCK, generator=g)[:m].long()
+        q_dtype = torch.bfloat16 if m > 64 else torch.float32
+
+        def run(fn, qkvs=qkvs, cos=cos, sin=sin, slots=slots, m=m, q_dtype=q_dtype) -> torch.Tensor:
+            cache = torch.zeros(m // BLOCK + 2, 2, BLOCK, nkv, dim, dtype=torch.bfloat16)
+            s_block, s_kv, s_tok, s_head, _ = cache.stride()
+            q = torch.empty(m, nh, dim, dtype=q_dtype)
+            for qkv in qkvs:
+                fn(qkv.data_ptr(), m, qkv.stride(0), nh, nkv, dim, cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                   int(q_dtype != torch.float32), cache.data_ptr(), s_block, s_tok, s_head, s_kv, slots.data_ptr(),
+                   BLOCK, 1, None, None, 1e-6)
+            return torch.cat([q.float().flatten(), cache.float().flatten()])
+        out.append({"case": f"RoPE + KV write, {layers} layers of {m} rows, {nh} / {nkv} heads of {dim}",
+                    **interleaved(builds, run, reps)})
+    return out
+
+
 def gemm_cases(builds: dict, reps: int, row_counts=(8, 32, 128)) -> list[dict]:
     g, rows, evict = torch.Generator().manual_seed(0), [], l3_evictor()
     packed = copies_in_huge_pages([pack_weight(torch.randn(n, k, generator=g) * 0.02) for n, k in BENCH_80M])
@@ -251,7 +281,7 @@ CASES = {"paged_attention": decode_attention_cases, "prefill_attention": prefill
          "gemm_bf16_amx": lambda builds, reps: gemm_cases(builds, reps, (1, 8, 32)),
          "gemm_bf16_avx512": lambda builds, reps: gemm_cases(builds, reps, (32, 512)),
          "gemv_bf16": lambda builds, reps: gemm_cases(builds, reps, (1, 2)), "gemv_int4": int4_cases,
-         "silu_mul": silu_mul_cases, "add_rms_norm": add_rms_norm_cases}
+         "silu_mul": silu_mul_cases, "add_rms_norm": add_rms_norm_cases, "rope_write_kv": rope_write_kv_cases}
 
 
 def main() -> None:
@@ -276,7 +306,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"A": build(args.kernel, args.base, Path(tmp)), "B": build(args.kernel, args.head, Path(tmp))}
         cases = CASES[args.kernel]
-        if args.heads and "attention" in args.kernel:
+        if args.heads and ("attention" in args.kernel or args.kernel == "rope_write_kv"):
             cases = functools.partial(cases, heads=tuple(int(h) for h in args.heads.split(",")))
         if args.rows and args.kernel.startswith(("gemm", "gemv")):
             cases = functools.partial(int4_cases if args.kernel == "gemv_int4" else gemm_cases,

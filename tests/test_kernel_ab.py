@@ -43,3 +43,13 @@ def test_the_decode_attention_cases_compare_two_builds():
 def test_an_unknown_revision_is_refused(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         kernel_ab.build("paged_attention", "no-such-revision", tmp_path)
+
+
+def test_the_rope_cases_run_the_fused_library_with_its_signature():
+    if not available("fused"):
+        pytest.skip("the fused kernels do not build here")
+    fn = library("fused").pd_rope_write_kv
+    fn.argtypes, fn.restype = kernel_ab.SIGNATURES["rope_write_kv"][1], None
+    rows = kernel_ab.rope_write_kv_cases({"A": fn, "B": fn}, 1, rows=(40, 3), layers=2)
+    _check(rows)
+    assert [r["case"].split(",")[1].strip() for r in rows] == ["2 layers of 40 rows", "2 layers of 3 rows"]
