@@ -88,6 +88,18 @@ static inline void store16(void *p, int64_t i, __m512 f, int bf16, __mmask16 m) 
     if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, m, bf16x16(f));
     else _mm512_mask_storeu_ps((float *)p + i, m, f);
 }
+
+/* store16 of a at i and b at i + 16, whole: with AVX512-BF16 one conversion of both and one 64-byte store. */
+static inline void store2x16(void *p, int64_t i, __m512 a, __m512 b, int bf16) {
+#ifdef __AVX512BF16__
+    if (bf16) {
+        _mm512_storeu_si512((uint16_t *)p + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        return;
+    }
+#endif
+    store16(p, i, a, bf16, 0xffff);
+    store16(p, i + 16, b, bf16, 0xffff);
+}
 #endif
 
 /* 1 where these kernels run on AVX-512 (then faster than torch's operators at any row count). */
@@ -122,6 +134,13 @@ static inline __attribute__((always_inline)) void normed_row16(const void *src, 
                                 int64_t oo, int64_t dim, __m512 acc, float eps, int in_bf16, int bf16) {
     const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(acc) / (float)dim + eps));
     int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) {              /* two vectors: their roundings and stores paired */
+        __m512 a = _mm512_mul_ps(load16(src, so + d, in_bf16, 0xffff), inv);
+        __m512 b = _mm512_mul_ps(load16(src, so + d + 16, in_bf16, 0xffff), inv);
+        rnd2x16(&a, &b, bf16);
+        store2x16(out, oo + d, _mm512_mul_ps(load16(w, d, in_bf16, 0xffff), a),
+                  _mm512_mul_ps(load16(w, d + 16, in_bf16, 0xffff), b), bf16);
+    }
     for (; d + 16 <= dim; d += 16) normed16(src, so, w, out, oo, d, inv, 0xffff, in_bf16, bf16);
     if (d < dim) normed16(src, so, w, out, oo, d, inv, tail16(dim, d), in_bf16, bf16);
 }
@@ -144,6 +163,14 @@ static inline __attribute__((always_inline)) __m512 add_row16(const void *x, int
                                                               void *sum, int64_t so, float *keep, int64_t dim, int bf16) {
     __m512 acc = _mm512_setzero_ps();
     int64_t d = 0;
+    for (; d + 32 <= dim; d += 32) {              /* two vectors: their roundings and stores paired; squares in order */
+        __m512 a = _mm512_add_ps(load16(x, xo + d, bf16, 0xffff), load16(r, ro + d, bf16, 0xffff));
+        __m512 b = _mm512_add_ps(load16(x, xo + d + 16, bf16, 0xffff), load16(r, ro + d + 16, bf16, 0xffff));
+        rnd2x16(&a, &b, bf16);
+        store2x16(sum, so + d, a, b, bf16);
+        if (keep) { _mm512_store_ps(keep + d, a); _mm512_store_ps(keep + d + 16, b); }
+        acc = squares16(squares16(acc, a), b);
+    }
     for (; d + 16 <= dim; d += 16) acc = add16(x, xo, r, ro, sum, so, keep, d, 0xffff, acc, bf16);
     if (d < dim) acc = add16(x, xo, r, ro, sum, so, keep, d, tail16(dim, d), acc, bf16);
     return acc;
