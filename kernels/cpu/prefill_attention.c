@@ -198,6 +198,7 @@ TARGET static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uin
         last = pos[r] > last ? pos[r] : last;
     }
     const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
+    const Pow2K k = pow2_consts();
     for (int64_t t = 0; t * NK <= last; t++) {
         __m512 acc[RMAX][2];
         qk(R, last < t * NK + NK / 2, (const qval (*)[MAX_D])q, kp + t * NK * D, D / 2, acc);
@@ -207,7 +208,7 @@ TARGET static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uin
             if (n <= 0) continue;
             keys = n > keys ? (n < NK ? (int)n : NK) : keys;
             __m512 p0, p1;
-            softmax_tile(acc[r][0], acc[r][1], n, sc, scale * LOG2E, &rows[r], &alpha[r], &p0, &p1);
+            softmax_tile(acc[r][0], acc[r][1], n, sc, scale * LOG2E, &rows[r], &alpha[r], &p0, &p1, &k);
 #if PD_DPBF16
             _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));    /* keys 0..15, 16..31 */
 #else                          /* float32: nothing to round for (7% faster than rounding to bf16 first) */

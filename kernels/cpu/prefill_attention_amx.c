@@ -64,13 +64,14 @@ AMX static void issue_scores(uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D
 AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, float s2, float (*S)[NK],
                             uint16_t (*P)[NK], SoftRow *rows, float *alpha) {
     int rescale = 0;
+    const Pow2K k = pow2_pinned();
     for (int r = 0; r < R; r++) {
         const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
         if (n <= 0) continue;
         __m512 p0, p1;
         const __m512 s0 = _mm512_load_ps(S[r]), s1 = _mm512_load_ps(S[r] + 16);
-        if (n >= NK) softmax_tile(s0, s1, NK, sc, s2, &rows[r], &alpha[r], &p0, &p1);   /* constant: no masks */
-        else softmax_tile(s0, s1, n, sc, s2, &rows[r], &alpha[r], &p0, &p1);
+        if (n >= NK) softmax_tile(s0, s1, NK, sc, s2, &rows[r], &alpha[r], &p0, &p1, &k);   /* constant: no masks */
+        else softmax_tile(s0, s1, n, sc, s2, &rows[r], &alpha[r], &p0, &p1, &k);
         _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));         /* keys 0..15, 16..31 */
         rescale |= alpha[r] != 1.f;
     }

@@ -29,14 +29,34 @@
  * and the scores scaled before the max rather than fused into the subtraction): one layer's attention on
  * AMX tiles 0.93x / 0.92x at 512 / 2,048 tokens, then 0.96-1.03x / 0.91-0.96x for the rounding by adds
  * (bit-identical), the AVX512-BF16 build 0.99x (bench/kernel_ab.py, Xeon 207). */
-__attribute__((target("avx512f"), always_inline)) static inline __m512 pow2_16(__m512 x, __mmask16 keep) {
-    const __m512 magic = _mm512_set1_ps(12582912.f);          /* 1.5 x 2^23: x + magic rounds x to an integer */
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
+typedef struct { __m512 magic, c3, c2, c1, one; } Pow2K;     /* pow2_16's constants */
+
+/* The constants as values the compiler may rematerialize: it broadcasts each from memory at every use. */
+__attribute__((target("avx512f"), always_inline)) static inline Pow2K pow2_consts(void) {
+    return (Pow2K){_mm512_set1_ps(12582912.f),            /* 1.5 x 2^23: x + magic rounds x to an integer */
+                   _mm512_set1_ps(5.500858e-02f), _mm512_set1_ps(2.4221037e-01f), _mm512_set1_ps(6.932829e-01f),
+                   _mm512_set1_ps(1.f)};
+}
+
+/* The same held in registers across the caller's loop (an empty asm makes them opaque, so they are not
+ * broadcast again at every use): the AMX build, whose softmax loads share the core with its tile loads (one
+ * layer of bench-80m 0.953x / 0.951x the time at 512 tokens in two runs, 0.99x / 1.00x at 2,048; AMX Xeon 167,
+ * bench/kernel_ab.py). The
+ * AVX-512 build keeps pow2_consts: its score accumulators need the registers. */
+__attribute__((target("avx512f"), always_inline)) static inline Pow2K pow2_pinned(void) {
+    Pow2K k = pow2_consts();
+    __asm__("" : "+v"(k.magic), "+v"(k.c3), "+v"(k.c2), "+v"(k.c1), "+v"(k.one));
+    return k;
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline __m512 pow2_16(__m512 x, __mmask16 keep,
+                                                                               const Pow2K *k) {
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, k->magic), k->magic);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(5.500858e-02f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4221037e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.932829e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = k->c3;
+    p = _mm512_fmadd_ps(p, f, k->c2);
+    p = _mm512_fmadd_ps(p, f, k->c1);
+    p = _mm512_fmadd_ps(p, f, k->one);
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
@@ -67,7 +87,7 @@ static inline void soft_row_init(SoftRow *row) {
  * (rescaled first when alpha is not 1). */
 __attribute__((target("avx512f"), always_inline)) static inline void softmax_tile(
         __m512 a0, __m512 a1, int64_t n, __m512 scale2, float s2, SoftRow *row, float *alpha, __m512 *p0,
-        __m512 *p1) {
+        __m512 *p1, const Pow2K *k) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __mmask32 vis = n >= NK ? 0xffffffffu : (__mmask32)((1u << n) - 1);
     const __m512 rmax = _mm512_max_ps(_mm512_mask_mov_ps(ninf, (__mmask16)vis, a0),
@@ -76,14 +96,14 @@ __attribute__((target("avx512f"), always_inline)) static inline void softmax_til
     if (_mm512_cmp_ps_mask(rmax, _mm512_set1_ps(row->thr), _CMP_GT_OQ)) {     /* always on the first tile, */
         /* where alpha is 0 (2^-inf would be NaN here: no floor compare) */
         const float mt = _mm512_reduce_max_ps(rmax) * s2;                     /* = the max of the scaled */
-        *alpha = row->m == -INFINITY ? 0.f : _mm512_cvtss_f32(pow2_16(_mm512_set1_ps(row->m - mt), 0xffff));
+        *alpha = row->m == -INFINITY ? 0.f : _mm512_cvtss_f32(pow2_16(_mm512_set1_ps(row->m - mt), 0xffff, k));
         row->lv = _mm512_mul_ps(row->lv, _mm512_set1_ps(*alpha));
         row->m = mt;
         row->mv = _mm512_set1_ps(mt);
         row->thr = (mt + SLACK * LOG2E) / s2;
     }
-    *p0 = pow2_16(_mm512_fmsub_ps(a0, scale2, row->mv), (__mmask16)vis);
-    *p1 = pow2_16(_mm512_fmsub_ps(a1, scale2, row->mv), (__mmask16)(vis >> 16));
+    *p0 = pow2_16(_mm512_fmsub_ps(a0, scale2, row->mv), (__mmask16)vis, k);
+    *p1 = pow2_16(_mm512_fmsub_ps(a1, scale2, row->mv), (__mmask16)(vis >> 16), k);
     row->lv = _mm512_add_ps(row->lv, _mm512_add_ps(*p0, *p1));
 }
 #endif
