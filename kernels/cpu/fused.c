@@ -67,8 +67,9 @@ static inline __m512 rnd16(__m512 f, int bf16) {         /* f as the element typ
 }
 
 /* rnd16 of a and of b, in place: with AVX512-BF16 one conversion of both to 32 bf16 (vcvtne2ps2bf16) and a masked
- * word permute each back into the high halves of the lanes, four instructions where two rnd16 take eight. */
-static inline void rnd2x16(__m512 *a, __m512 *b, int bf16) {
+ * word permute each back into the high halves of the lanes, four instructions where two rnd16 take eight.
+ * Returns that conversion (a's words first) for store16_pair, else zero. */
+static inline __m512i rnd2x16(__m512 *a, __m512 *b, int bf16) {
 #ifdef __AVX512BF16__
     if (bf16) {
         static const uint16_t lo[32] __attribute__((aligned(64))) = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8,
@@ -77,11 +78,12 @@ static inline void rnd2x16(__m512 *a, __m512 *b, int bf16) {
         *a = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, ia, both));
         *b = _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xaaaaaaaau, _mm512_add_epi16(ia, _mm512_set1_epi16(16)),
                                                                 both));
-        return;
+        return both;
     }
 #endif
     *a = rnd16(*a, bf16);
     *b = rnd16(*b, bf16);
+    return _mm512_setzero_si512();
 }
 
 static inline void store16(void *p, int64_t i, __m512 f, int bf16, __mmask16 m) {
@@ -101,11 +103,11 @@ static inline void store2x16(void *p, int64_t i, __m512 a, __m512 b, int bf16) {
     store16(p, i + 16, b, bf16, 0xffff);
 }
 
-/* store16 of a at i and b at j, whole: with AVX512-BF16 one conversion of both (two 32-byte stores). */
-static inline void store16_pair(void *p, int64_t i, int64_t j, __m512 a, __m512 b, int bf16) {
+/* store16 of a at i and b at j, whole, for a and b that rnd2x16 rounded to bf16: with AVX512-BF16 its conversion
+ * `both` stored as it is (two 32-byte stores). */
+static inline void store16_pair(void *p, int64_t i, int64_t j, __m512 a, __m512 b, __m512i both, int bf16) {
 #ifdef __AVX512BF16__
     if (bf16) {
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);
         _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_castsi512_si256(both));
         _mm256_storeu_si256((__m256i *)((uint16_t *)p + j), _mm512_extracti64x4_epi64(both, 1));
         return;
@@ -180,8 +182,8 @@ static inline __attribute__((always_inline)) __m512 add_row16(const void *x, int
     for (; d + 32 <= dim; d += 32) {              /* two vectors: their roundings and stores paired; squares in order */
         __m512 a = _mm512_add_ps(load16(x, xo + d, bf16, 0xffff), load16(r, ro + d, bf16, 0xffff));
         __m512 b = _mm512_add_ps(load16(x, xo + d + 16, bf16, 0xffff), load16(r, ro + d + 16, bf16, 0xffff));
-        rnd2x16(&a, &b, bf16);
-        store2x16(sum, so + d, a, b, bf16);
+        const __m512i both = rnd2x16(&a, &b, bf16);
+        store16_pair(sum, so + d, so + d + 16, a, b, both, bf16);
         if (keep) { _mm512_store_ps(keep + d, a); _mm512_store_ps(keep + d + 16, b); }
         acc = squares16(squares16(acc, a), b);
     }
@@ -300,11 +302,13 @@ static void rope_write_kv_avx512(const void *qkv, int64_t n, int64_t ld, int64_t
                 rnd2x16(&a1, &b1, bf16);
                 rnd2x16(&a2, &b2, bf16);
                 __m512 lo = _mm512_add_ps(a1, b1), hi = _mm512_add_ps(a2, b2);
-                rnd2x16(&lo, &hi, bf16);
+                const __m512i both = rnd2x16(&lo, &hi, bf16);
                 if (h < H)                                     /* lo, hi are already rounded: exact in either type */
-                    store16_pair(q_out, (i * H + h) * D + d, (i * H + h) * D + half + d, lo, hi, q_elem && bf16);
+                    store16_pair(q_out, (i * H + h) * D + d, (i * H + h) * D + half + d, lo, hi, both,
+                                 q_elem && bf16);
                 else
-                    store16_pair(cache, base + (h - H) * s_head + d, base + (h - H) * s_head + half + d, lo, hi, bf16);
+                    store16_pair(cache, base + (h - H) * s_head + d, base + (h - H) * s_head + half + d, lo, hi, both,
+                                 bf16);
             }
         }
         for (int64_t h = 0; h < Hkv; h++)                      /* V as it is */

@@ -41,8 +41,7 @@ __attribute__((target("avx512f"), always_inline)) static inline Pow2K pow2_const
 /* The same held in registers across the caller's loop (an empty asm makes them opaque, so they are not
  * broadcast again at every use): the AMX build, whose softmax loads share the core with its tile loads (one
  * layer of bench-80m 0.953x / 0.951x the time at 512 tokens in two runs, 0.99x / 1.00x at 2,048; AMX Xeon 167,
- * bench/kernel_ab.py). The
- * AVX-512 build keeps pow2_consts: its score accumulators need the registers. */
+ * bench/kernel_ab.py). The AVX-512 build keeps pow2_consts: its score accumulators need the registers. */
 __attribute__((target("avx512f"), always_inline)) static inline Pow2K pow2_pinned(void) {
     Pow2K k = pow2_consts();
     __asm__("" : "+v"(k.magic), "+v"(k.c3), "+v"(k.c2), "+v"(k.c1), "+v"(k.one));
