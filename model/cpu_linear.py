@@ -20,7 +20,7 @@ the share of the step's floor, max(FLOPs / 83.4 GFLOP/s, bytes / 12.9 GB/s), eac
 AMX, but the gemv for up to four rows, which it takes in one pass over the weights (bit-identical; on
 Zen 5 it streams 13% faster than the gemm at one row, 3.66 vs 4.20 ms, on Zen 4 10-20% faster at 1-4 rows,
 where on the Xeon above the gemm won: that Xeon now runs the FMA gemm throughout), AMX
-tiles for 3..256 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
+tiles for 3..128 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
 :data:`AMX_MAX_ROWS` rows where the dense weight is kept. A decode worker drops the dense weights
 once packed (the packed kernels take any row count); a colocated one keeps them for its prefill
 chunks. These kernels run on one thread: with more torch threads ``F.linear`` gains and they do not.
@@ -60,7 +60,9 @@ GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 g
                        # passes); Zen 5: 3.66 vs 4.20 at 1 row (bench/cpu_kernels.py); where the FMA gemm
                        # serves, never (gemv_max_rows)
 AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
-AMX_MAX_ROWS = 256     # with a dense copy: AMX 53.7 vs F.linear 66.6 ms at 256 rows, 108.8 vs 89.3 at 512
+AMX_MAX_ROWS = 128     # with a dense (oneDNN prepacked) copy, whole bench-80m prefills of n rows, weights from memory,
+                       # AMX Xeon 167, 2026-12-02: AMX / oneDNN 0.75x at 16-32 rows, 0.88x at 64, 0.93x at 96, 0.99x
+                       # at 128, 1.01x at 160, 1.10x at 192, 1.11-1.16x at 256 (256 until then, set against F.linear)
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
 FLOAT_GEMMS = (KERNELS[3], KERNELS[4])
 """The packed GEMMs on float32 FMAs (``gemm-fma``, ``gemm-avx2``): on their CPUs ``F.linear`` in bf16 has no native
