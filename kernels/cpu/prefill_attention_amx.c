@@ -59,13 +59,65 @@ AMX static void issue_scores(uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D
     }
 }
 
+/* The tile work that runs beside key tile t's softmax, its steps spread over the softmax's rows: tile t + 1's
+ * scores stored from tiles 0-1 (issued a key tile earlier), tile t - 1's value sums, tile t + 2's scores issued.
+ * Issued from inside the softmax's row loop rather than as a block before it, the tile loads and products overlap the
+ * vector work: in a scratch loop of this sequence and 16 softmax rows, as a block the two took the sum of their times
+ * (143 ns against 59 and 67 alone), spread one step a row 117 ns (AMX Xeon 167). One tile instruction a step rather
+ * than a load and its product: 1.01-1.06x the kernel's time. */
+typedef struct {
+    float (*s_next)[NK];            /* where tile t + 1's scores go, or NULL (no tile t + 1) */
+    const uint16_t (*p_prev)[NK];   /* tile t - 1's P, or NULL (t = 0) */
+    const uint16_t *v_prev;         /* its packed values */
+    const uint16_t *k_next2;        /* tile t + 2's packed keys, or NULL */
+    uint16_t (*Q)[MAX_D];
+    int64_t D, w0;
+} TileWork;
+
+/* Step s of the tile work (0 <= s < tile_steps(D)); a step whose work does not exist this key tile is empty. */
+AMX static inline void tile_step(const TileWork *w, int s) {
+    if (s < 2) {                                               /* 0-1: tile t + 1's scores out */
+        if (!w->s_next) return;
+        if (s == 0) _tile_stored(0, w->s_next[0], NK * 4);
+        else _tile_stored(1, w->s_next[0] + 16, NK * 4);
+    } else if (s < 6) {                                        /* 2-5: tile t - 1's value sums, 16 dims a step */
+        const int j = s - 2;
+        if (!w->p_prev || 16 * j >= w->w0) return;
+        if (j == 0) _tile_loadd(2, w->p_prev[0], NK * 2);
+        _tile_loadd(3, w->v_prev + 32 * j, w->D * 4);
+        switch (j) {                                           /* tile numbers are immediates */
+        case 0: _tile_dpbf16ps(4, 2, 3); break;
+        case 1: _tile_dpbf16ps(5, 2, 3); break;
+        case 2: _tile_dpbf16ps(6, 2, 3); break;
+        default: _tile_dpbf16ps(7, 2, 3); break;
+        }
+    } else if (w->k_next2) {                                   /* 6..: tile t + 2's scores, as issue_scores */
+        const int64_t j = s - 6, d0 = 32 * (j / 2);
+        if (j == 0) { _tile_zero(0); _tile_zero(1); }
+        if (j % 2 == 0) {
+            _tile_loadd(2, w->Q[0] + d0, MAX_D * 2);
+            _tile_loadd(3, w->k_next2 + d0 * NK, NK * 4);
+            _tile_dpbf16ps(0, 2, 3);
+        } else {
+            _tile_loadd(3, w->k_next2 + d0 * NK + 32, NK * 4);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+    }
+}
+
+static inline int tile_steps(int64_t D) { return 6 + 2 * (int)(D / 32); }
+
 /* Each row's softmax step over key tile t's stored scores S (prefill_softmax.h): P (bf16), alpha, the
- * row's state. Returns whether a row's alpha is not 1. */
+ * row's state; the tile work w's steps spread evenly before the rows (as for RMAX rows; those past the last row
+ * after it). Returns whether a row's alpha is not 1. */
 AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, float s2, float (*S)[NK],
-                            uint16_t (*P)[NK], SoftRow *rows, float *alpha) {
+                            uint16_t (*P)[NK], SoftRow *rows, float *alpha, const TileWork *w) {
     int rescale = 0;
     const Pow2K k = pow2_pinned();
+    const int steps = tile_steps(w->D);
+    int s = 0;
     for (int r = 0; r < R; r++) {
+        for (const int until = (r + 1) * steps / RMAX; s < until; s++) tile_step(w, s);
         const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
         if (n <= 0) continue;
         __m512 p0, p1;
@@ -75,6 +127,7 @@ AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, flo
         _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));         /* keys 0..15, 16..31 */
         rescale |= alpha[r] != 1.f;
     }
+    for (; s < steps; s++) tile_step(w, s);
     return rescale;
 }
 
@@ -123,10 +176,14 @@ static KeyTile *history(int64_t n) {
 }
 
 /* One query tile of R rows (bf16 query vectors qr[r], positions pos[r]) against keys [0, max pos],
- * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). Software-pipelined by one key tile: the
- * scores of tile t + 1 are issued to the tiles before the vector softmax of tile t runs, so the matrix
- * unit works while the vector units do, and P V of tile t is issued in the next step, after tile t + 1's
- * scores are stored. 64 dims of O stay in tiles 4-7 across key tiles, through memory only when a row
+ * writing bf16 rows orow[r]. D % 32 == 0 (tile_any checks). Software-pipelined by two key tiles: while the
+ * vector softmax of tile t runs, tile t + 1's scores (issued a key tile earlier) are stored, P V of tile t - 1
+ * is added and tile t + 2's scores are issued, each tile step between two of the softmax's rows (TileWork), so
+ * the matrix unit works while the vector units do; scores and P alternate between two buffers. Since
+ * 2026-12-02 (the tile work a block before the softmax, one key tile ahead, before): one layer of bench-80m
+ * 0.83-0.84x / 0.88x the time at 512 / 2,048 tokens, 8 heads of 128 dims 0.90x / 0.94x, 32 of 128 (8 KV heads)
+ * 1.03x / 0.96-0.98x; whole bench-80m prefills 0.991x / 0.925x (bit-identical; bench/kernel_ab.py,
+ * bench/step_ab.py, AMX Xeon 167). 64 dims of O stay in tiles 4-7 across key tiles, through memory only when a row
  * rescales (with SLACK, rarely after its first tiles). Heads over 64 dims (128: Llama, Qwen, Mistral) keep
  * each key tile's P and alphas in this first walk and add the further dims' P V in one more walk over the
  * key tiles per 64 dims, tile products only. Until 2026-11-30 every head size but 64 added all of O into
@@ -136,10 +193,10 @@ static KeyTile *history(int64_t n) {
 AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16_t *const *orow,
                     const uint16_t *kp, const uint16_t *vp, int64_t D, float scale) {
     uint16_t Q[RMAX][MAX_D] __attribute__((aligned(64)));
-    float S[RMAX][NK] __attribute__((aligned(64))), Ob[RMAX][MAX_D] __attribute__((aligned(64)));
+    float S[2][RMAX][NK] __attribute__((aligned(64))), Ob[RMAX][MAX_D] __attribute__((aligned(64)));
     float l[RMAX], alpha[RMAX];
     SoftRow rows[RMAX];                                 /* per-lane running sums: reduced once at the end */
-    uint16_t P[RMAX][NK] __attribute__((aligned(64)));
+    uint16_t P[2][RMAX][NK] __attribute__((aligned(64)));   /* tiles t and t - 1 (heads of up to 64 dims) */
     float *O[RMAX];
     int64_t last = 0;
     for (int r = 0; r < R; r++) {
@@ -155,15 +212,16 @@ AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16
     const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
     _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     issue_scores(Q, kp, D);
-    uint16_t (*prev)[NK] = P;
+    _tile_stored(0, S[0][0], NK * 4);
+    _tile_stored(1, S[0][0] + 16, NK * 4);
+    if (tiles > 1) issue_scores(Q, kp + NK * D, D);
+    uint16_t (*prev)[NK] = NULL;
     for (int64_t t = 0; t < tiles; t++) {
-        _tile_stored(0, S[0], NK * 4);
-        _tile_stored(1, S[0] + 16, NK * 4);
-        if (t > 0) accumulate_pv(prev, vp + (t - 1) * NK * D, D, 0, w0);       /* tile t - 1's values */
-        if (t + 1 < tiles) issue_scores(Q, kp + (t + 1) * NK * D, D);
-        uint16_t (*p)[NK] = h ? h[t].P : P;
+        const TileWork work = {t + 1 < tiles ? S[(t + 1) & 1] : NULL, (const uint16_t (*)[NK])prev,
+                               t > 0 ? vp + (t - 1) * NK * D : vp, t + 2 < tiles ? kp + (t + 2) * NK * D : NULL, Q, D, w0};
+        uint16_t (*p)[NK] = h ? h[t].P : P[t & 1];
         float *a = h ? h[t].alpha : alpha;
-        const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S, p, rows, a);
+        const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S[t & 1], p, rows, a, &work);
         if (h) h[t].rescale = rescale;
         if (rescale && t > 0) o_rescale(R, Ob, 0, w0, a);      /* at t = 0 the tiles hold zeros */
         prev = p;
