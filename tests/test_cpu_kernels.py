@@ -138,10 +138,12 @@ def test_kernel_for_names_the_path_each_row_count_takes():
 
 @needs_amx
 @pytest.mark.parametrize("n,k,m", [(37, 64, 4), (16, 32, 17), (1000, 96, 33), (48, 2048, 64), (8, 32, 1),
-                                   (101, 64, 3), (130, 96, 16), (64, 32, 20), (80, 64, 32), (200, 128, 70)])
+                                   (101, 64, 3), (130, 96, 16), (64, 32, 20), (80, 64, 32), (200, 128, 70),
+                                   (200, 768, 130), (70, 512, 128), (48, 2048, 300), (33, 4096, 161)])
 def test_amx_gemm_matches_float32_product_and_is_batch_invariant(n, k, m):
-    """Up to 16 rows, 17-32 and more take three different tile plans (and 4, 3, 2 or 1 weight streams at the
-    last columns): each matches the float32 product, and a row's result does not depend on the others."""
+    """Up to 16 rows, 17-32, 33-127 and from 128 (input columns in slices of 256 where k <= 1,024, rows in
+    groups of 128-512) take four different tile plans (and 4, 3, 2 or 1 weight streams at the last columns): each
+    matches the float32 product, and a row's result does not depend on the others."""
     torch.manual_seed(n * m)
     w, x = torch.randn(n, k).bfloat16(), torch.randn(m, k).bfloat16()
     y = gemm_bf16_amx(x, pack_weight(w), n)

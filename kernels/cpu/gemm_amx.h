@@ -10,6 +10,9 @@
  *                       for each 32 input columns:  C[j] += A B[j]                 (tdpbf16ps)
  *   more rows:      for each 32 output columns (2 B tiles), each 32 rows of x (2 A tiles):  4 C tiles
  *                       for each 32 input columns:  C[i][j] += A[i] B[j]
+ *   from 128 rows:  the same per group of rows (x of a group fits half the L2) and per slice of 256 input columns
+ *                   (K <= 1,024), the sums carried between slices in memory, the next slice's weights brought
+ *                   into L2 a few lines a step (amx_rows32_sliced)
  *
  * Every weight byte comes from memory once; each stream is prefetched AMX_AHEAD input columns ahead into
  * L2. Decode is bound by that stream, and tile loads that miss the L1 keep fewer lines in flight than
@@ -117,12 +120,142 @@ AMX static void amx_rows32(const uint16_t *a, int64_t lda, int64_t M, int64_t Mp
     }
 }
 
+#define AMX_SLICED_ROWS 128   /* rows from which pd_gemm_bf16_amx runs amx_rows32_sliced (see pd_gemm_bf16_amx_side) */
+
+/* Input columns per slice of the gemm beyond 32 rows: K in slices of 256 where K <= 1,024, else whole. */
+static inline int64_t amx_k_slice(int64_t K) { return K <= 1024 && K > 256 ? 256 : K; }
+
+/* Vector work run beside a gemm's tile work (pd_gemm_bf16_amx_side): rows of a SwiGLU piece's SiLU-and-mul, by
+ * fused.c's pd_silu_mul_to (another library: passed in). */
+typedef void (*pd_silu_fn)(const void *gate_up, int64_t n, int64_t inter, int64_t ld, void *out, int64_t ldo, int bf16);
+typedef struct { pd_silu_fn fn; const uint16_t *gate_up; int64_t inter, ld; uint16_t *out; int64_t ldo, from, to, done; } SideWork;
+
+/* The side work's rows up to `target`. */
+static inline void side_to(SideWork *s, int64_t target) {
+    if (!s->fn || target <= s->done) return;
+    s->fn(s->gate_up + s->done * s->ld, target - s->done, s->inter, s->ld, s->out + s->done * s->ldo, s->ldo, 1);
+    s->done = target;
+}
+
+/* Rows 32 at a time as amx_rows32, for M > 32: full row blocks read from x itself (lda), the last partial one from
+ * `tail` (32 zero-padded rows of K); the input columns in slices of ks (partial sums through cp, Mp / 32 blocks of
+ * 32 x 32 float32), so that a panel's slice stays in L1 across the row blocks; the side work's rows spread over the
+ * row-block steps, each call after a step's tile products are issued, so that they run beside them. */
+AMX static void amx_rows32_sliced(const uint16_t *a, int64_t lda, const uint16_t *tail, int64_t M, int64_t K,
+                                  int64_t ks, const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y,
+                                  int64_t ldy, float *cp, SideWork *side) {
+    const int64_t Mp = (M + 31) / 32 * 32, mfull = M / 32 * 32;
+    const int64_t steps = (Np + 31) / 32 * ((K + ks - 1) / ks) * (Mp / 32);
+    int64_t step = 0;
+    for (int64_t nb = 0; nb < Np && nb < n_valid; nb += 32) {
+        const int two = nb + 16 < Np;
+        const uint16_t *b0 = wp + nb * K, *b1 = b0 + 16 * K;
+        for (int64_t k1 = 0; k1 < K; k1 += ks) {
+            const int64_t k2 = k1 + ks < K ? k1 + ks : K;
+            /* the next slice's weights (this panel's, else the next panel's first), 32 bytes a column a block, both
+             * blocks, brought into L2 a few lines each k step of every row block */
+            const char *n0 = (const char *)(k2 < K ? b0 + k2 * 16 : b0 + 32 * K);
+            const int64_t nbytes = (k2 < K ? (K - k2 < ks ? K - k2 : ks) : (K < ks ? K : ks)) * 32;
+            const int64_t pf_steps = Mp / 32 * ((k2 - k1) / 32), per = (2 * nbytes / 64 + pf_steps - 1) / pf_steps;
+            const int pf = nb + 32 < Np || k2 < K;
+            int64_t line = 0;
+            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                const uint16_t *am = m0 < mfull ? a + m0 * lda : tail;
+                const int64_t ld = m0 < mfull ? lda : K;
+                float *part = cp + (m0 / 32) * 32 * 32;
+                if (k1 == 0) {
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                } else {
+                    _tile_loadd(0, part, 128); _tile_loadd(1, part + 16, 128);
+                    _tile_loadd(2, part + 16 * 32, 128); _tile_loadd(3, part + 16 * 32 + 16, 128);
+                }
+                for (int64_t k0 = k1; k0 < k2; k0 += 32) {
+                    for (int64_t i = 0; pf && i < per && line < 2 * nbytes / 64; i++, line++)
+                        _mm_prefetch(n0 + (line & 1) * 16 * K * 2 + (line >> 1) * 64, _MM_HINT_T1);
+                    _tile_loadd(4, am + k0, ld * 2);
+                    _tile_loadd(5, am + 16 * ld + k0, ld * 2);
+                    _tile_loadd(6, b0 + k0 * 16, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + k0 * 16, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                side_to(side, side->from + ++step * (side->to - side->from) / steps);
+                _tile_stored(0, part, 128); _tile_stored(1, part + 16, 128);
+                _tile_stored(2, part + 16 * 32, 128); _tile_stored(3, part + 16 * 32 + 16, 128);
+                if (k2 == K) amx_store(part, M - m0 < 32 ? M - m0 : 32, y + m0 * ldy, ldy, nb, n_valid, two ? 2 : 1, 32);
+            }
+        }
+    }
+    side_to(side, side->to);
+}
+
+/* y = x W^T as pd_gemm_bf16_amx, for M > 32 rows (pd_gemm_bf16_amx's plan from AMX_SLICED_ROWS rows): x read in
+ * place, the input columns in slices of ks (a multiple of 32; K or more: one slice), rows in groups whose x fits
+ * half the L2; and beside its tile work, where fn is not NULL, rows [0, side_rows) of fn(gate_up, ., inter, ld, out,
+ * ldo, 1): another SwiGLU piece's SiLU-and-mul (bf16). The same sums in the same order as the other plans
+ * (bit-identical). bench-80m's 48 projections against the plan of 33-127 rows (bench/kernel_ab.py --kernel
+ * gemm_bf16_amx, L3 evicted, AMX Xeon 167): 128 rows 0.81x, 256 0.75x, 512 0.75x, 2,048 0.57x; 12 distinct weights
+ * of each shape at 512 rows against oneDNN's prepacked matmul (GFLOP/s): 1,611 / 1,421 (N 1,280, K 768), 1,458 /
+ * 1,279 (1,024 x 768), 1,336 / 1,191 (768 x 2,048), 1,055 / 982 (4,096 x 4,096), 1,069 / 992 (1,024 x 4,096).
+ * Returns -1 if out of memory, -2 without AMX, -3 for M <= 32. */
+AMX int pd_gemm_bf16_amx_side(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t Np,
+                              int64_t n_valid, uint16_t *y, int64_t ldy, int64_t ks, pd_silu_fn fn,
+                              const uint16_t *gate_up, int64_t inter, int64_t ld, uint16_t *out, int64_t ldo,
+                              int64_t side_rows) {
+    static __thread float *cp;                   /* partial sums; grows, kept */
+    static __thread size_t cp_bytes;
+    static __thread uint16_t *tail;              /* the last partial row block, zero-padded; grows, kept */
+    static __thread size_t tail_bytes;
+    static int granted = -1;
+    if (granted < 0) granted = pd_cpu_has_amx_bf16();
+    if (!granted) return -2;
+    if (M <= 32) return -3;
+    const int64_t Mp = (M + 31) / 32 * 32, rest = M % 32;
+    const size_t need = (size_t)Mp * 32 * 4, tneed = (size_t)32 * K * 2;
+    if (need > cp_bytes) {
+        float *grown = aligned_alloc(64, (need + 4095) / 4096 * 4096);
+        if (!grown) return -1;
+        free(cp);
+        cp = grown;
+        cp_bytes = need;
+    }
+    if (rest && tneed > tail_bytes) {
+        uint16_t *grown = aligned_alloc(64, (tneed + 4095) / 4096 * 4096);
+        if (!grown) return -1;
+        free(tail);
+        tail = grown;
+        tail_bytes = tneed;
+    }
+    if (rest) {
+        memset(tail, 0, tneed);
+        for (int64_t m = 0; m < rest; m++) memcpy(tail + m * K, x + (M - rest + m) * ldx, (size_t)K * 2);
+    }
+    const int64_t srows = fn ? side_rows : 0;
+    amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+    /* rows in groups whose bf16 rows fit half the L2 (1 MiB; 128 to 512 rows): each group's x stays in L2 across the
+     * weight panels, and each group reads the weights once more */
+    int64_t group = (int64_t)(1 << 20) / (2 * K) / 32 * 32;
+    group = group < 128 ? 128 : group > 512 ? 512 : group;
+    for (int64_t g0 = 0; g0 < M; g0 += group) {
+        const int64_t gm = M - g0 < group ? M - g0 : group;
+        SideWork side = {fn, gate_up, inter, ld, out, ldo, srows * g0 / M, srows * (g0 + gm) / M, srows * g0 / M};
+        amx_rows32_sliced(x + g0 * ldx, ldx, tail, gm, K, ks < K ? ks : K, wp, Np, n_valid, y + g0 * ldy, ldy, cp,
+                          &side);
+    }
+    _tile_release();
+    return 0;
+}
+
 /* As pd_gemv_bf16, for K % 32 == 0 and any M. Returns -1 if out of memory, -2 if this CPU or process cannot
  * use AMX (asked once per process). */
 AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                          const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     static int granted = -1;
-    static __thread uint16_t *a;                 /* A scratch [Mp][K] beyond 32 rows, zero-padded; grows, kept */
+    static __thread uint16_t *a;                 /* A scratch [Mp][K] for 33..AMX_SLICED_ROWS - 1 rows, zero-padded */
     static __thread size_t a_bytes;
     static __thread float c[16 * 64] __attribute__((aligned(64)));
     if (granted < 0) granted = pd_cpu_has_amx_bf16();
@@ -135,6 +268,8 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
     } else if (M <= 32) {
         amx_config((const uint8_t[8]){16, 16, rest, rest, 16, rest, 16, 16});
         amx_rows32(x, ldx, M, 32, K, wp, Np, n_valid, y, ldy, c);
+    } else if (M >= AMX_SLICED_ROWS) {
+        return pd_gemm_bf16_amx_side(x, M, K, ldx, wp, Np, n_valid, y, ldy, amx_k_slice(K), NULL, NULL, 0, 0, NULL, 0, 0);
     } else {
         const int64_t Mp = (M + 31) / 32 * 32;
         const size_t need = (size_t)(Mp * K * 2), round = (need + 4095) / 4096 * 4096;
