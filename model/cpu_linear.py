@@ -20,7 +20,7 @@ the share of the step's floor, max(FLOPs / 83.4 GFLOP/s, bytes / 12.9 GB/s), eac
 AMX, but the gemv for up to four rows, which it takes in one pass over the weights (bit-identical; on
 Zen 5 it streams 13% faster than the gemm at one row, 3.66 vs 4.20 ms, on Zen 4 10-20% faster at 1-4 rows,
 where on the Xeon above the gemm won: that Xeon now runs the FMA gemm throughout), AMX
-tiles for 3..128 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
+tiles for 3..512 rows where AMX-BF16 is granted, and ``F.linear`` beyond :data:`GEMM_MAX_ROWS` /
 :data:`AMX_MAX_ROWS` rows where the dense weight is kept. A decode worker drops the dense weights
 once packed (the packed kernels take any row count); a colocated one keeps them for its prefill
 chunks. These kernels run on one thread: with more torch threads ``F.linear`` gains and they do not.
@@ -43,7 +43,9 @@ from torch import nn
 
 from pdserve.kernels.cpu import fused
 from pdserve.kernels.cpu.gemv import (
+    AMX_SIDE_MIN_ROWS,
     KERNELS,
+    amx_gate_up_silu,
     bf16_gemm_kernel,
     gemm_amx_available,
     pack_weight,
@@ -53,16 +55,17 @@ from pdserve.kernels.cpu.gemv import (
 )
 from pdserve.model.linear_swap import TARGET_MODULES, swap_bf16_linears
 from pdserve.model.onednn_linear import KERNEL as ONEDNN_KERNEL
-from pdserve.model.onednn_linear import OneDNNGateUp, onednn_prepack_available, prepacked_copy
+from pdserve.model.onednn_linear import OneDNNGateUp, choose_gate_up_pieces, onednn_prepack_available, prepacked_copy
 
 GEMV_MAX_ROWS = 4      # one weight pass for up to 4 rows: gemv vs AVX512-BF16 gemm per bench-80m step, Zen 4,
                        # 1-4 rows: 5.1 / 5.4 / 6.5 / 7.4 vs 6.3 / 6.9 / 7.3 / 8.2 ms, 5 rows 13.2 vs 7.5 (two
                        # passes); Zen 5: 3.66 vs 4.20 at 1 row (bench/cpu_kernels.py); where the FMA gemm
                        # serves, never (gemv_max_rows)
 AMX_GEMV_MAX_ROWS = 2  # on an AMX Xeon: gemv 11.9 vs AMX 12.9 ms per bench-80m step at 2 rows; crossover 2-4
-AMX_MAX_ROWS = 128     # with a dense (oneDNN prepacked) copy, whole bench-80m prefills of n rows, weights from memory,
-                       # AMX Xeon 167, 2026-12-02: AMX / oneDNN 0.75x at 16-32 rows, 0.88x at 64, 0.93x at 96, 0.99x
-                       # at 128, 1.01x at 160, 1.10x at 192, 1.11-1.16x at 256 (256 until then, set against F.linear)
+AMX_MAX_ROWS = 512     # with a dense (oneDNN prepacked) copy, whole bench-80m prefills of n rows, weights from memory,
+                       # AMX Xeon 167, 2026-12-02, since the AMX gemm's plan from 128 rows (bench/packed_crossover.py):
+                       # packed / oneDNN 0.73-0.75x at 16 rows, 0.84-0.86x at 128, 0.89-0.92x at 256, 1.00x at 512,
+                       # 1.10x at 2,048 (before that plan 0.97-0.99x at 128 and 1.11-1.16x at 256: 128 then)
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
 FLOAT_GEMMS = (KERNELS[3], KERNELS[4])
 """The packed GEMMs on float32 FMAs (``gemm-fma``, ``gemm-avx2``): on their CPUs ``F.linear`` in bf16 has no native
@@ -104,7 +107,10 @@ class PackedBF16Linear(nn.Module):
             keep_dense = False          # F.linear in bf16 is 4-9x slower than these at any row count: never taken
         self.onednn = prepacked_copy(linear, gate_up=gate_up) if keep_dense and prepack and \
             onednn_prepack_available() else None
-        if isinstance(self.onednn, OneDNNGateUp):
+        # a gate_up whose AMX products run in pieces, each piece's SiLU-and-mul beside the next one's tile work
+        self.pieces = choose_gate_up_pieces(self.out_features // 2, 512) if gate_up and self.amx and \
+            linear.bias is None else 1
+        if isinstance(self.onednn, OneDNNGateUp) or self.pieces > 1:
             self.silu_mul = self._silu_mul
         self.weight = linear.weight if keep_dense and self.onednn is None else None
         self.bias = linear.bias
@@ -142,10 +148,18 @@ class PackedBF16Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of this gate_up's output for ``x`` ``[rows, in_features]`` bf16 -> ``[rows, I]``:
-        the prepacked pieces past :attr:`max_rows` rows, else the packed kernels then the C SiLU-and-mul."""
-        if x.dim() == 2 and x.shape[0] > self.max_rows and x.dtype == torch.bfloat16:
-            return self.onednn.silu_mul(x)
+        """``silu(gate) * up`` of this gate_up's output for ``x`` ``[rows, in_features]`` bf16 -> ``[rows, I]``: the
+        prepacked pieces past :attr:`max_rows` rows; from :data:`~kernels.cpu.gemv.AMX_SIDE_MIN_ROWS` rows on AMX tiles
+        in :attr:`pieces` pieces, each piece's SiLU-and-mul beside the next piece's tile work
+        (:func:`kernels.cpu.gemv.amx_gate_up_silu`); else the packed kernels then the C SiLU-and-mul (bit-identical to
+        the pieces)."""
+        x2 = x.reshape(-1, self.in_features)
+        if x.dtype == torch.bfloat16:
+            if self.max_rows is not None and x2.shape[0] > self.max_rows and isinstance(self.onednn, OneDNNGateUp):
+                return self.onednn.silu_mul(x)
+            if self.pieces > 1 and x2.shape[0] >= AMX_SIDE_MIN_ROWS:
+                return amx_gate_up_silu(x2.contiguous(), self.packed, self.out_features // 2, self.pieces).view(
+                    *x.shape[:-1], -1)
         return fused.silu_and_mul(self(x).reshape(-1, self.out_features)).view(*x.shape[:-1], -1)
 
 
@@ -159,13 +173,14 @@ def gemv_max_rows(amx: bool) -> int:
     return GEMV_MAX_ROWS if bf16_gemm_kernel() == KERNELS[1] else 0
 
 
-def dense_beats_packed_for_prefill() -> bool:
-    """Whether prefill-sized products (hundreds of rows) run faster through ``F.linear`` on dense weights
-    than on the packed ones here: on an AMX CPU (AMX tiles lose to oneDNN beyond :data:`AMX_MAX_ROWS`
-    rows: 108.8 vs 89.3 ms per bench-80m step at 512 rows). Without AMX the AVX512-BF16 gemm is at
-    least as fast at every chunk size measured (Xeon model 207: 927 vs 952 ms at 512 rows; Zen 5:
-    ~520 vs ~505 GFLOP/s at 128 to 1,024 rows; `bench/cpu_kernels.py` measures both)."""
-    return gemm_amx_available()
+def dense_beats_packed_for_prefill(chunk_tokens: int = 512) -> bool:
+    """Whether prefill chunks of up to ``chunk_tokens`` rows run faster on oneDNN's dense (prepacked) weights than
+    on the packed ones here: on an AMX CPU for chunks of more than :data:`AMX_MAX_ROWS` rows (oneDNN 1.10x faster
+    in a 2,048-row bench-80m prefill; the packed AMX gemm ties it at 512 rows and is ahead below, 0.75x at 16 rows,
+    where it had lost at 512, 1.11x, before its plan from 128 rows). Without AMX the AVX512-BF16 gemm is at least
+    as fast at every chunk size measured (Xeon model 207: 927 vs 952 ms at 512 rows; Zen 5: ~520 vs ~505 GFLOP/s
+    at 128 to 1,024 rows; `bench/cpu_kernels.py` measures both)."""
+    return gemm_amx_available() and chunk_tokens > AMX_MAX_ROWS
 
 
 def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False, names: tuple[str, ...] = TARGET_MODULES) -> int:

@@ -190,11 +190,13 @@ def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "n
                        device: torch.device | str = "cpu", max_model_len: int = 0):
     """The model as a prefill worker runs it: FP8 activation matmuls where ``activations`` is ``"fp8"``
     (weights quantized on the CPU, bit-identical to the GPU's quantization); then on a GPU ``device`` moved
-    to it; on the CPU, without FP8 and without AMX, bf16 projections packed for the AVX512-BF16 gemm without
-    their dense copies (:func:`model.cpu_linear.dense_beats_packed_for_prefill`), and with AMX on oneDNN weights
-    reordered once for chunks of ``chunk_tokens`` rows (:mod:`model.onednn_linear`), a mixture's router and
-    experts packed for the C kernels instead (each mixture one C call, :class:`kernels.cpu.moe_block.MoeBlock`:
-    2.5x its oneDNN form per operation at 512 rows of bench-moe on an AMX Xeon); then weights in huge pages.
+    to it; on the CPU, without FP8, bf16 projections packed for the packed kernels (AVX512-BF16 gemm, AMX tiles)
+    without their dense copies where they are at least as fast at chunks of ``chunk_tokens`` rows
+    (:func:`model.cpu_linear.dense_beats_packed_for_prefill`: always without AMX, up to 512 rows with it), else
+    (AMX, longer chunks) on oneDNN weights reordered once for such chunks (:mod:`model.onednn_linear`), a
+    mixture's router and experts packed for the C kernels instead (each mixture one C call,
+    :class:`kernels.cpu.moe_block.MoeBlock`: 2.5x its oneDNN form per operation at 512 rows of bench-moe on an
+    AMX Xeon); then weights in huge pages.
     Served at ``max_model_len`` tokens (0: the checkpoint's context). Returns ``(model, ModelConfig)``. Raises as
     :func:`model.loader.load_model`."""
     model, model_cfg = load_model(model_dir, dtype, max_model_len=max_model_len)
@@ -202,7 +204,7 @@ def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "n
         fp8.convert_for_runtime(model)
     if torch.device(device).type != "cpu":
         return model.to(device), model_cfg
-    if activations != "fp8" and not dense_beats_packed_for_prefill():
+    if activations != "fp8" and not dense_beats_packed_for_prefill(chunk_tokens):
         pack_for_cpu_decode(model, keep_dense=False)
     elif activations != "fp8":
         if names := mixture_module_names(model):   # a mixture's experts: one C call (kernels/cpu/moe_block.py)

@@ -5,6 +5,8 @@ with them against the model without: test_cpu_packed_model.py)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,8 @@ from pdserve.kernels.cpu import KernelUnavailable, _build, available
 from pdserve.kernels.cpu import fused as cfused
 from pdserve.kernels.cpu.attention import attention_available, paged_attention_cpu
 from pdserve.kernels.cpu.gemv import (
+    AMX_SIDE_MIN_ROWS,
+    amx_gate_up_silu,
     bf16_gemm_kernel,
     gemm_amx_available,
     gemm_bf16_amx,
@@ -150,6 +154,42 @@ def test_amx_gemm_matches_float32_product_and_is_batch_invariant(n, k, m):
     _bf16_close(y, x.float() @ w.float().t())
     for rows in (slice(0, 1), slice(m - 1, m), slice(0, min(m, 17))):
         assert torch.equal(gemm_bf16_amx(x[rows].contiguous(), pack_weight(w), n), y[rows])
+
+
+@needs_amx
+@pytest.mark.parametrize("inter,k,m,pieces", [(2048, 768, 512, 4), (512, 96, 130, 2), (1408, 2048, 200, 8),
+                                              (256, 64, 128, 1)])
+def test_amx_gate_up_in_pieces_with_the_silu_beside_is_the_gemm_then_the_silu(inter, k, m, pieces):
+    """Each piece's SiLU-and-mul run inside the next piece's gemm (pd_gemm_bf16_amx_side) gives the whole gate_up
+    projection's C SiLU-and-mul bit for bit; bad shapes are refused."""
+    torch.manual_seed(inter + m)
+    w, x = (torch.randn(2 * inter, k) * 0.05).bfloat16(), torch.randn(m, k).bfloat16()
+    packed = pack_weight(w)
+    ref = cfused.silu_and_mul(gemm_bf16_amx(x, packed, 2 * inter))
+    assert torch.equal(amx_gate_up_silu(x, packed, inter, pieces), ref)
+    with pytest.raises(ValueError, match="amx_gate_up_silu"):
+        amx_gate_up_silu(x[:AMX_SIDE_MIN_ROWS - 1], packed, inter, pieces)
+    with pytest.raises(ValueError, match="amx_gate_up_silu"):
+        amx_gate_up_silu(x, packed, inter, 3)
+
+
+@needs_amx
+def test_a_packed_gate_up_runs_prefill_rows_in_pieces_on_amx():
+    """A gate_up packed without a dense copy (as an AMX prefill worker packs it for chunks of up to 512 rows) takes
+    the pieces path from AMX_SIDE_MIN_ROWS rows (1,024 intermediate columns: two pieces), equal to the projection
+    then the C SiLU-and-mul; fewer rows take those two; with a bias, no pieces."""
+    torch.manual_seed(0)
+    gate_up = PackedBF16Linear(nn.Linear(64, 2048, bias=False, dtype=torch.bfloat16), keep_dense=False, gate_up=True)
+    assert gate_up.pieces == 2
+    x = torch.randn(AMX_SIDE_MIN_ROWS + 9, 64).bfloat16()
+    ref = cfused.silu_and_mul(gate_up(x))
+    calls = []
+    with mock.patch("pdserve.model.cpu_linear.amx_gate_up_silu",
+                    side_effect=lambda *a: calls.append(a[0].shape[0]) or amx_gate_up_silu(*a)):
+        assert torch.equal(gate_up.silu_mul(x), ref)
+        assert torch.equal(gate_up.silu_mul(x[:5]), ref[:5])
+    assert calls == [AMX_SIDE_MIN_ROWS + 9]
+    assert PackedBF16Linear(nn.Linear(64, 2048, dtype=torch.bfloat16), keep_dense=False, gate_up=True).pieces == 1
 
 
 @needs_amx

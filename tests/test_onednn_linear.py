@@ -96,10 +96,14 @@ def test_an_untied_head_is_prepacked_too(tmp_path):
     assert prepack_for_cpu_prefill(model, 16) == 5 and type(model.lm_head) is OneDNNLinear
 
 
-def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_linear(model_dir):
-    model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=128)
+@pytest.mark.parametrize("chunk", [128, 2048])
+def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_linear(model_dir, chunk):
+    """oneDNN's prepacked weights for chunks where they beat the packed kernels (AMX CPUs, chunks over 512 rows), the
+    packed kernels without dense copies elsewhere."""
+    model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=chunk)
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
-    if dense_beats_packed_for_prefill() and onednn_prepack_available():
+    assert dense_beats_packed_for_prefill(chunk) == (gemm_amx_available() and chunk > 512)
+    if dense_beats_packed_for_prefill(chunk) and onednn_prepack_available():
         assert kinds == {"OneDNNLinear"}
         assert type(model.lm_head) is nn.Linear                 # tied: one row per chunk on the shared weight
     else:
@@ -110,8 +114,8 @@ def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_lin
 def test_a_colocated_worker_runs_prefill_rows_on_the_prepacked_copy_and_keeps_the_head_shared(model_dir):
     """pack_for_cpu_decode(keep_dense=True), as a colocated decode worker packs where oneDNN prepacking runs: each
     layer's projections take rows beyond the packed kernels' range on oneDNN's copy (no dense weight kept), the
-    tied LM head keeps the embedding's weight; a prefill chunk 44 rows past that range (300 rows on an AMX CPU,
-    556 on the AVX512-BF16 gemm's) equals the dense model's bit for bit. Where the packed GEMM is a float32-FMA one
+    tied LM head keeps the embedding's weight; a prefill chunk 44 rows past that range (556 rows on the AMX gemm's
+    and the AVX512-BF16 gemm's) equals the dense model's bit for bit. Where the packed GEMM is a float32-FMA one
     (:func:`float_gemm_everywhere`) nothing dense or prepacked is kept and every row count runs packed."""
     dense, cfg = load_model(model_dir, torch.bfloat16)
     packed, _ = load_model(model_dir, torch.bfloat16)

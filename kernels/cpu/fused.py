@@ -176,6 +176,13 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     return out
 
 
+def silu_mul_address() -> int:
+    """The address of the C SiLU-and-mul behind :func:`silu_and_mul` (``pd_silu_mul_to``), for a kernel of another
+    library that runs it beside its own work (:func:`kernels.cpu.gemv.amx_gate_up_silu`); its path chosen first."""
+    silu_path()
+    return ctypes.cast(library("fused").pd_silu_mul_to, ctypes.c_void_p).value
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for float32 ``[rows, vocab]`` row-major CPU logits -> int64 ``[rows]``:
     the same index as torch's (the first NaN of a row, else its first maximum), in two vector passes

@@ -194,8 +194,8 @@ AMX static void amx_rows32_sliced(const uint16_t *a, int64_t lda, const uint16_t
 }
 
 /* y = x W^T as pd_gemm_bf16_amx, for M > 32 rows (pd_gemm_bf16_amx's plan from AMX_SLICED_ROWS rows): x read in
- * place, the input columns in slices of ks (a multiple of 32; K or more: one slice), rows in groups whose x fits
- * half the L2; and beside its tile work, where fn is not NULL, rows [0, side_rows) of fn(gate_up, ., inter, ld, out,
+ * place, the input columns in slices of ks (a multiple of 32; K or more: one slice; 0: amx_k_slice's), rows in
+ * groups whose x fits half the L2; and beside its tile work, where fn is not NULL, rows [0, side_rows) of fn(gate_up, ., inter, ld, out,
  * ldo, 1): another SwiGLU piece's SiLU-and-mul (bf16). The same sums in the same order as the other plans
  * (bit-identical). bench-80m's 48 projections against the plan of 33-127 rows (bench/kernel_ab.py --kernel
  * gemm_bf16_amx, L3 evicted, AMX Xeon 167): 128 rows 0.81x, 256 0.75x, 512 0.75x, 2,048 0.57x; 12 distinct weights
@@ -235,6 +235,7 @@ AMX int pd_gemm_bf16_amx_side(const uint16_t *x, int64_t M, int64_t K, int64_t l
         for (int64_t m = 0; m < rest; m++) memcpy(tail + m * K, x + (M - rest + m) * ldx, (size_t)K * 2);
     }
     const int64_t srows = fn ? side_rows : 0;
+    if (ks <= 0) ks = amx_k_slice(K);
     amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
     /* rows in groups whose bf16 rows fit half the L2 (1 MiB; 128 to 512 rows): each group's x stays in L2 across the
      * weight panels, and each group reads the weights once more */

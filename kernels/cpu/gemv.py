@@ -216,6 +216,58 @@ def gemm_bf16_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> t
     return run_unchecked(x, packed, out_features, KERNELS[2])
 
 
+AMX_SIDE_MIN_ROWS = 128
+"""Rows from which :func:`amx_gate_up_silu` runs (the AMX gemm's plan from ``AMX_SLICED_ROWS`` in gemm_amx.h)."""
+
+
+def amx_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, intermediate: int, pieces: int) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x`` ``[M, K]`` bf16 (row-major, ``M >= AMX_SIDE_MIN_ROWS``, ``K`` a multiple of 32)
+    against a packed SwiGLU gate_up weight (``pack_weight`` of ``[2 I, K]``, gate rows first) -> ``[M, I]`` bf16, in
+    ``pieces`` pieces of ``I / pieces`` gate and up columns: each piece's gate and up blocks on AMX tiles into a
+    ``[M, 2 I / pieces]`` buffer, with the previous piece's SiLU-and-mul (:func:`kernels.cpu.fused.silu_and_mul`'s C
+    kernel) run beside their tile work (``pd_gemm_bf16_amx_side``), the last piece's after it. Bit-identical to
+    ``silu_and_mul(gemm_bf16_amx(x, packed, 2 I))``.
+
+    Raises:
+        ValueError: shapes the pieces do not fit (``I / pieces`` not a multiple of 16), too few rows, or not bf16.
+        MemoryError: the kernel's scratch memory could not be allocated.
+        KernelUnavailable: no AMX-BF16 here.
+    """
+    from pdserve.kernels.cpu import fused
+    rows, k = x.shape
+    c = intermediate // pieces
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1 or k % 32 or intermediate % pieces or c % 16 \
+            or rows < AMX_SIDE_MIN_ROWS or packed.shape[0] * 16 < 2 * intermediate or packed.shape[1] * 2 != k:
+        raise ValueError(f"amx_gate_up_silu: x {x.dtype} {tuple(x.shape)}, {pieces} pieces of {intermediate}, "
+                         f"packed {tuple(packed.shape)}")
+    fn = _side_fn()
+    silu = fused.silu_mul_address()
+    out = torch.empty(rows, intermediate, dtype=torch.bfloat16)
+    bufs = [torch.empty(rows, 2 * c, dtype=torch.bfloat16) for _ in range(min(pieces, 2))]
+    half = rows // 2
+    for p in range(pieces):
+        y, prev = bufs[p % 2], bufs[(p - 1) % 2] if p else None
+        for part, (block, col) in enumerate(((p * c // 16, 0), ((intermediate + p * c) // 16, c))):
+            lo, hi = (0, half) if part == 0 else (half, rows)        # the previous piece's rows done beside
+            rc = fn(x.data_ptr(), rows, k, x.stride(0), packed[block].data_ptr(), c, c, y[:, col:].data_ptr(), 2 * c,
+                    0, silu if prev is not None else None, prev[lo:].data_ptr() if prev is not None else None, c,
+                    2 * c, out[lo:, (p - 1) * c:].data_ptr(), intermediate, hi - lo)
+            if rc == -2:
+                raise KernelUnavailable("amx_gate_up_silu: this CPU or process cannot use AMX-BF16")
+            if rc:
+                raise MemoryError("amx_gate_up_silu: out of scratch memory")
+    fused.silu_and_mul(bufs[(pieces - 1) % 2], out[:, (pieces - 1) * c:])
+    return out
+
+
+@functools.cache
+def _side_fn():
+    fn = library("gemv_bf16").pd_gemm_bf16_amx_side
+    fn.argtypes = [_p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _fn(lib: str, name: str):
     fn = getattr(library(lib), name)
     if fn.argtypes is None:
