@@ -66,6 +66,8 @@ AMX_MAX_ROWS = 512     # with a dense (oneDNN prepacked) copy, whole bench-80m p
                        # AMX Xeon 167, 2026-12-02, since the AMX gemm's plan from 128 rows (bench/packed_crossover.py):
                        # packed / oneDNN 0.73-0.75x at 16 rows, 0.84-0.86x at 128, 0.89-0.92x at 256, 1.00x at 512,
                        # 1.10x at 2,048 (before that plan 0.97-0.99x at 128 and 1.11-1.16x at 256: 128 then)
+AMX_GATE_UP_PIECE_COLUMNS = 512  # widest piece of a gate_up on AMX tiles (amx_gate_up_silu): bench-80m's 512-token
+                                 # prefill 87.6 against 88.7 ms with pieces of 1,024 (AMX Xeon 167, interleaved)
 GEMM_MAX_ROWS = 512    # with a dense copy: AVX512-BF16 gemm 465 vs F.linear 486 ms at 256 rows, 927 vs 952 at 512
 FLOAT_GEMMS = (KERNELS[3], KERNELS[4])
 """The packed GEMMs on float32 FMAs (``gemm-fma``, ``gemm-avx2``): on their CPUs ``F.linear`` in bf16 has no native
@@ -108,8 +110,8 @@ class PackedBF16Linear(nn.Module):
         self.onednn = prepacked_copy(linear, gate_up=gate_up) if keep_dense and prepack and \
             onednn_prepack_available() else None
         # a gate_up whose AMX products run in pieces, each piece's SiLU-and-mul beside the next one's tile work
-        self.pieces = choose_gate_up_pieces(self.out_features // 2, 512) if gate_up and self.amx and \
-            linear.bias is None else 1
+        self.pieces = choose_gate_up_pieces(self.out_features // 2, 512, AMX_GATE_UP_PIECE_COLUMNS) \
+            if gate_up and self.amx and linear.bias is None else 1
         if isinstance(self.onednn, OneDNNGateUp) or self.pieces > 1:
             self.silu_mul = self._silu_mul
         self.weight = linear.weight if keep_dense and self.onednn is None else None

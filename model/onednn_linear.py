@@ -151,11 +151,11 @@ GATE_UP_PIECE_COLUMNS = 1536      # widest piece of a gate_up projection (gate a
 GATE_UP_PIECE_MIN_ROWS = 512      # chunks of fewer rows keep the whole weight
 
 
-def choose_gate_up_pieces(intermediate: int, rows_hint: int) -> int:
+def choose_gate_up_pieces(intermediate: int, rows_hint: int, max_columns: int = GATE_UP_PIECE_COLUMNS) -> int:
     """Pieces of a gate_up projection with ``intermediate`` columns each of gate and up, for chunks of about
-    ``rows_hint`` rows: the fewest (a power of two) whose pieces are at most :data:`GATE_UP_PIECE_COLUMNS`
-    wide, each piece's intermediate columns a multiple of 16; 1 (the whole weight) for chunks under
-    :data:`GATE_UP_PIECE_MIN_ROWS` rows or where no such split exists.
+    ``rows_hint`` rows: the fewest (a power of two) whose pieces are at most ``max_columns`` (oneDNN's:
+    :data:`GATE_UP_PIECE_COLUMNS`) wide, each piece's intermediate columns a multiple of 16; 1 (the whole weight)
+    for chunks under :data:`GATE_UP_PIECE_MIN_ROWS` rows or where no such split exists.
 
     Measured with oneDNN's AMX matmul (``brg_matmul:avx10_1_512_amx``, AMX Xeon model 167, one core), each
     layer's weight read from memory as in a model, ms a layer for the gate_up projection alone:
@@ -175,7 +175,7 @@ def choose_gate_up_pieces(intermediate: int, rows_hint: int) -> int:
     if rows_hint < GATE_UP_PIECE_MIN_ROWS:
         return 1
     pieces = 1
-    while 2 * intermediate // pieces > GATE_UP_PIECE_COLUMNS:
+    while 2 * intermediate // pieces > max_columns:
         pieces *= 2
         if intermediate % pieces or (intermediate // pieces) % 16:
             return 1

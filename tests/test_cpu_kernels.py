@@ -176,11 +176,11 @@ def test_amx_gate_up_in_pieces_with_the_silu_beside_is_the_gemm_then_the_silu(in
 @needs_amx
 def test_a_packed_gate_up_runs_prefill_rows_in_pieces_on_amx():
     """A gate_up packed without a dense copy (as an AMX prefill worker packs it for chunks of up to 512 rows) takes
-    the pieces path from AMX_SIDE_MIN_ROWS rows (1,024 intermediate columns: two pieces), equal to the projection
-    then the C SiLU-and-mul; fewer rows take those two; with a bias, no pieces."""
+    the pieces path from AMX_SIDE_MIN_ROWS rows (1,024 intermediate columns: four pieces of 512), equal to the
+    projection then the C SiLU-and-mul; fewer rows take those two; with a bias, no pieces."""
     torch.manual_seed(0)
     gate_up = PackedBF16Linear(nn.Linear(64, 2048, bias=False, dtype=torch.bfloat16), keep_dense=False, gate_up=True)
-    assert gate_up.pieces == 2
+    assert gate_up.pieces == 4
     x = torch.randn(AMX_SIDE_MIN_ROWS + 9, 64).bfloat16()
     ref = cfused.silu_and_mul(gate_up(x))
     calls = []
