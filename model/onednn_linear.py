@@ -7,9 +7,9 @@ into its blocked layout each time: one more pass over the weight per projection.
 oneDNN primitive runs without it, bit-identical to ``F.linear`` at every row count. bench-80m's projections
 at 512 rows on the AMX Xeon (family 6, model 167), one core, ms per call: qkv 0.84 -> 0.63, o_proj 0.46 -> 0.38,
 down_proj 1.64 -> 1.20, gate_up 2.66 -> 2.69 (``bench/limits.py`` measures both as ``f_linear`` and
-``onednn_prepacked``). A prefill worker takes it where its projections stay on ``F.linear``
-(:func:`model.cpu_linear.dense_beats_packed_for_prefill`: on AMX CPUs), and a colocated decode worker wherever
-this prepacking runs, for the prefill chunks' rows beyond its packed kernels
+``onednn_prepacked``). A prefill worker takes it where oneDNN beats the packed kernels at its chunks
+(:func:`model.cpu_linear.dense_beats_packed_for_prefill`: AMX CPUs, chunks over 512 rows), and a colocated decode
+worker wherever this prepacking runs, for the prefill chunks' rows beyond its packed kernels
 (:class:`model.cpu_linear.PackedBF16Linear`'s ``prepack``; on Zen 5 2-5% ahead of ``F.linear`` on bench-80m's
 four shapes at 512 and 2,048 rows, ``docs/results/prefill_zen5_1128.json``).
 """
