@@ -203,8 +203,9 @@ def load_decode_model(cfg: DecodeWorkerConfig):
     if device.type != "cpu":
         return model.to(device), model_cfg
     # bf16 on CPU: the float linears left, for the C kernels; a colocated worker keeps dense copies for its
-    # prefill chunks only where oneDNN beats the packed gemm at their sizes (AMX CPUs, chunks over 512 rows)
-    pack_for_cpu_decode(model, keep_dense=cfg.colocated and dense_beats_packed_for_prefill(cfg.max_num_batched_tokens))
+    # prefill chunks only where oneDNN beats the packed gemm (AMX CPUs: chunks over 512 rows, or more than one thread)
+    pack_for_cpu_decode(model, keep_dense=cfg.colocated and dense_beats_packed_for_prefill(
+        cfg.max_num_batched_tokens, cfg.num_threads))
     move_to_huge_pages(model)
     return model, model_cfg
 

@@ -175,14 +175,16 @@ def gemv_max_rows(amx: bool) -> int:
     return GEMV_MAX_ROWS if bf16_gemm_kernel() == KERNELS[1] else 0
 
 
-def dense_beats_packed_for_prefill(chunk_tokens: int = 512) -> bool:
+def dense_beats_packed_for_prefill(chunk_tokens: int = 512, threads: int = 1) -> bool:
     """Whether prefill chunks of up to ``chunk_tokens`` rows run faster on oneDNN's dense (prepacked) weights than
-    on the packed ones here: on an AMX CPU for chunks of more than :data:`AMX_MAX_ROWS` rows (oneDNN 1.10x faster
-    in a 2,048-row bench-80m prefill; the packed AMX gemm ties it at 512 rows and is ahead below, 0.75x at 16 rows,
-    where it had lost at 512, 1.11x, before its plan from 128 rows). Without AMX the AVX512-BF16 gemm is at least
-    as fast at every chunk size measured (Xeon model 207: 927 vs 952 ms at 512 rows; Zen 5: ~520 vs ~505 GFLOP/s
-    at 128 to 1,024 rows; `bench/cpu_kernels.py` measures both)."""
-    return gemm_amx_available() and chunk_tokens > AMX_MAX_ROWS
+    on the packed ones here, for a worker of ``threads`` torch threads: on an AMX CPU for chunks of more than
+    :data:`AMX_MAX_ROWS` rows (oneDNN 1.10x faster in a 2,048-row bench-80m prefill; the packed AMX gemm ties it
+    at 512 rows and is ahead below, 0.75x at 16 rows, where it had lost at 512, 1.11x, before its plan from 128
+    rows), and for a worker of more than one thread (the packed kernels run on one; oneDNN's on all). Without AMX
+    the AVX512-BF16 gemm is at least as fast at every chunk size measured on one thread (Xeon model 207: 927 vs
+    952 ms at 512 rows; Zen 5: ~520 vs ~505 GFLOP/s at 128 to 1,024 rows; `bench/cpu_kernels.py` measures
+    both)."""
+    return gemm_amx_available() and (chunk_tokens > AMX_MAX_ROWS or threads > 1)
 
 
 def pack_for_cpu_decode(model: nn.Module, keep_dense: bool = False, names: tuple[str, ...] = TARGET_MODULES) -> int:

@@ -192,8 +192,9 @@ def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "n
     (weights quantized on the CPU, bit-identical to the GPU's quantization); then on a GPU ``device`` moved
     to it; on the CPU, without FP8, bf16 projections packed for the packed kernels (AVX512-BF16 gemm, AMX tiles)
     without their dense copies where they are at least as fast at chunks of ``chunk_tokens`` rows
-    (:func:`model.cpu_linear.dense_beats_packed_for_prefill`: always without AMX, up to 512 rows with it), else
-    (AMX, longer chunks) on oneDNN weights reordered once for such chunks (:mod:`model.onednn_linear`), a
+    (:func:`model.cpu_linear.dense_beats_packed_for_prefill`: always without AMX, with it up to 512 rows on one
+    torch thread), else (AMX, longer chunks or more threads) on oneDNN weights reordered once for such chunks
+    (:mod:`model.onednn_linear`), a
     mixture's router and experts packed for the C kernels instead (each mixture one C call,
     :class:`kernels.cpu.moe_block.MoeBlock`: 2.5x its oneDNN form per operation at 512 rows of bench-moe on an
     AMX Xeon); then weights in huge pages.
@@ -204,7 +205,7 @@ def load_prefill_model(model_dir: str, dtype: torch.dtype, activations: str = "n
         fp8.convert_for_runtime(model)
     if torch.device(device).type != "cpu":
         return model.to(device), model_cfg
-    if activations != "fp8" and not dense_beats_packed_for_prefill(chunk_tokens):
+    if activations != "fp8" and not dense_beats_packed_for_prefill(chunk_tokens, torch.get_num_threads()):
         pack_for_cpu_decode(model, keep_dense=False)
     elif activations != "fp8":
         if names := mixture_module_names(model):   # a mixture's experts: one C call (kernels/cpu/moe_block.py)

@@ -103,6 +103,7 @@ def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_lin
     model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=chunk)
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
     assert dense_beats_packed_for_prefill(chunk) == (gemm_amx_available() and chunk > 512)
+    assert dense_beats_packed_for_prefill(128, threads=2) == gemm_amx_available()     # oneDNN takes every thread
     if dense_beats_packed_for_prefill(chunk) and onednn_prepack_available():
         assert kinds == {"OneDNNLinear"}
         assert type(model.lm_head) is nn.Linear                 # tied: one row per chunk on the shared weight
