@@ -96,15 +96,20 @@ def test_an_untied_head_is_prepacked_too(tmp_path):
     assert prepack_for_cpu_prefill(model, 16) == 5 and type(model.lm_head) is OneDNNLinear
 
 
-@pytest.mark.parametrize("chunk", [128, 2048])
-def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_linear(model_dir, chunk):
-    """oneDNN's prepacked weights for chunks where they beat the packed kernels (AMX CPUs, chunks over 512 rows), the
-    packed kernels without dense copies elsewhere."""
-    model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=chunk)
+@pytest.mark.parametrize("chunk,threads", [(128, 1), (2048, 1), (128, 2)])
+def test_the_prefill_worker_prepacks_exactly_where_its_projections_stay_on_f_linear(model_dir, chunk, threads):
+    """oneDNN's prepacked weights for chunks where they beat the packed kernels (AMX CPUs: chunks over 512 rows, or
+    a worker of more threads than the packed kernels take), the packed kernels without dense copies elsewhere."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)                  # as the worker sets its own before it loads
+    try:
+        model, _ = load_prefill_model(model_dir, torch.bfloat16, chunk_tokens=chunk)
+    finally:
+        torch.set_num_threads(before)
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
-    assert dense_beats_packed_for_prefill(chunk) == (gemm_amx_available() and chunk > 512)
-    assert dense_beats_packed_for_prefill(128, threads=2) == gemm_amx_available()     # oneDNN takes every thread
-    if dense_beats_packed_for_prefill(chunk) and onednn_prepack_available():
+    oned = dense_beats_packed_for_prefill(chunk, threads)
+    assert oned == (gemm_amx_available() and (chunk > 512 or threads > 1))
+    if oned and onednn_prepack_available():
         assert kinds == {"OneDNNLinear"}
         assert type(model.lm_head) is nn.Linear                 # tied: one row per chunk on the shared weight
     else:
