@@ -89,6 +89,22 @@ AMX static void amx_rows16(const uint16_t *a, int64_t lda, int64_t M, int64_t K,
     }
 }
 
+/* One 32-column step of a 32 x 32 block: A tiles 4-5 (rows 0-15, 16-31 of a, stride lda elements), B tiles 6-7 (the
+ * two weight blocks' 16-pair rows at b0, b1; the second only where `two`), C tiles 0-3 += their products. */
+AMX static inline __attribute__((always_inline)) void amx_step32(const uint16_t *a, int64_t lda, const uint16_t *b0,
+                                                                 const uint16_t *b1, int two) {
+    _tile_loadd(4, a, lda * 2);
+    _tile_loadd(5, a + 16 * lda, lda * 2);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (two) {
+        _tile_loadd(7, b1, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* Rows 32 at a time (A: tiles 4-5, stride lda elements; Mp rows, a multiple of 32, or M <= 32 rows as
  * configured): two B streams (tiles 6-7), C in 0-3. */
 AMX static void amx_rows32(const uint16_t *a, int64_t lda, int64_t M, int64_t Mp, int64_t K, const uint16_t *wp,
@@ -102,16 +118,7 @@ AMX static void amx_rows32(const uint16_t *a, int64_t lda, int64_t M, int64_t Mp
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
             for (int64_t k0 = 0; k0 < K; k0 += 32) {
                 if (m0 == 0) { AMX_PREFETCH(b0, k0, K, spill); if (two) AMX_PREFETCH(b1, k0, K, spill); }
-                _tile_loadd(4, a + m0 * lda + k0, lda * 2);
-                _tile_loadd(5, a + (m0 + 16) * lda + k0, lda * 2);
-                _tile_loadd(6, b0 + k0 * 16, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-                if (two) {
-                    _tile_loadd(7, b1 + k0 * 16, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                amx_step32(a + m0 * lda + k0, lda, b0 + k0 * 16, b1 + k0 * 16, two);
             }
             _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
             _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
@@ -172,16 +179,7 @@ AMX static void amx_rows32_sliced(const uint16_t *a, int64_t lda, const uint16_t
                 for (int64_t k0 = k1; k0 < k2; k0 += 32) {
                     for (int64_t i = 0; pf && i < per && line < 2 * nbytes / 64; i++, line++)
                         _mm_prefetch(n0 + (line & 1) * 16 * K * 2 + (line >> 1) * 64, _MM_HINT_T1);
-                    _tile_loadd(4, am + k0, ld * 2);
-                    _tile_loadd(5, am + 16 * ld + k0, ld * 2);
-                    _tile_loadd(6, b0 + k0 * 16, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) {
-                        _tile_loadd(7, b1 + k0 * 16, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
+                    amx_step32(am + k0, ld, b0 + k0 * 16, b1 + k0 * 16, two);
                 }
                 side_to(side, side->from + ++step * (side->to - side->from) / steps);
                 _tile_stored(0, part, 128); _tile_stored(1, part + 16, 128);
