@@ -178,6 +178,10 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
  * microcode assist on Intel cores (prefill_softmax.h; torch leaves both bits clear). */
 #define PD_MXCSR_FTZ_DAZ 0x8040u
 
+#ifndef PD_PREFILL_DONE                /* what a build does once a call's query tiles are done (AMX: release the tiles) */
+#define PD_PREFILL_DONE() ((void)0)
+#endif
+
 /* The exported entry of each build, over its tile function:
  * q, out: bf16 [num_tokens, H, D] contiguous. qs: int32 [B + 1] row offsets; seq_lens: int32 [B]
  * (the new tokens are each sequence's last qs[b+1] - qs[b] positions, their K/V already in the
@@ -193,6 +197,7 @@ static int prefill_run(tile_fn tile, const uint16_t *q, uint16_t *out, int64_t H
         _mm_setcsr(csr | PD_MXCSR_FTZ_DAZ);                                                                \
         const int rc = prefill_run(TILE, q, out, H, Hkv, D, qs, seq_lens, B, cache, s_block, s_tok, s_head, \
                                    s_v, tables, max_blocks, block_size, scale);                            \
+        PD_PREFILL_DONE();                                                                                 \
         _mm_setcsr(csr);                                                                                   \
         return rc;                                                                                         \
     }

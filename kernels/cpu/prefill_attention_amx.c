@@ -33,6 +33,8 @@
 #define SLACK 8.f                 /* as prefill_attention.c: the reference max moves past this only */
 #define RMAX 16                   /* query rows per tile: an A tile's rows */
 #define MAX_D 256
+static void tiles_done(void);
+#define PD_PREFILL_DONE() tiles_done()   /* the tiles kept configured across a call's query tiles */
 #include "prefill_attention.h"
 #include "prefill_softmax.h"
 #include "amx.h"
@@ -44,6 +46,23 @@ int pd_cpu_supported(void) { return amx_bf16_granted(); }      /* asked by kerne
 AMX static void tile_config(int R) {
     const uint8_t r = (uint8_t)R;
     amx_config((const uint8_t[8]){r, r, r, 16, r, r, r, r});
+}
+
+/* The rows the tiles are configured for on this thread (0: released): consecutive query tiles of as many rows keep
+ * the configuration, and the call's end releases it (PD_PREFILL_DONE), where each query tile had loaded and released
+ * its own. */
+static __thread int configured;
+
+AMX static void tiles_for(int R) {
+    if (configured != R) {
+        tile_config(R);
+        configured = R;
+    }
+}
+
+AMX static void tiles_done(void) {
+    if (configured) _tile_release();
+    configured = 0;
 }
 
 /* Key tile kt's raw scores of the query tile Q into tiles 0-1 (keys 0-15, 16-31): Q (tile 2) x K (tile 3),
@@ -208,7 +227,7 @@ AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16
     const int64_t tiles = last / NK + 1, w0 = D < 64 ? D : 64;
     KeyTile *h = NULL;
     if (D > 64 && !(h = history(tiles))) return -1;
-    tile_config(R);
+    tiles_for(R);
     const __m512 sc = _mm512_set1_ps(scale * LOG2E);            /* the softmax walks in base 2 */
     _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
     issue_scores(Q, kp, D);
@@ -237,7 +256,6 @@ AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16
         }
         o_store(Ob, d1, w);
     }
-    _tile_release();
     for (int r = 0; r < R; r++) l[r] = _mm512_reduce_add_ps(rows[r].lv);
     write_rows(R, O, l, orow, D);
     return 0;
