@@ -128,23 +128,34 @@ static inline int tile_steps(int64_t D) { return 6 + 2 * (int)(D / 32); }
 
 /* Each row's softmax step over key tile t's stored scores S (prefill_softmax.h): P (bf16), alpha, the
  * row's state; the tile work w's steps spread evenly before the rows (as for RMAX rows; those past the last row
- * after it). Returns whether a row's alpha is not 1. */
-AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, __m512 sc, float s2, float (*S)[NK],
-                            uint16_t (*P)[NK], SoftRow *rows, float *alpha, const TileWork *w) {
+ * after it). first: the lowest of the rows' positions; key tiles that every row sees whole (all but a query tile's
+ * last one or two) take a loop without the rows' key counts and masks (one layer of bench-80m 0.94-0.97x / 0.94-0.95x
+ * at 512 / 2,048 tokens, 32 heads of 128 dims 0.98x; bit-identical; no gain while the tile work ran as a block).
+ * Returns whether a row's alpha is not 1. */
+AMX static int softmax_rows(int R, int64_t t, const int64_t *pos, int64_t first, __m512 sc, float s2,
+                            float (*S)[NK], uint16_t (*P)[NK], SoftRow *rows, float *alpha, const TileWork *w) {
     int rescale = 0;
     const Pow2K k = pow2_pinned();
     const int steps = tile_steps(w->D);
     int s = 0;
-    for (int r = 0; r < R; r++) {
-        for (const int until = (r + 1) * steps / RMAX; s < until; s++) tile_step(w, s);
-        const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
-        if (n <= 0) continue;
-        __m512 p0, p1;
-        const __m512 s0 = _mm512_load_ps(S[r]), s1 = _mm512_load_ps(S[r] + 16);
-        if (n >= NK) softmax_tile(s0, s1, NK, sc, s2, &rows[r], &alpha[r], &p0, &p1, &k);   /* constant: no masks */
-        else softmax_tile(s0, s1, n, sc, s2, &rows[r], &alpha[r], &p0, &p1, &k);
-        _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));         /* keys 0..15, 16..31 */
-        rescale |= alpha[r] != 1.f;
+    __m512 p0, p1;
+    if (first - t * NK + 1 >= NK) {                  /* every row sees the whole tile: no key counts, no masks */
+        for (int r = 0; r < R; r++) {
+            for (const int until = (r + 1) * steps / RMAX; s < until; s++) tile_step(w, s);
+            rescale |= softmax_tile(_mm512_load_ps(S[r]), _mm512_load_ps(S[r] + 16), NK, sc, s2, &rows[r], &alpha[r],
+                                    &p0, &p1, &k);
+            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));     /* keys 0..15, 16..31 */
+        }
+    } else {
+        for (int r = 0; r < R; r++) {
+            for (const int until = (r + 1) * steps / RMAX; s < until; s++) tile_step(w, s);
+            const int64_t n = tile_keys(pos[r], t, &alpha[r], P[r], sizeof P[r]);
+            if (n <= 0) continue;
+            const __m512 s0 = _mm512_load_ps(S[r]), s1 = _mm512_load_ps(S[r] + 16);
+            if (n >= NK) rescale |= softmax_tile(s0, s1, NK, sc, s2, &rows[r], &alpha[r], &p0, &p1, &k);
+            else rescale |= softmax_tile(s0, s1, n, sc, s2, &rows[r], &alpha[r], &p0, &p1, &k);
+            _mm512_store_si512(P[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
     }
     for (; s < steps; s++) tile_step(w, s);
     return rescale;
@@ -217,12 +228,13 @@ AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16
     SoftRow rows[RMAX];                                 /* per-lane running sums: reduced once at the end */
     uint16_t P[2][RMAX][NK] __attribute__((aligned(64)));   /* tiles t and t - 1 (heads of up to 64 dims) */
     float *O[RMAX];
-    int64_t last = 0;
+    int64_t last = 0, first = pos[0];
     for (int r = 0; r < R; r++) {
         memcpy(Q[r], qr[r], sizeof(uint16_t) * (size_t)D);
         O[r] = Ob[r];
         soft_row_init(&rows[r]);
         last = pos[r] > last ? pos[r] : last;
+        first = pos[r] < first ? pos[r] : first;
     }
     const int64_t tiles = last / NK + 1, w0 = D < 64 ? D : 64;
     KeyTile *h = NULL;
@@ -240,7 +252,7 @@ AMX static int tile(int R, const uint16_t *const *qr, const int64_t *pos, uint16
                                t > 0 ? vp + (t - 1) * NK * D : vp, t + 2 < tiles ? kp + (t + 2) * NK * D : NULL, Q, D, w0};
         uint16_t (*p)[NK] = h ? h[t].P : P[t & 1];
         float *a = h ? h[t].alpha : alpha;
-        const int rescale = softmax_rows(R, t, pos, sc, scale * LOG2E, S[t & 1], p, rows, a, &work);
+        const int rescale = softmax_rows(R, t, pos, first, sc, scale * LOG2E, S[t & 1], p, rows, a, &work);
         if (h) h[t].rescale = rescale;
         if (rescale && t > 0) o_rescale(R, Ob, 0, w0, a);      /* at t = 0 the tiles hold zeros */
         prev = p;

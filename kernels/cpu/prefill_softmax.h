@@ -83,8 +83,8 @@ static inline void soft_row_init(SoftRow *row) {
 
 /* The step over raw scores a0 (keys 0-15), a1 (16-31) of which n >= 1 are visible; scale2 = scale x
  * log2 e on every lane, s2 the same as a float (> 0). Writes the row's alpha and P, adds P to row->lv
- * (rescaled first when alpha is not 1). */
-__attribute__((target("avx512f"), always_inline)) static inline void softmax_tile(
+ * (rescaled first when alpha is not 1). Returns whether the row's reference max moved (else alpha is 1). */
+__attribute__((target("avx512f"), always_inline)) static inline int softmax_tile(
         __m512 a0, __m512 a1, int64_t n, __m512 scale2, float s2, SoftRow *row, float *alpha, __m512 *p0,
         __m512 *p1, const Pow2K *k) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -92,7 +92,8 @@ __attribute__((target("avx512f"), always_inline)) static inline void softmax_til
     const __m512 rmax = _mm512_max_ps(_mm512_mask_mov_ps(ninf, (__mmask16)vis, a0),
                                       _mm512_mask_mov_ps(ninf, (__mmask16)(vis >> 16), a1));
     *alpha = 1.f;
-    if (_mm512_cmp_ps_mask(rmax, _mm512_set1_ps(row->thr), _CMP_GT_OQ)) {     /* always on the first tile, */
+    const int moved = _mm512_cmp_ps_mask(rmax, _mm512_set1_ps(row->thr), _CMP_GT_OQ) != 0;
+    if (moved) {                                                               /* always on the first tile, */
         /* where alpha is 0 (2^-inf would be NaN here: no floor compare) */
         const float mt = _mm512_reduce_max_ps(rmax) * s2;                     /* = the max of the scaled */
         *alpha = row->m == -INFINITY ? 0.f : _mm512_cvtss_f32(pow2_16(_mm512_set1_ps(row->m - mt), 0xffff, k));
@@ -104,5 +105,6 @@ __attribute__((target("avx512f"), always_inline)) static inline void softmax_til
     *p0 = pow2_16(_mm512_fmsub_ps(a0, scale2, row->mv), (__mmask16)vis, k);
     *p1 = pow2_16(_mm512_fmsub_ps(a1, scale2, row->mv), (__mmask16)(vis >> 16), k);
     row->lv = _mm512_add_ps(row->lv, _mm512_add_ps(*p0, *p1));
+    return moved;
 }
 #endif
