@@ -115,8 +115,9 @@ def gemm_probe(best: dict, threads: int = 1, budget_s: float = 0.25) -> Callable
 
 
 def kernel_path(module: torch.nn.Module, rows: int) -> str | None:
-    """``module.kernel_for(rows)`` as a string where the module has it (the packed linears), else None."""
-    kernel_for = getattr(module, "kernel_for", None)
+    """``module.label_for(rows)`` (the packed linears: their kernel, an AMX gate_up's pieces named), else
+    ``module.kernel_for(rows)``, as a string where the module has one, else None."""
+    kernel_for = getattr(module, "label_for", None) or getattr(module, "kernel_for", None)
     if not callable(kernel_for):
         return None
     try:

@@ -130,6 +130,14 @@ class PackedBF16Linear(nn.Module):
             return KERNELS[0]
         return KERNELS[2] if self.amx else bf16_gemm_kernel()
 
+    def label_for(self, rows: int) -> str:
+        """:meth:`kernel_for` as the benchmarks record it: an AMX gate_up's pieces named where its SiLU-and-mul runs
+        beside them (:meth:`_silu_mul`)."""
+        kernel = self.kernel_for(rows)
+        if kernel == KERNELS[2] and self.pieces > 1 and rows >= AMX_SIDE_MIN_ROWS:
+            return f"{kernel} x{self.pieces} pieces, SiLU beside"
+        return kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         kernel = self.kernel_for(rows)

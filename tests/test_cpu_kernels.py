@@ -189,6 +189,8 @@ def test_a_packed_gate_up_runs_prefill_rows_in_pieces_on_amx():
         assert torch.equal(gate_up.silu_mul(x), ref)
         assert torch.equal(gate_up.silu_mul(x[:5]), ref[:5])
     assert calls == [AMX_SIDE_MIN_ROWS + 9]
+    assert gate_up.label_for(AMX_SIDE_MIN_ROWS) == "gemm-amx x4 pieces, SiLU beside"
+    assert gate_up.label_for(AMX_SIDE_MIN_ROWS - 1) == gate_up.kernel_for(AMX_SIDE_MIN_ROWS - 1) == "gemm-amx"
     assert PackedBF16Linear(nn.Linear(64, 2048, dtype=torch.bfloat16), keep_dense=False, gate_up=True).pieces == 1
 
 
