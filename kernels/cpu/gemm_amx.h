@@ -127,6 +127,19 @@ AMX static void amx_rows32(const uint16_t *a, int64_t lda, int64_t M, int64_t Mp
     }
 }
 
+/* *buf with at least `need` bytes (64-byte aligned, whole 4 KiB pages), grown where *cap is short; the old contents are
+ * not kept. Returns 0, or -1 if it could not grow (*buf then as it was). */
+static int scratch(void **buf, size_t *cap, size_t need) {
+    if (need <= *cap) return 0;
+    const size_t round = (need + 4095) / 4096 * 4096;
+    void *grown = aligned_alloc(64, round);
+    if (!grown) return -1;
+    free(*buf);
+    *buf = grown;
+    *cap = round;
+    return 0;
+}
+
 #define AMX_SLICED_ROWS 128   /* rows from which pd_gemm_bf16_amx runs amx_rows32_sliced (see pd_gemm_bf16_amx_side) */
 
 /* Input columns per slice of the gemm beyond 32 rows: K in slices of 256 where K <= 1,024, else whole. */
@@ -193,8 +206,8 @@ AMX static void amx_rows32_sliced(const uint16_t *a, int64_t lda, const uint16_t
 
 /* y = x W^T as pd_gemm_bf16_amx, for M > 32 rows (pd_gemm_bf16_amx's plan from AMX_SLICED_ROWS rows): x read in
  * place, the input columns in slices of ks (a multiple of 32; K or more: one slice; 0: amx_k_slice's), rows in
- * groups whose x fits half the L2; and beside its tile work, where fn is not NULL, rows [0, side_rows) of fn(gate_up, ., inter, ld, out,
- * ldo, 1): another SwiGLU piece's SiLU-and-mul (bf16). The same sums in the same order as the other plans
+ * groups whose x fits half the L2; and beside its tile work, where fn is not NULL, rows [0, side_rows) of
+ * fn(gate_up, ., inter, ld, out, ldo, 1): another SwiGLU piece's SiLU-and-mul (bf16). The same sums in the same order as the other plans
  * (bit-identical). bench-80m's 48 projections against the plan of 33-127 rows (bench/kernel_ab.py --kernel
  * gemm_bf16_amx, L3 evicted, AMX Xeon 167): 128 rows 0.81x, 256 0.75x, 512 0.75x, 2,048 0.57x; 12 distinct weights
  * of each shape at 512 rows against oneDNN's prepacked matmul (GFLOP/s): 1,611 / 1,421 (N 1,280, K 768), 1,458 /
@@ -204,33 +217,19 @@ AMX int pd_gemm_bf16_amx_side(const uint16_t *x, int64_t M, int64_t K, int64_t l
                               int64_t n_valid, uint16_t *y, int64_t ldy, int64_t ks, pd_silu_fn fn,
                               const uint16_t *gate_up, int64_t inter, int64_t ld, uint16_t *out, int64_t ldo,
                               int64_t side_rows) {
-    static __thread float *cp;                   /* partial sums; grows, kept */
-    static __thread size_t cp_bytes;
-    static __thread uint16_t *tail;              /* the last partial row block, zero-padded; grows, kept */
-    static __thread size_t tail_bytes;
+    static __thread void *cp, *tail;             /* partial sums; the last partial row block, zero-padded; grown, kept */
+    static __thread size_t cp_bytes, tail_bytes;
     static int granted = -1;
     if (granted < 0) granted = pd_cpu_has_amx_bf16();
     if (!granted) return -2;
     if (M <= 32) return -3;
     const int64_t Mp = (M + 31) / 32 * 32, rest = M % 32;
     const size_t need = (size_t)Mp * 32 * 4, tneed = (size_t)32 * K * 2;
-    if (need > cp_bytes) {
-        float *grown = aligned_alloc(64, (need + 4095) / 4096 * 4096);
-        if (!grown) return -1;
-        free(cp);
-        cp = grown;
-        cp_bytes = need;
-    }
-    if (rest && tneed > tail_bytes) {
-        uint16_t *grown = aligned_alloc(64, (tneed + 4095) / 4096 * 4096);
-        if (!grown) return -1;
-        free(tail);
-        tail = grown;
-        tail_bytes = tneed;
-    }
+    if (scratch(&cp, &cp_bytes, need) || (rest && scratch(&tail, &tail_bytes, tneed))) return -1;
     if (rest) {
         memset(tail, 0, tneed);
-        for (int64_t m = 0; m < rest; m++) memcpy(tail + m * K, x + (M - rest + m) * ldx, (size_t)K * 2);
+        for (int64_t m = 0; m < rest; m++)
+            memcpy((uint16_t *)tail + m * K, x + (M - rest + m) * ldx, (size_t)K * 2);
     }
     const int64_t srows = fn ? side_rows : 0;
     if (ks <= 0) ks = amx_k_slice(K);
@@ -254,7 +253,7 @@ AMX int pd_gemm_bf16_amx_side(const uint16_t *x, int64_t M, int64_t K, int64_t l
 AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
                          const uint16_t *wp, int64_t Np, int64_t n_valid, uint16_t *y, int64_t ldy) {
     static int granted = -1;
-    static __thread uint16_t *a;                 /* A scratch [Mp][K] for 33..AMX_SLICED_ROWS - 1 rows, zero-padded */
+    static __thread void *a;                     /* A scratch [Mp][K] for 33..AMX_SLICED_ROWS - 1 rows, zero-padded */
     static __thread size_t a_bytes;
     static __thread float c[16 * 64] __attribute__((aligned(64)));
     if (granted < 0) granted = pd_cpu_has_amx_bf16();
@@ -271,17 +270,10 @@ AMX int pd_gemm_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx,
         return pd_gemm_bf16_amx_side(x, M, K, ldx, wp, Np, n_valid, y, ldy, amx_k_slice(K), NULL, NULL, 0, 0, NULL, 0, 0);
     } else {
         const int64_t Mp = (M + 31) / 32 * 32;
-        const size_t need = (size_t)(Mp * K * 2), round = (need + 4095) / 4096 * 4096;
-        if (need > a_bytes) {
-            uint16_t *grown = aligned_alloc(64, round);
-            if (!grown) return -1;
-            free(a);
-            a = grown;
-            a_bytes = round;
-        }
+        if (scratch(&a, &a_bytes, (size_t)(Mp * K * 2))) return -1;
         for (int64_t m = 0; m < Mp; m++) {
-            if (m < M) memcpy(a + m * K, x + m * ldx, (size_t)K * 2);
-            else memset(a + m * K, 0, (size_t)K * 2);
+            if (m < M) memcpy((uint16_t *)a + m * K, x + m * ldx, (size_t)K * 2);
+            else memset((uint16_t *)a + m * K, 0, (size_t)K * 2);
         }
         amx_config((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
         amx_rows32(a, K, M, Mp, K, wp, Np, n_valid, y, ldy, c);

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from pdserve.kernels.cpu import KernelUnavailable, available, library
+from pdserve.kernels.cpu import KernelUnavailable, available, fused, library
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,6 @@ def amx_gate_up_silu(x: torch.Tensor, packed: torch.Tensor, intermediate: int, p
         MemoryError: the kernel's scratch memory could not be allocated.
         KernelUnavailable: no AMX-BF16 here.
     """
-    from pdserve.kernels.cpu import fused
     rows, k = x.shape
     c = intermediate // pieces
     if x.dtype != torch.bfloat16 or x.stride(1) != 1 or k % 32 or intermediate % pieces or c % 16 \

@@ -65,19 +65,6 @@ AMX static void tiles_done(void) {
     configured = 0;
 }
 
-/* Key tile kt's raw scores of the query tile Q into tiles 0-1 (keys 0-15, 16-31): Q (tile 2) x K (tile 3),
- * D/32 steps; issued only, stored by the caller a key tile later. */
-AMX static void issue_scores(uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D) {
-    _tile_zero(0); _tile_zero(1);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {                  /* 16 dim pairs a step */
-        _tile_loadd(2, Q[0] + d0, MAX_D * 2);
-        _tile_loadd(3, kt + d0 * NK, NK * 4);                 /* rows d0/2.., keys 0-15 */
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_loadd(3, kt + d0 * NK + 32, NK * 4);            /* keys 16-31 */
-        _tile_dpbf16ps(1, 2, 3);
-    }
-}
-
 /* The tile work that runs beside key tile t's softmax, its steps spread over the softmax's rows: tile t + 1's
  * scores stored from tiles 0-1 (issued a key tile earlier), tile t - 1's value sums, tile t + 2's scores issued.
  * Issued from inside the softmax's row loop rather than as a block before it, the tile loads and products overlap the
@@ -125,6 +112,13 @@ AMX static inline void tile_step(const TileWork *w, int s) {
 }
 
 static inline int tile_steps(int64_t D) { return 6 + 2 * (int)(D / 32); }
+
+/* Key tile kt's raw scores of the query tile Q into tiles 0-1 (keys 0-15, 16-31): Q (tile 2) x K (tile 3),
+ * D/32 steps (tile_step's score steps, in a block); issued only, stored by the caller a key tile later. */
+AMX static void issue_scores(uint16_t (*Q)[MAX_D], const uint16_t *kt, int64_t D) {
+    const TileWork w = {NULL, NULL, NULL, kt, Q, D, 0};
+    for (int s = 6; s < tile_steps(D); s++) tile_step(&w, s);
+}
 
 /* Each row's softmax step over key tile t's stored scores S (prefill_softmax.h): P (bf16), alpha, the
  * row's state; the tile work w's steps spread evenly before the rows (as for RMAX rows; those past the last row
