@@ -90,11 +90,12 @@ def bounds(fn, batch: int, context: int, reps: int, heads: tuple[int, int, int] 
                                                                  reps, nkv, evict), LAYERS)
     out["block-major, shuffled, KV heads' rows side by side in a block, L3 evicted"] = (step_seconds(
         fn, cache, metas["shuffled"], q, LAYERS * page, page, reps, nkv, evict, heads_apart=True), LAYERS)
-    pages = cache.view(blocks, LAYERS, page)[torch.tensor(sorted(sum(tables["shuffled"], []))), 5]
+    pages = [cache.view(blocks, LAYERS, page)[b, 5] for b in sorted(sum(tables["shuffled"], []))]
 
     def into_l3() -> None:
         evict()
-        float(pages.float().sum())                 # layer 5's pages read once: out of L1/L2, into the L3
+        for p in pages:     # layer 5's pages read in place, page by page: no copy of them written beside
+            p.sum()
     for name, before in (("L3 evicted", evict), ("its pages read into the L3 first", into_l3)):
         out[f"block-major, shuffled, one layer, {name}"] = (step_seconds(
             fn, cache, metas["shuffled"], q, LAYERS * page, page, reps, nkv, before, range(5, 6)), 1)
