@@ -14,16 +14,25 @@ Two parts, each on real processes on the embedded model:
    spread over ``--client-procs`` processes so that the client side does not bottleneck on
    one core, each loop requests for ``--duration`` seconds: prompts from a fixed set of
    ``--num-prompts`` (text and token ids), ``max_tokens`` 4..32, half greedy, half sampled
-   with a seed. Every error status is counted (the goal is zero). The RSS of the router and
-   each worker (``VmRSS`` of ``/proc/PID/status``) is sampled every second; growth is the
-   high-water mark over the last 5 s over the high-water mark at 5 s after the warm-up
-   (``RssSampler.growth`` says why not medians).
+   with a seed. Every error status is counted (the goal is zero).
 
    Warm-up (``--warmup``, default 20% of the run, at least 10 s) runs at full concurrency,
    so it reaches the peak number of requests in flight (the high-water mark of touched KV
    blocks and gRPC buffers), runs every decode batch size up to ``max_batch_size`` and sends
    every prompt of the fixed set at least once (so the prefill worker's prefix cache and the
    router's prefix index reach their final size). What grows after that is growth.
+
+   Memory, two ways. At rest: the warm-up and the measured load run as two phases; after each,
+   every client's last request finishes and every KV pool is free, and the RSS of the router
+   and each worker (``VmRSS`` of ``/proc/PID/status``) is read at rest (median of 5 reads over 2 s).
+   Rest growth is the second reading over the first, also per measured request: what a leak
+   keeps and in-flight work does not. Under load: RSS sampled every second, growth the
+   high-water mark over the last 5 s of the measured phase over the high-water mark up to its
+   first 5 s (``RssSampler.growth``). Under load a torch-free router's RSS is mostly in-flight
+   gRPC buffers and swings by ~20 MiB within seconds at constant load (117-136 MiB on a Zen 5,
+   2026-12-02), and one CI run read +23 MiB of high-water growth with no leak; at rest the same
+   router read 113.7, 116.1 and 112.5 MiB after a warm-up and two 35-second phases of ~4,600
+   requests each (a scratch run of this procedure), where a leak of 8 KiB a request adds ~36 MiB.
 """
 
 from __future__ import annotations
@@ -123,11 +132,12 @@ class RssSampler(threading.Thread):
         self._halt.set()
         self.join()
 
-    def growth(self, warmup_s: float, duration_s: float, window_s: float = 5.0) -> dict:
-        """Per process, in MiB: the RSS high-water mark from the start to the end of the window
-        of ``window_s`` after the warm-up (baseline), the high-water mark over the last ``window_s``
-        of the run (end), and the growth end / baseline - 1 in %; the medians over the same two
-        windows are reported beside them.
+    def growth(self, start_s: float, end_s: float, window_s: float = 5.0) -> dict:
+        """Per process, in MiB: the RSS high-water mark from the first sample to the end of the window
+        of ``window_s`` from ``start_s`` (baseline), the high-water mark over the last ``window_s``
+        before ``end_s`` (end), and the growth end / baseline - 1 in %; the medians over the same two
+        windows are reported beside them. ``start_s``, ``end_s``: the measured load's bounds, seconds
+        after the sampler's ``t0``.
 
         High-water marks, not medians, because RSS dips at constant load: the allocator hands
         freed arenas back to the OS and takes them again, swinging a router's RSS by up to ~4%
@@ -143,9 +153,9 @@ class RssSampler(threading.Thread):
         """
         out = {}
         for name in self.pids:
-            upto = [s[name] for t, s in self.samples if t < warmup_s + window_s]
-            base = [s[name] for t, s in self.samples if warmup_s <= t < warmup_s + window_s]
-            end = [s[name] for t, s in self.samples if duration_s - window_s <= t < duration_s]
+            upto = [s[name] for t, s in self.samples if t < start_s + window_s]
+            base = [s[name] for t, s in self.samples if start_s <= t < start_s + window_s]
+            end = [s[name] for t, s in self.samples if end_s - window_s <= t < end_s]
             if not base or not end:
                 raise RuntimeError(f"not enough RSS samples for {name} (run shorter than warm-up + 2 windows?)")
             b, e = max(upto), max(end)
@@ -195,6 +205,21 @@ def wait_pools_free(address: str, timeout_s: float = 15.0) -> dict:
         time.sleep(0.3)
 
 
+def rss_at_rest(address: str, pids: dict[str, int], reads: int = 5, period_s: float = 0.4) -> dict[str, float]:
+    """Each process's RSS (KiB) at rest: once every KV pool is free (:func:`wait_pools_free`; the clients have
+    finished), the median of ``reads`` reads ``period_s`` apart.
+
+    Raises:
+        AssertionError: KV blocks still allocated (as :func:`wait_pools_free`).
+    """
+    wait_pools_free(address)
+    samples = []
+    for _ in range(reads):
+        time.sleep(period_s)
+        samples.append({n: rss_kb(p) for n, p in pids.items()})
+    return {n: statistics.median(s[n] for s in samples) for n in pids}
+
+
 def summarize(records: list[tuple], warmup_s: float, duration_s: float) -> dict:
     """Counts by status over the whole run; throughput and latency over requests started after the warm-up."""
     statuses = Counter(r[1] for r in records)
@@ -215,11 +240,13 @@ def summarize(records: list[tuple], warmup_s: float, duration_s: float) -> dict:
 def soak(model: str, redis_url: str, clients: int, duration_s: float, warmup_s: float, client_procs: int = 4,
          num_prompts: int = 200, seed: int = 0, timeout_s: float = 120.0, decode_blocks: int = 4096,
          max_batch_size: int = 64) -> dict:
-    """Run the soak on a fresh cluster; returns the summary, RSS growth and the pools' final state.
+    """Run the soak on a fresh cluster, the warm-up and the measured load as two phases; returns the summary,
+    each process's RSS growth (at rest between and after the phases, and its high-water mark under load) and the
+    pools' final state.
 
     Raises:
         ValueError: the warm-up leaves no measured window.
-        AssertionError: KV blocks still allocated at the end.
+        AssertionError: KV blocks still allocated after a phase.
     """
     if not 0 < warmup_s < duration_s - 10:
         raise ValueError(f"warm-up {warmup_s} s must leave at least 10 s of a {duration_s} s run")
@@ -229,21 +256,34 @@ def soak(model: str, redis_url: str, clients: int, duration_s: float, warmup_s: 
         prompts = make_prompts(num_prompts, seed)
         procs_n = max(1, min(client_procs, clients))
         share = [clients // procs_n + (i < clients % procs_n) for i in range(procs_n)]
+        pids = {p.name: p.proc.pid for p in procs}
+
+        def phase(pool, start_at: float, seconds: float, seed0: int) -> list[tuple]:
+            futures = [pool.submit(run_clients, router.address, n, start_at, start_at + seconds, seed0 + i, prompts,
+                                   timeout_s) for i, n in enumerate(share)]
+            return [r for f in futures for r in f.result()]
+
         with ProcessPoolExecutor(procs_n, mp_context=get_context("spawn")) as pool:
-            start_at = time.time() + 3.0 + 0.5 * procs_n  # children import and connect first (late ones join in)
-            end_at = start_at + duration_s
-            futures = [pool.submit(run_clients, router.address, n, start_at, end_at, seed + i, prompts, timeout_s)
-                       for i, n in enumerate(share)]
-            sampler = RssSampler({p.name: p.proc.pid for p in procs}, start_at)
+            t0 = time.time() + 3.0 + 0.5 * procs_n  # children import and connect first (late ones join in)
+            sampler = RssSampler(pids, t0)
             sampler.start()
-            records = [r for f in futures for r in f.result()]
+            warm = phase(pool, t0, warmup_s, seed)
+            rest_warm = rss_at_rest(router.address, pids)
+            t1 = time.time() + 0.5
+            measured = phase(pool, t1, duration_s - warmup_s, seed + procs_n)
+            rest_end = rss_at_rest(router.address, pids)
             sampler.stop()
         dead = [p.name for p in procs if p.proc.poll() is not None]
         if dead:
             raise RuntimeError(f"processes died during the soak: {dead}")
-        result = summarize(records, warmup_s, duration_s)
-        result["rss"] = sampler.growth(warmup_s, duration_s)
+        result = summarize(warm + [(r[0] + warmup_s, *r[1:]) for r in measured], warmup_s, duration_s)
+        result["rss"] = sampler.growth(t1 - t0, t1 - t0 + duration_s - warmup_s)
+        for name, g in result["rss"].items():
+            b, e = rest_warm[name], rest_end[name]
+            g.update(rest_after_warmup_mib=b / 1024, rest_end_mib=e / 1024, rest_growth_mib=(e - b) / 1024,
+                     rest_growth_pct=100 * (e / b - 1), rest_growth_kib_per_request=(e - b) / max(1, len(measured)))
         result["rss_series"] = [(round(t, 1), s) for t, s in sampler.samples]
+        result["measured_from_s"] = round(t1 - t0, 1)
         result["pools_at_end"] = wait_pools_free(router.address)
         result.update(clients=clients, duration_s=duration_s, warmup_s=warmup_s, client_procs=procs_n,
                       num_prompts=num_prompts, decode_blocks=decode_blocks, max_batch_size=max_batch_size)
@@ -261,10 +301,12 @@ def print_table(result: dict) -> None:
     print(f"  measured: {s['requests_per_s']:.1f} req/s, {s['tokens_per_s']:.0f} tokens/s; "
           f"TTFT p50 {s['ttft_s']['p50'] * 1e3:.0f} ms p99 {s['ttft_s']['p99'] * 1e3:.0f} ms; "
           f"TPOT p50 {s['tpot_s']['p50'] * 1e3:.1f} ms p99 {s['tpot_s']['p99'] * 1e3:.1f} ms")
-    print(f"  {'process':<10}{'baseline MiB':>14}{'end MiB':>10}{'peak MiB':>10}{'growth %':>10}")
+    print(f"  {'process':<10}{'at rest: after warm-up':>24}{'at end':>8}{'growth %':>10}{'KiB/request':>13}"
+          f"   under load: {'baseline':>9}{'end':>7}{'peak':>7}{'growth %':>10}   (MiB)")
     for name, g in s["rss"].items():
-        print(f"  {name:<10}{g['baseline_mib']:>14.1f}{g['end_mib']:>10.1f}{g['peak_mib']:>10.1f}"
-              f"{g['growth_pct']:>10.2f}")
+        print(f"  {name:<10}{g['rest_after_warmup_mib']:>24.1f}{g['rest_end_mib']:>8.1f}{g['rest_growth_pct']:>10.2f}"
+              f"{g['rest_growth_kib_per_request']:>13.2f}   {'':>12}{g['baseline_mib']:>9.1f}{g['end_mib']:>7.1f}"
+              f"{g['peak_mib']:>7.1f}{g['growth_pct']:>10.2f}")
     lat = result.get("router_overhead")
     if lat:
         print(f"\nrouter overhead ({lat['pairs']} sequential pairs, {lat['max_tokens']} tokens, colocated worker):")
@@ -278,7 +320,7 @@ def print_table(result: dict) -> None:
 
 
 def plot_rss(soak_result: dict, out: Path) -> None:
-    """RSS (MiB) of each process over the run, with the end of the warm-up marked, to ``out`` (PNG)."""
+    """RSS (MiB) of each process over the run, with the start of the measured load marked, to ``out`` (PNG)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -287,7 +329,7 @@ def plot_rss(soak_result: dict, out: Path) -> None:
     series = soak_result["rss_series"]
     for name in soak_result["rss"]:
         ax.plot([t for t, _ in series], [s[name] / 1024 for _, s in series], label=name)
-    ax.axvline(soak_result["warmup_s"], color="grey", linestyle="--", label="end of warm-up")
+    ax.axvline(soak_result["measured_from_s"], color="grey", linestyle="--", label="measured load from")
     ax.set(xlabel="seconds", ylabel="VmRSS (MiB)",
            title=f"soak: {soak_result['clients']} streaming clients, {soak_result['errors']} errors")
     ax.legend()
