@@ -205,19 +205,20 @@ def wait_pools_free(address: str, timeout_s: float = 15.0) -> dict:
         time.sleep(0.3)
 
 
-def rss_at_rest(address: str, pids: dict[str, int], reads: int = 5, period_s: float = 0.4) -> dict[str, float]:
+def rss_at_rest(address: str, pids: dict[str, int], reads: int = 5, period_s: float = 0.4,
+                ) -> tuple[dict[str, float], dict]:
     """Each process's RSS (KiB) at rest: once every KV pool is free (:func:`wait_pools_free`; the clients have
-    finished), the median of ``reads`` reads ``period_s`` apart.
+    finished), the median of ``reads`` reads ``period_s`` apart; with the pools as :func:`wait_pools_free` saw them.
 
     Raises:
         AssertionError: KV blocks still allocated (as :func:`wait_pools_free`).
     """
-    wait_pools_free(address)
+    pools = wait_pools_free(address)
     samples = []
     for _ in range(reads):
         time.sleep(period_s)
         samples.append({n: rss_kb(p) for n, p in pids.items()})
-    return {n: statistics.median(s[n] for s in samples) for n in pids}
+    return {n: statistics.median(s[n] for s in samples) for n in pids}, pools
 
 
 def summarize(records: list[tuple], warmup_s: float, duration_s: float) -> dict:
@@ -268,10 +269,10 @@ def soak(model: str, redis_url: str, clients: int, duration_s: float, warmup_s: 
             sampler = RssSampler(pids, t0)
             sampler.start()
             warm = phase(pool, t0, warmup_s, seed)
-            rest_warm = rss_at_rest(router.address, pids)
+            rest_warm, _ = rss_at_rest(router.address, pids)
             t1 = time.time() + 0.5
             measured = phase(pool, t1, duration_s - warmup_s, seed + procs_n)
-            rest_end = rss_at_rest(router.address, pids)
+            rest_end, pools_at_end = rss_at_rest(router.address, pids)
             sampler.stop()
         dead = [p.name for p in procs if p.proc.poll() is not None]
         if dead:
@@ -284,7 +285,7 @@ def soak(model: str, redis_url: str, clients: int, duration_s: float, warmup_s: 
                      rest_growth_pct=100 * (e / b - 1), rest_growth_kib_per_request=(e - b) / max(1, len(measured)))
         result["rss_series"] = [(round(t, 1), s) for t, s in sampler.samples]
         result["measured_from_s"] = round(t1 - t0, 1)
-        result["pools_at_end"] = wait_pools_free(router.address)
+        result["pools_at_end"] = pools_at_end
         result.update(clients=clients, duration_s=duration_s, warmup_s=warmup_s, client_procs=procs_n,
                       num_prompts=num_prompts, decode_blocks=decode_blocks, max_batch_size=max_batch_size)
         return result
