@@ -6,9 +6,9 @@ Asserts zero errors of any kind, RSS growth of the router and of each worker und
 the measured load run as two phases, and each process's RSS is read once every request of a phase
 has finished and every pool is free (``bench/soak.py``). A leak keeps its memory at rest; in-flight
 work does not. A router that leaks 8 KiB a request (a bytearray kept per Generate call) grew 39.9%
-at rest in this test's 45 seconds (6,339 requests; 1.1-4.9% without it in four runs, at most 5.6 MiB, same
-machine, 2026-12-02)
-and fails it, as on a CPU half as fast (~3,200 requests, ~+23 MiB) it would.
+at rest in this test's 45 seconds (6,339 requests) and fails it, as on a CPU half as fast (~3,200
+requests, ~+23 MiB) it would; without the leak the router read -1.0% to +5.1% at rest over seven
+runs on the same machine (at most 5.8 MiB, 2026-12-02).
 
 Until 2026-12-02 the check was on the high-water mark under load, 5 s after the warm-up against
 the last 5 s (reported now, not asserted). A torch-free router's RSS under this load is mostly its
