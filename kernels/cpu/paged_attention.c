@@ -26,9 +26,9 @@
  * arithmetic: a page further on in the walk (through the block table, into the next kv head or sequence) is
  * prefetched into L2 a row at a time while this page is computed. See sequence_avx512.
  * AVX2 path (CPUs without AVX-512, bf16 caches; paged_attention_avx2.h): the two-pass softmax below
- * on 8-lane FMAs, groups of up to 6 pairs, each (sequence, kv head)'s rows prefetched into L2 while the
- * one before it computes. Portable path (other shapes and CPUs): exact two-pass softmax per sequence as
- * PagedAttention v1 (Kwon et al., SOSP 2023).
+ * on 8-lane FMAs, groups of up to 6 pairs; a short sequence's pages prefetched whole into L2 while the
+ * one before it computes, a long one's rows a (sequence, kv head) ahead. Portable path (other shapes and
+ * CPUs): exact two-pass softmax per sequence as PagedAttention v1 (Kwon et al., SOSP 2023).
  *
  * Float32 arithmetic throughout whatever the cache dtype (bf16 rows are widened exactly; a
  * vdpbf16ps variant on the rows as they lie ran 5% slower on an Emerald Rapids core, and QK on

@@ -39,49 +39,97 @@ AVX2_INLINE __m256 hsum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* The cache the walk reads next, a sequence ahead: while sequence b's (kv head, group) walks compute, the
+ * pages of sequence b + 1 are prefetched whole, in order (each page's K part, all kv heads' rows, then its V
+ * part), PF_LINES cache lines for each K or V row the arithmetic reads. Its first kv head then finds every
+ * row in L2 and the reads run as contiguous 8 KiB runs, not as a kv head's 128-byte rows strided across
+ * them. pf == NULL: no prefetch (a walk's later passes, whose rows the first brought in). */
+#ifndef PF_LINES
+#define PF_LINES 2
+#endif
+typedef struct {
+    const Ctx *c; const int32_t *seq_lens, *tables; int64_t max_blocks, B, b, page, part_bytes, off;
+} Ahead;
+
+/* Whether sequence b's pages come in through the stream: every sequence but the batch's first whose pages
+ * (one layer's) take at most PF_SEQ_BYTES, so that with the sequence being computed they stay in L2. The others
+ * are prefetched a (kv head, group) walk ahead, row by row (row_table). */
+#ifndef PF_SEQ_BYTES
+#define PF_SEQ_BYTES (192 << 10)
+#endif
+static inline int streamed(const Ahead *a, int64_t b) {
+    const int64_t bs = a->c->block_size;
+    return b > 0 && b < a->B && (a->seq_lens[b] + bs - 1) / bs * 2 * a->part_bytes <= PF_SEQ_BYTES;
+}
+
+/* Moves the stream to sequence b's pages (none past the batch's last). */
+static inline void ahead_to(Ahead *a, int64_t b) { a->b = b, a->page = 0, a->off = 0; }
+
+AVX2_INLINE void prefetch_ahead(Ahead *a) {
+    if (!a || a->b >= a->B) return;
+    const Ctx *c = a->c;
+    const int64_t npages = (a->seq_lens[a->b] + c->block_size - 1) / c->block_size;
+    for (int l = 0; l < PF_LINES; l++) {
+        if (a->off == 2 * a->part_bytes) {
+            a->off = 0;
+            if (++a->page == npages) { a->b = a->B; return; }
+        }
+        const char *page = (const char *)c->cache + (int64_t)a->tables[a->b * a->max_blocks + a->page] * c->s_block * 2;
+        const int64_t o = a->off < a->part_bytes ? a->off : c->s_v * 2 + a->off - a->part_bytes;
+        _mm_prefetch(page + o, _MM_HINT_T1);
+        a->off += 64;
+    }
+}
+/* The 8-lane partial dot products of R pairs with the K row k (even dims: ae[r], odd: ao[r]). */
+AVX2_INLINE void dots1(const int R, const uint16_t *k, int64_t NB, const float *qe, const float *qo, __m256 *ae,
+                       __m256 *ao) {
+    for (int r = 0; r < R; r++) ae[r] = ao[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < NB; j++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(k + 16 * j));
+        const __m256 ke = bf16_even8(w), ko = bf16_odd8(w);
+        for (int r = 0; r < R; r++) {
+            ae[r] = _mm256_fmadd_ps(ke, _mm256_loadu_ps(qe + r * AVX2_MAX_D / 2 + 8 * j), ae[r]);
+            ao[r] = _mm256_fmadd_ps(ko, _mm256_loadu_ps(qo + r * AVX2_MAX_D / 2 + 8 * j), ao[r]);
+        }
+    }
+}
+
 /* Scores of the R pairs (queries qe / qo: even / odd dims, D / 2 floats each) against tokens t0 .. t0 + nt,
- * nt <= 8, into sc[r][t0 .. t0 + 8) (scaled; 0 past nt); the next chunk's K rows are prefetched into L1
- * (row_table has brought every K and V row of the group into L2). */
-AVX2_INLINE void scores8(const int R, const uint16_t *const *rows, int64_t t0, int nt, int64_t NB, int64_t s_v,
-                         const float *qe, const float *qo, float *sc, int64_t ld, __m256 vscale, int64_t n) {
+ * nt <= 8, into sc[r][t0 .. t0 + 8) (scaled; 0 past nt); the next chunk's K rows are prefetched into L1 and
+ * the stream (pf) advanced a K row's lines per token. */
+AVX2_INLINE void scores8(const int R, const uint16_t *const *rows, int64_t t0, int nt, int64_t NB,
+                         const float *qe, const float *qo, float *sc, int64_t ld, __m256 vscale, Ahead *pf,
+                         int64_t n) {
     __m256 part[RA][8];
-    for (int tt = 0; tt < 8; tt++) {
-        if (tt >= nt) {
-            for (int r = 0; r < R; r++) part[r][tt] = _mm256_setzero_ps();
-            continue;
-        }
-        const uint16_t *k = rows[t0 + tt];
-        for (int64_t b = 0; b < NB * 32 && t0 + tt + 8 < n; b += 64)      /* row bytes: 32 a block */
+    int tt = 0;
+    for (; tt < nt; tt++) {
+        for (int64_t b = 0; b < NB * 32 && t0 + tt + 8 < n; b += 64)      /* the next chunk's K rows into L1 */
             _mm_prefetch((const char *)rows[t0 + tt + 8] + b, _MM_HINT_T0);
+        prefetch_ahead(pf);
         __m256 ae[RA], ao[RA];
-        for (int r = 0; r < R; r++) ae[r] = ao[r] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < NB; j++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(k + 16 * j));
-            const __m256 ke = bf16_even8(w), ko = bf16_odd8(w);
-            for (int r = 0; r < R; r++) {
-                ae[r] = _mm256_fmadd_ps(ke, _mm256_loadu_ps(qe + r * AVX2_MAX_D / 2 + 8 * j), ae[r]);
-                ao[r] = _mm256_fmadd_ps(ko, _mm256_loadu_ps(qo + r * AVX2_MAX_D / 2 + 8 * j), ao[r]);
-            }
-        }
+        dots1(R, rows[t0 + tt], NB, qe, qo, ae, ao);
         for (int r = 0; r < R; r++) part[r][tt] = _mm256_add_ps(ae[r], ao[r]);
     }
+    for (; tt < 8; tt++)
+        for (int r = 0; r < R; r++) part[r][tt] = _mm256_setzero_ps();
     for (int r = 0; r < R; r++) _mm256_storeu_ps(sc + r * ld + t0, _mm256_mul_ps(hsum8(part[r]), vscale));
 }
 
 /* o[r] (dims 16 j .. 16 (j + BJ), dim order) = sum_t p[r][t] V_t over tokens 0 .. n, times inv[r]; BJ
  * (compile-time) blocks of 16 dims a pass: two where the group is small enough (R <= 3: 12
  * accumulators), so each V row pointer and each broadcast p serves 32 dims. The first pass prefetches the
- * V rows PF_V tokens ahead into L1. */
+ * V rows PF_V tokens ahead into L1 (pfv: bytes of a row) and drives the stream (pf). */
 #define PF_V 16
 AVX2_INLINE void values16(const int R, const int BJ, const uint16_t *const *rows, int64_t n, int64_t j,
-                          int64_t s_v, int64_t vbytes, const float *p, int64_t ld, const float *inv,
-                          float *const *orow) {
+                          int64_t s_v, const float *p, int64_t ld, const float *inv, float *const *orow,
+                          Ahead *pf, int64_t pfv) {
     __m256 oe[RA][2], oo[RA][2];
     for (int r = 0; r < R; r++)
         for (int h = 0; h < BJ; h++) oe[r][h] = oo[r][h] = _mm256_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
-        if (j == 0 && t + PF_V < n)
-            for (int64_t b = 0; b < vbytes; b += 64) _mm_prefetch((const char *)(rows[t + PF_V] + s_v) + b, _MM_HINT_T0);
+        if (pfv && t + PF_V < n)                                   /* V rows into L1, PF_V tokens ahead */
+            for (int64_t b = 0; b < pfv; b += 64) _mm_prefetch((const char *)(rows[t + PF_V] + s_v) + b, _MM_HINT_T0);
+        prefetch_ahead(pf);
         const uint16_t *v = rows[t] + s_v + 16 * j;
         __m256 pr[RA];
         for (int r = 0; r < R; r++) pr[r] = _mm256_broadcast_ss(p + r * ld + t);
@@ -104,6 +152,17 @@ AVX2_INLINE void values16(const int R, const int BJ, const uint16_t *const *rows
         }
 }
 
+/* Every pair's output, values16 pass by pass; the first drives the prefetch stream (pf). */
+AVX2_INLINE void values_group(const int R, const uint16_t *const *rows, int64_t n, int64_t NB, int64_t s_v,
+                              const float *p, int64_t ld, const float *inv, float *const *orow, Ahead *pf) {
+    int64_t j = 0;
+#define V16(BJ_) values16(R, BJ_, rows, n, j, s_v, p, ld, inv, orow, pf, !j ? NB * 32 : 0)
+    if (R <= 3)
+        for (; j + 2 <= NB; j += 2, pf = NULL) V16(2);
+    for (; j < NB; j++, pf = NULL) V16(1);
+#undef V16
+}
+
 /* Softmax of row sc[0 .. n) in place (the row has room for n rounded up to 8), entries past lim (causal)
  * and the padding first set to -inf. Returns 1 / sum. */
 AVX2 static float softmax8(float *sc, int64_t n, int64_t lim) {
@@ -123,7 +182,7 @@ AVX2 static float softmax8(float *sc, int64_t n, int64_t lim) {
 
 /* One group of R (compile-time) pairs over tokens 0 .. n (n = the largest limit + 1). */
 AVX2_INLINE void group_avx2(const int R, const Ctx *c, const uint16_t *const *rows, int64_t n, const float **qrow,
-                            float **orow, const int64_t *lim, float scale, float *sc, int64_t ld) {
+                            float **orow, const int64_t *lim, float scale, float *sc, int64_t ld, Ahead *pf) {
     float qe[RA * AVX2_MAX_D / 2] __attribute__((aligned(32))), qo[RA * AVX2_MAX_D / 2] __attribute__((aligned(32)));
     float inv[RA];
     const int64_t D = c->D, NB = D / 16;
@@ -134,24 +193,23 @@ AVX2_INLINE void group_avx2(const int R, const Ctx *c, const uint16_t *const *ro
         }
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t t0 = 0; t0 < n; t0 += 8)
-        scores8(R, rows, t0, (int)(n - t0 < 8 ? n - t0 : 8), NB, c->s_v, qe, qo, sc, ld, vscale, n);
+        scores8(R, rows, t0, (int)(n - t0 < 8 ? n - t0 : 8), NB, qe, qo, sc, ld, vscale, pf, n);
     for (int r = 0; r < R; r++) inv[r] = softmax8(sc + r * ld, n, lim[r]);
-    int64_t j = 0;
-    if (R <= 3)
-        for (; j + 2 <= NB; j += 2) values16(R, 2, rows, n, j, c->s_v, D * 2, sc, ld, inv, orow);
-    for (; j < NB; j++) values16(R, 1, rows, n, j, c->s_v, D * 2, sc, ld, inv, orow);
+    values_group(R, rows, n, NB, c->s_v, sc, ld, inv, orow, pf);
 }
 
 /* The K row address of every token 0 .. n of kv head kvh of the sequence with block table `table`, page by
- * page; each K and V row is prefetched into L2 on the way (no L1 miss buffer held). batch_avx2 builds the
- * next group's table before computing this one, so its rows arrive while this one computes. */
-AVX2 static void row_table(const Ctx *c, const int32_t *table, int64_t kvh, int64_t n, const uint16_t **rows) {
+ * page; with pf, each K and V row is prefetched into L2 on the way (the walks the sequence stream of Ahead
+ * does not cover). batch_avx2 builds the next (sequence, kv head)'s table before computing this one, so its
+ * rows arrive while this one computes. */
+AVX2 static void row_table(const Ctx *c, const int32_t *table, int64_t kvh, int64_t n, const uint16_t **rows,
+                           int pf) {
     const uint16_t *base = (const uint16_t *)c->cache;
     for (int64_t t = 0, p = 0; t < n; p++) {
         const uint16_t *page = base + (int64_t)table[p] * c->s_block + kvh * c->s_head;
         for (int64_t o = 0; o < c->block_size && t < n; o++, t++) {
             rows[t] = page + o * c->s_tok;
-            for (int64_t b = 0; b < c->D * 2; b += 64) {
+            for (int64_t b = 0; pf && b < c->D * 2; b += 64) {
                 _mm_prefetch((const char *)rows[t] + b, _MM_HINT_T1);
                 _mm_prefetch((const char *)(rows[t] + c->s_v) + b, _MM_HINT_T1);
             }
@@ -161,37 +219,44 @@ AVX2 static void row_table(const Ctx *c, const int32_t *table, int64_t kvh, int6
 
 /* Pairs (rows R of one kv head, limits lim) through the compile-time group sizes. */
 AVX2 static void rows_avx2(const Ctx *c, int R, const uint16_t *const *rows, const float **qrow, float **orow,
-                           const int64_t *lim, float scale, float *sc, int64_t ld) {
+                           const int64_t *lim, float scale, float *sc, int64_t ld, Ahead *pf) {
     int64_t n = 0;
     for (int r = 0; r < R; r++) n = lim[r] + 1 > n ? lim[r] + 1 : n;
     switch (R) {
-    case 1: group_avx2(1, c, rows, n, qrow, orow, lim, scale, sc, ld); break;
-    case 2: group_avx2(2, c, rows, n, qrow, orow, lim, scale, sc, ld); break;
-    case 3: group_avx2(3, c, rows, n, qrow, orow, lim, scale, sc, ld); break;
-    case 4: group_avx2(4, c, rows, n, qrow, orow, lim, scale, sc, ld); break;
-    case 5: group_avx2(5, c, rows, n, qrow, orow, lim, scale, sc, ld); break;
-    default: group_avx2(6, c, rows, n, qrow, orow, lim, scale, sc, ld); break;
+    case 1: group_avx2(1, c, rows, n, qrow, orow, lim, scale, sc, ld, pf); break;
+    case 2: group_avx2(2, c, rows, n, qrow, orow, lim, scale, sc, ld, pf); break;
+    case 3: group_avx2(3, c, rows, n, qrow, orow, lim, scale, sc, ld, pf); break;
+    case 4: group_avx2(4, c, rows, n, qrow, orow, lim, scale, sc, ld, pf); break;
+    case 5: group_avx2(5, c, rows, n, qrow, orow, lim, scale, sc, ld, pf); break;
+    default: group_avx2(6, c, rows, n, qrow, orow, lim, scale, sc, ld, pf); break;
     }
 }
 
 /* Every sequence's pairs, a (sequence, kv head) at a time, R_max = RA pairs a group; rows: room for two
- * tables of max_len rows (this group's and the next one's), sc: RA x ld score rows. */
+ * tables of max_len rows (this (sequence, kv head)'s and the next one's), sc: RA x ld score rows. The first
+ * group of pairs of each (sequence, kv head) advances the sequence stream (Ahead); sequences it does not
+ * cover come in row by row, a (sequence, kv head) ahead (row_table). bench/kernel_ab.py against the row
+ * prefetch alone, Zen 3 (2026-12-02), cold / warm: 32 x 141 0.78 / 0.81, 32 x 1,025 1.05 / 0.97, 4 x 513
+ * 1.04 / 1.06, 1 x 141 1.04 / 0.99 (the last three take no stream: noise); bit-identical. */
 AVX2 static void batch_avx2(Ctx *c, const float *q, float *out, int64_t H, int64_t Hkv, const int32_t *qs,
                             const int32_t *seq_lens, int64_t B, const int32_t *tables, int64_t max_blocks,
                             float scale, float *sc, int64_t ld, const uint16_t **rows, int64_t max_len) {
     const int64_t G = H / Hkv, D = c->D, groups = B * Hkv;
     const float *qrow[RA]; float *orow[RA]; int64_t lim[RA];
-    if (groups) row_table(c, tables, 0, seq_lens[0], rows);
+    Ahead ahead = {c, seq_lens, tables, max_blocks, B, B, 0, c->s_v * 2, 0};
+    if (groups) row_table(c, tables, 0, seq_lens[0], rows, 1);
     for (int64_t k = 0; k < groups; k++) {
         const int64_t b = k / Hkv, kvh = k % Hkv, nb = (k + 1) / Hkv;
         const int64_t q0 = qs[b], nq = qs[b + 1] - qs[b], first = seq_lens[b] - nq;
         const uint16_t *const *cur = rows + (k & 1) * max_len;
+        if (kvh == 0) ahead_to(&ahead, streamed(&ahead, b + 1) ? b + 1 : B);
         if (k + 1 < groups)
-            row_table(c, tables + nb * max_blocks, (k + 1) % Hkv, seq_lens[nb], rows + ((k + 1) & 1) * max_len);
+            row_table(c, tables + nb * max_blocks, (k + 1) % Hkv, seq_lens[nb],
+                      rows + ((k + 1) & 1) * max_len, !streamed(&ahead, nb));
         for (int64_t p0 = 0; p0 < nq * G; p0 += RA) {          /* pairs (row i, head g), RA at a time */
             const int R = (int)(nq * G - p0 < RA ? nq * G - p0 : RA);
             group_pairs(p0, R, G, H, D, kvh, q0, first, q, out, qrow, orow, lim);
-            rows_avx2(c, R, cur, qrow, orow, lim, scale, sc, ld);
+            rows_avx2(c, R, cur, qrow, orow, lim, scale, sc, ld, p0 == 0 ? &ahead : NULL);
         }
     }
 }
